@@ -1,0 +1,56 @@
+"""Column contracts shared by every stage: the Lance table and the MDS samples.
+
+Kept in one place so that ingest, export, streaming and the column jobs
+agree on names and types without importing each other.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+# --- Lance table -------------------------------------------------------------
+#: Stable unique key of a row ("the row id"): derived from the source and the
+#: item's key, so re-ingesting the same item yields the same id.
+ID = "id"
+IMAGE = "image"  # encoded bytes exactly as found in the source
+WIDTH = "width"  # after EXIF orientation, read from the header
+HEIGHT = "height"
+FORMAT = "format"  # lower-case Pillow format name, e.g. "jpeg", "png", "webp"
+SOURCE = "source"  # where the row came from (folder name, tar path, table uri)
+CAPTION = "caption"  # the original caption; more caption columns may exist
+PROBE_ERROR = "probe_error"  # null when the header could be read, else a reason
+EMBEDDING = "embedding"  # optional fixed-size float32 vector
+
+TABLE_SCHEMA = pa.schema(
+    [
+        pa.field(ID, pa.string(), nullable=False),
+        pa.field(IMAGE, pa.large_binary()),
+        pa.field(WIDTH, pa.int32()),
+        pa.field(HEIGHT, pa.int32()),
+        pa.field(FORMAT, pa.string()),
+        pa.field(SOURCE, pa.string()),
+        pa.field(CAPTION, pa.string()),
+        pa.field(PROBE_ERROR, pa.string()),
+    ]
+)
+
+# --- MDS samples -------------------------------------------------------------
+#: Columns of every exported sample. Caption columns are added per export
+#: (each as ``str``); everything else is fixed.
+MDS_COLUMNS: dict[str, str] = {
+    "image": "bytes",  # JPEG (q92 default) or PNG, exactly the bucket shape
+    "id": "str",  # the Lance row id, for skip lists and opt-outs
+    "width": "int32",  # original (oriented) size
+    "height": "int32",
+    "crop_left": "float32",  # crop box in original pixels
+    "crop_top": "float32",
+    "crop_right": "float32",
+    "crop_bottom": "float32",
+    "tier": "int32",
+    "bucket": "str",  # e.g. "1024/1.000"
+}
+
+#: Per-part manifest next to the shards: (shard basename, index in shard, id).
+#: Lets skip lists be built from row ids without reading any image bytes.
+MANIFEST_NAME = "ids.parquet"
+REPORT_NAME = "report.json"
