@@ -78,8 +78,6 @@ class BucketSpec:
         return side * side
 
 
-DEFAULT_SPEC = BucketSpec()
-
 
 @dataclass(frozen=True)
 class Bucket:
@@ -111,6 +109,9 @@ def tier_shapes(
     """Scale the patch grid to pixels for one tier (patch size = tier / patch_divisor)."""
     patch = tier // patch_divisor
     return tuple((w * patch, h * patch) for w, h in grid)
+
+
+DEFAULT_SPEC = BucketSpec()
 
 
 def aspect_label(width: int, height: int) -> str:
