@@ -1,0 +1,35 @@
+"""Starting or joining Ray for a job: local embedded Ray by default, a cluster via RAY_ADDRESS."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join ``address`` (or ``$RAY_ADDRESS``), else start a local Ray runtime.
+
+    Reuses an already-initialised runtime (notebooks, tests). Each worker is
+    told to use one Lance thread so that Ray, not Lance, decides parallelism.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    runtime_env = {"env_vars": {"LANCE_CPU_THREADS": os.environ.get("LANCE_CPU_THREADS", "1")}}
+    kwargs: dict = {
+        "runtime_env": runtime_env,
+        "log_to_driver": True,
+        "logging_level": logging.WARNING,
+        "include_dashboard": False,
+    }
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus, **kwargs)
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # the jobs draw one bar of their own
+    ctx.print_on_execution_start = False

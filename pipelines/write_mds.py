@@ -1,0 +1,86 @@
+"""Ray Data graph for the export: work units -> export tasks -> merge + report.
+
+One task per work unit (a row range of a Lance fragment); each task opens the
+table itself, so rows never travel through the object store. Tasks run in
+parallel on every CPU Ray offers, locally or across a cluster.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+
+from tqdm.auto import tqdm
+
+from prx_data.export import (
+    ExportConfig,
+    ExportReport,
+    UnitResult,
+    WorkUnit,
+    done_parts,
+    export_unit,
+    finalize,
+    plan_units,
+    prepare_output,
+    remove_stale_parts,
+)
+
+from .runtime import ensure_ray
+
+
+class _ExportTask:
+    """Callable shipped to Ray workers: runs one work unit, returns its counts."""
+
+    def __init__(self, cfg: ExportConfig):
+        self.cfg = cfg
+
+    def __call__(self, row: dict) -> dict:
+        unit = WorkUnit(int(row["fragment_id"]), int(row["start"]), int(row["count"]))
+        result = export_unit(self.cfg, unit)
+        return {"part": result.part, "result": result.to_json()}
+
+
+def run_export(
+    cfg: ExportConfig,
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+    ray_address: str | None = None,
+    num_cpus: int | None = None,
+    progress: bool = True,
+) -> ExportReport:
+    """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report."""
+    t0 = time.perf_counter()
+    cfg = prepare_output(cfg, overwrite=overwrite, resume=resume)
+    units = plan_units(cfg)
+    finished = done_parts(cfg.out) if resume else {}
+    if resume:
+        remove_stale_parts(cfg.out, set(finished), cfg.tiers)
+    todo = [u for u in units if u.part not in finished]
+    results: dict[str, UnitResult] = {p: r for p, r in finished.items()}
+    if todo:
+        ensure_ray(ray_address, num_cpus)
+        import ray.data
+
+        ds = ray.data.from_items([asdict(u) for u in todo], override_num_blocks=len(todo))
+        ds = ds.map(_ExportTask(cfg), num_cpus=1)
+        bar = tqdm(
+            total=len(units),
+            initial=len(finished),
+            desc="write_mds",
+            unit="unit",
+            disable=not progress,
+            file=sys.stderr,
+        )
+        for row in ds.iter_rows():
+            r = UnitResult.from_json(row["result"])
+            results[r.part] = r
+            bar.update(1)
+            bar.set_postfix(samples=sum(x.written for x in results.values()))
+        bar.close()
+    expected = {u.part for u in units}
+    missing = expected - set(results)
+    if missing:
+        raise RuntimeError(f"{len(missing)} work units did not report back: {sorted(missing)[:5]}")
+    return finalize(cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0)
