@@ -6,7 +6,9 @@ import logging
 import os
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+def ensure_ray(
+    address: str | None = None, num_cpus: int | None = None, object_store_memory: int | None = None
+) -> None:
     """Join ``address`` (or ``$RAY_ADDRESS``), else start a local Ray runtime.
 
     Reuses an already-initialised runtime (notebooks, tests). Each worker is
@@ -27,7 +29,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus, **kwargs)
+        ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, **kwargs)
     import ray.data
 
     ctx = ray.data.DataContext.get_current()

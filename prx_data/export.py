@@ -214,18 +214,18 @@ def prepare_output(cfg: ExportConfig, *, overwrite: bool = False, resume: bool =
     if entries and resume:
         if not storage.exists(config_path):
             raise ExportError(f"{cfg.out} has no interrupted export to resume (no {CONFIG_NAME})")
-        previous = json.loads(storage.read_bytes(config_path))
-        pinned = ExportConfig(**{**asdict(cfg), "table_version": previous.get("table_version")})
-        pinned = _normalise(pinned)
-        if pinned.fingerprint() != _normalise(ExportConfig(**{**previous, "out": cfg.out})).fingerprint():
-            diff = {
-                k: (previous.get(k), v) for k, v in pinned.fingerprint().items() if previous.get(k) != v
-            }
+        previous = _normalise(ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out}))
+        ds = open_table(cfg.table, previous.table_version)
+        caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
+        now = _normalise(ExportConfig(**{**asdict(cfg), "table_version": previous.table_version, "caption_columns": caps}))
+        if now.fingerprint() != previous.fingerprint():
+            old = previous.fingerprint()
+            diff = {k: (old[k], v) for k, v in now.fingerprint().items() if old[k] != v}
             raise ExportError(
                 f"cannot resume {cfg.out}: options differ from the interrupted run {diff} "
                 "(previous, now). Rerun with the same options, or use --overwrite to start again."
             )
-        return pinned
+        return now
     if entries:
         complete = REPORT_NAME in entries
         if not overwrite:

@@ -157,9 +157,9 @@ def cover_box(src_w: int, src_h: int, dst_w: int, dst_h: int) -> tuple[float, fl
     """Centre crop box (in source pixels) that cover-resizes src to exactly dst."""
     scale = max(dst_w / src_w, dst_h / src_h)
     cw, ch = dst_w / scale, dst_h / scale
-    left = (src_w - cw) / 2
-    top = (src_h - ch) / 2
-    return (left, top, left + cw, top + ch)
+    left = max(0.0, (src_w - cw) / 2)
+    top = max(0.0, (src_h - ch) / 2)
+    return (left, top, min(float(src_w), left + cw), min(float(src_h), top + ch))
 
 
 def draft_size(src_w: int, src_h: int, dst_w: int, dst_h: int, margin: float = DRAFT_MARGIN) -> tuple[int, int]:
@@ -177,7 +177,13 @@ def cover_resize(im: Image.Image, dst_w: int, dst_h: int, full_size: tuple[int, 
     fw, fh = full_size or im.size
     box = cover_box(fw, fh, dst_w, dst_h)
     sx, sy = im.size[0] / fw, im.size[1] / fh
-    scaled = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+    iw, ih = im.size
+    scaled = (
+        max(0.0, box[0] * sx),
+        max(0.0, box[1] * sy),
+        min(float(iw), box[2] * sx),
+        min(float(ih), box[3] * sy),
+    )
     out = im.resize((dst_w, dst_h), Image.Resampling.LANCZOS, box=scaled)
     return out, box
 

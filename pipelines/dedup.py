@@ -1,0 +1,177 @@
+"""Fill the ``phash`` column of a Lance table, as a resumable Ray Data job.
+
+Graph::
+
+    read_lance(id, image, width, height; rows whose phash and phash_error are null)
+      -> map_batches(hash_batch)          tasks: reduced JPEG decode + DCT hash
+      -> driver: update_column(phash), update_column(phash_error) every ``flush_rows``
+
+Only the two small columns are written (never the image bytes). A killed
+run loses at most one unflushed chunk; a rerun reads only the rows still
+missing. Rows that cannot be decoded get ``phash`` null and a reason in
+``phash_error`` so that reruns do not retry them; ``redo_errors`` retries.
+``engine="local"`` runs the same steps in this process without Ray (for
+notebooks and small tables).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from prx_data import schema as S
+
+PHASH = "phash"
+PHASH_ERROR = "phash_error"
+_READ_COLUMNS = [S.ID, S.IMAGE, S.WIDTH, S.HEIGHT]
+
+
+@dataclass(frozen=True)
+class PhashJobConfig:
+    """Options of one hashing run."""
+
+    table: str
+    #: ``"ray"`` (Ray Data tasks; local runtime or ``RAY_ADDRESS``) or ``"local"`` (this process).
+    engine: str = "ray"
+    #: Full Pillow decode, bit-identical to ``imagehash.phash`` (slower). Default: reduced JPEG decode.
+    exact: bool = False
+    batch_size: int = 256
+    #: Rows per write-back commit: the most a killed run can lose.
+    flush_rows: int = 20_000
+    #: Hash again the rows that failed before (their ``phash_error`` is set).
+    redo_errors: bool = False
+    ray_address: str | None = None
+    num_cpus: int | None = None
+    storage_options: dict | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("ray", "local"):
+            raise ValueError(f"engine must be 'ray' or 'local', got {self.engine!r}")
+        if self.batch_size < 1 or self.flush_rows < 1:
+            raise ValueError("batch_size and flush_rows must be >= 1")
+
+
+@dataclass
+class PhashJobReport:
+    rows_pending: int = 0
+    rows_hashed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rows_pending": self.rows_pending,
+            "rows_hashed": self.rows_hashed,
+            "errors": dict(sorted(self.errors.items())),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def hash_batch(batch: pa.Table | pa.RecordBatch, exact: bool = False) -> pa.Table:
+    """(id, image, width, height) -> (id, phash uint64, phash_error string)."""
+    from prx_data.phash import phash_many
+
+    images = batch.column(S.IMAGE).to_pylist()
+    widths = batch.column(S.WIDTH).to_pylist()
+    heights = batch.column(S.HEIGHT).to_pylist()
+    sizes = [(w, h) if w and h else None for w, h in zip(widths, heights, strict=True)]
+    res = phash_many(images, sizes=sizes, exact=exact)
+    ok = res.ok
+    return pa.table(
+        {
+            S.ID: batch.column(S.ID),
+            PHASH: pa.array(res.hashes, pa.uint64(), mask=~ok),
+            PHASH_ERROR: pa.array(res.errors, pa.string()),
+        }
+    )
+
+
+def pending_filter(schema_names: list[str], redo_errors: bool = False) -> str | None:
+    """Lance SQL for rows still to hash (None: every row)."""
+    clauses = []
+    if PHASH in schema_names:
+        clauses.append(f"{PHASH} IS NULL")
+    if PHASH_ERROR in schema_names and not redo_errors:
+        clauses.append(f"{PHASH_ERROR} IS NULL")
+    return " AND ".join(clauses) or None
+
+
+def _local_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]:
+    from prx_data.table import open_table
+
+    ds = open_table(cfg.table, cfg.storage_options)
+    for rb in ds.to_batches(columns=_READ_COLUMNS, filter=where, batch_size=cfg.batch_size):
+        if rb.num_rows:
+            yield hash_batch(rb, cfg.exact)
+
+
+def _ray_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]:
+    import ray
+
+    from pipelines.runtime import ensure_ray
+
+    ensure_ray(cfg.ray_address, cfg.num_cpus)
+    kwargs = {"storage_options": cfg.storage_options} if cfg.storage_options else {}
+    ds = ray.data.read_lance(cfg.table, columns=_READ_COLUMNS, filter=where, **kwargs)
+    ds = ds.map_batches(
+        hash_batch,
+        fn_kwargs={"exact": cfg.exact},
+        batch_format="pyarrow",
+        batch_size=cfg.batch_size,
+        zero_copy_batch=True,
+    )
+    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        yield batch
+
+
+def _flush(cfg: PhashJobConfig, chunks: list[pa.Table]) -> None:
+    from prx_data.table import update_column
+
+    if not chunks:
+        return
+    t = pa.concat_tables(chunks)
+    update_column(cfg.table, PHASH, t.select([S.ID, PHASH]), storage_options=cfg.storage_options)
+    failed = t.filter(t[PHASH_ERROR].is_valid())
+    if failed.num_rows:
+        update_column(
+            cfg.table, PHASH_ERROR, failed.select([S.ID, PHASH_ERROR]), storage_options=cfg.storage_options
+        )
+
+
+def compute_phash(cfg: PhashJobConfig) -> PhashJobReport:
+    """Hash every row that has no ``phash`` yet and write the column back (resumable)."""
+    from tqdm.auto import tqdm
+
+    from prx_data.table import open_table
+
+    start = time.perf_counter()
+    ds = open_table(cfg.table, cfg.storage_options)
+    where = pending_filter(ds.schema.names, cfg.redo_errors)
+    report = PhashJobReport(rows_pending=ds.count_rows(filter=where) if where else ds.count_rows())
+    if report.rows_pending == 0:
+        return report
+    errors: Counter = Counter()
+    results = _ray_results(cfg, where) if cfg.engine == "ray" else _local_results(cfg, where)
+    pending: list[pa.Table] = []
+    n_pending = 0
+    with tqdm(total=report.rows_pending, desc="phash", unit="img", disable=not cfg.progress) as bar:
+        for t in results:
+            if isinstance(t, pa.RecordBatch):
+                t = pa.Table.from_batches([t])
+            errors.update(e for e in t[PHASH_ERROR].to_pylist() if e is not None)
+            pending.append(t)
+            n_pending += t.num_rows
+            report.rows_hashed += t[PHASH_ERROR].null_count  # rows without an error
+            bar.update(t.num_rows)
+            if n_pending >= cfg.flush_rows:
+                _flush(cfg, pending)
+                pending, n_pending = [], 0
+        _flush(cfg, pending)
+    report.errors = dict(errors)
+    report.seconds = time.perf_counter() - start
+    return report

@@ -1,0 +1,376 @@
+"""Ingest job graph: sources -> work units -> Ray Data load tasks -> one Lance commit.
+
+The driver plans every source into small work units (cheap listing only),
+Ray Data loads them in parallel (read bytes, probe headers, decode
+captions), and ``lance_ray.write_lance`` writes fragments from the workers
+and commits them once at the end, so a killed ingest leaves the table as it
+was. Ray 2.60's own ``Dataset.write_lance`` does not work with pylance 14.
+
+Ids are stable (``<source>/<key>``). A small ledger actor makes re-ingest
+idempotent: ids already in the table are skipped, and within one ingest a
+duplicate id is dropped after the first unit that claimed it (a retried
+task keeps its own claims). Everything skipped or noteworthy is counted by
+reason in the :class:`IngestReport`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lance
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prx_data import schema as S
+from prx_data import table as T
+from prx_data.sources import (
+    NOTES,
+    Counts,
+    SourceSpec,
+    WorkUnit,
+    conform,
+    load_unit,
+    parse_source,
+    plan_source,
+)
+
+MODES = ("append", "create", "overwrite")
+#: Fragments are sized to about this many bytes (mostly image bytes)...
+DEFAULT_FRAGMENT_BYTES = 512 * 1024 * 1024
+#: ...within these row bounds. One write task buffers a fragment's rows in
+#: memory, which is why Ray's default of ~1M rows is far too many for images.
+MIN_ROWS_PER_FRAGMENT = 1024
+MAX_ROWS_PER_FRAGMENT = 1_000_000
+FALLBACK_ROW_BYTES = 100_000
+
+
+@dataclass
+class IngestConfig:
+    """Options of one ingest run (see ``python -m prx_data.ingest --help``)."""
+
+    sources: list[str]
+    table_uri: str
+    mode: str = "append"
+    fmt: str | None = None
+    rows_per_fragment: int | None = None  # None: from the images' size
+    fragment_bytes: int = DEFAULT_FRAGMENT_BYTES
+    items_per_unit: int | None = None  # None: the reader's default
+    num_cpus: int | None = None  # local Ray only; None: all cores
+    storage_options: dict | None = None
+    reader_options: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+
+@dataclass
+class IngestReport:
+    """What happened: rows written, counts by reason, fragment hygiene, speed."""
+
+    table: str
+    mode: str
+    sources: list[str]
+    units: int = 0
+    rows_written: int = 0
+    rows_in_table: int = 0
+    kept: dict[str, int] = field(default_factory=dict)  # rows written with a note
+    dropped: dict[str, int] = field(default_factory=dict)  # rows/units not written
+    fragments: int = 0
+    rows_per_fragment: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows_written / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rows_per_second"] = round(self.rows_per_second, 1)
+        return d
+
+    def format(self) -> str:
+        lines = [
+            f"ingest -> {self.table} ({self.mode})",
+            f"  sources            {', '.join(self.sources)}",
+            f"  work units         {self.units:,}",
+            f"  rows written       {self.rows_written:,} "
+            f"({self.rows_per_second:,.0f} rows/s over {self.seconds:.1f} s)",
+            f"  rows in table      {self.rows_in_table:,}",
+            f"  fragments          {self.fragments:,} (target {self.rows_per_fragment:,} rows each)",
+        ]
+        for title, counts in (("kept, with a note", self.kept), ("not written", self.dropped)):
+            lines.append(f"  {title}:" + ("" if counts else " none"))
+            for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+                lines.append(f"    {reason:<40} {n:>10,}")
+        return "\n".join(lines)
+
+
+# --- the ledger ---------------------------------------------------------------
+
+
+class _Ledger:
+    """Claims ids (first unit wins, retries keep their claims) and collects counts."""
+
+    def __init__(self) -> None:
+        self.owner: dict[str, int] = {}
+        self.existing: set[str] = set()
+        self.unit_counts: dict[int, dict[str, int]] = {}
+        self.unit_rows: dict[int, int] = {}
+
+    def seed(self, ids: list[str]) -> int:
+        self.existing.update(ids)
+        return len(self.existing)
+
+    def claim(self, unit: int, ids: list[str]) -> list[int]:
+        """0: keep, 1: already in the table, 2: duplicate in this ingest."""
+        out = []
+        for i in ids:
+            if i in self.existing:
+                out.append(1)
+                continue
+            owner = self.owner.setdefault(i, unit)
+            out.append(0 if owner == unit else 2)
+        return out
+
+    def report(self, unit: int, counts: dict[str, int], rows: int) -> None:
+        self.unit_counts[unit] = counts  # a retried unit replaces its counts
+        self.unit_rows[unit] = rows
+
+    def totals(self) -> tuple[dict[str, int], int]:
+        total: Counter = Counter()
+        for c in self.unit_counts.values():
+            total.update(c)
+        return dict(total), sum(self.unit_rows.values())
+
+
+def _load_batch(batch: pa.Table, ledger, schema: pa.Schema) -> pa.Table:
+    """Ray Data UDF: load the work units of one batch, drop claimed/existing ids."""
+    import ray
+
+    outs = []
+    for unit_json, unit_index in zip(
+        batch["unit"].to_pylist(), batch["index"].to_pylist(), strict=True
+    ):
+        counts = Counts()
+        unit = WorkUnit.from_json(unit_json)
+        try:
+            table = load_unit(unit, counts)
+        except Exception as e:  # a unit that cannot be read at all is counted, not fatal
+            counts.dropped(f"unit_failed:{type(e).__name__}")
+            table = schema.empty_table()
+        if table.num_rows:
+            # Within a unit the first occurrence of an id wins.
+            ids = table[S.ID].to_pylist()
+            seen: set[str] = set()
+            first = []
+            for i in ids:
+                first.append(i not in seen)
+                seen.add(i)
+            status = ray.get(ledger.claim.remote(unit_index, list(seen)))
+            by_id = dict(zip(seen, status, strict=True))
+            keep = []
+            for i, is_first in zip(ids, first, strict=True):
+                if not is_first:
+                    counts.dropped("duplicate_id")
+                    keep.append(False)
+                elif by_id[i] == 1:
+                    counts.dropped("already_in_table")
+                    keep.append(False)
+                elif by_id[i] == 2:
+                    counts.dropped("duplicate_id")
+                    keep.append(False)
+                else:
+                    keep.append(True)
+            table = table.filter(pa.array(keep, pa.bool_()))
+        if NOTES in table.column_names:
+            counts.tally_notes(table[NOTES].to_pylist())
+        table = conform(table, schema)
+        ray.get(ledger.report.remote(unit_index, dict(counts), table.num_rows))
+        outs.append(table)
+    return pa.concat_tables(outs) if outs else schema.empty_table()
+
+
+# --- schema -------------------------------------------------------------------
+
+
+def _merge_fields(base: list[pa.Field], extra: list[pa.Field], where: str) -> list[pa.Field]:
+    by_name = {f.name: f for f in base}
+    out = list(base)
+    for f in extra:
+        if f.name in by_name:
+            if by_name[f.name].type != f.type:
+                raise ValueError(
+                    f"column {f.name!r} is {by_name[f.name].type} in {where} but {f.type} in a source"
+                )
+            continue
+        by_name[f.name] = f
+        out.append(f)
+    return out
+
+
+def output_schema(extra_fields: list[pa.Field], existing: pa.Schema | None) -> pa.Schema:
+    """TABLE_SCHEMA + source extras (+ the existing table's other columns)."""
+    fields = _merge_fields(list(S.TABLE_SCHEMA), extra_fields, "the table contract")
+    if existing is None:
+        return pa.schema(fields)
+    for f in fields:
+        if f.name in existing.names and existing.field(f.name).type != f.type:
+            raise ValueError(
+                f"column {f.name!r} is {existing.field(f.name).type} in the table but "
+                f"{f.type} in this ingest; ingest into a new table or cast the source"
+            )
+    return existing
+
+
+def _rows_per_fragment(cfg: IngestConfig, approx_row_bytes: float | None) -> int:
+    if cfg.rows_per_fragment:
+        return cfg.rows_per_fragment
+    per_row = approx_row_bytes or FALLBACK_ROW_BYTES
+    rows = int(cfg.fragment_bytes / max(per_row, 1.0))
+    return max(MIN_ROWS_PER_FRAGMENT, min(MAX_ROWS_PER_FRAGMENT, rows))
+
+
+def _ensure_ray(num_cpus: int | None) -> bool:
+    """Start a local Ray (or join ``RAY_ADDRESS``) unless one is running; True if started."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+    else:
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            runtime_env={"env_vars": {"LANCE_CPU_THREADS": "2"}},
+        )
+    return True
+
+
+# --- the job -------------------------------------------------------------------
+
+
+def run_ingest(cfg: IngestConfig) -> IngestReport:
+    """Plan the sources, load them with Ray Data, write and commit once, report."""
+    import ray
+    import ray.data
+    from lance_ray import write_lance
+
+    if cfg.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
+    t0 = time.perf_counter()
+    specs: list[SourceSpec] = [parse_source(s, cfg.fmt) for s in cfg.sources]
+    exists = T.table_exists(cfg.table_uri, cfg.storage_options)
+    if cfg.mode == "create" and exists:
+        raise FileExistsError(
+            f"table {cfg.table_uri!r} exists; use --mode append or --mode overwrite"
+        )
+    appending = cfg.mode == "append" and exists
+
+    # Plan (driver): list sources, cut into units.
+    units: list[WorkUnit] = []
+    plan_counts = Counts()
+    extra: list[pa.Field] = []
+    sizes: list[tuple[int, float]] = []
+    options = dict(cfg.reader_options)
+    if cfg.items_per_unit:
+        options["items_per_unit"] = cfg.items_per_unit
+    finalizers = []
+    for spec in specs:
+        plan = plan_source(spec, **options)
+        if plan.finalize is not None:
+            finalizers.append(plan.finalize)
+        units.extend(plan.units)
+        plan_counts.update(plan.counts)
+        extra = _merge_fields(extra, plan.extra_fields, "another source")
+        if plan.approx_row_bytes:
+            sizes.append((len(plan.units), plan.approx_row_bytes))
+    approx = sum(n * b for n, b in sizes) / sum(n for n, _ in sizes) if sizes else None
+    rows_per_fragment = _rows_per_fragment(cfg, approx)
+
+    existing_schema = None
+    existing_ids: pa.Array | None = None
+    if appending:
+        ds = T.open_table(cfg.table_uri, cfg.storage_options)
+        missing = [f for f in extra if f.name not in ds.schema.names]
+        output_schema(extra, ds.schema)  # type check before anything changes
+        if missing:
+            ds.add_columns([pa.field(f.name, f.type, nullable=True) for f in missing])
+            ds = T.open_table(cfg.table_uri, cfg.storage_options)
+        existing_schema = ds.schema
+        existing_ids = ds.to_table(columns=[S.ID])[S.ID].combine_chunks()
+    schema = output_schema(extra, existing_schema)
+
+    started = _ensure_ray(cfg.num_cpus)
+    try:
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = cfg.progress
+        ledger = ray.remote(num_cpus=0)(_Ledger).remote()
+        if existing_ids is not None and len(existing_ids):
+            ray.get(ledger.seed.remote(existing_ids.to_pylist()))
+        if units:
+            items = [{"unit": u.to_json(), "index": i} for i, u in enumerate(units)]
+            ds = ray.data.from_items(items, override_num_blocks=len(items))
+            ds = ds.map_batches(
+                _load_batch,
+                batch_size=1,
+                batch_format="pyarrow",
+                fn_kwargs={"ledger": ledger, "schema": schema},
+            )
+            write_lance(
+                ds,
+                cfg.table_uri,
+                schema=schema,
+                mode="append" if appending else ("create" if not exists else "overwrite"),
+                min_rows_per_file=rows_per_fragment,
+                max_rows_per_file=2 * rows_per_fragment,
+                storage_options=cfg.storage_options,
+            )
+        counts, rows_written = ray.get(ledger.totals.remote())
+        ray.kill(ledger)
+    finally:
+        if started:
+            ray.shutdown()
+
+    if rows_written == 0 and not appending:
+        # Nothing to write still leaves a (possibly empty) table with the schema.
+        mode = "overwrite" if exists else "create"
+        if cfg.mode == "overwrite" or not T.table_exists(cfg.table_uri, cfg.storage_options):
+            lance.write_dataset(
+                schema.empty_table(), cfg.table_uri, mode=mode, storage_options=cfg.storage_options
+            )
+    all_counts = Counter(plan_counts)
+    all_counts.update(counts)
+    for finalize in finalizers:
+        finalize(all_counts)
+    kept = {k.split(":", 1)[1]: v for k, v in all_counts.items() if k.startswith("kept:") and v}
+    dropped = {
+        k.split(":", 1)[1]: v for k, v in all_counts.items() if k.startswith("dropped:") and v
+    }
+    final = T.open_table(cfg.table_uri, cfg.storage_options)
+    return IngestReport(
+        table=cfg.table_uri,
+        mode=cfg.mode,
+        sources=[s.path for s in specs],
+        units=len(units),
+        rows_written=rows_written,
+        rows_in_table=final.count_rows(),
+        kept=dict(sorted(kept.items())),
+        dropped=dict(sorted(dropped.items())),
+        fragments=len(final.get_fragments()),
+        rows_per_fragment=rows_per_fragment,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def duplicate_ids(uri: str, storage_options: dict | None = None) -> int:
+    """How many rows share an id with an earlier row (0 for a healthy table)."""
+    ids = T.open_table(uri, storage_options).to_table(columns=[S.ID])[S.ID]
+    return len(ids) - pc.count_distinct(ids).as_py()
+
+
+def report_json(report: IngestReport) -> str:
+    return json.dumps(report.to_dict(), indent=2)

@@ -1,0 +1,70 @@
+"""Per-sample caption choice across several caption columns, plus CFG dropout.
+
+Exports may carry more than one caption per image (the original alt-text, a
+long VLM caption, a short one). Mixing them by weight during training is the
+usual recipe; dropping the caption for a fraction of samples trains the
+unconditional branch used by classifier-free guidance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CaptionPolicy:
+    """Columns with weights (any positive scale) and the dropout probability."""
+
+    columns: tuple[str, ...]
+    weights: tuple[float, ...]
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.columns or len(self.columns) != len(self.weights):
+            raise ValueError("caption columns and weights must be non-empty and of equal length")
+        if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
+            raise ValueError(f"caption weights must be >= 0 and not all zero: {self.weights}")
+        if not 0.0 <= self.dropout <= 1.0:
+            raise ValueError(f"caption dropout must be in [0, 1], got {self.dropout}")
+
+    @classmethod
+    def single(cls, column: str = "caption", dropout: float = 0.0) -> CaptionPolicy:
+        return cls((column,), (1.0,), dropout)
+
+    def choose(
+        self, batch: Mapping[str, object], generator: torch.Generator | None = None
+    ) -> list[str]:
+        """One caption per sample. An empty pick falls back to the next non-empty column.
+
+        Raises KeyError naming the column when a configured column is not in the batch.
+        """
+        cols: list[Sequence[str]] = []
+        for name in self.columns:
+            if name not in batch:
+                raise KeyError(
+                    f"caption column {name!r} is not in the batch (has: {sorted(batch)})"
+                )
+            cols.append(batch[name])  # type: ignore[arg-type]
+        n = len(cols[0])
+        weights = torch.tensor(self.weights, dtype=torch.float64)
+        picks = torch.multinomial(weights.expand(n, -1), 1, replacement=True, generator=generator)
+        drop = torch.rand(n, generator=generator) < self.dropout
+        out: list[str] = []
+        for i in range(n):
+            if drop[i]:
+                out.append("")
+                continue
+            first = int(picks[i, 0])
+            # Fall back in column order; a weight-0 column thus serves as a fallback only.
+            order = [first] + [j for j in range(len(cols)) if j != first]
+            text = ""
+            for j in order:
+                cand = cols[j][i]
+                if cand:
+                    text = cand
+                    break
+            out.append(text)
+        return out

@@ -1,0 +1,105 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from prx_data.imaging import ImageError, cover_box, decode, draft_size, encode, prepare, probe
+from tests import badinputs as bad
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return 10 * np.log10(255.0**2 / mse)
+
+
+@pytest.mark.parametrize(
+    "data,reason",
+    [
+        (bad.truncated_jpeg(), "truncated"),
+        (b"", "empty_file"),
+        (bad.not_an_image(), "not_an_image"),
+        (bad.bomb_gif(), "decompression_bomb"),
+    ],
+)
+def test_bad_files_raise_with_reason(data, reason):
+    with pytest.raises(ImageError) as e:
+        prepare(data, 512, 512)
+    assert e.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    "make", [bad.cmyk_jpeg, bad.png16, bad.palette_transparent_png, bad.rgba_png, bad.animated_gif, bad.webp]
+)
+def test_any_mode_becomes_rgb(make):
+    im = decode(make())
+    assert im.mode == "RGB"
+    out = prepare(make(), 448, 576)
+    dec = Image.open(io.BytesIO(out.data))
+    assert dec.size == (448, 576) and dec.mode == "RGB" and dec.format == "JPEG"
+
+
+def test_16bit_keeps_range():
+    arr = np.asarray(decode(bad.png16()))
+    assert arr.min() == 0 and arr.max() == 255
+
+
+def test_alpha_composited_on_white():
+    arr = np.asarray(decode(bad.rgba_png()))
+    assert (arr[:, :300] == 255).all()  # transparent half -> white background
+
+
+def test_exif_orientation_applied():
+    data, (w, h) = bad.exif_rotated_jpeg()
+    info = probe(data)
+    assert (info.width, info.height) == (w, h) == (600, 800)
+    arr = np.asarray(decode(data))
+    assert arr.shape[:2] == (800, 600)
+    top, bottom = arr[:400].mean(axis=(0, 1)), arr[400:].mean(axis=(0, 1))
+    assert top[0] > 150 > top[2] and bottom[2] > 150 > bottom[0]  # red half moved on top
+    # and the draft path applies it the same way
+    arr2 = np.asarray(Image.open(io.BytesIO(prepare(data, 384, 512).data)))
+    assert arr2[:200].mean(axis=(0, 1))[0] > 150
+
+
+def test_animated_uses_first_frame():
+    arr = np.asarray(decode(bad.animated_gif()))
+    r, g, b = arr.mean(axis=(0, 1))
+    assert r > 150 and g < 80 and b < 80
+
+
+def test_cover_box_centres_and_matches_ratio():
+    left, top, right, bottom = cover_box(2000, 1000, 512, 512)
+    assert (left, top, right, bottom) == (500.0, 0.0, 1500.0, 1000.0)
+    l2, t2, r2, b2 = cover_box(1000, 2000, 704, 352)
+    assert np.isclose((r2 - l2) / (b2 - t2), 2.0) and l2 == 0
+
+
+def test_draft_size_margin():
+    assert draft_size(4000, 3000, 512, 384) == (768, 576)
+
+
+def test_encode_quality_and_png():
+    im = decode(bad.good_jpeg())
+    jpg = Image.open(io.BytesIO(encode(im, "jpeg", 92)))
+    assert jpg.format == "JPEG"
+    png = Image.open(io.BytesIO(encode(im, "png")))
+    assert png.format == "PNG" and np.array_equal(np.asarray(png), np.asarray(im))
+    with pytest.raises(ValueError):
+        encode(im, "gif")
+
+
+def test_draft_keeps_quality_vs_full_decode():
+    """Drafting only down to >= 1.5x the target stays close to a full-decode reference."""
+    from prx_data.sample_data import photo_like
+
+    src = photo_like(3000, 2000, 42)[0]
+    buf = io.BytesIO()
+    src.save(buf, "JPEG", quality=95)
+    data = buf.getvalue()
+    fast = prepare(data, 672, 384, use_draft=True, fmt="png")
+    full = prepare(data, 672, 384, use_draft=False, fmt="png")
+    a = np.asarray(Image.open(io.BytesIO(fast.data)))
+    b = np.asarray(Image.open(io.BytesIO(full.data)))
+    assert _psnr(a, b) > 40
+    assert fast.crop_box == full.crop_box
