@@ -35,3 +35,10 @@ def ensure_ray(
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the jobs draw one bar of their own
     ctx.print_on_execution_start = False
+    quiet_ray_data()
+
+
+def quiet_ray_data() -> None:
+    """Keep job output readable: Ray Data's per-operator logging stays at WARNING."""
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)

@@ -78,7 +78,6 @@ class BucketSpec:
         return side * side
 
 
-
 @dataclass(frozen=True)
 class Bucket:
     tier: int
@@ -132,9 +131,7 @@ def assign_tier(width: int, height: int, spec: BucketSpec = DEFAULT_SPEC) -> int
     return best
 
 
-def nearest_shape(
-    width: int, height: int, shapes: Sequence[tuple[int, int]]
-) -> tuple[int, int]:
+def nearest_shape(width: int, height: int, shapes: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """The shape whose aspect ratio is nearest in log space (ties go to the first)."""
     target = math.log(width / height)
     return min(shapes, key=lambda s: abs(math.log(s[0] / s[1]) - target))

@@ -131,7 +131,9 @@ class ExportReport:
             for name in sorted(b for b in self.buckets if b.split("/")[0] == tier):
                 n = self.buckets[name]
                 lines.append(f"{name:<14}{n:>10,}{n / total:>9.1%}")
-            lines.append(f"{'  tier ' + tier:<14}{self.tiers[tier]:>10,}{self.tiers[tier] / total:>9.1%}")
+            lines.append(
+                f"{'  tier ' + tier:<14}{self.tiers[tier]:>10,}{self.tiers[tier] / total:>9.1%}"
+            )
         if self.dropped:
             lines += ["", f"{'dropped: reason':<24}{'rows':>10}"]
             for reason, n in sorted(self.dropped.items(), key=lambda kv: -kv[1]):
@@ -167,7 +169,8 @@ def resolve_caption_columns(schema: pa.Schema, wanted: tuple[str, ...] | None) -
             for n in schema.names
             if n.startswith("caption")
             and not n.endswith("_status")
-            and pa.types.is_string(schema.field(n).type) | pa.types.is_large_string(schema.field(n).type)
+            and pa.types.is_string(schema.field(n).type)
+            | pa.types.is_large_string(schema.field(n).type)
         )
     missing = [c for c in wanted if c not in names]
     if missing:
@@ -200,7 +203,9 @@ def _looks_like_export(entries: list[str], tiers: tuple[int, ...]) -> bool:
     return all(e in allowed or e.isdigit() for e in entries)
 
 
-def prepare_output(cfg: ExportConfig, *, overwrite: bool = False, resume: bool = False) -> ExportConfig:
+def prepare_output(
+    cfg: ExportConfig, *, overwrite: bool = False, resume: bool = False
+) -> ExportConfig:
     """Check the output location, pin the table version, record the config.
 
     Returns the config with ``table_version`` pinned. Never deletes anything
@@ -214,10 +219,16 @@ def prepare_output(cfg: ExportConfig, *, overwrite: bool = False, resume: bool =
     if entries and resume:
         if not storage.exists(config_path):
             raise ExportError(f"{cfg.out} has no interrupted export to resume (no {CONFIG_NAME})")
-        previous = _normalise(ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out}))
+        previous = _normalise(
+            ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out})
+        )
         ds = open_table(cfg.table, previous.table_version)
         caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
-        now = _normalise(ExportConfig(**{**asdict(cfg), "table_version": previous.table_version, "caption_columns": caps}))
+        now = _normalise(
+            ExportConfig(
+                **{**asdict(cfg), "table_version": previous.table_version, "caption_columns": caps}
+            )
+        )
         if now.fingerprint() != previous.fingerprint():
             old = previous.fingerprint()
             diff = {k: (old[k], v) for k, v in now.fingerprint().items() if old[k] != v}
@@ -442,7 +453,9 @@ def _write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> None:
         shard_col += [base] * shard["samples"]
         idx_col += list(range(shard["samples"]))
     if len(shard_col) != len(id_list):
-        raise ExportError(f"{bucket_dir}/{part}: index has {len(shard_col)} samples, wrote {len(id_list)}")
+        raise ExportError(
+            f"{bucket_dir}/{part}: index has {len(shard_col)} samples, wrote {len(id_list)}"
+        )
     table = pa.table(
         {
             "shard": pa.array(shard_col, pa.string()),
@@ -490,7 +503,9 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
     for name, parts in sorted(per_bucket.items()):
         merged = merge_bucket(storage.join(cfg.out, name), parts)
         if merged != counts[name]:
-            raise ExportError(f"bucket {name}: merged index has {merged} samples, expected {counts[name]}")
+            raise ExportError(
+                f"bucket {name}: merged index has {merged} samples, expected {counts[name]}"
+            )
     tiers: Counter = Counter()
     for name, n in counts.items():
         tiers[name.split("/")[0]] += n
@@ -522,7 +537,11 @@ def content_digest(out: str) -> str:
     """Digest of every shard, index and manifest (not reports/progress): equal for identical exports."""
     h = hashlib.sha256()
     for rel in storage.list_files(out):
-        if rel.startswith(PROGRESS_DIR) or rel in (REPORT_NAME, "report.txt") or rel.endswith(".skip"):
+        if (
+            rel.startswith(PROGRESS_DIR)
+            or rel in (REPORT_NAME, "report.txt")
+            or rel.endswith(".skip")
+        ):
             continue
         h.update(rel.encode())
         h.update(hashlib.sha256(storage.read_bytes(storage.join(out, rel))).digest())

@@ -147,7 +147,9 @@ def decode(data: bytes, draft_to: tuple[int, int] | None = None) -> Image.Image:
         raise ImageError("decompression_bomb", str(e)) from None
     except OSError as e:
         msg = str(e)
-        reason = "truncated" if "truncated" in msg or "broken data stream" in msg else "decode_error"
+        reason = (
+            "truncated" if "truncated" in msg or "broken data stream" in msg else "decode_error"
+        )
         raise ImageError(reason, msg) from None
     except (ValueError, SyntaxError, EOFError, MemoryError) as e:
         raise ImageError("decode_error", str(e)) from None
@@ -162,13 +164,17 @@ def cover_box(src_w: int, src_h: int, dst_w: int, dst_h: int) -> tuple[float, fl
     return (left, top, min(float(src_w), left + cw), min(float(src_h), top + ch))
 
 
-def draft_size(src_w: int, src_h: int, dst_w: int, dst_h: int, margin: float = DRAFT_MARGIN) -> tuple[int, int]:
+def draft_size(
+    src_w: int, src_h: int, dst_w: int, dst_h: int, margin: float = DRAFT_MARGIN
+) -> tuple[int, int]:
     """Smallest decode size that still leaves `margin` x the cover-resized size."""
     scale = max(dst_w / src_w, dst_h / src_h)
     return (math.ceil(src_w * scale * margin), math.ceil(src_h * scale * margin))
 
 
-def cover_resize(im: Image.Image, dst_w: int, dst_h: int, full_size: tuple[int, int] | None = None) -> tuple[Image.Image, tuple[float, float, float, float]]:
+def cover_resize(
+    im: Image.Image, dst_w: int, dst_h: int, full_size: tuple[int, int] | None = None
+) -> tuple[Image.Image, tuple[float, float, float, float]]:
     """Lanczos cover-resize + centre crop to (dst_w, dst_h) in one resample.
 
     ``full_size`` is the oriented size before any draft downscale; the
@@ -188,7 +194,12 @@ def cover_resize(im: Image.Image, dst_w: int, dst_h: int, full_size: tuple[int, 
     return out, box
 
 
-def encode(im: Image.Image, fmt: str = "jpeg", quality: int = DEFAULT_JPEG_QUALITY, subsampling: int | str = -1) -> bytes:
+def encode(
+    im: Image.Image,
+    fmt: str = "jpeg",
+    quality: int = DEFAULT_JPEG_QUALITY,
+    subsampling: int | str = -1,
+) -> bytes:
     """Encode RGB to JPEG (default q92) or lossless PNG."""
     buf = io.BytesIO()
     if fmt == "jpeg":

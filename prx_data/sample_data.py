@@ -63,10 +63,15 @@ def photo_like(width: int, height: int, seed: int) -> tuple[Image.Image, str]:
     c1, c2 = np.array(COLOURS[names[bg1]], float), np.array(COLOURS[names[bg2]], float)
     # A low-resolution random field upsampled gives smooth, photo-like structure.
     small = rng.random((8, 8, 3))
-    field = np.asarray(
-        Image.fromarray((small * 255).astype(np.uint8)).resize((width, height), Image.Resampling.BICUBIC),
-        dtype=np.float32,
-    ) / 255.0
+    field = (
+        np.asarray(
+            Image.fromarray((small * 255).astype(np.uint8)).resize(
+                (width, height), Image.Resampling.BICUBIC
+            ),
+            dtype=np.float32,
+        )
+        / 255.0
+    )
     t = np.linspace(0, 1, height, dtype=np.float32)[:, None, None]
     base = c1 * (1 - t) + c2 * t
     arr = base * (0.7 + 0.3 * field)
@@ -86,7 +91,11 @@ def photo_like(width: int, height: int, seed: int) -> tuple[Image.Image, str]:
         draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
     else:
         for k in range(-3, 4):
-            draw.line((cx + k * r // 2 - r, 0, cx + k * r // 2 + r, height), fill=fill, width=max(2, r // 6))
+            draw.line(
+                (cx + k * r // 2 - r, 0, cx + k * r // 2 + r, height),
+                fill=fill,
+                width=max(2, r // 6),
+            )
     im = im.filter(ImageFilter.GaussianBlur(radius=max(0.6, s / 900)))
     noise = rng.normal(0, 4.0, (height, width, 3))
     out = (np.asarray(im, np.float32) + noise).clip(0, 255).astype(np.uint8)

@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...).")
-    p.add_argument("--out", required=True, help="Output root: local directory or s3:// / gs:// URI.")
+    p.add_argument(
+        "--out", required=True, help="Output root: local directory or s3:// / gs:// URI."
+    )
     p.add_argument(
         "--tiers",
         type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -49,36 +51,87 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Comma-separated caption columns to carry (default: every caption* column).",
     )
-    p.add_argument("--format", dest="image_format", choices=["jpeg", "png"], default="jpeg",
-                   help="Sample encoding: JPEG (default) or lossless PNG for artifact-sensitive data.")
+    p.add_argument(
+        "--format",
+        dest="image_format",
+        choices=["jpeg", "png"],
+        default="jpeg",
+        help="Sample encoding: JPEG (default) or lossless PNG for artifact-sensitive data.",
+    )
     p.add_argument("--quality", type=int, default=92, help="JPEG quality (default: 92).")
-    p.add_argument("--subsampling", type=int, choices=[-1, 0, 1, 2], default=-1,
-                   help="JPEG chroma subsampling: -1 Pillow default (4:2:0), 0 = 4:4:4, 1 = 4:2:2, 2 = 4:2:0.")
-    p.add_argument("--no-draft", dest="use_draft", action="store_false",
-                   help="Always decode at full size (default: JPEG DCT-domain downscale to >= 1.5x the target).")
-    p.add_argument("--compression", default=None,
-                   help="MDS shard compression, e.g. zstd, zstd:7, br (default: none; JPEG does not compress).")
-    p.add_argument("--hashes", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
-                   help="Comma-separated shard hashes to record, e.g. sha1,xxh64 (default: none).")
-    p.add_argument("--size-limit", type=int, default=1 << 26,
-                   help="Maximum shard size in bytes before a new shard starts (default: 64 MiB).")
-    p.add_argument("--rows-per-task", type=int, default=1000,
-                   help="Rows per work unit (a row range of one Lance fragment). Smaller = finer "
-                   "progress and resume, larger = fewer, bigger shards (default: 1000).")
-    p.add_argument("--filter", default=None,
-                   help="Lance SQL filter; rows that fail it are counted as 'filtered' (e.g. \"label = 'visual'\").")
-    p.add_argument("--max-caption-chars", type=int, default=20000,
-                   help="Longer captions are truncated and counted (default: 20000).")
+    p.add_argument(
+        "--subsampling",
+        type=int,
+        choices=[-1, 0, 1, 2],
+        default=-1,
+        help="JPEG chroma subsampling: -1 Pillow default (4:2:0), 0 = 4:4:4, 1 = 4:2:2, 2 = 4:2:0.",
+    )
+    p.add_argument(
+        "--no-draft",
+        dest="use_draft",
+        action="store_false",
+        help="Always decode at full size (default: JPEG DCT-domain downscale to >= 1.5x the target).",
+    )
+    p.add_argument(
+        "--compression",
+        default=None,
+        help="MDS shard compression, e.g. zstd, zstd:7, br (default: none; JPEG does not compress).",
+    )
+    p.add_argument(
+        "--hashes",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        default=(),
+        help="Comma-separated shard hashes to record, e.g. sha1,xxh64 (default: none).",
+    )
+    p.add_argument(
+        "--size-limit",
+        type=int,
+        default=1 << 26,
+        help="Maximum shard size in bytes before a new shard starts (default: 64 MiB).",
+    )
+    p.add_argument(
+        "--rows-per-task",
+        type=int,
+        default=1000,
+        help="Rows per work unit (a row range of one Lance fragment). Smaller = finer "
+        "progress and resume, larger = fewer, bigger shards (default: 1000).",
+    )
+    p.add_argument(
+        "--filter",
+        default=None,
+        help="Lance SQL filter; rows that fail it are counted as 'filtered' (e.g. \"label = 'visual'\").",
+    )
+    p.add_argument(
+        "--max-caption-chars",
+        type=int,
+        default=20000,
+        help="Longer captions are truncated and counted (default: 20000).",
+    )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--overwrite", action="store_true",
-                   help="Replace an existing export at --out (only if it looks like an export).")
-    g.add_argument("--resume", action="store_true",
-                   help="Finish an interrupted export at --out with the same options.")
-    p.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray runtime).")
-    p.add_argument("--num-cpus", type=int, default=None,
-                   help="CPUs for a local Ray runtime (default: all). Ignored on a cluster.")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="Hide the progress bar.")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace an existing export at --out (only if it looks like an export).",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="Finish an interrupted export at --out with the same options.",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray runtime).",
+    )
+    p.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="CPUs for a local Ray runtime (default: all). Ignored on a cluster.",
+    )
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="Hide the progress bar."
+    )
     return p
 
 

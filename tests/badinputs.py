@@ -78,7 +78,9 @@ def bomb_gif() -> bytes:
 
 
 def animated_gif() -> bytes:
-    frames = [Image.new("RGB", (600, 600), c) for c in [(200, 30, 30), (30, 200, 30), (30, 30, 200)]]
+    frames = [
+        Image.new("RGB", (600, 600), c) for c in [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
+    ]
     return _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
 
 

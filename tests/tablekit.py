@@ -40,5 +40,7 @@ def folder_items(items) -> list[tuple[str, bytes, str | None]]:
     out = []
     for it in items:
         with open(it.path, "rb") as f:
-            out.append((f"sample/{it.path.rsplit('/', 1)[-1].rsplit('.', 1)[0]}", f.read(), it.caption))
+            out.append(
+                (f"sample/{it.path.rsplit('/', 1)[-1].rsplit('.', 1)[0]}", f.read(), it.caption)
+            )
     return out

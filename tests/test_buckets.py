@@ -15,8 +15,19 @@ from prx_data.buckets import (
 )
 
 SHAPES_512 = [
-    (352, 704), (384, 672), (384, 640), (416, 608), (448, 576), (480, 544), (512, 512),
-    (544, 480), (576, 448), (608, 416), (640, 384), (672, 384), (704, 352),
+    (352, 704),
+    (384, 672),
+    (384, 640),
+    (416, 608),
+    (448, 576),
+    (480, 544),
+    (512, 512),
+    (544, 480),
+    (576, 448),
+    (608, 416),
+    (640, 384),
+    (672, 384),
+    (704, 352),
 ]
 
 
@@ -28,7 +39,10 @@ def test_512_shapes_exact():
 def test_higher_tiers_scale_the_same_grid(tier):
     k = tier // 512
     assert list(DEFAULT_SPEC.shapes(tier)) == [(w * k, h * k) for w, h in SHAPES_512]
-    assert DEFAULT_SPEC.shapes(1024)[0] == (704, 1408) and DEFAULT_SPEC.shapes(1024)[-1] == (1408, 704)
+    assert DEFAULT_SPEC.shapes(1024)[0] == (704, 1408) and DEFAULT_SPEC.shapes(1024)[-1] == (
+        1408,
+        704,
+    )
 
 
 @pytest.mark.parametrize("tier", [512, 1024, 2048, 4096])

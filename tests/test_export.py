@@ -99,9 +99,18 @@ def test_samples_decode_to_bucket_shape_at_q92(bad_export):
             assert im.size == (bucket.width, bucket.height)
             assert im.quantization == q92
             assert s["bucket"] == b and s["tier"] == bucket.tier
-            left, top, right, bottom = s["crop_left"], s["crop_top"], s["crop_right"], s["crop_bottom"]
-            assert 0 <= left < right <= s["width"] + 1e-3 and 0 <= top < bottom <= s["height"] + 1e-3
-            assert np.isclose((right - left) / (bottom - top), bucket.width / bucket.height, rtol=1e-3)
+            left, top, right, bottom = (
+                s["crop_left"],
+                s["crop_top"],
+                s["crop_right"],
+                s["crop_bottom"],
+            )
+            assert (
+                0 <= left < right <= s["width"] + 1e-3 and 0 <= top < bottom <= s["height"] + 1e-3
+            )
+            assert np.isclose(
+                (right - left) / (bottom - top), bucket.width / bucket.height, rtol=1e-3
+            )
             n += 1
     assert n > 0
 
@@ -132,7 +141,10 @@ def test_ids_map_back_to_lance_rows(bad_export, bad_table):
 def test_png_option_is_lossless_format(bad_table, tmp_path, ray_local):
     uri, _ = bad_table
     out = str(tmp_path / "png")
-    run_export(ExportConfig(table=uri, out=out, image_format="png", filter="id = 'bad/good'"), progress=False)
+    run_export(
+        ExportConfig(table=uri, out=out, image_format="png", filter="id = 'bad/good'"),
+        progress=False,
+    )
     [b] = _all_buckets(out)
     [s] = _read_bucket(out, b)
     assert Image.open(io.BytesIO(s["image"])).format == "PNG"
@@ -164,7 +176,9 @@ def test_rerun_gives_identical_bytes_and_output_guard(photo_table, tmp_path, ray
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     with pytest.raises(ExportError, match="not part of an export"):
-        run_export(ExportConfig(table=photo_table, out=str(foreign)), overwrite=True, progress=False)
+        run_export(
+            ExportConfig(table=photo_table, out=str(foreign)), overwrite=True, progress=False
+        )
     assert (foreign / "notes.txt").exists()
 
 
@@ -177,13 +191,32 @@ def test_kill_and_resume_gives_complete_valid_output(photo_table, tmp_path, ray_
     run_export(ExportConfig(table=photo_table, out=ref, rows_per_task=2), progress=False)
     out = str(tmp_path / "killed")
     env = {**os.environ, "PYTHONPATH": REPO}
-    args = ["--table", photo_table, "--out", out, "--rows-per-task", "2", "--num-cpus", "1", "--no-progress"]
-    proc = subprocess.Popen(_cli(*args), env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [
+        "--table",
+        photo_table,
+        "--out",
+        out,
+        "--rows-per-task",
+        "2",
+        "--num-cpus",
+        "1",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        _cli(*args),
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     progress = os.path.join(out, "_progress")
     deadline = time.time() + 240
     while time.time() < deadline:
-        done = [f for f in os.listdir(progress) if f.endswith(".done")] if os.path.isdir(progress) else []
+        done = (
+            [f for f in os.listdir(progress) if f.endswith(".done")]
+            if os.path.isdir(progress)
+            else []
+        )
         if len(done) >= 2:
             break
         assert proc.poll() is None, "export finished before it could be killed"
@@ -211,7 +244,9 @@ def test_resume_refuses_changed_options(photo_table, tmp_path, ray_local):
 
     prepare_output(cfg)
     with pytest.raises(ExportError, match="options differ"):
-        run_export(ExportConfig(table=photo_table, out=out, rows_per_task=4, quality=80), resume=True)
+        run_export(
+            ExportConfig(table=photo_table, out=out, rows_per_task=4, quality=80), resume=True
+        )
 
 
 TWO_NODE_SCRIPT = r"""
@@ -235,8 +270,13 @@ def test_runs_on_two_node_ray_cluster(photo_table, tmp_path):
     out = str(tmp_path / "cluster")
     env = {**os.environ, "PYTHONPATH": REPO}
     env.pop("RAY_ADDRESS", None)
-    r = subprocess.run([sys.executable, "-c", TWO_NODE_SCRIPT, photo_table, out],
-                       env=env, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [sys.executable, "-c", TWO_NODE_SCRIPT, photo_table, out],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["nodes"] == 2 and res["written"] == res["rows"] > 0

@@ -29,7 +29,15 @@ def test_bad_files_raise_with_reason(data, reason):
 
 
 @pytest.mark.parametrize(
-    "make", [bad.cmyk_jpeg, bad.png16, bad.palette_transparent_png, bad.rgba_png, bad.animated_gif, bad.webp]
+    "make",
+    [
+        bad.cmyk_jpeg,
+        bad.png16,
+        bad.palette_transparent_png,
+        bad.rgba_png,
+        bad.animated_gif,
+        bad.webp,
+    ],
 )
 def test_any_mode_becomes_rgb(make):
     im = decode(make())

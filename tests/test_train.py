@@ -1,0 +1,271 @@
+"""Training: config loading/overrides/errors, captions, flow, collate, and a tiny overfit run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prx_data.training.captions import CaptionPolicy
+from prx_data.training.config import ConfigError, load_config, to_yaml
+from prx_data.training.data import collate, num_samples_in_batch, split_batch
+from prx_data.training.flow import interpolate, logit_normal_timesteps, uint8_to_unit
+from tests.trainkit import save_tiny_t5, tiny_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs" / "train").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def tiny_t5(tmp_path_factory) -> str:
+    return save_tiny_t5(tmp_path_factory.mktemp("t5"))
+
+
+# --- config -------------------------------------------------------------------
+
+
+YAML = """
+variables:
+  root: /data/a
+model:
+  hidden_size: 128
+  num_heads: 4
+data:
+  datasets:
+    - root: ${variables.root}
+      proportion: 0.7
+    - root: /data/b
+      proportion: 0.3
+  tier: 512
+  caption_columns:
+    - {name: caption_vlm, weight: 3}
+    - {name: caption, weight: 1}
+  streaming:
+    predownload: 8
+trainer:
+  max_duration: 10ba
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_and_overrides(tmp_path):
+    cfg = load_config(
+        _write(tmp_path, YAML),
+        [
+            "variables.root=/data/z",
+            "data.datasets.1.proportion=0.5",
+            "data.tier=1024",
+            "data.include_higher_tiers=true",
+            "optimizer.betas=[0.8,0.99]",
+            "trainer.ema.enabled=true",
+            "data.streaming.cache_limit=10gb",
+            "data.caption_columns.0.weight=2.5",
+        ],
+    )
+    assert cfg.data.datasets[0].root == "/data/z"  # interpolation sees the override
+    assert [d.proportion for d in cfg.data.datasets] == [0.7, 0.5]
+    assert cfg.data.tier == 1024 and cfg.data.include_higher_tiers is True
+    assert cfg.optimizer.betas == [0.8, 0.99]
+    assert cfg.trainer.ema.enabled is True
+    assert cfg.data.streaming == {"predownload": 8, "cache_limit": "10gb"}
+    assert [(c.name, c.weight) for c in cfg.data.caption_columns] == [
+        ("caption_vlm", 2.5),
+        ("caption", 1.0),
+    ]
+    assert cfg.model.hidden_size == 128 and cfg.model.depth == 16  # YAML over defaults
+    # The resolved YAML reloads to the same config.
+    again = load_config(_write(tmp_path, to_yaml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "key"),
+    [
+        ("data:\n  tierr: 512\n", [], "data.tierr"),
+        ("", ["data.tier=abc"], "data.tier"),
+        ("", ["trainer.max_durationn=3ba"], "trainer.max_durationn"),
+        ("data:\n  datasets:\n    - root: /x\n      weight: 2\n", [], "weight"),
+        ("", ["model.hidden_size=100", "model.num_heads=3"], "model.hidden_size"),
+        ("", ["data.caption_dropout=1.5"], "data.caption_dropout"),
+        ("", ["trainer.precision=amp_bf17"], "trainer.precision"),
+        ("", ["trainer.autoresume=true"], "trainer.save_folder"),
+        ("", ["optimizer.name=sgdd"], "optimizer.name"),
+        (
+            "data:\n  datasets:\n    - {root: /x, proportion: 1, repeat: 2}\n",
+            [],
+            "data.datasets.0",
+        ),
+        ("", ["data.batching_method=random"], "data.batching_method"),
+        ("", ["nonsense"], "nonsense"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, yaml_text, overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, yaml_text), overrides)
+    assert key in str(err.value)
+
+
+def test_device_batch_size_must_divide():
+    from prx_data.training.config import device_batch_size
+
+    cfg = load_config(None, ["data.global_batch_size=12"])
+    assert device_batch_size(cfg.data, 4) == 3
+    with pytest.raises(ConfigError, match="data.global_batch_size"):
+        device_batch_size(cfg.data, 5)
+    cfg = load_config(None, ["data.global_batch_size=12", "data.device_batch_size=4"])
+    with pytest.raises(ConfigError, match="data.device_batch_size"):
+        device_batch_size(cfg.data, 4)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.data.datasets and cfg.trainer.run_name
+
+
+def test_cli_help_and_config_error():
+    env_cmd = [sys.executable, "-m", "prx_data.train"]
+    out = subprocess.run([*env_cmd, "--help"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "autoresume" in out.stdout and "key=value" in out.stdout
+    bad = subprocess.run(
+        [*env_cmd, str(REPO / "configs/train/smoke_cpu.yaml"), "data.tierr=1", "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert bad.returncode == 2 and "data.tierr" in bad.stderr
+
+
+# --- captions, flow, collate -------------------------------------------------------
+
+
+def test_caption_policy_weights_dropout_and_fallback():
+    n = 4000
+    batch = {"a": ["A"] * n, "b": ["B"] * n}
+    g = torch.Generator().manual_seed(0)
+    picks = CaptionPolicy(("a", "b"), (3.0, 1.0), dropout=0.2).choose(batch, g)
+    share = {k: picks.count(k) / n for k in ("A", "B", "")}
+    # 0.8 * 0.75 = 0.6, 0.8 * 0.25 = 0.2, dropout 0.2; binomial sd < 0.01 at n=4000.
+    assert abs(share["A"] - 0.6) < 0.03 and abs(share["B"] - 0.2) < 0.03
+    assert abs(share[""] - 0.2) < 0.03
+    # An empty pick falls back to the other column instead of silently training unconditioned.
+    only_a = CaptionPolicy(("a", "b"), (1.0, 0.0)).choose({"a": ["", "x"], "b": ["y", "z"]})
+    assert only_a == ["y", "x"]
+    with pytest.raises(KeyError, match="caption_vlm"):
+        CaptionPolicy.single("caption_vlm").choose({"caption": ["x"]})
+
+
+def test_flow_pieces():
+    x0 = uint8_to_unit(torch.tensor([[[[0, 255]]]], dtype=torch.uint8))
+    assert x0.flatten().tolist() == [-1.0, 1.0]
+    noise = torch.randn(3, 3, 4, 4)
+    x = torch.randn(3, 3, 4, 4)
+    t = torch.tensor([0.0, 1.0, 0.25])
+    xt = interpolate(x, noise, t)
+    assert torch.equal(xt[0], x[0]) and torch.equal(xt[1], noise[1])
+    assert torch.allclose(xt[2], 0.75 * x[2] + 0.25 * noise[2])
+    ts = logit_normal_timesteps(10000, mean=1.0, std=1.0, generator=torch.Generator().manual_seed(1))
+    assert 0 < float(ts.min()) and float(ts.max()) < 1
+    assert abs(float(torch.logit(ts).mean()) - 1.0) < 0.05
+
+
+def test_collate_counts_and_refuses_mixed_shapes():
+    a = {"image": torch.zeros(3, 8, 4, dtype=torch.uint8), "id": "a", "tier": 512, "caption": "x"}
+    b = {"image": torch.zeros(3, 8, 4, dtype=torch.uint8), "id": "b", "tier": 512, "caption": "y"}
+    batch = collate([a, b])
+    assert batch["image"].shape == (2, 3, 8, 4) and batch["id"] == ["a", "b"]
+    assert batch["tier"].tolist() == [512, 512] and num_samples_in_batch(batch) == 2
+    parts = split_batch(batch, 1)
+    assert [p["id"] for p in parts] == [["a"], ["b"]]
+    c = dict(a, image=torch.zeros(3, 4, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="single bucket"):
+        collate([a, c])
+
+
+# --- model and trainer ---------------------------------------------------------------
+
+
+def test_text_encoder_loads_by_path(tiny_t5):
+    from prx_data.training.text_encoder import TextEncoder
+
+    enc = TextEncoder.from_pretrained(tiny_t5, max_length=16, dtype="float32")
+    feats, mask = enc.encode(["a red circle", ""])
+    assert feats.shape == (2, 16, 64) and enc.hidden_size == 64
+    assert mask[0].sum() > mask[1].sum() >= 1  # "" is just the end-of-sequence token
+    assert not any(p.requires_grad for p in enc.model.parameters())
+    penultimate = TextEncoder.from_pretrained(tiny_t5, max_length=16, dtype="float32", layer=-2)
+    assert not torch.allclose(penultimate.encode(["a red circle"])[0], feats[:1])
+
+
+def test_loss_decreases_on_tiny_overfit_set(tiny_t5):
+    """A tiny pixel-space PRX overfits four two-tone 64x64 images within 30 steps."""
+    from prx_data.training.trainer import build_model
+
+    torch.manual_seed(0)
+    cfg = load_config(None, [*tiny_overrides(tiny_t5), "model.patch_size=8"])
+    model = build_model(cfg)
+    g = torch.Generator().manual_seed(0)
+    images = (torch.rand(4, 3, 1, 1, generator=g) * 255).to(torch.uint8).expand(4, 3, 64, 64)
+    images = images.clone()
+    images[:, :, :32] = 255 - images[:, :, :32]
+    batch = {"image": images, "caption": ["a red sky", "a blue sea", "green", "dark room"]}
+    before = model.eval_loss(batch, seed=1)
+    opt = torch.optim.AdamW(model.transformer.parameters(), lr=3e-3)
+    for _ in range(30):
+        loss = model.loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    after = model.eval_loss(batch, seed=1)
+    assert after < 0.8 * before, (before, after)
+
+
+def test_trainer_on_bucketed_stream(tmp_path, tiny_t5):
+    """build_trainer on a real bucketed stream: counting, id log, data wait, checkpoint contents."""
+    from prx_data.training.callbacks import DataWaitMonitor, consumed_ids
+    from prx_data.training.trainer import build_trainer
+    from tests.exportkit import make_export
+
+    export = make_export(str(tmp_path / "export"), {"512/1.000": 8, "512/0.778": 4})
+    cfg = load_config(
+        None,
+        [
+            *tiny_overrides(tiny_t5),
+            f"data.datasets=[{{root: {tmp_path / 'export'}}}]",
+            "data.global_batch_size=4",
+            "data.num_workers=0",
+            "trainer.max_duration=6ba",
+            f"trainer.save_folder={tmp_path / 'ckpt'}",
+            "trainer.save_interval=6ba",
+            "trainer.run_name=tiny",
+            f"logging.sample_ids_dir={tmp_path / 'ids'}",
+            "logging.log_to_console=false",
+        ],
+    )
+    trainer = build_trainer(cfg)
+    trainer.fit()
+    state = trainer.state
+    # Two epochs of 3 batches; samples counted from the image batch dim.
+    assert int(state.timestamp.batch) == 6 and int(state.timestamp.sample) == 24
+    assert int(state.timestamp.epoch) == 2
+    wait = next(c for c in state.callbacks if isinstance(c, DataWaitMonitor))
+    assert 0.0 < wait.fraction < 1.0
+
+    ids = consumed_ids(tmp_path / "ids")
+    assert sorted(set(ids)) == sorted(export.all_ids())
+    assert all(ids.count(i) == 2 for i in set(ids))
+
+    ckpt = torch.load(tmp_path / "ckpt" / "ep2-ba6-rank0.pt", weights_only=False)
+    loader_state = ckpt["state"]["dataset_state"]["train"]
+    assert loader_state["epoch"] == 2 and "sample_in_epoch" in loader_state
+    keys = list(ckpt["state"]["model"])
+    assert keys and all(k.startswith("transformer.") for k in keys)  # no text encoder weights
+    trainer.close()

@@ -1,0 +1,150 @@
+"""Test-only builders of tiny, randomly initialised Hugging Face models.
+
+Nothing here is a feature: the weights are random and the generated text
+is noise. The point is that the captioning and classification jobs load
+these through the same ``from_pretrained(path)`` code they use for real
+checkpoints, so preprocessing, ``generate`` and decoding all run for real,
+on the CPU, with no downloads.
+
+* :func:`build_tiny_vlm` saves a ~0.3 M-parameter Qwen2-VL with its
+  processor (image processor + in-memory WordLevel tokenizer + chat template).
+* :func:`build_tiny_causal_lm` saves a tiny Qwen2 causal LM with a WordLevel
+  tokenizer and a chat template.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Words of the tiny vocabularies: the model emits these at random.
+_WORDS = (
+    "a the photo of cat dog red blue green sign text reads on in with and is large small "
+    "bright dark sky tree person street wall poster label visual nsfw image document "
+    "black white close view left right top bottom center"
+).split()
+
+_SPECIAL = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_VISION = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+#: Minimal chat template in the Qwen style: images become
+#: ``<|vision_start|><|image_pad|><|vision_end|>``, which the Qwen2-VL
+#: processor expands to one pad token per merged patch.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def _tokenizer(extra_special: list[str]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+
+    vocab_list = _SPECIAL + extra_special + ["user", "assistant", "system"] + _WORDS
+    # Words of the default prompts tokenize to <unk>: fine for noise generation.
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(vocab_list))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Qwen2TokenizerFast wraps any `tokenizers` object; the Qwen2-VL processor insists on it.
+    fast = Qwen2TokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        bos_token=None,
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>", *extra_special],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_vlm(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny Qwen2-VL (model + processor) under ``path`` and return it."""
+    import torch
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    path = Path(path)
+    tok = _tokenizer(_VISION)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in _VISION}
+    torch.manual_seed(seed)
+    config = Qwen2VLConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        vision_config={
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def build_tiny_causal_lm(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny Qwen2 causal LM with its tokenizer under ``path`` and return it."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    tok = _tokenizer([])
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
