@@ -25,6 +25,7 @@ from prx_data.export import (
     prepare_output,
     remove_stale_parts,
 )
+from prx_data.storage import storage_env
 
 from .runtime import ensure_ray
 
@@ -64,7 +65,11 @@ def run_export(
         import ray.data
 
         ds = ray.data.from_items([asdict(u) for u in todo], override_num_blocks=len(todo))
-        ds = ds.map(_ExportTask(cfg), num_cpus=1)
+        remote_args: dict = {"num_cpus": 1}
+        env = storage_env()
+        if env:  # workers started before these were set would not see them
+            remote_args["runtime_env"] = {"env_vars": env}
+        ds = ds.map(_ExportTask(cfg), **remote_args)
         bar = tqdm(
             total=len(units),
             initial=len(finished),

@@ -15,6 +15,14 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
+#: Environment variables that select object-storage endpoints and credentials.
+STORAGE_ENV_PREFIXES = ("S3_", "AWS_", "GOOGLE_", "GCS_", "AZURE_", "OCI_")
+
+
+def storage_env() -> dict[str, str]:
+    """The storage-related environment of this process, to forward to Ray workers."""
+    return {k: v for k, v in os.environ.items() if k.startswith(STORAGE_ENV_PREFIXES)}
+
 
 def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
@@ -99,5 +107,9 @@ def list_files(root: str, suffix: str = "", recursive: bool = True) -> list[str]
     out = []
     for info in fs.get_file_info(sel):
         if info.type == pafs.FileType.File and info.path.endswith(suffix):
-            out.append(posixpath.relpath(info.path, p) if is_remote(root) else os.path.relpath(info.path, p))
+            out.append(
+                posixpath.relpath(info.path, p)
+                if is_remote(root)
+                else os.path.relpath(info.path, p)
+            )
     return sorted(out)

@@ -35,3 +35,71 @@ def _clean_streaming_shm():
         clean_stale_shared_memory()
     except Exception:
         pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """An S3-compatible server (moto) on loopback; yields its endpoint URL.
+
+    Sets S3_ENDPOINT_URL and dummy AWS credentials for the whole session, as a
+    user pointing the toolkit at MinIO or another S3-compatible store would.
+    """
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except Exception:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto server did not start") from None
+            time.sleep(0.2)
+    env = {
+        "S3_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield url
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(moto_server):
+    """A fresh, empty bucket on the moto server; yields its name."""
+    import uuid
+
+    import boto3
+
+    name = f"prx-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket=name)
+    return name

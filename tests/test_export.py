@@ -281,3 +281,17 @@ def test_runs_on_two_node_ray_cluster(photo_table, tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["nodes"] == 2 and res["written"] == res["rows"] > 0
     assert is_complete(out)
+
+
+@pytest.mark.remote
+def test_export_to_object_storage(photo_table, s3_bucket, tmp_path, ray_local):
+    out = f"s3://{s3_bucket}/exports/run1"
+    report = run_export(ExportConfig(table=photo_table, out=out, rows_per_task=8), progress=False)
+    assert is_complete(out)
+    bucket = next(iter(report.buckets))
+    ds = StreamingDataset(
+        remote=f"{out}/{bucket}", local=str(tmp_path / "cache"), shuffle=False, batch_size=1
+    )
+    ids = [ds[i]["id"] for i in range(ds.num_samples)]
+    assert len(ids) == report.buckets[bucket]
+    assert all(i.startswith("sample/") for i in ids)
