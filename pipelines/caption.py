@@ -15,8 +15,6 @@ row ends with a status: ``ok`` (caption stored), ``empty``, ``looping``,
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,14 +22,19 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from pipelines.runtime import ensure_ray
 from prx_data import schema as S
 from prx_data.captioning import checks
-from prx_data.captioning.backends import BackendSpec, GenerationConfig, Request, make_spec
+from prx_data.captioning.backends import (
+    BackendSpec,
+    FailureGuard,
+    GenerationConfig,
+    Request,
+    make_spec,
+)
 from prx_data.captioning.images import DEFAULT_MAX_PIXELS, fit_image
 from prx_data.captioning.prompts import load_prompt
 from prx_data.captioning.writeback import ColumnReport, ColumnWriter, count_into, pending_filter
-
-log = logging.getLogger(__name__)
 
 #: Internal column carrying why a row was flagged (counted, not stored).
 REASON = "__reason"
@@ -68,7 +71,9 @@ class CaptionConfig:
             raise ValueError(f"refusing to write captions into the {self.column!r} column")
         bad = set(self.redo) - set(checks.STATUSES)
         if bad:
-            raise ValueError(f"unknown status(es) to redo: {sorted(bad)}; choose from {checks.STATUSES}")
+            raise ValueError(
+                f"unknown status(es) to redo: {sorted(bad)}; choose from {checks.STATUSES}"
+            )
         if self.max_pixels < 28 * 28:
             raise ValueError(f"max_pixels must be at least 784, got {self.max_pixels}")
         if self.limit is not None and self.limit < 0:
@@ -78,22 +83,9 @@ class CaptionConfig:
 # --- Ray helpers shared with pipelines.classify ------------------------------
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to Ray (``address`` / ``RAY_ADDRESS``) or start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    env = {"LANCE_CPU_THREADS": os.environ.get("LANCE_CPU_THREADS", "2")}
-    ray.init(
-        address=address or os.environ.get("RAY_ADDRESS"),
-        num_cpus=num_cpus,
-        runtime_env={"env_vars": env},
-        log_to_driver=False,
-    )
-
-
-def read_pending(uri: str, columns: list[str], where: str | None, limit: int | None, storage_options=None):
+def read_pending(
+    uri: str, columns: list[str], where: str | None, limit: int | None, storage_options=None
+):
     """Ray dataset of the pending rows, plus how many there are (for the progress bar)."""
     import ray
 
@@ -104,7 +96,8 @@ def read_pending(uri: str, columns: list[str], where: str | None, limit: int | N
     if limit is not None:
         total = min(total, limit)
     kwargs = {"storage_options": storage_options} if storage_options else {}
-    ds = ray.data.read_lance(uri, columns=columns, filter=where, **kwargs)
+    # Pin the version that was counted; the job's own write-backs add versions as it runs.
+    ds = ray.data.read_lance(uri, version=ds_lance.version, columns=columns, filter=where, **kwargs)
     if limit is not None:
         ds = ds.limit(limit)
     return ds, total
@@ -126,10 +119,14 @@ def drive(
     counts: Counter = Counter()
     reasons: Counter = Counter()
     start = time.perf_counter()
-    with tqdm(total=total, desc=desc, unit="row", disable=not progress, smoothing=0.1) as bar:
+    bar = tqdm(total=total, desc=desc, unit="row", disable=not progress, smoothing=0.1)
+    try:
         for batch in results:
             if batch.num_rows == 0:
                 continue
+            if not report.first_rows:
+                report.first_result_s = time.perf_counter() - start
+                report.first_rows = batch.num_rows
             writer.add(batch)
             count_into(counts, batch[count_column])
             if batch[count_column].null_count:
@@ -141,7 +138,10 @@ def drive(
             report.rows += batch.num_rows
             bar.update(batch.num_rows)
             bar.set_postfix({k: v for k, v in counts.most_common(4)}, refresh=False)
+    finally:
+        # Keep what is done even when the job stops (a failing backend, Ctrl-C).
         writer.flush()
+        bar.close()
     report.seconds = time.perf_counter() - start
     report.counts = dict(counts)
     report.reasons = dict(reasons)
@@ -150,8 +150,7 @@ def drive(
 
 
 def iter_results(ds) -> Iterator[pa.Table]:
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        yield batch
+    yield from ds.iter_batches(batch_format="pyarrow", batch_size=None)
 
 
 # --- the caption graph --------------------------------------------------------
@@ -190,15 +189,17 @@ class CaptionActor:
         self.column = column
         self.status = status_column(column)
         self.limits = limits
+        self.guard = FailureGuard()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         images = batch[_IMAGE_OK].to_pylist()
         reasons = batch[REASON].to_pylist()
         todo = [i for i, im in enumerate(images) if im is not None]
         gens = self.backend([Request(self.prompt, images[i]) for i in todo])
+        self.guard.update(gens)
         captions: list[str | None] = [None] * len(images)
         statuses = [checks.ERROR] * len(images)
-        for i, g in zip(todo, gens):
+        for i, g in zip(todo, gens, strict=True):
             status, text = checks.check(g.text, g.finish_reason, g.error, self.limits)
             statuses[i], captions[i] = status, text
             if status == checks.ERROR:

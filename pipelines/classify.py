@@ -25,10 +25,17 @@ from functools import lru_cache
 
 import pyarrow as pa
 
-from pipelines.caption import REASON, drive, ensure_ray, iter_results, read_pending
+from pipelines.caption import REASON, drive, iter_results, read_pending
+from pipelines.runtime import ensure_ray
 from prx_data import schema as S
 from prx_data.captioning import labels as L
-from prx_data.captioning.backends import BackendSpec, GenerationConfig, Request, make_spec
+from prx_data.captioning.backends import (
+    BackendSpec,
+    FailureGuard,
+    GenerationConfig,
+    Request,
+    make_spec,
+)
 from prx_data.captioning.prompts import fill_caption, load_classify_prompt
 from prx_data.captioning.writeback import ColumnReport, ColumnWriter, pending_filter
 
@@ -78,11 +85,17 @@ def _rules(path: str | None) -> L.RuleFilter:
     return L.RuleFilter.load(path)
 
 
-def rule_labels(batch: pa.Table, source_column: str, rules_file: str | None, rules_only: bool) -> pa.Table:
+def rule_labels(
+    batch: pa.Table, source_column: str, rules_file: str | None, rules_only: bool
+) -> pa.Table:
     """Label the rows the rules are sure about; with ``rules_only`` the rest are ``visual``."""
     rules = _rules(rules_file)
     hits = [rules(c) for c in batch[source_column].to_pylist()]
-    out = {S.ID: batch[S.ID], source_column: batch[source_column], _RULE: pa.array(hits, pa.string())}
+    out = {
+        S.ID: batch[S.ID],
+        source_column: batch[source_column],
+        _RULE: pa.array(hits, pa.string()),
+    }
     if rules_only:
         out[_RULE] = pa.array([h or L.VISUAL for h in hits], pa.string())
     out[REASON] = pa.array([f"rules: {h}" if h else "rules: no match" for h in hits], pa.string())
@@ -101,6 +114,7 @@ class ClassifyActor:
         self.template = template
         self.column = column
         self.source_column = source_column
+        self.guard = FailureGuard()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         captions = batch[self.source_column].to_pylist()
@@ -108,7 +122,8 @@ class ClassifyActor:
         reasons = batch[REASON].to_pylist()
         todo = [i for i, r in enumerate(result) if r is None]
         gens = self.backend([Request(fill_caption(self.template, captions[i])) for i in todo])
-        for i, g in zip(todo, gens):
+        self.guard.update(gens)
+        for i, g in zip(todo, gens, strict=True):
             if g.error is not None:
                 reasons[i] = f"backend: {g.error}"[:120]
                 continue  # stays null: retried on the next run
@@ -138,7 +153,9 @@ def build_graph(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | N
     if cfg.source_column not in existing:
         raise ValueError(f"table {cfg.table!r} has no column {cfg.source_column!r} to classify")
     where = pending_filter(existing, cfg.column, redo=cfg.redo, require=[cfg.source_column])
-    ds, total = read_pending(cfg.table, [S.ID, cfg.source_column], where, cfg.limit, cfg.storage_options)
+    ds, total = read_pending(
+        cfg.table, [S.ID, cfg.source_column], where, cfg.limit, cfg.storage_options
+    )
     batch_size = spec.batch_size if spec else 1024
     rules_file = cfg.rules_file if cfg.use_rules else None
     if cfg.use_rules:
@@ -160,7 +177,9 @@ def build_graph(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | N
             batch_format="pyarrow",
         )
     if cfg.rules_only:
-        ds = ds.map_batches(rules_as_labels, fn_kwargs={"column": cfg.column}, batch_format="pyarrow")
+        ds = ds.map_batches(
+            rules_as_labels, fn_kwargs={"column": cfg.column}, batch_format="pyarrow"
+        )
         return ds, total
     assert spec is not None and template is not None
     ds = ds.map_batches(
@@ -197,5 +216,9 @@ def run_classify(cfg: ClassifyConfig, spec: BackendSpec | None = None) -> Column
     report = ColumnReport(cfg.table, [cfg.column])
     if total == 0:
         return report
-    writer = ColumnWriter(cfg.table, [cfg.column], flush_rows=cfg.flush_rows, storage_options=cfg.storage_options)
-    return drive(iter_results(ds), writer, report, cfg.column, total, f"classify {cfg.column}", cfg.progress)
+    writer = ColumnWriter(
+        cfg.table, [cfg.column], flush_rows=cfg.flush_rows, storage_options=cfg.storage_options
+    )
+    return drive(
+        iter_results(ds), writer, report, cfg.column, total, f"classify {cfg.column}", cfg.progress
+    )

@@ -34,19 +34,34 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...)")
-    p.add_argument("--column", default="caption_vlm",
-                   help="column to write the captions to; its status goes to COLUMN_status "
-                   "(default: %(default)s)")
-    p.add_argument("--prompt-file", default=None,
-                   help="text file with the instruction (default: the packaged prx_data/prompts/caption.txt, "
-                   "one dense, visually grounded paragraph of ~100-200 words)")
-    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
-                   help="downsize images to at most this many pixels before sending them "
-                   "(default: %(default)s = 1280 patches of 28x28, Qwen-VL's usual budget)")
-    p.add_argument("--limit", type=int, default=None, help="caption at most this many rows (a trial run)")
-    p.add_argument("--redo", default="",
-                   help=f"comma-separated statuses to caption again, from {','.join(checks.STATUSES[:-1])} "
-                   "(default: none; rows that already have a caption are never redone)")
+    p.add_argument(
+        "--column",
+        default="caption_vlm",
+        help="column to write the captions to; its status goes to COLUMN_status "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-file",
+        default=None,
+        help="text file with the instruction (default: the packaged prx_data/prompts/caption.txt, "
+        "one dense, visually grounded paragraph of ~100-200 words)",
+    )
+    p.add_argument(
+        "--max-pixels",
+        type=int,
+        default=DEFAULT_MAX_PIXELS,
+        help="downsize images to at most this many pixels before sending them "
+        "(default: %(default)s = 1280 patches of 28x28, Qwen-VL's usual budget)",
+    )
+    p.add_argument(
+        "--limit", type=int, default=None, help="caption at most this many rows (a trial run)"
+    )
+    p.add_argument(
+        "--redo",
+        default="",
+        help=f"comma-separated statuses to caption again, from {','.join(checks.STATUSES[:-1])} "
+        "(default: none; rows that already have a caption are never redone)",
+    )
     add_backend_args(
         p,
         max_tokens=512,
@@ -57,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pipelines.caption import CaptionConfig, ensure_ray, run_caption
+    from pipelines.caption import CaptionConfig, run_caption
+    from pipelines.runtime import ensure_ray
 
     try:
         cfg = CaptionConfig(

@@ -33,22 +33,41 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...)")
-    p.add_argument("--column", default="label", help="column to write the labels to (default: %(default)s)")
-    p.add_argument("--source-column", default="caption_vlm",
-                   help="caption column the model reads (default: %(default)s)")
-    p.add_argument("--prompt-file", default=None,
-                   help="prompt template with a {caption} placeholder "
-                   "(default: the packaged prx_data/prompts/classify.txt)")
-    p.add_argument("--rules-file", default=None,
-                   help="rules file, one '<label>: <regex>' per line "
-                   "(default: the packaged prx_data/prompts/classify_rules.txt)")
+    p.add_argument(
+        "--column", default="label", help="column to write the labels to (default: %(default)s)"
+    )
+    p.add_argument(
+        "--source-column",
+        default="caption_vlm",
+        help="caption column the model reads (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-file",
+        default=None,
+        help="prompt template with a {caption} placeholder "
+        "(default: the packaged prx_data/prompts/classify.txt)",
+    )
+    p.add_argument(
+        "--rules-file",
+        default=None,
+        help="rules file, one '<label>: <regex>' per line "
+        "(default: the packaged prx_data/prompts/classify_rules.txt)",
+    )
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--rules-only", action="store_true",
-                      help="label with the rules alone, no model: unmatched rows become 'visual'")
+    mode.add_argument(
+        "--rules-only",
+        action="store_true",
+        help="label with the rules alone, no model: unmatched rows become 'visual'",
+    )
     mode.add_argument("--no-rules", action="store_true", help="send every caption to the model")
-    p.add_argument("--limit", type=int, default=None, help="label at most this many rows (a trial run)")
-    p.add_argument("--redo", default="",
-                   help="comma-separated labels to compute again, e.g. 'unknown' (default: none)")
+    p.add_argument(
+        "--limit", type=int, default=None, help="label at most this many rows (a trial run)"
+    )
+    p.add_argument(
+        "--redo",
+        default="",
+        help="comma-separated labels to compute again, e.g. 'unknown' (default: none)",
+    )
     add_backend_args(
         p,
         max_tokens=GenerationConfig(max_tokens=8).max_tokens,
@@ -63,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.rules_only and not (args.backend and args.model):
         p.error("--backend and --model are required unless --rules-only is given")
-    from pipelines.caption import ensure_ray
     from pipelines.classify import ClassifyConfig, run_classify
+    from pipelines.runtime import ensure_ray
 
     try:
         cfg = ClassifyConfig(

@@ -31,14 +31,19 @@ def describe_image(image: Image.Image | None, prompt: str) -> tuple[str, str]:
     """Default answer: the image's size and dominant channel, as one sentence."""
     if image is None:
         return label_caption(image, prompt)
-    r, g, b = (sum(c) / len(c) for c in zip(*image.getdata()))
+    r, g, b = (sum(c) / len(c) for c in zip(*image.getdata(), strict=True))
     colour = max((r, "red"), (g, "green"), (b, "blue"))[1]
     return f"A plain {colour} image of {image.width} by {image.height} pixels.", "stop"
 
 
 def label_caption(image: Image.Image | None, prompt: str) -> tuple[str, str]:
-    """Default text answer: a label chosen from keywords of the caption in the prompt."""
-    low = prompt.lower()
+    """Default text answer: a label chosen from keywords of the caption in the prompt.
+
+    The packaged prompt quotes the caption between triple quotes; only that
+    part is read (the instructions themselves mention every label).
+    """
+    parts = prompt.split('"""')
+    low = (parts[1] if len(parts) >= 3 else prompt).lower()
     if "weird" in low:
         return "I am not sure what you mean.", "stop"
     if "document" in low or "letters" in low:
@@ -63,6 +68,7 @@ class ChatServer:
         self.failed = 0
         self.image_sizes: list[tuple[int, int]] = []
         self.max_in_flight = 0
+        self.last_body: dict = {}
         self._in_flight = 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
@@ -109,6 +115,7 @@ class ChatServer:
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 with server.lock:
+                    server.last_body = body
                     server.requests += 1
                     failure = server.failures.pop(0) if server.failures else None
                     server._in_flight += 1
@@ -128,9 +135,13 @@ class ChatServer:
                     with server.lock:
                         server.failed += 1
                     headers = {"Retry-After": "0"} if failure == 429 else None
-                    return self._send(int(failure), {"error": {"message": "injected failure"}}, headers)
+                    return self._send(
+                        int(failure), {"error": {"message": "injected failure"}}, headers
+                    )
                 if body.get("model") != server.model:
-                    return self._send(404, {"error": {"message": f"model {body.get('model')!r} not served"}})
+                    return self._send(
+                        404, {"error": {"message": f"model {body.get('model')!r} not served"}}
+                    )
                 try:
                     content = body["messages"][-1]["content"]
                     image, prompt = None, content if isinstance(content, str) else ""
@@ -141,7 +152,9 @@ class ChatServer:
                             elif part["type"] == "image_url":
                                 url = part["image_url"]["url"]
                                 head, b64 = url.split(",", 1)
-                                if not head.startswith("data:image/") or not head.endswith(";base64"):
+                                if not head.startswith("data:image/") or not head.endswith(
+                                    ";base64"
+                                ):
                                     raise ValueError(f"not a base64 image data URL: {head}")
                                 image = Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
                     max_tokens = int(body["max_tokens"])

@@ -42,7 +42,7 @@ FLUENT = (
     "above. The cat occupies the centre of the frame, its head resting on its front paws and its "
     "green eyes half open. Soft window light falls from the left, leaving the right side of the "
     "blanket in gentle shadow. Behind the cat, out of focus, a wooden shelf holds two potted ferns "
-    "and a white mug with the word \"HOME\" printed in black capitals."
+    'and a white mug with the word "HOME" printed in black capitals.'
 )
 
 
@@ -94,9 +94,14 @@ def test_checks_detect_loops_in_words_and_characters():
     assert checks.is_looping(tail)
     assert not checks.is_looping(FLUENT)
     assert checks.is_looping("一只猫坐在窗边。" + "蓝色的毯子" * 10)
-    assert not checks.is_looping("一只小猫坐在窗边的蓝色毯子上，阳光从左侧照进房间，背景里有两盆绿色的植物和一个白色杯子。")
+    assert not checks.is_looping(
+        "一只小猫坐在窗边的蓝色毯子上，阳光从左侧照进房间，背景里有两盆绿色的植物和一个白色杯子。"
+    )
     # Looping wins over truncation: it says more about what went wrong.
-    assert checks.check("the the the the the the the the the the the the the", "length")[0] == "looping"
+    assert (
+        checks.check("the the the the the the the the the the the the the", "length")[0]
+        == "looping"
+    )
 
 
 # --- images and prompts --------------------------------------------------------
@@ -148,11 +153,18 @@ def test_spec_validation_and_resources():
 
 
 def test_vllm_backend_validates_and_explains_when_missing():
-    assert VLLMBackend.gpus_per_replica({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}) == 4
+    assert (
+        VLLMBackend.gpus_per_replica({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}) == 4
+    )
     assert VLLMBackend.engine_args({})["limit_mm_per_prompt"] == {"image": 1}
     assert "limit_mm_per_prompt" not in VLLMBackend.engine_args({}, text_only=True)
+    assert (
+        VLLMBackend.engine_args({"tensor_parallel_size": 2})["distributed_executor_backend"] == "mp"
+    )
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         VLLMBackend.engine_args({"tensor_parallel_size": 0})
+    with pytest.raises(ValueError, match="must be a dict"):
+        VLLMBackend.engine_args(["tensor_parallel_size", 2])
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -163,6 +175,18 @@ def test_vllm_backend_validates_and_explains_when_missing():
     else:  # pragma: no cover - only on GPU nodes with vllm
         spec = make_spec("vllm", "m", options={"engine_kwargs": {"tensor_parallel_size": 2}})
         assert spec.num_gpus == 2
+
+
+def test_failure_guard_stops_only_a_backend_failing_everywhere():
+    from prx_data.captioning.backends import FailureGuard, Generation
+
+    guard = FailureGuard(max_failed_batches=2)
+    bad, good = Generation(None, None, "http 503"), Generation("A cat.", "stop")
+    guard.update([bad, bad])
+    guard.update([bad, good])  # one success resets the count
+    guard.update([bad])
+    with pytest.raises(RuntimeError, match="every row"):
+        guard.update([bad, bad])
 
 
 def test_data_url_sniffs_the_format():
@@ -190,7 +214,9 @@ def test_openai_backend_retries_429_5xx_and_timeouts():
         out = b(reqs)
         b.close()
     assert [g.error for g in out] == [None] * 4
-    assert [g.text for g in out] == [f"A plain blue image of {40 + i} by 30 pixels." for i in range(4)]
+    assert [g.text for g in out] == [
+        f"A plain blue image of {40 + i} by 30 pixels." for i in range(4)
+    ]
     assert b.retries == 3
     assert srv.failed == 2
     assert srv.max_in_flight <= 2
@@ -198,7 +224,9 @@ def test_openai_backend_retries_429_5xx_and_timeouts():
 
 def test_openai_backend_gives_up_per_request():
     with ChatServer() as srv:
-        b = OpenAIBackend("test-model", base_url=srv.base_url, concurrency=1, max_retries=2, backoff=0.01)
+        b = OpenAIBackend(
+            "test-model", base_url=srv.base_url, concurrency=1, max_retries=2, backoff=0.01
+        )
         srv.fail_next(503, 503, 503)
         out = b([Request("Describe.", jpeg(8, 8)), Request("Describe.", jpeg(9, 9))])
         assert out[0].error.startswith("http 503") and out[1].error is None
@@ -227,7 +255,10 @@ def test_transformers_backend_generates_from_images(tiny_vlm):
     from prx_data.captioning.backends import TransformersBackend
 
     b = TransformersBackend(tiny_vlm, GenerationConfig(max_tokens=5), device="cpu")
-    reqs = [Request("Describe this image.", fit_image(jpeg(300, 200, c))[0]) for c in [(250, 0, 0), (0, 0, 250)]]
+    reqs = [
+        Request("Describe this image.", fit_image(jpeg(300, 200, c))[0])
+        for c in [(250, 0, 0), (0, 0, 250)]
+    ]
     out = b(reqs)
     assert len(out) == 2
     for g in out:
@@ -236,20 +267,13 @@ def test_transformers_backend_generates_from_images(tiny_vlm):
         if g.finish_reason == "length":
             assert g.text.strip()
     assert [g.text for g in b(reqs)] == [g.text for g in out]  # greedy is deterministic
-    with pytest.raises(ValueError, match="needs an image"):
-        b([Request("no image")])
+    # A request the backend cannot take costs its own row, not the batch.
+    mixed = b([reqs[0], Request("no image"), reqs[1]])
+    assert "needs an image" in mixed[1].error
+    assert [mixed[0].text, mixed[2].text] == [g.text for g in out]
 
 
 # --- the Ray pipeline --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False, log_to_driver=False)
-    yield
 
 
 def scripted(image, prompt):
@@ -309,18 +333,27 @@ def test_caption_pipeline_openai_statuses_resume_and_redo(tmp_path, ray_local):
         assert run_caption(cfg).rows == 0  # resumable: nothing left
         assert srv.requests == sent
         redo = run_caption(
-            CaptionConfig(**{**cfg.__dict__, "redo": ("truncated", "looping"), "generation": GenerationConfig(max_tokens=64)})
+            CaptionConfig(
+                **{
+                    **cfg.__dict__,
+                    "redo": ("truncated", "looping"),
+                    "generation": GenerationConfig(max_tokens=64),
+                }
+            )
         )
         assert redo.rows == 2 and redo.counts == {"ok": 1, "looping": 1}
         assert read_back(uri)["t/4"][1] == "ok"
         assert read_back(uri)["t/0"] == got["t/0"]
 
 
+@pytest.mark.slow  # a fresh actor imports torch and loads the model: 10-25 s here
 @pytest.mark.ray
 def test_caption_pipeline_transformers_tiny_vlm(tmp_path, ray_local, tiny_vlm):
     from pipelines.caption import CaptionConfig, run_caption
 
-    uri = make_table(tmp_path / "v.lance", [jpeg(160, 120, (i * 60, 90, 30)) for i in range(4)] + [b"x"])
+    uri = make_table(
+        tmp_path / "v.lance", [jpeg(160, 120, (i * 60, 90, 30)) for i in range(4)] + [b"x"]
+    )
     cfg = CaptionConfig(
         table=uri,
         backend="transformers",
@@ -353,8 +386,11 @@ def test_caption_cli_runs_and_reports(tmp_path, ray_local):
                 "--table", uri, "--backend", "openai", "--model", "test-model",
                 "--base-url", srv.base_url, "--column", "cap2", "--limit", "2",
                 "--report-json", str(out), "--no-progress",
+                "--chat-template-kwargs", '{"enable_thinking": false}',
             ]
         )  # fmt: skip
+        assert srv.last_body["chat_template_kwargs"] == {"enable_thinking": False}
+        assert srv.last_body["max_tokens"] == 512
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["rows"] == 2 and report["counts"] == {"ok": 2}
@@ -363,10 +399,57 @@ def test_caption_cli_runs_and_reports(tmp_path, ray_local):
 
 def test_caption_cli_help_and_bad_input(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "prx_data.caption", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "prx_data.caption", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    for opt in ("--table", "--backend", "--model", "--column", "--prompt-file", "--max-pixels", "--limit"):
+    for opt in (
+        "--table",
+        "--backend",
+        "--model",
+        "--column",
+        "--prompt-file",
+        "--max-pixels",
+        "--limit",
+    ):
         assert opt in r.stdout
     from prx_data.caption import main
 
-    assert main(["--table", str(tmp_path / "none"), "--backend", "openai", "--model", "m", "--redo", "bogus"]) == 2
+    assert (
+        main(
+            [
+                "--table",
+                str(tmp_path / "none"),
+                "--backend",
+                "openai",
+                "--model",
+                "m",
+                "--redo",
+                "bogus",
+            ]
+        )
+        == 2
+    )
+
+
+@pytest.mark.slow  # Ray tears the failed pipeline down slowly: ~30 s here
+@pytest.mark.ray
+def test_caption_pipeline_stops_when_the_backend_is_down(tmp_path, ray_local):
+    from pipelines.caption import CaptionConfig, run_caption
+
+    uri = make_table(tmp_path / "down.lance", [jpeg(20, 20)] * 7)
+    with ChatServer() as srv:
+        dead = srv.base_url  # the port is closed once the server stops
+    cfg = CaptionConfig(
+        table=uri,
+        backend="openai",
+        model="test-model",
+        backend_options={"base_url": dead, "max_retries": 0, "concurrency": 1},
+        batch_size=1,
+        progress=False,
+    )
+    with pytest.raises(Exception, match="failed on every row"):
+        run_caption(cfg)
+    # Nothing was stored as a caption; the rows stay selectable for the next run.
+    assert all(cap is None for cap, _ in read_back(uri).values())

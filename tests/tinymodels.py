@@ -17,11 +17,49 @@ from __future__ import annotations
 from pathlib import Path
 
 # Words of the tiny vocabularies: the model emits these at random.
-_WORDS = (
-    "a the photo of cat dog red blue green sign text reads on in with and is large small "
-    "bright dark sky tree person street wall poster label visual nsfw image document "
-    "black white close view left right top bottom center"
-).split()
+_WORDS = [
+    "a",
+    "the",
+    "photo",
+    "of",
+    "cat",
+    "dog",
+    "red",
+    "blue",
+    "green",
+    "sign",
+    "text",
+    "reads",
+    "on",
+    "in",
+    "with",
+    "and",
+    "is",
+    "large",
+    "small",
+    "bright",
+    "dark",
+    "sky",
+    "tree",
+    "person",
+    "street",
+    "wall",
+    "poster",
+    "label",
+    "visual",
+    "nsfw",
+    "image",
+    "document",
+    "black",
+    "white",
+    "close",
+    "view",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "center",
+]
 
 _SPECIAL = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _VISION = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]

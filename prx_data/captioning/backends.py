@@ -25,6 +25,7 @@ import base64
 import importlib.util
 import inspect
 import json
+import logging
 import random
 import threading
 import time
@@ -33,6 +34,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+log = logging.getLogger(__name__)
 
 
 class BackendUnavailable(RuntimeError):
@@ -91,7 +94,7 @@ class Backend(ABC):
         self.model = model
         self.generation = generation or GenerationConfig()
 
-    @classmethod
+    @classmethod  # noqa: B027 - optional hook
     def check_available(cls) -> None:
         """Raise :class:`BackendUnavailable` when this backend cannot run here."""
 
@@ -108,15 +111,58 @@ class Backend(ABC):
         """Native outputs -> one :class:`Generation` per request, in order."""
 
     def __call__(self, requests: Sequence[Request]) -> list[Generation]:
+        """Run a batch; if it fails as a whole, run its requests one by one.
+
+        One bad input (an aspect ratio the processor rejects, a prompt over
+        the context length) then costs one ``error`` row, not the batch. A
+        backend failing on every row is caught by :class:`FailureGuard`.
+        """
         if not requests:
             return []
-        out = self.decode(self.generate(self.prepare(requests)))
+        try:
+            out = self.decode(self.generate(self.prepare(requests)))
+        except Exception as e:
+            if len(requests) == 1:
+                return [Generation(None, None, f"{type(e).__name__}: {e}"[:300])]
+            log.warning(
+                "%s batch of %d failed (%s); retrying one by one", self.name, len(requests), e
+            )
+            return [g for r in requests for g in self([r])]
         if len(out) != len(requests):
-            raise RuntimeError(f"{self.name} backend returned {len(out)} results for {len(requests)} requests")
+            raise RuntimeError(
+                f"{self.name} backend returned {len(out)} results for {len(requests)} requests"
+            )
         return out
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, sessions, engines)."""
+
+
+class FailureGuard:
+    """Stops a job whose backend fails on every row, instead of marking the whole table.
+
+    Per-row errors are normal (a corrupt image, a request that ran out of
+    retries); ``max_failed_batches`` consecutive batches with no success
+    mean the model or endpoint is down, and the job should stop (it is
+    resumable) rather than store ``error`` everywhere.
+    """
+
+    def __init__(self, max_failed_batches: int = 5):
+        self.max_failed_batches = max_failed_batches
+        self.failed_batches = 0
+
+    def update(self, gens: Sequence[Generation]) -> None:
+        if not gens:
+            return
+        if all(g.error is not None for g in gens):
+            self.failed_batches += 1
+            if self.failed_batches >= self.max_failed_batches:
+                raise RuntimeError(
+                    f"the backend failed on every row of {self.failed_batches} batches in a row; "
+                    f"last error: {gens[-1].error}. Fix the backend and rerun: finished rows are kept."
+                )
+        else:
+            self.failed_batches = 0
 
 
 def image_mime(data: bytes) -> str:
@@ -175,6 +221,7 @@ class TransformersBackend(Backend):
         device: str = "auto",
         dtype: str = "auto",
         trust_remote_code: bool = False,
+        chat_template_kwargs: dict | None = None,
     ):
         super().__init__(model, generation)
         import torch
@@ -182,6 +229,8 @@ class TransformersBackend(Backend):
 
         self._torch = torch
         self.text_only = text_only
+        #: Extra template variables, e.g. ``{"enable_thinking": False}`` for Qwen3.
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
@@ -220,7 +269,10 @@ class TransformersBackend(Backend):
         if not template:
             return request.prompt
         return self.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=False,
+            **self.chat_template_kwargs,
         )
 
     def prepare(self, requests: Sequence[Request]) -> Any:
@@ -232,13 +284,19 @@ class TransformersBackend(Backend):
         if self.text_only:
             if any(r.image is not None for r in requests):
                 raise ValueError("text-only transformers backend got an image")
-            enc = self.tokenizer(texts, return_tensors="pt", padding=True, return_token_type_ids=False)
+            enc = self.tokenizer(
+                texts, return_tensors="pt", padding=True, return_token_type_ids=False
+            )
         else:
             if any(r.image is None for r in requests):
                 raise ValueError("vision transformers backend needs an image in every request")
             images = [Image.open(io.BytesIO(r.image)).convert("RGB") for r in requests]
             enc = self.processor(
-                text=texts, images=images, return_tensors="pt", padding=True, return_token_type_ids=False
+                text=texts,
+                images=images,
+                return_tensors="pt",
+                padding=True,
+                return_token_type_ids=False,
             )
         return enc.to(self.device)
 
@@ -372,7 +430,9 @@ class OpenAIBackend(Backend):
         for attempt in range(self.max_retries + 1):
             retry_after = None
             try:
-                resp = self._session().post(self.url, json=body, headers=self.headers, timeout=self.timeout)
+                resp = self._session().post(
+                    self.url, json=body, headers=self.headers, timeout=self.timeout
+                )
             except (req.ConnectionError, req.Timeout) as e:
                 last = RuntimeError(f"http: {type(e).__name__}")
             else:
@@ -431,9 +491,11 @@ class VLLMBackend(Backend):
         *,
         text_only: bool = False,
         engine_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
         super().__init__(model, generation)
         self.check_available()
+        self.chat_template_kwargs = dict(chat_template_kwargs or {}) or None
         self.engine_kwargs = self.engine_args(engine_kwargs, text_only)
         from vllm import LLM, SamplingParams
 
@@ -459,15 +521,19 @@ class VLLMBackend(Backend):
     @staticmethod
     def engine_args(engine_kwargs: dict | None, text_only: bool = False) -> dict:
         """Defaults merged with the user's ``engine_kwargs`` (validated, no vllm import)."""
-        kwargs = dict(engine_kwargs or {})
         if not isinstance(engine_kwargs or {}, dict):
             raise ValueError(f"engine_kwargs must be a dict, got {type(engine_kwargs).__name__}")
+        kwargs = dict(engine_kwargs or {})
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
             v = kwargs.get(key, 1)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"engine_kwargs[{key!r}] must be a positive integer, got {v!r}")
         if not text_only:
             kwargs.setdefault("limit_mm_per_prompt", {"image": 1})
+        if VLLMBackend.gpus_per_replica(kwargs) > 1:
+            # The actor owns all of its replica's GPUs: vLLM's own worker processes
+            # use them directly instead of asking Ray for more.
+            kwargs.setdefault("distributed_executor_backend", "mp")
         return kwargs
 
     @staticmethod
@@ -479,7 +545,9 @@ class VLLMBackend(Backend):
         return [chat_messages(r) for r in requests]
 
     def generate(self, prepared: list[list[dict]]) -> Any:
-        return self.llm.chat(prepared, self.sampling, use_tqdm=False)
+        return self.llm.chat(
+            prepared, self.sampling, use_tqdm=False, chat_template_kwargs=self.chat_template_kwargs
+        )
 
     def decode(self, raw: Any) -> list[Generation]:
         out = []
@@ -523,9 +591,7 @@ class BackendSpec:
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             unknown = sorted(set(self.options) - set(params) - {"self", "model", "generation"})
             if unknown:
-                allowed = [
-                    n for n, p in params.items() if p.kind is p.KEYWORD_ONLY
-                ]
+                allowed = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
                 raise ValueError(
                     f"unknown option(s) {unknown} for the {self.cls.name} backend; "
                     f"allowed: {allowed}"

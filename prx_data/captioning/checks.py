@@ -63,7 +63,9 @@ def _periodic_tail(tokens: list, limits: LoopLimits, min_cover: int) -> bool:
     for period in range(1, min(limits.max_period, n // limits.min_repeats) + 1):
         block = tokens[n - period :]
         reps = 1
-        while (reps + 1) * period <= n and tokens[n - (reps + 1) * period : n - reps * period] == block:
+        while (reps + 1) * period <= n and tokens[
+            n - (reps + 1) * period : n - reps * period
+        ] == block:
             reps += 1
         if reps >= limits.min_repeats and reps * period >= min_cover:
             return True
@@ -76,7 +78,7 @@ def is_looping(text: str, limits: LoopLimits = LoopLimits()) -> bool:
     if len(words) >= limits.min_words and _periodic_tail(words, limits, limits.min_words):
         return True
     if len(words) >= limits.min_ngram_words:
-        grams = list(zip(words, words[1:], words[2:], words[3:]))
+        grams = list(zip(words, words[1:], words[2:], words[3:], strict=False))
         if len(set(grams)) / len(grams) < limits.min_distinct_4grams:
             return True
     # Scripts without spaces (CJK): the same tests on characters.
@@ -84,7 +86,7 @@ def is_looping(text: str, limits: LoopLimits = LoopLimits()) -> bool:
     if len(words) < len(chars) / 8 and len(chars) >= limits.min_chars:
         if _periodic_tail(chars, limits, limits.min_chars):
             return True
-        grams = Counter(zip(chars, chars[1:], chars[2:], chars[3:]))
+        grams = Counter(zip(chars, chars[1:], chars[2:], chars[3:], strict=False))
         if len(grams) / max(1, sum(grams.values())) < limits.min_distinct_4grams:
             return True
     return False

@@ -90,7 +90,9 @@ class RuleFilter:
             label, sep, body = line.partition(":")
             label, body = label.strip().lower(), body.strip()
             if not sep or label not in LABELS or not body:
-                raise ValueError(f"{p}:{lineno}: expected '<visual|text|nsfw>: <regex>', got {raw!r}")
+                raise ValueError(
+                    f"{p}:{lineno}: expected '<visual|text|nsfw>: <regex>', got {raw!r}"
+                )
             m = re.fullmatch(r"quoted_words\s*>=\s*(\d+)", body)
             if m:
                 rules.append(Rule(label, min_quoted_words=int(m.group(1))))

@@ -38,7 +38,9 @@ def load_classify_prompt(path: str | Path | None = None) -> str:
     """The text-only classification prompt; it must contain ``{caption}``."""
     text = load_prompt(path, CLASSIFY_PROMPT)
     if CAPTION_SLOT not in text:
-        raise ValueError(f"classification prompt must contain {CAPTION_SLOT!r} where the caption goes")
+        raise ValueError(
+            f"classification prompt must contain {CAPTION_SLOT!r} where the caption goes"
+        )
     return text
 
 

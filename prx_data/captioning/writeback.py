@@ -63,15 +63,27 @@ class ColumnReport:
     reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     written: int = 0
+    #: Seconds until the first results arrived (actor start-up, model load).
+    first_result_s: float = 0.0
+    first_rows: int = 0
 
     @property
     def rows_per_s(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def steady_rows_per_s(self) -> float:
+        """Throughput after the first results: what a long run converges to."""
+        dt = self.seconds - self.first_result_s
+        return (self.rows - self.first_rows) / dt if dt > 0 and self.rows > self.first_rows else 0.0
+
     def summary(self) -> str:
-        counts = ", ".join(f"{k} {v:,}" for k, v in sorted(self.counts.items(), key=lambda kv: -kv[1]))
+        counts = ", ".join(
+            f"{k} {v:,}" for k, v in sorted(self.counts.items(), key=lambda kv: -kv[1])
+        )
         lines = [
-            f"{self.rows:,} rows in {self.seconds:.1f} s ({self.rows_per_s:,.1f} rows/s) "
+            f"{self.rows:,} rows in {self.seconds:.1f} s ({self.rows_per_s:,.1f} rows/s; "
+            f"{self.steady_rows_per_s:,.1f} rows/s after {self.first_result_s:.1f} s start-up) "
             f"-> {', '.join(self.columns)} of {self.table}",
             f"  {counts or 'nothing to do'}",
         ]
@@ -88,6 +100,8 @@ class ColumnReport:
             "reasons": self.reasons,
             "seconds": round(self.seconds, 3),
             "rows_per_s": round(self.rows_per_s, 2),
+            "steady_rows_per_s": round(self.steady_rows_per_s, 2),
+            "first_result_s": round(self.first_result_s, 3),
         }
 
 
@@ -138,7 +152,11 @@ class ColumnWriter:
         self._pending, self._n = [], 0
         for col in self.columns:
             update_column(
-                self.uri, col, values.select([self.key, col]), key=self.key, storage_options=self.storage_options
+                self.uri,
+                col,
+                values.select([self.key, col]),
+                key=self.key,
+                storage_options=self.storage_options,
             )
         self.written += values.num_rows
 
