@@ -125,8 +125,7 @@ def _ray_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]:
         batch_size=cfg.batch_size,
         zero_copy_batch=True,
     )
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        yield batch
+    yield from ds.iter_batches(batch_format="pyarrow", batch_size=None)
 
 
 def _flush(cfg: PhashJobConfig, chunks: list[pa.Table]) -> None:
@@ -139,7 +138,10 @@ def _flush(cfg: PhashJobConfig, chunks: list[pa.Table]) -> None:
     failed = t.filter(t[PHASH_ERROR].is_valid())
     if failed.num_rows:
         update_column(
-            cfg.table, PHASH_ERROR, failed.select([S.ID, PHASH_ERROR]), storage_options=cfg.storage_options
+            cfg.table,
+            PHASH_ERROR,
+            failed.select([S.ID, PHASH_ERROR]),
+            storage_options=cfg.storage_options,
         )
 
 

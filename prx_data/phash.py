@@ -14,11 +14,12 @@ Two ways to get the grayscale pixels:
 * the default fast path asks libjpeg (through OpenCV) for a 1/2, 1/4 or 1/8
   scaled grayscale decode, done in the DCT domain, so most of the inverse
   DCT and all the colour work is skipped. The reduction is the largest that
-  keeps the short side at or above :data:`MIN_DECODE_SIDE` pixels, and the
-  Lanczos resize maps the exact image extent (``width / k``) so the partial
-  last block does not stretch the picture. Hashes may differ from the
-  reference in a few bits near the median threshold; ``tests/test_phash.py``
-  measures how many on procedural images.
+  keeps the short side at or above :data:`MIN_DECODE_SIDE` pixels. The
+  resize applies Pillow's Lanczos weights as two small matrix products over
+  the exact image extent (``width / k``), so the partial last block does
+  not stretch the picture. Hashes may differ from the reference in a few
+  bits near the median threshold; ``tests/test_phash.py`` bounds how many
+  and docs/DEDUP.md gives the measured figures.
 
 EXIF orientation is applied on both paths, so a rotated-by-tag copy and a
 physically rotated copy hash alike. Alpha is ignored, as in ``imagehash``.
@@ -31,6 +32,7 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import scipy.fftpack
@@ -41,13 +43,14 @@ from prx_data.imaging import ImageError
 HASH_SIZE = 8
 IMG_SIZE = 32  # HASH_SIZE * highfreq_factor (4), as in imagehash
 #: The reduced JPEG decode keeps at least this many pixels on the short side.
-#: 64 (2x the hash input) keeps the scaled IDCT's box filter well below the
-#: Lanczos cut-off; see the measured mismatch in tests/test_phash.py.
+#: 64 (2x the hash input) keeps the scaled IDCT's block averaging well above
+#: the Lanczos cut-off; 32 costs a little agreement, 128 gains a little and
+#: decodes slower (measured while choosing it; see docs/DEDUP.md).
 MIN_DECODE_SIDE = 64
 
 _JPEG_SOI = b"\xff\xd8"
+#: libjpeg scale denominator -> OpenCV flag name (cv2 is imported lazily; 1 = full decode).
 _REDUCED = {
-    1: None,  # full decode, set below (cv2 imported lazily)
     2: "IMREAD_REDUCED_GRAYSCALE_2",
     4: "IMREAD_REDUCED_GRAYSCALE_4",
     8: "IMREAD_REDUCED_GRAYSCALE_8",
@@ -114,13 +117,19 @@ def to_bits(h: int | np.integer) -> np.ndarray:
 _BYTE_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
 
+def popcount_table(x: np.ndarray) -> np.ndarray:
+    """Set bits per uint64 element via a byte lookup table (numpy < 2 has no popcount)."""
+    x = np.ascontiguousarray(x, dtype=np.uint64)
+    as_bytes = x.reshape(-1).view(np.uint8).reshape(-1, 8)
+    return _BYTE_POPCOUNT[as_bytes].sum(axis=1, dtype=np.uint8).reshape(x.shape)
+
+
 def popcount64(x: np.ndarray) -> np.ndarray:
     """Set bits per uint64 element (``np.bitwise_count`` when numpy has it)."""
     x = np.asarray(x, dtype=np.uint64)
     if hasattr(np, "bitwise_count"):
         return np.bitwise_count(x).astype(np.uint8)
-    as_bytes = x.reshape(-1).view(np.uint8).reshape(-1, 8)
-    return _BYTE_POPCOUNT[as_bytes].sum(axis=1, dtype=np.uint8).reshape(x.shape)
+    return popcount_table(x)
 
 
 def hamming(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
@@ -146,8 +155,68 @@ def _open(data: bytes) -> Image.Image:
         raise ImageError("decode_error", str(e)) from None
 
 
-def _pil_gray32(im: Image.Image, box: tuple[float, float, float, float] | None = None) -> np.ndarray:
+def _pil_gray32(
+    im: Image.Image, box: tuple[float, float, float, float] | None = None
+) -> np.ndarray:
     return np.asarray(im.resize((IMG_SIZE, IMG_SIZE), Image.Resampling.LANCZOS, box=box))
+
+
+def _lanczos(x: np.ndarray) -> np.ndarray:
+    return np.where(np.abs(x) < 3.0, np.sinc(x) * np.sinc(x / 3.0), 0.0)
+
+
+@lru_cache(maxsize=4096)
+def _lanczos_weights(in_size: int, extent: float, out_size: int = IMG_SIZE) -> np.ndarray:
+    """Pillow's antialiased Lanczos resampling weights, ``(out_size, in_size)`` float32.
+
+    Same support, centres and per-output normalisation as Pillow's
+    ``precompute_coeffs`` for the box ``[0, extent)``; Pillow applies them in
+    fixed point with an 8-bit intermediate, so results agree to rounding.
+    """
+    scale = extent / out_size
+    filterscale = max(scale, 1.0)
+    support = 3.0 * filterscale
+    w = np.zeros((out_size, in_size), np.float64)
+    for xx in range(out_size):
+        center = (xx + 0.5) * scale
+        xmin = max(int(center - support + 0.5), 0)
+        xmax = min(int(center + support + 0.5), in_size)
+        x = np.arange(xmin, xmax)
+        k = _lanczos((x - center + 0.5) / filterscale)
+        total = k.sum()
+        if total != 0:
+            w[xx, xmin:xmax] = k / total
+    return w.astype(np.float32)
+
+
+#: OpenBLAS runs a GEMM single-threaded below m*n*k = 65536 * 4; above it, its
+#: threads spin against the other workers (Ray runs one per core) and a
+#: 32x32 resize can take 100x longer. Products are cut below that size.
+_SINGLE_THREAD_GEMM = 65536 * 4 - 1
+
+
+def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` in pieces small enough for single-threaded BLAS (see above)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if m * n * k <= _SINGLE_THREAD_GEMM:
+        return a @ b
+    out = np.zeros((m, n), np.result_type(a, b))
+    kc = max(1, min(k, _SINGLE_THREAD_GEMM // max(1, m)))
+    nc = max(1, _SINGLE_THREAD_GEMM // (m * kc))
+    for k0 in range(0, k, kc):
+        for n0 in range(0, n, nc):
+            out[:, n0 : n0 + nc] += a[:, k0 : k0 + kc] @ b[k0 : k0 + kc, n0 : n0 + nc]
+    return out
+
+
+def _resize32(gray: np.ndarray, extent: tuple[float, float]) -> np.ndarray:
+    """Lanczos resize of a 2-D uint8 array's ``[0, w) x [0, h)`` box to 32x32 (two small matmuls)."""
+    rows, cols = gray.shape
+    wy = _lanczos_weights(rows, float(extent[1]))
+    wx = _lanczos_weights(cols, float(extent[0]))
+    out = _gemm(_gemm(wy, gray.astype(np.float32)), np.ascontiguousarray(wx.T))
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
 def phash_image(im: Image.Image) -> int:
@@ -168,7 +237,9 @@ def _exact_pixels(data: bytes) -> np.ndarray:
         raise ImageError("decompression_bomb", str(e)) from None
     except OSError as e:
         msg = str(e)
-        reason = "truncated" if "truncated" in msg or "broken data stream" in msg else "decode_error"
+        reason = (
+            "truncated" if "truncated" in msg or "broken data stream" in msg else "decode_error"
+        )
         raise ImageError(reason, msg) from None
     except (ValueError, SyntaxError, EOFError, MemoryError) as e:
         raise ImageError("decode_error", str(e)) from None
@@ -206,7 +277,7 @@ def _fast_pixels(data: bytes, size: tuple[int, int] | None, min_side: int) -> np
         gray = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_GRAYSCALE)
         if gray is None or gray.ndim != 2 or gray.size == 0:
             return _exact_pixels(data)  # formats OpenCV lacks, or a clear error from Pillow
-        return _pil_gray32(Image.fromarray(gray))
+        return _resize32(gray, (gray.shape[1], gray.shape[0]))
     if size is None or not all(size):
         size = _open(data).size
     if size[0] * size[1] > 2 * Image.MAX_IMAGE_PIXELS:
@@ -216,12 +287,15 @@ def _fast_pixels(data: bytes, size: tuple[int, int] | None, min_side: int) -> np
     gray = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
     if gray is None or gray.size == 0:
         return _exact_pixels(data)  # Pillow says why (truncated, decode_error, ...)
-    w, h = _extent(gray.shape, size, k)
-    return _pil_gray32(Image.fromarray(gray), box=(0.0, 0.0, w, h))
+    return _resize32(gray, _extent(gray.shape, size, k))
 
 
 def gray32(
-    data: bytes, *, size: tuple[int, int] | None = None, exact: bool = False, min_side: int = MIN_DECODE_SIDE
+    data: bytes,
+    *,
+    size: tuple[int, int] | None = None,
+    exact: bool = False,
+    min_side: int = MIN_DECODE_SIDE,
 ) -> np.ndarray:
     """The 32x32 grayscale block the hash is computed from. Raises :class:`ImageError`."""
     if exact:
@@ -230,7 +304,11 @@ def gray32(
 
 
 def phash_bytes(
-    data: bytes, *, size: tuple[int, int] | None = None, exact: bool = False, min_side: int = MIN_DECODE_SIDE
+    data: bytes,
+    *,
+    size: tuple[int, int] | None = None,
+    exact: bool = False,
+    min_side: int = MIN_DECODE_SIDE,
 ) -> int:
     """pHash of one encoded image. ``size`` (from a table's header columns) saves a header parse."""
     return int(hash_from_pixels(gray32(data, size=size, exact=exact, min_side=min_side)))

@@ -17,13 +17,13 @@ from PIL import Image, ImageDraw
 def make_image(seed: int, width: int, height: int) -> Image.Image:
     """A deterministic RGB picture: gradient + smoothed noise + shapes."""
     rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = np.empty((height, width, 3), np.float32)
+    x = np.arange(width, dtype=np.float32)[None, :] / width
+    y = np.arange(height, dtype=np.float32)[:, None] / height
     angle = rng.uniform(0, 2 * np.pi)
-    t = (np.cos(angle) * xx / width + np.sin(angle) * yy / height + 1.0) / 2.0
-    c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
-    for ch in range(3):
-        base[..., ch] = c0[ch] * (1 - t) + c1[ch] * t
+    t = ((np.cos(angle) * x + np.sin(angle) * y + 1.0) / 2.0)[..., None]
+    c0 = rng.uniform(0, 255, 3).astype(np.float32)
+    c1 = rng.uniform(0, 255, 3).astype(np.float32)
+    base = c0 + (c1 - c0) * t
     # Noise at a few scales, upsampled so it has structure, not just grain.
     for cells, amp in ((4, 60.0), (16, 25.0), (64, 8.0)):
         gw, gh = (
@@ -32,7 +32,7 @@ def make_image(seed: int, width: int, height: int) -> Image.Image:
         )
         grid = rng.normal(0, amp, (gh, gw, 3)).astype(np.float32)
         base += cv2.resize(grid, (width, height), interpolation=cv2.INTER_CUBIC)
-    im = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8), "RGB")
+    im = Image.fromarray(np.clip(base, 0, 255, out=base).astype(np.uint8), "RGB")
     draw = ImageDraw.Draw(im)
     for _ in range(int(rng.integers(3, 12))):
         x0, x1 = sorted(rng.uniform(0, width, 2))

@@ -4,13 +4,14 @@ What "match" means here:
 
 * ``exact=True`` (full Pillow decode): the same 64 bits as
   ``imagehash.phash(ImageOps.exif_transpose(im))`` on every tested image,
-  JPEG and PNG, RGB, RGBA, palette and grayscale, 20 to 2400 px.
+  JPEG and PNG, RGB, RGBA, palette and grayscale, 20 to 900 px.
 * the default fast path (libjpeg DCT-domain reduced decode to >= 64 px on
-  the short side): measured over 150 procedural JPEGs of 64-2400 px, at
-  least 80 % of hashes are bit-identical, the mean Hamming distance to the
-  reference is below 0.5 bit and no hash is more than 4 bits away (the
-  measured worst case while writing this was 2 bits, 90 % identical).
-  Differences come in pairs: the median threshold keeps 32 bits set.
+  the short side): over 50 procedural JPEGs of 64-1200 px (300 of 64-3000
+  px in the ``slow`` variant) at least 80 % of hashes are bit-identical,
+  the mean Hamming distance to the reference is below 0.5 bit and no hash
+  is more than 4 bits away. Measured when this was written: 300 images,
+  92 % identical, mean 0.17 bit, one image at 4 bits (docs/DEDUP.md). Differences come in pairs: the median
+  threshold keeps 32 bits set.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ def reference(data: bytes) -> int:
     return int(str(imagehash.phash(im)), 16)
 
 
-@pytest.fixture(scope="module")
-def jpeg_set() -> list[bytes]:
-    return [jpeg(make_image(i, w, h), 92) for i, (w, h) in enumerate(sizes(150, seed=7, lo=64, hi=2400))]
+def jpeg_set(n: int, hi: int) -> list[bytes]:
+    return [
+        jpeg(make_image(i, w, h), 92) for i, (w, h) in enumerate(sizes(n, seed=7, lo=64, hi=hi))
+    ]
 
 
 def test_pixels_to_bits_match_imagehash_packing():
@@ -53,7 +55,7 @@ def test_pixels_to_bits_match_imagehash_packing():
 
 def test_exact_path_is_bit_identical_to_reference():
     datas = []
-    for i, (w, h) in enumerate(sizes(40, seed=3, lo=20, hi=1500)):
+    for i, (w, h) in enumerate(sizes(25, seed=3, lo=20, hi=900)):
         im = make_image(100 + i, w, h)
         kind = i % 5
         if kind == 0:
@@ -71,9 +73,13 @@ def test_exact_path_is_bit_identical_to_reference():
     assert [int(h) for h in res.hashes] == [reference(d) for d in datas]
 
 
-def test_fast_path_is_close_to_reference(jpeg_set):
-    fast = P.phash_many(jpeg_set).hashes
-    ref = np.array([reference(d) for d in jpeg_set], np.uint64)
+@pytest.mark.parametrize(
+    "n,hi", [(50, 1200), pytest.param(300, 3000, marks=pytest.mark.slow)], ids=["50", "300-slow"]
+)
+def test_fast_path_is_close_to_reference(n, hi):
+    datas = jpeg_set(n, hi)
+    fast = P.phash_many(datas).hashes
+    ref = np.array([reference(d) for d in datas], np.uint64)
     dist = P.hamming(fast, ref)
     assert dist.max() <= 4, np.bincount(dist)
     assert dist.mean() < 0.5, np.bincount(dist)
@@ -118,7 +124,8 @@ def test_duplicates_and_near_duplicates_versus_distinct_images():
     exact_copy = np.array([P.phash_bytes(jpeg(im)) for im in ims], np.uint64)
     reencoded = np.array([P.phash_bytes(jpeg(im, 75)) for im in ims], np.uint64)
     resized = np.array(
-        [P.phash_bytes(jpeg(im.resize((450, 350), Image.Resampling.LANCZOS))) for im in ims], np.uint64
+        [P.phash_bytes(jpeg(im.resize((450, 350), Image.Resampling.LANCZOS))) for im in ims],
+        np.uint64,
     )
     assert np.array_equal(orig, exact_copy)
     assert P.hamming(orig, reencoded).max() <= 4
@@ -132,7 +139,16 @@ def test_duplicates_and_near_duplicates_versus_distinct_images():
 def test_bad_inputs_are_counted_and_good_rows_kept():
     good = [jpeg(make_image(i, 200, 150)) for i in range(3)]
     trunc = good[0][: len(good[0]) // 3]
-    datas = [good[0], b"", b"not an image", None, trunc, good[1], b"\xff\xd8\xff\xe0garbage", good[2]]
+    datas = [
+        good[0],
+        b"",
+        b"not an image",
+        None,
+        trunc,
+        good[1],
+        b"\xff\xd8\xff\xe0garbage",
+        good[2],
+    ]
     res = P.phash_many(datas)
     assert res.errors[0] is None and res.errors[5] is None and res.errors[7] is None
     assert [int(res.hashes[i]) for i in (0, 5, 7)] == [P.phash_bytes(g) for g in good]
