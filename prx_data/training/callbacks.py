@@ -79,8 +79,36 @@ class DataWaitMonitor(Callback):
         logger.log_metrics({"throughput/data_wait_fraction_total": self.fraction})
 
 
+class ResumeGuard(Callback):
+    """Refuses to resume a checkpoint whose data layout differs from this run's.
+
+    Streaming resumes exactly (on any world size) only with the same global
+    batch size and the same DataLoader worker count; otherwise samples are
+    silently repeated or skipped. The values ride in the checkpoint and are
+    compared on load.
+    """
+
+    def __init__(self, global_batch_size: int, num_workers: int) -> None:
+        self.expected = {
+            "global_batch_size": int(global_batch_size),
+            "num_workers": int(num_workers),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.expected)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, want in self.expected.items():
+            got = state.get(key)
+            if got is not None and int(got) != want:
+                raise ValueError(
+                    f"data.{key}: the checkpoint was written with {key}={got} but this run has "
+                    f"{want}; an exact resume needs the same value (the world size may change)"
+                )
+
+
 class SampleIdLogger(Callback):
-    """Appends, per rank, one JSON line per trained batch: ``{"batch", "epoch", "ids"}``.
+    """Appends, per rank, one JSON line per batch: ``{"batch", "epoch", "ids"}``.
 
     Each fit is an *attempt* with a token shared by all ranks and a header
     line recording the global batch it started from; :func:`consumed_ids`
@@ -93,9 +121,6 @@ class SampleIdLogger(Callback):
         self.directory = Path(directory)
         self.id_key = id_key
         self._fh = None
-        self._pending: list[str] | None = None
-        self._batch = 0
-        self._epoch = 0
 
     def fit_start(self, state: State, logger: Logger) -> None:
         token = [f"{time.time_ns():020d}"]
@@ -115,21 +140,23 @@ class SampleIdLogger(Callback):
         self._fh.write(json.dumps(header) + "\n")
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
+        # Written when the batch is fetched, before its step: by the time any checkpoint
+        # after this batch exists, every rank has logged it (the step's gradient sync
+        # needs all ranks' batches). A batch cut short by a kill is logged but dropped by
+        # consumed_ids once a later attempt resumes from an earlier checkpoint.
         batch = state.batch
         ids = batch.get(self.id_key) if isinstance(batch, dict) else None
         if ids is None:
             raise KeyError(f"SampleIdLogger: batch has no {self.id_key!r} column")
-        self._pending = [str(i) for i in ids]
-        self._batch = int(state.timestamp.batch)
-        self._epoch = int(state.timestamp.epoch)
-
-    def batch_end(self, state: State, logger: Logger) -> None:
-        if self._fh is None or self._pending is None:
+        if self._fh is None:
             return
-        line = {"batch": self._batch, "epoch": self._epoch, "ids": self._pending}
+        line = {
+            "batch": int(state.timestamp.batch),
+            "epoch": int(state.timestamp.epoch),
+            "ids": [str(i) for i in ids],
+        }
         self._fh.write(json.dumps(line) + "\n")
         self._fh.flush()
-        self._pending = None
 
     def close(self, state: State, logger: Logger) -> None:
         if self._fh is not None:
@@ -169,6 +196,8 @@ def consumed_ids(directory: str | Path) -> list[str]:
 
     A batch logged by an attempt counts unless a *later* attempt restarted
     from a checkpoint at or before it (the batch was replayed after resume).
+    The last batch of an attempt that was killed and never resumed may not
+    have completed its step.
     Duplicates in the result mean a sample was genuinely trained on twice.
     """
     attempts = _read_attempts(Path(directory))
@@ -194,4 +223,3 @@ def attempts_summary(directory: str | Path) -> list[dict[str, Any]]:
         }
         for a in _read_attempts(Path(directory))
     ]
-

@@ -10,6 +10,7 @@ interpolation.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,17 @@ _SCHEDULERS = {"constant_with_warmup", "cosine_with_warmup", "linear_with_warmup
 _BATCHING = {"device_per_stream", "per_stream"}
 
 
+#: Composer time strings: a number and a unit (epochs, batches, samples, tokens, fraction).
+_TIME = re.compile(r"^\d+(\.\d+)?(ep|ba|sp|tok|dur)$")
+
+
+def _check_time(key: str, value: str | None, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if value is None or not _TIME.match(str(value)):
+        _fail(key, f"{value!r} is not a time like 10ba, 2ep, 5000sp or 0.5dur")
+
+
 def _fail(key: str, msg: str) -> None:
     raise ConfigError(f"{key}: {msg}")
 
@@ -284,7 +296,6 @@ def load_config(
     return obj
 
 
-
 def validate(cfg: TrainConfig) -> None:
     """Checks omegaconf's type system cannot express; raises ConfigError naming the key."""
     m = cfg.model
@@ -309,7 +320,9 @@ def validate(cfg: TrainConfig) -> None:
     for i, ds in enumerate(d.datasets):
         given = [k for k in ("proportion", "repeat", "choose") if getattr(ds, k) is not None]
         if len(given) > 1:
-            _fail(f"data.datasets.{i}", f"give at most one of proportion/repeat/choose, got {given}")
+            _fail(
+                f"data.datasets.{i}", f"give at most one of proportion/repeat/choose, got {given}"
+            )
         if ds.proportion is not None and not ds.proportion > 0:
             _fail(f"data.datasets.{i}.proportion", "must be > 0")
     if not d.caption_columns:
@@ -341,7 +354,14 @@ def validate(cfg: TrainConfig) -> None:
         _fail("optimizer.lr", "must be positive")
     if cfg.scheduler.name not in _SCHEDULERS:
         _fail("scheduler.name", f"{cfg.scheduler.name!r} is not one of {sorted(_SCHEDULERS)}")
+    _check_time("scheduler.t_warmup", cfg.scheduler.t_warmup)
     t = cfg.trainer
+    _check_time("trainer.max_duration", t.max_duration)
+    _check_time("trainer.save_interval", t.save_interval)
+    _check_time("trainer.ema.half_life", t.ema.half_life)
+    _check_time("trainer.ema.update_interval", t.ema.update_interval, optional=True)
+    _check_time("trainer.ema.ema_start", t.ema.ema_start)
+    _check_time("logging.console_log_interval", cfg.logging.console_log_interval)
     if t.precision not in _PRECISIONS:
         _fail("trainer.precision", f"{t.precision!r} is not one of {sorted(_PRECISIONS)}")
     if t.device not in {"auto", "cpu", "gpu"}:

@@ -31,7 +31,11 @@ def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.
 
 
 #: transformers renamed ``torch_dtype`` to ``dtype`` in 4.56.
-_DTYPE_KW = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+_DTYPE_KW = (
+    "dtype"
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56)
+    else "torch_dtype"
+)
 
 
 def load_encoder_model(name_or_path: str, dtype: torch.dtype) -> PreTrainedModel:

@@ -17,19 +17,22 @@ import torch
 from composer import Trainer
 from composer.algorithms import EMA
 from composer.callbacks import LRMonitor, SpeedMonitor
-from composer.core import Callback
+from composer.core import Callback, Time
 from composer.devices import DeviceCPU, DeviceGPU
 from composer.loggers import FileLogger, LoggerDestination
 from composer.optim import (
+    ConstantScheduler,
     ConstantWithWarmupScheduler,
+    CosineAnnealingScheduler,
     CosineAnnealingWithWarmupScheduler,
     DecoupledAdamW,
+    LinearScheduler,
     LinearWithWarmupScheduler,
 )
 from composer.utils import dist, reproducibility
 from streaming import StreamingDataset
 
-from prx_data.training.callbacks import DataWaitMonitor, SampleIdLogger
+from prx_data.training.callbacks import DataWaitMonitor, ResumeGuard, SampleIdLogger
 from prx_data.training.captions import CaptionPolicy
 from prx_data.training.config import TrainConfig, device_batch_size
 from prx_data.training.data import build_dataspec
@@ -55,7 +58,9 @@ def resolve_placement(cfg: TrainConfig) -> Placement:
     device = t.device if t.device != "auto" else ("gpu" if cuda else "cpu")
     if device == "gpu" and not cuda:
         raise ValueError("trainer.device: 'gpu' requested but CUDA is not available")
-    precision = t.precision if t.precision != "auto" else ("amp_bf16" if device == "gpu" else "fp32")
+    precision = (
+        t.precision if t.precision != "auto" else ("amp_bf16" if device == "gpu" else "fp32")
+    )
     if device == "cpu" and precision != "fp32":
         raise ValueError(f"trainer.precision: {precision!r} needs a GPU; use fp32 on CPU")
     tdev = torch.device(f"cuda:{dist.get_local_rank()}") if device == "gpu" else torch.device("cpu")
@@ -92,6 +97,13 @@ def build_optimizer(cfg: TrainConfig, model: PRXFlowModel) -> torch.optim.Optimi
 
 def build_scheduler(cfg: TrainConfig):
     s = cfg.scheduler
+    if Time.from_timestring(s.t_warmup).value == 0:
+        # Composer warns about zero-length warm-ups; use the plain schedules instead.
+        if s.name == "cosine_with_warmup":
+            return CosineAnnealingScheduler(alpha_f=s.alpha_f)
+        if s.name == "linear_with_warmup":
+            return LinearScheduler(alpha_f=s.alpha_f)
+        return ConstantScheduler()
     if s.name == "cosine_with_warmup":
         return CosineAnnealingWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
     if s.name == "linear_with_warmup":
@@ -121,6 +133,7 @@ def build_callbacks(cfg: TrainConfig) -> list[Callback]:
         SpeedMonitor(window_size=lg.window_size),
         DataWaitMonitor(window_size=lg.window_size),
         LRMonitor(),
+        ResumeGuard(cfg.data.global_batch_size, cfg.data.num_workers),
     ]
     if lg.sample_ids_dir:
         callbacks.append(SampleIdLogger(lg.sample_ids_dir))

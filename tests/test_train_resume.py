@@ -1,0 +1,166 @@
+"""Multi-process exactly-once: 2 ranks (gloo) killed mid-epoch, autoresumed on 1 and on 2 ranks.
+
+Runs the real entry point (``composer -n N -m prx_data.train CONFIG.yaml k=v``)
+on a small bucketed export. ``SampleIdLogger`` records the ids each rank
+trained on; :func:`consumed_ids` drops batches replayed after a resume. The
+union over the killed run and its resumption must be every sample once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.trainkit import save_tiny_t5, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "train" / "smoke_cpu.yaml"
+GLOBAL_BATCH = 8
+#: Two buckets, each a multiple of the planner's unit (global batch x 1 worker) for both
+#: world sizes, so the epoch is the whole export and no bucket tail is trimmed.
+BUCKETS = {"512/1.000": 56, "512/0.778": 40}
+BATCHES_PER_EPOCH = sum(BUCKETS.values()) // GLOBAL_BATCH  # 12
+KILL_AFTER_BATCH = 5  # kill once batch index 5 is logged: checkpoint at 4 exists, epoch not done
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(nproc: int, run: Path, encoder: str, export: str) -> list[str]:
+    overrides = [
+        *tiny_overrides(encoder),
+        f"variables.data_root={export}",
+        "data.include_higher_tiers=false",
+        "data.small_buckets=error",
+        f"data.global_batch_size={GLOBAL_BATCH}",
+        "data.num_workers=1",
+        "data.persistent_workers=false",
+        "data.caption_dropout=0.2",
+        "trainer.max_duration=1ep",
+        "trainer.run_name=resume-test",
+        f"trainer.save_folder={run / 'ckpt'}",
+        "trainer.save_interval=2ba",
+        "trainer.autoresume=true",
+        f"logging.sample_ids_dir={run / 'ids'}",
+        "logging.console_log_interval=1ba",
+    ]
+    launcher = [
+        sys.executable,
+        "-m",
+        "composer.cli.launcher",
+        "-n",
+        str(nproc),
+        "--master_port",
+        str(_free_port()),
+        "--stdout",
+        str(run / "logs" / "rank{rank}.stdout"),
+        "--stderr",
+        str(run / "logs" / "rank{rank}.stderr"),
+        "-m",
+        "prx_data.train",
+    ]
+    return [*launcher, str(CONFIG), *overrides]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _logged_batches(ids_dir: Path) -> set[int]:
+    out: set[int] = set()
+    for p in ids_dir.glob("attempt-*-rank0.jsonl"):
+        for line in p.read_text().splitlines()[1:]:
+            try:
+                out.add(json.loads(line)["batch"])
+            except (json.JSONDecodeError, KeyError):
+                pass
+    return out
+
+
+def _run_to_end(cmd: list[str], run: Path, timeout: float = 900) -> None:
+    (run / "logs").mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        logs = "\n".join(p.read_text()[-3000:] for p in sorted((run / "logs").glob("*")))
+        raise AssertionError(
+            f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}\n{logs}"
+        )
+
+
+def _clean_shm() -> None:
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+
+
+def test_killed_two_rank_run_resumes_exactly_once_on_one_and_two_ranks(tmp_path):
+    from prx_data.training.callbacks import attempts_summary, consumed_ids
+    from tests.exportkit import make_export
+
+    encoder = save_tiny_t5(tmp_path / "t5")
+    export = make_export(str(tmp_path / "export"), BUCKETS)
+    expected = sorted(export.all_ids())
+    assert len(expected) == BATCHES_PER_EPOCH * GLOBAL_BATCH
+
+    # 1) Two ranks, killed (SIGKILL, no clean shutdown) mid-epoch after a checkpoint.
+    first = tmp_path / "first"
+    (first / "logs").mkdir(parents=True)
+    proc = subprocess.Popen(
+        _command(2, first, encoder, str(tmp_path / "export")),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            if max(_logged_batches(first / "ids"), default=-1) >= KILL_AFTER_BATCH:
+                break
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended on its own before it could be killed"
+    done = _logged_batches(first / "ids")
+    assert KILL_AFTER_BATCH <= max(done) < BATCHES_PER_EPOCH - 1, done
+    assert (first / "ckpt" / "latest-rank0.pt").exists()
+    _clean_shm()  # the killed ranks could not release streaming's shared memory
+
+    # 2) Resume the same state twice: on 1 rank and on 2 ranks (same global batch).
+    for nproc in (1, 2):
+        run = tmp_path / f"resume{nproc}"
+        shutil.copytree(first, run, symlinks=True)
+        _run_to_end(_command(nproc, run, encoder, str(tmp_path / "export")), run)
+        _clean_shm()
+        attempts = attempts_summary(run / "ids")
+        assert len(attempts) == 2
+        resumed_from = attempts[1]["start_batch"]
+        # The last checkpoint may be the one written right after the last logged batch.
+        assert 2 <= resumed_from <= max(done) + 1 and resumed_from % 2 == 0, attempts
+        ids = consumed_ids(run / "ids")
+        dupes = {k: v for k, v in Counter(ids).items() if v > 1}
+        assert not dupes, f"{nproc} rank(s): seen twice: {sorted(dupes)[:5]}"
+        assert sorted(ids) == expected, f"{nproc} rank(s): missing {set(expected) - set(ids)}"
