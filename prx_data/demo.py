@@ -52,6 +52,10 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
         overwrite=os.path.exists(out),
         num_cpus=num_cpus,
     )
+    from .training.text_encoder import save_tiny_t5
+
+    encoder = save_tiny_t5(os.path.join(workdir, "tiny-t5"))
+    print(f"\ntiny random-weight T5 text encoder for the offline smoke run: {encoder}")
     print()
     print(report.table_text())
     print(f"\nreport: {os.path.join(out, 'report.json')}")

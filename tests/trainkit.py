@@ -8,22 +8,13 @@ The ByT5 tokenizer needs no vocabulary files, so nothing is downloaded.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
 def save_tiny_t5(path: str | os.PathLike) -> str:
     """A ~0.1 M-parameter T5 encoder + ByT5 tokenizer at ``path``; returns the path."""
-    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+    from prx_data.training.text_encoder import save_tiny_t5 as _save
 
-    path = str(path)
-    if Path(path, "config.json").exists():
-        return path
-    model = T5EncoderModel(
-        T5Config(vocab_size=384, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16)
-    )
-    model.save_pretrained(path)
-    ByT5Tokenizer().save_pretrained(path)
-    return path
+    return _save(str(path))
 
 
 def tiny_overrides(encoder: str, *, max_length: int = 32) -> list[str]:

@@ -130,3 +130,24 @@ class TextEncoder:
         )
         feats = out.last_hidden_state if self.layer == -1 else out.hidden_states[self.layer]
         return feats, mask.bool()
+
+
+def save_tiny_t5(path: str) -> str:
+    """Save a ~0.1 M-parameter, randomly initialised T5 encoder + ByT5 tokenizer at ``path``.
+
+    For offline smoke runs only (its features are noise): it goes through
+    ``save_pretrained`` / ``from_pretrained`` exactly like a real encoder, and
+    the byte-level ByT5 tokenizer needs no vocabulary download.
+    """
+    import os
+
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    model = T5EncoderModel(
+        T5Config(vocab_size=384, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16)
+    )
+    model.save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
