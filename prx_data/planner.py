@@ -124,8 +124,11 @@ class Plan:
             f"workers={self.num_workers} canonical_nodes={self.num_canonical_nodes} "
             f"replication={self.replication} unit={self.unit}"
         )
-        rows = [head, f"{'dataset':<12} {'bucket':<12} {'samples':>9} {'skipped':>8} {'kept':>9} "
-                f"{'target':>9} {'epoch':>9} {'batches':>8} {'dropped':>8}"]
+        rows = [
+            head,
+            f"{'dataset':<12} {'bucket':<12} {'samples':>9} {'skipped':>8} {'kept':>9} "
+            f"{'target':>9} {'epoch':>9} {'batches':>8} {'dropped':>8}",
+        ]
         for b in self.buckets:
             note = "  (excluded: below one unit)" if b.excluded else ""
             rows.append(
@@ -169,7 +172,13 @@ def _targets(datasets: Sequence[DatasetCount], epoch_size: int | None) -> list[f
         return [epoch_size * k / max(1, sum(kept)) for k in kept]
     out = []
     for d, k in zip(datasets, kept, strict=True):
-        out.append(k * d.repeat if d.repeat is not None else float(d.choose) if d.choose is not None else float(k))
+        out.append(
+            k * d.repeat
+            if d.repeat is not None
+            else float(d.choose)
+            if d.choose is not None
+            else float(k)
+        )
     return out
 
 
@@ -285,3 +294,111 @@ def plan_buckets(
                     f"streaming would fail. Pass shuffle_block_size>={need}."
                 )
     return plan
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def count_export(
+    root: str, tiers: Sequence[int], skip_lists: Sequence[str] | None = None
+) -> list[BucketCount]:
+    """Per-bucket samples and skipped samples of one export tree (reads indexes and sidecars)."""
+    from prx_data import skiplist
+
+    out = []
+    for bucket in skiplist.list_buckets(root, tiers):
+        shards = skiplist.read_index(root, bucket)
+        skips = {} if skip_lists == [] else skiplist.load_skips(root, bucket, shards, skip_lists)
+        out.append(
+            BucketCount(bucket, sum(s.samples for s in shards), sum(len(v) for v in skips.values()))
+        )
+    return out
+
+
+def _parse_dataset(arg: str) -> tuple[str, float | None]:
+    root, sep, weight = arg.rpartition("=")
+    if sep and root and not weight.startswith("/"):
+        try:
+            return root, float(weight)
+        except ValueError:
+            pass
+    return arg, None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from prx_data.buckets import DEFAULT_SPEC
+
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.planner",
+        description="Preflight a bucketed streaming run: per bucket samples after skips, "
+        "batches and dropped tails; exits 2 on configurations streaming would crash on.",
+    )
+    p.add_argument(
+        "datasets",
+        nargs="+",
+        help="export roots (local or s3://); append =P for a mixing proportion, e.g. a/=0.7 b/=0.3",
+    )
+    p.add_argument("--tier", type=int, required=True, help="training resolution tier, e.g. 512")
+    p.add_argument("--include-higher-tiers", action="store_true", help="also stream higher tiers")
+    p.add_argument("--batch-size", type=int, required=True, help="device (per-rank) batch size")
+    p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="number of physical nodes (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank (default 1)")
+    p.add_argument(
+        "--canonical-nodes", type=int, default=None, help="num_canonical_nodes (default: nodes)"
+    )
+    p.add_argument("--replication", type=int, default=None, help="ranks per replica group")
+    p.add_argument(
+        "--batching", default="per_stream", choices=BATCHING_METHODS, help="batching method"
+    )
+    p.add_argument(
+        "--epoch-size", type=int, default=None, help="samples per epoch (with proportions)"
+    )
+    p.add_argument(
+        "--skip-list",
+        action="append",
+        default=None,
+        help="apply only this skip list (repeatable); default all; --no-skips for none",
+    )
+    p.add_argument("--no-skips", action="store_true", help="apply no skip list")
+    p.add_argument(
+        "--small-buckets",
+        default="error",
+        choices=("error", "drop"),
+        help="buckets below one unit: fail (default) or leave out",
+    )
+    args = p.parse_args(argv)
+    tiers = [
+        t
+        for t in DEFAULT_SPEC.tiers
+        if t == args.tier or (args.include_higher_tiers and t > args.tier)
+    ]
+    names = [] if args.no_skips else args.skip_list
+    counts = []
+    for arg in args.datasets:
+        root, prop = _parse_dataset(arg)
+        counts.append(DatasetCount(root, count_export(root, tiers, names), proportion=prop))
+    try:
+        plan = plan_buckets(
+            counts,
+            device_batch_size=args.batch_size,
+            world_size=args.world_size,
+            num_nodes=args.nodes,
+            num_workers=args.workers,
+            num_canonical_nodes=args.canonical_nodes,
+            replication=args.replication,
+            batching_method=args.batching,
+            epoch_size=args.epoch_size,
+            small_buckets=args.small_buckets,
+        )
+    except PlanError as e:
+        print(f"error: {e}")
+        return 2
+    print(plan.report())
+    return 2 if plan.problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

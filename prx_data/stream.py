@@ -41,7 +41,13 @@ from streaming.base.format.mds.reader import MDSReader
 from streaming.base.world import World
 
 from prx_data import planner, skiplist, storage
-from prx_data.buckets import DEFAULT_SPEC, BucketSpec, bucket_name, parse_bucket_name, same_ratio_shape
+from prx_data.buckets import (
+    DEFAULT_SPEC,
+    BucketSpec,
+    bucket_name,
+    parse_bucket_name,
+    same_ratio_shape,
+)
 
 #: Written last by the node's fetching rank; the other ranks wait for it.
 CATALOG_PREFIX = "_prx_catalog."
@@ -173,7 +179,12 @@ def _check_names(root: str, found: set[str], names: Sequence[str] | None) -> Non
 
 
 def fetch_catalog(
-    spec: DatasetSpec, tiers: Sequence[int], local: str, *, is_leader: bool, timeout: float = FETCH_TIMEOUT_S
+    spec: DatasetSpec,
+    tiers: Sequence[int],
+    local: str,
+    *,
+    is_leader: bool,
+    timeout: float = FETCH_TIMEOUT_S,
 ) -> list[str]:
     """Copy a remote export's bucket indexes and chosen sidecars into ``local``, once per node.
 
@@ -184,17 +195,41 @@ def fetch_catalog(
     names = spec.skip_lists
     marker = os.path.join(local, _catalog_name(tiers, names))
     if not is_leader:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        _node_barrier()
         deadline = time.monotonic() + timeout
         while not os.path.exists(marker):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{marker}: local rank 0 did not finish fetching skip lists")
             time.sleep(0.05)
         with open(marker) as f:
-            return [line for line in f.read().splitlines() if line]
+            text = f.read()
+        if text.startswith(_ERROR):
+            raise RuntimeError(f"local rank 0 failed to fetch {spec.root}: {text[len(_ERROR) :]}")
+        return [line for line in text.splitlines() if line]
     if os.path.exists(marker):
         os.remove(marker)
+    try:
+        buckets = _fetch(spec, tiers, local)
+    except Exception as e:
+        # Tell the waiting ranks why, instead of leaving them at the barrier.
+        storage.write_bytes_atomic(marker, f"{_ERROR}{type(e).__name__}: {e}".encode())
+        _node_barrier()
+        raise
+    storage.write_bytes_atomic(marker, "".join(b + "\n" for b in buckets).encode())
+    _node_barrier()
+    return buckets
+
+
+_ERROR = "ERROR "
+
+
+def _node_barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
+    names = spec.skip_lists
     buckets = discover_buckets(spec.root, tiers)
     found: set[str] = set()
     for bucket in buckets:
@@ -215,11 +250,8 @@ def fetch_catalog(
             data = storage.read_bytes(storage.join(remote_b, *rel.split("/")))
             storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
 
-        skiplist._map(get, sorted(want), True)
+        skiplist.map_io(get, sorted(want), True)
     _check_names(spec.root, found, names)
-    storage.write_bytes_atomic(marker, "".join(b + "\n" for b in buckets).encode())
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
     return buckets
 
 
@@ -230,7 +262,9 @@ def load_sources(
     world = world or World.detect()
     if storage.is_remote(spec.root):
         if not spec.local:
-            raise ValueError(f"{spec.root}: a remote root needs DatasetSpec.local (a cache directory)")
+            raise ValueError(
+                f"{spec.root}: a remote root needs DatasetSpec.local (a cache directory)"
+            )
         buckets = fetch_catalog(spec, tiers, spec.local, is_leader=world.is_local_leader)
         base = spec.local
     else:
@@ -242,14 +276,17 @@ def load_sources(
     found: set[str] = set()
     for bucket in buckets:
         shards = skiplist.read_index(base, bucket)
-        if spec.skip_lists is None or spec.skip_lists:
-            found |= set(skiplist.list_sidecars(base, bucket, shards))
-        names = spec.skip_lists
-        if names:
-            names = [n for n in names if n in found]
-        skips = {} if spec.skip_lists == [] else skiplist.load_skips(base, bucket, shards, names)
-        remote = storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
-        out.append(BucketSource(bucket, remote, os.path.join(base, *bucket.split("/")), shards, skips))
+        skips: dict[str, np.ndarray] = {}
+        if spec.skip_lists != []:
+            listing = skiplist.list_sidecars(base, bucket, shards)
+            found |= set(listing)
+            skips = skiplist.load_skips(base, bucket, shards, spec.skip_lists, listing=listing)
+        remote = (
+            storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
+        )
+        out.append(
+            BucketSource(bucket, remote, os.path.join(base, *bucket.split("/")), shards, skips)
+        )
     _check_names(spec.root, found, spec.skip_lists)
     return out
 
@@ -347,7 +384,7 @@ class BucketedDataset(StreamingDataset):
             streams: list[Stream] = []
             self.stream_info: list[tuple[int, str, tuple[int, int]]] = []
             plans = iter(self.plan.buckets)
-            for di, (spec, src) in enumerate(zip(specs, sources, strict=True)):
+            for di, src in enumerate(sources):
                 for b in src:
                     bp = next(plans)
                     if bp.excluded or bp.choose == 0:
@@ -360,7 +397,9 @@ class BucketedDataset(StreamingDataset):
                             skips=b.skips,
                         )
                     )
-                    shape = same_ratio_shape(parse_bucket_name(b.bucket, bucket_spec), tier, bucket_spec)
+                    shape = same_ratio_shape(
+                        parse_bucket_name(b.bucket, bucket_spec), tier, bucket_spec
+                    )
                     self.stream_info.append((di, b.bucket, shape))
             super().__init__(
                 streams=streams,
@@ -392,7 +431,9 @@ class BucketedDataset(StreamingDataset):
         }
         for c in self.caption_columns:
             if c not in raw:
-                raise KeyError(f"caption column {c!r} is not in the export (columns: {sorted(raw)})")
+                raise KeyError(
+                    f"caption column {c!r} is not in the export (columns: {sorted(raw)})"
+                )
             item[c] = raw[c]
         return item
 

@@ -12,6 +12,7 @@ a Lance table or the export pipeline. Layout (see docs/ARCHITECTURE.md):
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -106,8 +107,6 @@ def make_export(
                     w.write(sample)
                     ids.append(sid)
             # Recover which shard each sample went to from the part's own index.
-            import json
-
             with open(os.path.join(pdir, "index.json")) as f:
                 shards = json.load(f)["shards"]
             k = start
@@ -139,7 +138,9 @@ def upload_tree(local_root: str, remote_root: str) -> None:
 
     for rel in storage.list_files(local_root):
         with open(os.path.join(local_root, rel), "rb") as f:
-            storage.write_bytes_atomic(storage.join(remote_root, rel.replace(os.sep, "/")), f.read())
+            storage.write_bytes_atomic(
+                storage.join(remote_root, rel.replace(os.sep, "/")), f.read()
+            )
 
 
 # --- rank simulation ---------------------------------------------------------------------------
@@ -186,13 +187,23 @@ def run_rank(
 
     from prx_data import stream as ps
 
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
     clean_stale_shared_memory()
-    with mock.patch.dict(os.environ, env), mock.patch.object(sd, "maybe_init_dist", lambda: False), \
-            mock.patch.object(ps, "maybe_init_dist", lambda: False):
+    with (
+        mock.patch.dict(os.environ, env),
+        mock.patch.object(sd, "maybe_init_dist", lambda: False),
+        mock.patch.object(ps, "maybe_init_dist", lambda: False),
+    ):
         ds = loader = None
         try:
-            ds = ps.BucketedDataset(datasets, batch_size=batch_size, num_workers=num_workers, **kwargs)
+            ds = ps.BucketedDataset(
+                datasets, batch_size=batch_size, num_workers=num_workers, **kwargs
+            )
             if state is not None:
                 ds.load_state_dict(state)
             loader = StreamingDataLoader(

@@ -93,7 +93,9 @@ def test_by_query_uses_lance_filter(export, tmp_path):
 
     uri = str(tmp_path / "t.lance")
     ids = sorted(export.all_ids())
-    lance.write_dataset(pa.table({"id": ids, "score": [float(i % 10) for i in range(len(ids))]}), uri)
+    lance.write_dataset(
+        pa.table({"id": ids, "score": [float(i % 10) for i in range(len(ids))]}), uri
+    )
     r = S.add_skips_by_query(export.root, "lowscore", uri, "score < 2")
     expected = {i for n, i in enumerate(ids) if n % 10 < 2}
     assert r.samples_listed == len(expected)
@@ -101,7 +103,11 @@ def test_by_query_uses_lance_filter(export, tmp_path):
     for bucket in (B1, B2):
         shards = S.read_index(export.root, bucket)
         for shard, idx in S.load_skips(export.root, bucket, shards).items():
-            skipped |= {sid for sid, w in export.where.items() if w[1] == shard and w[0] == bucket and w[2] in idx}
+            skipped |= {
+                sid
+                for sid, w in export.where.items()
+                if w[1] == shard and w[0] == bucket and w[2] in idx
+            }
     assert skipped == expected
 
 
@@ -134,13 +140,23 @@ def test_sidecar_bound_to_its_shard(export):
     shards = S.read_index(export.root, B1)
     info = next(s for s in shards if s.basename == shard)
     # The same list built against different shard content is refused.
-    other = S.SkipList("dedup", S.ShardInfo(shard, info.bytes + 1, info.samples, info.hashes), np.array([1], np.uint32))
+    other = S.SkipList(
+        "dedup",
+        S.ShardInfo(shard, info.bytes + 1, info.samples, info.hashes),
+        np.array([1], np.uint32),
+    )
     with open(path, "wb") as f:
         f.write(other.to_bytes())
     with pytest.raises(S.SkipListError, match="does not match its shard.*bytes"):
         S.load_skips(export.root, B1, shards)
     bad_hash = {k: "0" * len(v) for k, v in info.hashes.items()}
     with open(path, "wb") as f:
-        f.write(S.SkipList("dedup", S.ShardInfo(shard, info.bytes, info.samples, bad_hash), np.array([1], np.uint32)).to_bytes())
+        f.write(
+            S.SkipList(
+                "dedup",
+                S.ShardInfo(shard, info.bytes, info.samples, bad_hash),
+                np.array([1], np.uint32),
+            ).to_bytes()
+        )
     with pytest.raises(S.SkipListError, match="sha1"):
         S.load_skips(export.root, B1, shards)

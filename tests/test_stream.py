@@ -26,7 +26,9 @@ B1, B2, B3 = "512/1.000", "512/0.500", "512/2.000"
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("stream") / "ex")
-    ex = make_export(root, {B1: 70, B2: 37, B3: 45, "1024/1.000": 9}, samples_per_part=16, samples_per_shard=6)
+    ex = make_export(
+        root, {B1: 70, B2: 37, B3: 45, "1024/1.000": 9}, samples_per_part=16, samples_per_shard=6
+    )
     rng = random.Random(0)
     ids = sorted(ex.all_ids())
     S.add_skips_by_ids(root, "dedup", rng.sample(ids, 14))
@@ -43,7 +45,11 @@ def skipped_ids(ex, names=None):
     for bucket in ex.ids:
         shards = S.read_index(ex.root, bucket)
         for shard, idx in S.load_skips(ex.root, bucket, shards, names).items():
-            out |= {sid for sid, w in ex.where.items() if w[0] == bucket and w[1] == shard and w[2] in idx}
+            out |= {
+                sid
+                for sid, w in ex.where.items()
+                if w[0] == bucket and w[1] == shard and w[2] in idx
+            }
     return out
 
 
@@ -53,7 +59,10 @@ def flat(runs):
 
 def test_exactly_once_across_ranks_and_workers(export):
     kw = dict(tier=512, num_canonical_nodes=2, batching_method="per_stream", small_buckets="drop")
-    runs = [run_rank(export.root, rank=r, world_size=2, batch_size=4, num_workers=2, **kw) for r in range(2)]
+    runs = [
+        run_rank(export.root, rank=r, world_size=2, batch_size=4, num_workers=2, **kw)
+        for r in range(2)
+    ]
     seen = flat(runs)
     counts = collections.Counter(seen)
     assert max(counts.values()) == 1, "a sample was yielded twice"
@@ -62,13 +71,20 @@ def test_exactly_once_across_ranks_and_workers(export):
     assert len({len(r.batches) for r in runs}) == 1, "ranks got different batch counts"
     assert all(len(s) == 1 for r in runs for s in r.shapes), "a batch mixed shapes"
     # Per bucket: everything kept except the planned tail (whole units, 2 ranks x 4 x 2 workers).
-    kept = collections.Counter(export.where[i][0] for i in export.where if i not in skipped and i.startswith("ds/512"))
+    kept = collections.Counter(
+        export.where[i][0] for i in export.where if i not in skipped and i.startswith("ds/512")
+    )
     got = collections.Counter(export.where[i][0] for i in seen)
     for bucket, n in kept.items():
         assert got[bucket] == (n // 16) * 16
     # Without the lists, the skipped samples come back.
-    plain = run_rank(DatasetSpec(export.root, skip_lists=[]), rank=0, world_size=1, batch_size=4,
-                     **{**kw, "num_canonical_nodes": 1})
+    plain = run_rank(
+        DatasetSpec(export.root, skip_lists=[]),
+        rank=0,
+        world_size=1,
+        batch_size=4,
+        **{**kw, "num_canonical_nodes": 1},
+    )
     assert skipped & set(flat([plain]))
 
 
@@ -77,14 +93,20 @@ def test_resume_same_world_and_elastic(export):
     kw = dict(tier=512, num_canonical_nodes=4, small_buckets="drop")
     spec = DatasetSpec(export.root, skip_lists=["dedup"])
     full = [run_rank(spec, rank=r, world_size=2, batch_size=4, **kw) for r in range(2)]
-    first = [run_rank(spec, rank=r, world_size=2, batch_size=4, stop_after=3, **kw) for r in range(2)]
+    first = [
+        run_rank(spec, rank=r, world_size=2, batch_size=4, stop_after=3, **kw) for r in range(2)
+    ]
     state = first[0].state
     assert state["sample_in_epoch"] == 3 * 8 and state["num_canonical_nodes"] == 4
-    again = [run_rank(spec, rank=r, world_size=2, batch_size=4, state=state, **kw) for r in range(2)]
+    again = [
+        run_rank(spec, rank=r, world_size=2, batch_size=4, state=state, **kw) for r in range(2)
+    ]
     for r in range(2):
         assert first[r].batches + again[r].batches == full[r].batches
     one = run_rank(spec, rank=0, world_size=1, batch_size=8, stop_after=2, state=state, **kw)
-    four = [run_rank(spec, rank=r, world_size=4, batch_size=2, state=one.state, **kw) for r in range(4)]
+    four = [
+        run_rank(spec, rank=r, world_size=4, batch_size=2, state=one.state, **kw) for r in range(4)
+    ]
     union = flat(first) + flat([one]) + flat(four)
     assert len(union) == len(set(union)) == len(flat(full))
     assert set(union) == set(flat(full))
@@ -105,28 +127,47 @@ def test_state_dict_round_trips_through_a_checkpoint(export, tmp_path):
 
 
 def test_proportions_mix_within_tolerance(export, tmp_path):
-    other = make_export(str(tmp_path / "b"), {B1: 40}, name="other")
-    specs = [DatasetSpec(export.root, proportion=0.75), DatasetSpec(other.root, proportion=0.25, skip_lists=[])]
-    run = run_rank(specs, rank=0, world_size=1, batch_size=4, tier=512, epoch_size=160, small_buckets="drop")
+    # The second export is zstd-compressed and has its own skip list.
+    other = make_export(str(tmp_path / "b"), {B1: 40}, name="other", compression="zstd")
+    gone = {f"other/{B1}/{i}" for i in (3, 4, 20, 39)}
+    S.add_skips_by_ids(other.root, "nsfw", gone)
+    specs = [DatasetSpec(export.root, proportion=0.75), DatasetSpec(other.root, proportion=0.25)]
+    run = run_rank(
+        specs, rank=0, world_size=1, batch_size=4, tier=512, epoch_size=160, small_buckets="drop"
+    )
     seen = flat([run])
     share = sum(i.startswith("other/") for i in seen) / len(seen)
     # Rounding each bucket down to whole batches moves the mix by at most one batch per bucket.
     tolerance = 4 * 4 / len(seen)
     assert abs(share - 0.25) <= tolerance, (share, tolerance)
-    # 40 samples asked for 0.25 * 160: the small dataset is upsampled, not cut.
-    assert sum(i.startswith("other/") for i in seen) == 40
+    # 0.25 * 160 = 40 asked of 36 kept samples: upsampled (some twice), never a skipped one.
+    from_other = [i for i in seen if i.startswith("other/")]
+    assert len(from_other) == 40 and set(from_other) == set(other.ids[B1]) - gone
 
 
 def test_higher_tier_is_downsized_and_item_fields(export):
     from prx_data.stream import BucketedDataset
 
     plain = DatasetSpec(export.root, skip_lists=[])
-    run = run_rank(plain, rank=0, world_size=1, batch_size=2, tier=512, include_higher_tiers=True,
-                   small_buckets="drop")
+    run = run_rank(
+        plain,
+        rank=0,
+        world_size=1,
+        batch_size=2,
+        tier=512,
+        include_higher_tiers=True,
+        small_buckets="drop",
+    )
     from_1024 = [i for i in flat([run]) if i.startswith("ds/1024/")]
     assert len(from_1024) == 8  # 9 samples, whole batches of 2
-    ds = BucketedDataset(plain, tier=512, include_higher_tiers=True, batch_size=2,
-                         small_buckets="drop", shuffle=False)
+    ds = BucketedDataset(
+        plain,
+        tier=512,
+        include_higher_tiers=True,
+        batch_size=2,
+        small_buckets="drop",
+        shuffle=False,
+    )
     try:
         idx = next(i for i in range(ds.num_samples) if ds[i]["source_bucket"] == "1024/1.000")
         item = ds[idx]
@@ -145,13 +186,32 @@ def test_errors_are_clear(export, tmp_path):
     from prx_data.stream import BucketedDataset
 
     with pytest.raises(S.SkipListError, match=r"\['typo'\] not found"):
-        run_rank(DatasetSpec(export.root, skip_lists=["typo"]), rank=0, world_size=1, batch_size=2, tier=512)
+        run_rank(
+            DatasetSpec(export.root, skip_lists=["typo"]),
+            rank=0,
+            world_size=1,
+            batch_size=2,
+            tier=512,
+        )
     with pytest.raises(PlanError, match="pass num_workers=1"):
         _workers_mismatch(export)
-    ds_state = {"epoch": 0, "sample_in_epoch": 8, "num_canonical_nodes": 3, "shuffle_seed": 9176,
-                "initial_physical_nodes": 1}
+    ds_state = {
+        "epoch": 0,
+        "sample_in_epoch": 8,
+        "num_canonical_nodes": 3,
+        "shuffle_seed": 9176,
+        "initial_physical_nodes": 1,
+    }
     with pytest.raises(PlanError, match="num_canonical_nodes=3"):
-        run_rank(export.root, rank=0, world_size=1, batch_size=2, tier=512, state=ds_state, small_buckets="drop")
+        run_rank(
+            export.root,
+            rank=0,
+            world_size=1,
+            batch_size=2,
+            tier=512,
+            state=ds_state,
+            small_buckets="drop",
+        )
     # A corrupt sidecar stops the dataset with the file's name.
     root = str(tmp_path / "c")
     shutil.copytree(export.root, root)

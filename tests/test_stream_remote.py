@@ -10,28 +10,20 @@ import collections
 import http.client
 import logging
 import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 from prx_data import skiplist as S
+from prx_data import storage
 from prx_data.stream import DatasetSpec, fetch_catalog
 from tests.exportkit import make_export, run_rank, upload_tree
 
 pytestmark = pytest.mark.remote
 logging.getLogger("streaming").setLevel(logging.ERROR)
 B1, B2 = "512/1.000", "512/0.500"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FlakyProxy(ThreadingHTTPServer):
@@ -92,53 +84,32 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    env = {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_REGION": "us-east-1",
-        "S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    proxy = None
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.2)
-        import boto3
+def s3(moto_server, tmp_path_factory):
+    """An export uploaded to a fresh bucket on the session's moto server, plus the flaky proxy."""
+    import uuid
 
-        boto3.client("s3", endpoint_url=env["S3_ENDPOINT_URL"]).create_bucket(Bucket="prx-test")
-        local = str(tmp_path_factory.mktemp("remote") / "ex")
-        ex = make_export(local, {B1: 40, B2: 24}, samples_per_part=16, samples_per_shard=6)
-        upload_tree(local, "s3://prx-test/ex")
-        proxy = FlakyProxy(port)
-        threading.Thread(target=proxy.serve_forever, daemon=True).start()
-        yield {"export": ex, "root": "s3://prx-test/ex", "direct": env["S3_ENDPOINT_URL"],
-               "proxy": proxy, "proxy_url": f"http://127.0.0.1:{proxy.server_address[1]}"}
+    import boto3
+
+    bucket = f"prx-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket=bucket)
+    local = str(tmp_path_factory.mktemp("remote") / "ex")
+    ex = make_export(local, {B1: 40, B2: 24}, samples_per_part=16, samples_per_shard=6)
+    upload_tree(local, f"s3://{bucket}/ex")
+    port = int(moto_server.rsplit(":", 1)[1])
+    proxy = FlakyProxy(port)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        yield {
+            "export": ex,
+            "bucket": bucket,
+            "root": f"s3://{bucket}/ex",
+            "direct": moto_server,
+            "proxy": proxy,
+            "proxy_url": f"http://127.0.0.1:{proxy.server_address[1]}",
+        }
     finally:
-        if proxy is not None:
-            proxy.shutdown()
-        proc.terminate()
-        proc.wait(10)
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        proxy.shutdown()
+        proxy.server_close()
 
 
 def test_remote_skip_lists_stream_exactly_once(s3, tmp_path, monkeypatch):
@@ -179,22 +150,43 @@ def test_remote_proportions_and_mismatched_sidecar(s3, tmp_path, monkeypatch):
     root = s3["root"]
     monkeypatch.setenv("S3_ENDPOINT_URL", s3["direct"])
     other = make_export(str(tmp_path / "o"), {B1: 16}, name="other")
-    upload_tree(other.root, "s3://prx-test/other")
-    specs = [DatasetSpec(root, local=str(tmp_path / "c1"), proportion=0.5, skip_lists=[]),
-             DatasetSpec("s3://prx-test/other", local=str(tmp_path / "c2"), proportion=0.5)]
-    run = run_rank(specs, rank=0, world_size=1, batch_size=4, tier=512, epoch_size=64, small_buckets="drop")
+    upload_tree(other.root, f"s3://{s3['bucket']}/other")
+    specs = [
+        DatasetSpec(root, local=str(tmp_path / "c1"), proportion=0.5, skip_lists=[]),
+        DatasetSpec(f"s3://{s3['bucket']}/other", local=str(tmp_path / "c2"), proportion=0.5),
+    ]
+    run = run_rank(
+        specs, rank=0, world_size=1, batch_size=4, tier=512, epoch_size=64, small_buckets="drop"
+    )
     seen = [i for b in run.batches for i in b]
     share = sum(i.startswith("other/") for i in seen) / len(seen)
     assert abs(share - 0.5) <= 2 * 4 / len(seen)  # one batch per bucket of rounding
 
+    # Rewriting a remote export without its skipped samples, verified sample by sample.
+    from prx_data.skips import rewrite_export
+
+    r = rewrite_export(root, str(tmp_path / "clean"), force=True)
+    assert r.verified and r.samples_out == r.samples_in - r.skipped
+    assert len(set(S.read_manifests(str(tmp_path / "clean"))["id"].to_pylist())) == r.samples_out
+
     # A sidecar for a shard that was rewritten is refused, naming the remote file.
     shards = S.read_index(root, B2)
     info = shards[0]
-    bad = S.SkipList("stale", S.ShardInfo(info.basename, info.bytes, info.samples + 1, {}), __import__("numpy").array([0], "uint32"))
-    from prx_data import storage
-
+    bad = S.SkipList(
+        "stale",
+        S.ShardInfo(info.basename, info.bytes, info.samples + 1, {}),
+        np.array([0], np.uint32),
+    )
     storage.write_bytes_atomic(f"{root}/{B2}/{info.basename}.stale.skip", bad.to_bytes())
-    with pytest.raises(S.SkipListError, match=r"stale\.skip: sidecar does not match its shard.*samples"):
-        run_rank(DatasetSpec(root, local=str(tmp_path / "c3")), rank=0, world_size=1, batch_size=4, tier=512,
-                 small_buckets="drop")
+    with pytest.raises(
+        S.SkipListError, match=r"stale\.skip: sidecar does not match its shard.*samples"
+    ):
+        run_rank(
+            DatasetSpec(root, local=str(tmp_path / "c3")),
+            rank=0,
+            world_size=1,
+            batch_size=4,
+            tier=512,
+            small_buckets="drop",
+        )
     assert S.remove_skip_list(root, "stale") == 1

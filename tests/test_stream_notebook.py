@@ -1,0 +1,23 @@
+"""examples/mixing.ipynb runs top to bottom (executed with nbclient, as CI does)."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+from nbclient import NotebookClient
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_mixing_notebook_executes():
+    nb = nbformat.read(os.path.join(REPO, "examples", "mixing.ipynb"), as_version=4)
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": REPO}}
+    ).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "batch shapes" in text and "epoch:" in text
+    # The plot was drawn.
+    assert any("image/png" in o.get("data", {}) for o in outputs)
