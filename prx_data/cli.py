@@ -7,6 +7,8 @@ import sys
 
 JOBS = {
     "ingest": "load sources (folders, parquet, WebDataset, twin tars, Lance) into a Lance table",
+    "table": "table maintenance: stats (rows, fragments) and compact",
+    "search": "full-text, vector and hybrid search over a table; builds the indexes",
     "stats": "resolution / aspect-ratio / tier distribution of a table, with plots",
     "explore": "small web explorer over a table (loopback by default)",
     "caption": "re-caption images with a VLM and write the column back",
@@ -15,6 +17,7 @@ JOBS = {
     "optout": "add an opt-out skip list to an export",
     "write_mds": "export a table to resolution/aspect-ratio bucketed MDS",
     "skips": "manage sidecar skip lists of an export (add, list, stats, remove, rewrite)",
+    "planner": "preflight: batches per bucket, tail drops, fatal configurations",
     "jpeg_fidelity": "measure JPEG re-encode fidelity; estimate JPEG quality",
     "train": "Composer training run from a YAML config",
     "demo": "the export path end to end on an embedded sample",

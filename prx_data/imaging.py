@@ -57,7 +57,8 @@ class Prepared:
     crop_box: tuple[float, float, float, float]
 
 
-def _open(data: bytes) -> Image.Image:
+def open_image(data: bytes) -> Image.Image:
+    """Lazily open encoded bytes (header only), mapping failures to :class:`ImageError`."""
     if not data:
         raise ImageError("empty_file")
     try:
@@ -82,7 +83,7 @@ def _orientation(im: Image.Image) -> int:
 
 def probe(data: bytes) -> ImageInfo:
     """Read size, format and orientation from the header without decoding pixels."""
-    im = _open(data)
+    im = open_image(data)
     w, h = im.size
     orientation = _orientation(im)
     if orientation in _TRANSPOSING_ORIENTATIONS:
@@ -127,7 +128,7 @@ def decode(data: bytes, draft_to: tuple[int, int] | None = None) -> Image.Image:
     ``draft_to`` is a minimum size in the *oriented* frame; JPEGs may be
     DCT-downscaled to no less than it (see :data:`DRAFT_MARGIN`).
     """
-    im = _open(data)
+    im = open_image(data)
     try:
         if getattr(im, "n_frames", 1) > 1:
             im.seek(0)

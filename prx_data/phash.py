@@ -27,8 +27,6 @@ physically rotated copy hash alike. Alpha is ignored, as in ``imagehash``.
 
 from __future__ import annotations
 
-import io
-import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,9 +34,10 @@ from functools import lru_cache
 
 import numpy as np
 import scipy.fftpack
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from prx_data.imaging import ImageError
+from prx_data.imaging import open_image as _open
 
 HASH_SIZE = 8
 IMG_SIZE = 32  # HASH_SIZE * highfreq_factor (4), as in imagehash
@@ -138,21 +137,6 @@ def hamming(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
 
 
 # --- from images ----------------------------------------------------------------
-
-
-def _open(data: bytes) -> Image.Image:
-    if not data:
-        raise ImageError("empty_file")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as e:
-        raise ImageError("decompression_bomb", str(e)) from None
-    except UnidentifiedImageError:
-        raise ImageError("not_an_image") from None
-    except (OSError, ValueError, SyntaxError) as e:
-        raise ImageError("decode_error", str(e)) from None
 
 
 def _pil_gray32(

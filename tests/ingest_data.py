@@ -6,7 +6,6 @@ import io
 import json
 import os
 
-import pytest
 from PIL import Image
 
 
@@ -56,27 +55,6 @@ def make_folder(root: str) -> dict[str, dict]:
         "sub/broken": {"width": None, "height": None, "format": None, "caption": None},
         "sub/deep/alpha": {"width": 256, "height": 128, "format": "png", "caption": "transparent"},
     }
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    """One small local Ray for the test session (2 CPUs, small object store)."""
-    ray = pytest.importorskip("ray")
-    started = False
-    if not ray.is_initialized():
-        ray.init(
-            num_cpus=2,
-            object_store_memory=150 * 1024 * 1024,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
-        started = True
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 def make_tar(path: str, members: list[tuple[str, bytes | str]]) -> None:

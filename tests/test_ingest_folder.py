@@ -11,7 +11,7 @@ from pipelines.ingest import duplicate_ids, output_schema
 from prx_data import ingest as ingest_cli
 from prx_data.ingest import ingest
 from prx_data.sources import Counts, SourceSpec, conform, folder, load_unit, plan_source
-from tests.ingest_data import jpeg, make_folder, ray_session, write  # noqa: F401
+from tests.ingest_data import jpeg, make_folder, write
 
 
 def _rows(uri: str) -> dict[str, dict]:
@@ -57,7 +57,7 @@ def test_named_source_and_unit_size(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_folder_ingest_end_to_end_and_reingest(tmp_path):
     root = str(tmp_path / "photos")
     expected = make_folder(root)
@@ -103,7 +103,7 @@ def test_folder_ingest_end_to_end_and_reingest(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_rows_per_fragment_and_cli(tmp_path, capsys):
     root = str(tmp_path / "many")
     for i in range(12):

@@ -14,7 +14,7 @@ import pytest
 from pipelines.ingest import duplicate_ids
 from prx_data.ingest import ingest
 from prx_data.sources import Counts, SourceSpec, detect_format, load_unit, plan_source
-from tests.ingest_data import jpeg, make_tar, png, ray_session, write  # noqa: F401
+from tests.ingest_data import jpeg, make_tar, png, write
 
 
 def _load_all(spec: SourceSpec, **options) -> tuple[dict[str, dict], Counts]:
@@ -57,6 +57,10 @@ def test_parquet_hf_export_with_image_struct_and_embedding(tmp_path):
     b = rows["hf/1"]
     assert b["probe_error"] == "not_an_image" and b["image"] == b"junk"
     assert counts["kept:caption_missing"] == 1 and counts["kept:probe_error:not_an_image"] == 1
+    # The export's folder (as Hugging Face lays it out) is detected too; keys name the file.
+    assert detect_format(str(tmp_path / "hf")) == "parquet"
+    rows, _ = _load_all(SourceSpec(str(tmp_path / "hf")))
+    assert sorted(rows) == ["hf/train-00000/0", "hf/train-00000/1"]
 
 
 def test_parquet_laion_metadata_and_path_column(tmp_path):
@@ -143,14 +147,24 @@ def test_webdataset_truncated_tar_keeps_what_was_read(tmp_path):
 
 def _twin(root, shards: dict[str, list[str]], caption_keys: dict[str, list[str]] | None = None):
     for shard, keys in shards.items():
-        make_tar(f"{root}/image/{shard}", [(f"{k}.jpg", jpeg(32 + i, 32)) for i, k in enumerate(keys)])
+        make_tar(
+            f"{root}/image/{shard}", [(f"{k}.jpg", jpeg(32 + i, 32)) for i, k in enumerate(keys)]
+        )
         ck = (caption_keys or {}).get(shard, keys)
         if ck is not None:
             make_tar(f"{root}/caption/{shard}", [(f"{k}.txt", f"caption of {k}") for k in ck])
-        make_tar(f"{root}/meta/{shard}", [(f"{k}.json", json.dumps({"score": i})) for i, k in enumerate(keys)])
+        make_tar(
+            f"{root}/meta/{shard}",
+            [(f"{k}.json", json.dumps({"score": i})) for i, k in enumerate(keys)],
+        )
     write(
         f"{root}/image/wdinfo.json",
-        json.dumps({"wids_version": 1, "shardlist": [{"url": s, "nsamples": len(k)} for s, k in shards.items()]}),
+        json.dumps(
+            {
+                "wids_version": 1,
+                "shardlist": [{"url": s, "nsamples": len(k)} for s, k in shards.items()],
+            }
+        ),
     )
 
 
@@ -218,12 +232,14 @@ def test_lance_table_source_keeps_columns_and_embedding(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("ray_local")
 def test_mixed_sources_in_one_ingest(tmp_path):
     make_tar(str(tmp_path / "wds" / "0.tar"), [("k1.jpg", jpeg(64, 64)), ("k1.txt", "wds one")])
     write(str(tmp_path / "wds" / "1.tar"), b"garbage" * 100)
     pq.write_table(
-        pa.table({"image": [jpeg(80, 60), jpeg(81, 60)], "caption": ["p0", "p1"], "key": ["k1", "k1"]}),
+        pa.table(
+            {"image": [jpeg(80, 60), jpeg(81, 60)], "caption": ["p0", "p1"], "key": ["k1", "k1"]}
+        ),
         str(tmp_path / "pq.parquet"),
     )
     uri = str(tmp_path / "t.lance")
@@ -233,3 +249,41 @@ def test_mixed_sources_in_one_ingest(tmp_path):
     t = lance.dataset(uri).to_table(columns=["id", "caption", "metadata"])
     assert sorted(t["id"].to_pylist()) == ["pq/k1", "wds/k1"]
     assert duplicate_ids(uri) == 0
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+def test_append_adds_new_source_columns_and_embeddings(tmp_path):
+    write(str(tmp_path / "photos" / "a.jpg"), jpeg(40, 40))
+    uri = str(tmp_path / "t.lance")
+    ingest([str(tmp_path / "photos")], uri, progress=False)
+    vec = pa.list_(pa.float32(), 3)
+    pq.write_table(
+        pa.table(
+            {
+                "image": [jpeg(50, 40)],
+                "caption": ["from parquet"],
+                "aesthetic": [5.5],
+                "embedding": pa.array([[1.0, 0.0, 0.0]], vec),
+            }
+        ),
+        str(tmp_path / "extra.parquet"),
+    )
+    report = ingest([str(tmp_path / "extra.parquet")], uri, progress=False)
+    assert report.rows_written == 1 and report.rows_in_table == 2
+    ds = lance.dataset(uri)
+    assert ds.schema.field("aesthetic").type == pa.float64()
+    assert ds.schema.field("embedding").type == vec
+    rows = {
+        r["id"]: r
+        for r in ds.to_table(columns=["id", "aesthetic", "embedding", "source_file"]).to_pylist()
+    }
+    assert rows["photos/a"]["aesthetic"] is None and rows["photos/a"]["source_file"] == "a.jpg"
+    assert rows["extra/0"]["aesthetic"] == 5.5 and rows["extra/0"]["embedding"] == [1.0, 0.0, 0.0]
+    # Overwrite with another schema: the table takes the new source's columns.
+    over = ingest([str(tmp_path / "extra.parquet")], uri, mode="overwrite", progress=False)
+    assert over.rows_in_table == 1
+    assert "source_file" not in lance.dataset(uri).schema.names
+    # ... and back to a folder (more columns than the table has now).
+    back = ingest([str(tmp_path / "photos")], uri, mode="overwrite", progress=False)
+    assert back.rows_in_table == 1 and "source_file" in lance.dataset(uri).schema.names

@@ -27,7 +27,7 @@ def _noisy_jpeg(colour, seed: int, w=96, h=64) -> bytes:
     base = np.array(colour, np.float32)[None, None, :]
     px = np.clip(base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(px, "RGB").save(buf, "JPEG", quality=90)
+    Image.fromarray(px).save(buf, "JPEG", quality=90)
     return buf.getvalue()
 
 
@@ -121,8 +121,9 @@ def test_ann_index_used_when_large_enough(tmp_path):
         ),
         uri,
     )
-    made = search.build_indexes(uri, min_rows_for_ann=500)
+    made = search.build_indexes(uri, min_rows_for_ann=500, vector_index="IVF_PQ")
     assert made == {"caption": "INVERTED", "id": "BTREE", "embedding": "IVF_PQ"}
+    assert {i["type"] for i in lance.dataset(uri).list_indices()} >= {"IVF_PQ", "Inverted"}
     res = search.vector_search(uri, vecs[42], k=5, nprobes=24, refine_factor=10)
     assert res["id"][0].as_py() == "v/42"
 
@@ -185,3 +186,29 @@ def test_update_column_keeps_index_queries_working(table_uri):
     T.update_column(table_uri, "label", pa.table({"id": ["t/red0"], "label": ["x"]}))
     hits = search.text_search(table_uri, "red", k=10, filter="label = 'x'")
     assert hits["id"].to_pylist() == ["t/red0"]
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+def test_descriptors_with_ray_match_the_local_path(tmp_path):
+    items = [(f"r/{i}", _noisy_jpeg(COLOURS["red"], i), None) for i in range(6)] + [
+        ("r/x", b"x", None)
+    ]
+    a, b = str(tmp_path / "a.lance"), str(tmp_path / "b.lance")
+    make_table(a, items, max_rows_per_file=3)
+    make_table(b, items, max_rows_per_file=3)
+    assert descriptor.compute_descriptors(a, progress=False) == 7
+    assert descriptor.compute_descriptors(b, use_ray=True, chunk_rows=4, progress=False) == 7
+    va = lance.dataset(a).to_table(columns=["id", descriptor.COLUMN]).sort_by("id")
+    vb = lance.dataset(b).to_table(columns=["id", descriptor.COLUMN]).sort_by("id")
+    assert va.equals(vb)
+    assert va[descriptor.COLUMN].null_count == 1
+
+
+def test_search_cli(table_uri, capsys):
+    assert search.main(["--table", table_uri, "blue", "--k", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and all("id=t/blue" in line for line in out)
+    assert search.main(["--table", table_uri, "--similar", "t/green1", "--k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("id=t/green") == 3 and "t/green1 " not in out

@@ -8,13 +8,14 @@ Each reader module has ``plan(path, source, ...) -> Plan`` (driver side) and
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from types import ModuleType
 
 import pyarrow as pa
 
-from prx_data.sources import folder
+from prx_data.sources import folder, lance_table, parquet, twintar, webdataset
 from prx_data.sources.common import NOTES, Counts, Plan, WorkUnit, conform
 
 __all__ = [
@@ -32,19 +33,10 @@ __all__ = [
 ]
 
 
-def _readers() -> dict[str, ModuleType]:
-    readers: dict[str, ModuleType] = {folder.KIND: folder}
-    # Optional readers register themselves here once their module imports.
-    for name in ("lance_table", "twintar", "parquet", "webdataset"):
-        try:
-            mod = __import__(f"prx_data.sources.{name}", fromlist=["KIND"])
-        except ImportError:
-            continue
-        readers[mod.KIND] = mod
-    return readers
-
-
-READERS = _readers()
+#: Readers by format name. Detection tries them in this order (folder last).
+READERS: dict[str, ModuleType] = {
+    m.KIND: m for m in (lance_table, twintar, parquet, webdataset, folder)
+}
 FORMATS = tuple(READERS)
 
 
@@ -89,8 +81,6 @@ def plan_source(spec: SourceSpec, **options) -> Plan:
     if fmt not in READERS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     mod = READERS[fmt]
-    import inspect
-
     accepted = inspect.signature(mod.plan).parameters
     kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
     return mod.plan(spec.path, spec.name, **kwargs)

@@ -29,6 +29,7 @@ from prx_data import schema as S
 from prx_data import storage
 from prx_data.sources.common import (
     CAPTION_KEYS,
+    IMAGE_EXTENSIONS,
     Counts,
     Plan,
     RowBuilder,
@@ -212,7 +213,7 @@ def rows_from_batch(
         if roles.key is not None and col[roles.key][i] is not None:
             key = str(col[roles.key][i])
         else:
-            key = f"{key_prefix}/{start + i}"
+            key = f"{key_prefix}/{start + i}" if key_prefix else str(start + i)
         for name in roles.keep:
             extra[kept_name(name)] = col[name][i]
         if roles.embedding is not None:
@@ -249,18 +250,21 @@ def _files(path: str) -> list[str]:
 
 
 def detect(path: str) -> bool:
+    """A ``.parquet`` path, or a folder with parquet files (top level or one below, as in
+    Hugging Face exports' ``data/``) and no images or tars beside them."""
     if path.endswith(".parquet"):
         return True
     if storage.is_remote(path) or not os.path.isdir(path) or path.rstrip("/").endswith(".lance"):
         return False
-    files = storage.list_files(path)
-    return (
-        bool(files)
-        and any(f.endswith(".parquet") for f in files)
-        and not any(
-            f.rsplit(".", 1)[-1].lower() in ("jpg", "jpeg", "png", "webp", "tar") for f in files
-        )
-    )
+    names: list[str] = []
+    with os.scandir(path) as it:
+        for entry in it:
+            if entry.is_dir() and not entry.name.startswith("."):
+                names.extend(os.listdir(entry.path))
+            else:
+                names.append(entry.name)
+    exts = {n.rsplit(".", 1)[-1].lower() for n in names if "." in n}
+    return "parquet" in exts and not exts & (IMAGE_EXTENSIONS | {"tar"})
 
 
 def _open(path: str) -> pq.ParquetFile:
@@ -307,8 +311,8 @@ def plan(
         pf = first if f == files[0] else _open(f)
         if pf.schema_arrow.names != schema.names:
             raise ValueError(f"{f} has columns {pf.schema_arrow.names}, unlike {files[0]}")
-        rel = posixpath.relpath(f, root) if root else posixpath.basename(f)
-        prefix = strip_ext(rel)
+        # Positional keys: "<row>" for one file, "<file without extension>/<row>" for a folder.
+        prefix = "" if len(files) == 1 and f == path else strip_ext(posixpath.relpath(f, root))
         start = 0
         md = pf.metadata
         groups: list[int] = []

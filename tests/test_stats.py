@@ -1,0 +1,64 @@
+"""prx_data.stats: distributions, would-be drops, plots and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lance
+import pyarrow as pa
+
+from prx_data import stats
+
+SIZES = [
+    (1000, 1000),
+    (1000, 1000),
+    (300, 300),
+    (3000, 1000),
+    (400, 400),
+    (2000, 1000),
+    (None, None),
+]
+
+
+def _table(path: str) -> str:
+    uri = os.path.join(path, "t.lance")
+    lance.write_dataset(
+        pa.table(
+            {
+                "id": [f"s/{i}" for i in range(len(SIZES))],
+                "width": pa.array([w for w, _ in SIZES], pa.int32()),
+                "height": pa.array([h for _, h in SIZES], pa.int32()),
+                "probe_error": [None] * (len(SIZES) - 1) + ["truncated"],
+            }
+        ),
+        uri,
+        max_rows_per_file=3,
+    )
+    return uri
+
+
+def test_compute_counts_tiers_buckets_and_drops(tmp_path):
+    report = stats.compute(_table(str(tmp_path)))
+    assert report.rows == 7
+    assert report.tiers == {"512": 1, "1024": 3}
+    assert report.buckets == {"1024/1.000": 2, "1024/2.000": 1, "512/1.000": 1}
+    assert report.drops == {"aspect_ratio": 1, "too_small": 1, "unreadable": 1}
+    assert sum(report.megapixels["counts"]) == 6 and sum(report.aspect_ratio["counts"]) == 6
+    assert report.fragments["fragments"] == 3
+    text = stats.format_report(report)
+    assert "drop:too_small" in text and "1024/2.000" in text and "fragments 3" in text
+
+
+def test_cli_writes_plots_and_json(tmp_path, capsys):
+    uri = _table(str(tmp_path))
+    out = str(tmp_path / "out")
+    assert stats.main(["--table", uri, "--out", out, "--tiers", "512,1024"]) == 0
+    for name in ("resolution.png", "aspect_ratio.png", "tiers.png", "fragments.png"):
+        with open(os.path.join(out, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out, "stats.json")) as f:
+        saved = json.load(f)
+    # With tiers 512/1024 only, the 3000x1000 image is still an aspect-ratio drop.
+    assert saved["tiers"] == {"512": 1, "1024": 3}
+    assert "rows 7" in capsys.readouterr().out
