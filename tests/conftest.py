@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import weakref
 
 import pytest
 
@@ -25,14 +27,59 @@ def ray_local():
     ray.shutdown()
 
 
+_STREAMING_SHM: weakref.WeakSet = weakref.WeakSet()
+
+
+def pytest_collection_finish(session):
+    """Track every shared-memory block Mosaic Streaming opens in this process.
+
+    Each StreamingDataset keeps its blocks (two descriptors each) open until the
+    process exits, and each new dataset opens more of them; tests that build
+    hundreds of datasets would run out of file descriptors. Test modules have
+    imported streaming by now (collection imports them).
+    """
+    if "streaming" not in sys.modules:
+        return
+    from streaming.base.shared import memory
+
+    original = memory.SharedMemory.__init__
+    if getattr(original, "_tracked", False):
+        return
+
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _STREAMING_SHM.add(self)
+
+    tracking_init._tracked = True
+    memory.SharedMemory.__init__ = tracking_init
+
+
+def _close_streaming_shm() -> None:
+    for block in list(_STREAMING_SHM):
+        shm = getattr(block, "shm", None)
+        if shm is None:
+            continue
+        try:
+            shm.close()
+        except BufferError:  # numpy views still exist: at least drop our descriptor
+            if getattr(shm, "_fd", -1) >= 0:
+                os.close(shm._fd)
+                shm._fd = -1
+        except Exception:
+            pass
+    _STREAMING_SHM.clear()
+
+
 @pytest.fixture(autouse=True)
 def _clean_streaming_shm():
     """Streaming keeps shared memory per dataset; a failed test must not poison the next."""
     yield
-    import sys
-
     if "streaming" not in sys.modules:  # nothing to clean, and the import is slow
         return
+    import gc
+
+    gc.collect()
+    _close_streaming_shm()
     try:
         from streaming.base.util import clean_stale_shared_memory
 

@@ -14,7 +14,7 @@ import lance
 import numpy as np
 import pytest
 from PIL import Image
-from streaming import StreamingDataset
+from streaming import LocalDataset, StreamingDataset
 
 from pipelines.write_mds import run_export
 from prx_data.buckets import parse_bucket_name
@@ -34,8 +34,10 @@ def _q92_tables():
 
 
 def _read_bucket(root: str, bucket: str) -> list[dict]:
-    ds = StreamingDataset(local=os.path.join(root, bucket), shuffle=False, batch_size=1)
-    return [ds[i] for i in range(ds.num_samples)]
+    # LocalDataset reads the MDS index and shards directly; a StreamingDataset per
+    # bucket would hold hundreds of shared-memory handles each for the whole session.
+    ds = LocalDataset(local=os.path.join(root, bucket))
+    return [ds[i] for i in range(len(ds))]
 
 
 def _all_buckets(root: str) -> list[str]:
