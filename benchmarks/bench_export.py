@@ -2,7 +2,8 @@
 
   floor        plain loop: Pillow draft(>= 1.5x) + Lanczos cover-crop + JPEG q92
   img2dataset  plain loop: OpenCV full decode + Lanczos4 + imencode q92
-  write_mds    the real job (Lance -> Ray Data -> MDS) on 1 and on 2 Ray CPUs
+  write_mds    the real job (Lance -> Ray Data -> MDS) on 1 and on 2 Ray CPUs,
+               and on 1 CPU with --codec vips (libvips thumbnail)
 
 Targets: write_mds(1 CPU) >= 0.9x floor, >= 1.8x img2dataset; 2 CPUs >= 1.8x 1 CPU.
 Run on an otherwise idle machine:  python benchmarks/bench_export.py --images 48
@@ -90,7 +91,12 @@ def img2dataset_loop(images: list[bytes], spec: BucketSpec) -> float:
 
 
 def export_rate(
-    table: str, workdir: str, num_cpus: int, tiers: tuple[int, ...], rows_per_task: int
+    table: str,
+    workdir: str,
+    num_cpus: int,
+    tiers: tuple[int, ...],
+    rows_per_task: int,
+    codec: str = "pillow",
 ) -> dict:
     import ray
 
@@ -105,17 +111,19 @@ def export_rate(
     run_export(
         ExportConfig(
             table=table,
-            out=os.path.join(workdir, f"warm{num_cpus}"),
+            out=os.path.join(workdir, f"warm{num_cpus}{codec}"),
             tiers=tiers,
+            codec=codec,
             rows_per_task=rows_per_task,
             filter="id < 'img/0002'",
         ),
         progress=False,
     )
-    out = os.path.join(workdir, f"out{num_cpus}")
+    out = os.path.join(workdir, f"out{num_cpus}{codec}")
     t0 = time.perf_counter()
     report = run_export(
-        ExportConfig(table=table, out=out, tiers=tiers, rows_per_task=rows_per_task), progress=False
+        ExportConfig(table=table, out=out, tiers=tiers, rows_per_task=rows_per_task, codec=codec),
+        progress=False,
     )
     wall = time.perf_counter() - t0
     ray.shutdown()
@@ -158,6 +166,7 @@ def main() -> None:
         i2d = img2dataset_loop(images, spec)
         one = export_rate(table, workdir, 1, tiers, args.rows_per_task)
         two = export_rate(table, workdir, 2, tiers, args.rows_per_task)
+        vips = export_rate(table, workdir, 1, tiers, args.rows_per_task, codec="vips")
         res = {
             "images": args.images,
             "floor_img_per_s": round(floor, 2),
@@ -167,6 +176,9 @@ def main() -> None:
             "ratio_vs_floor": round(one["img_per_s"] / floor, 3),
             "ratio_vs_img2dataset": round(one["img_per_s"] / i2d, 3),
             "scaling_1_to_2": round(two["img_per_s"] / one["img_per_s"], 3),
+            "write_mds_vips_1cpu_img_per_s": round(vips["img_per_s"], 2),
+            "vips_ratio_vs_floor": round(vips["img_per_s"] / floor, 3),
+            "vips_ratio_vs_img2dataset": round(vips["img_per_s"] / i2d, 3),
         }
         print(json.dumps(res, indent=2))
         if args.json:

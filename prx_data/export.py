@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from . import storage
 from .buckets import DEFAULT_TIERS, BucketSpec, assign_bucket
-from .imaging import DEFAULT_JPEG_QUALITY, ImageError, prepare
+from .imaging import DEFAULT_JPEG_QUALITY, ImageError, prepare_with
 from .schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
 
 PROGRESS_DIR = "_progress"
@@ -54,6 +54,8 @@ class ExportConfig:
     #: JPEG chroma subsampling: -1 = Pillow default (4:2:0), 0 = 4:4:4, 2 = 4:2:0.
     subsampling: int = -1
     use_draft: bool = True
+    #: Resize/encode path: "pillow" (draft >= 1.5x + Lanczos) or "vips" (libvips thumbnail).
+    codec: str = "pillow"
     compression: str | None = None
     hashes: tuple[str, ...] = ()
     size_limit: int = 1 << 26
@@ -388,7 +390,8 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                     continue
                 b = assignment.bucket
                 try:
-                    prepared = prepare(
+                    prepared = prepare_with(
+                        cfg.codec,
                         data,
                         b.width,
                         b.height,

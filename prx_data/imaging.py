@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -238,3 +239,88 @@ def prepare(
         full = im.size
     out, box = cover_resize(im, dst_w, dst_h, full_size=full)
     return Prepared(encode(out, fmt, quality, subsampling), dst_w, dst_h, box)
+
+
+# --- libvips codec path ------------------------------------------------------------
+
+CODECS = ("pillow", "vips")
+_VIPS_SUBSAMPLE = {-1: "on", 2: "on", 0: "off"}
+
+
+def _vips():
+    """Import pyvips configured for one image per core and no operation cache."""
+    os.environ.setdefault("VIPS_CONCURRENCY", "1")
+    try:
+        import pyvips
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImageError(
+            "codec_unavailable",
+            f"pyvips is not importable ({e}); `pip install pyvips pyvips-binary`",
+        ) from None
+    pyvips.cache_set_max(0)
+    return pyvips
+
+
+def prepare_vips(
+    data: bytes,
+    dst_w: int,
+    dst_h: int,
+    src_size: tuple[int, int] | None = None,
+    fmt: str = "jpeg",
+    quality: int = DEFAULT_JPEG_QUALITY,
+    subsampling: int | str = -1,
+) -> Prepared:
+    """Same contract as :func:`prepare`, through libvips' ``thumbnail``.
+
+    libvips shrinks JPEGs on load but always leaves at least 2x the target
+    before its Lanczos3 reduce (stricter than :data:`DRAFT_MARGIN`), applies
+    EXIF orientation and centre-crops to the exact shape. The header checks
+    (empty, not an image, decompression bomb) are Pillow's, so both codecs
+    count failures under the same reasons.
+    """
+    info = probe(data)  # raises ImageError for empty files, non-images and bombs
+    if src_size is None:
+        src_size = (info.width, info.height)
+    if fmt not in ("jpeg", "png"):
+        raise ValueError(f"unknown output format {fmt!r}; use 'jpeg' or 'png'")
+    if subsampling not in _VIPS_SUBSAMPLE:
+        raise ValueError("the vips codec supports subsampling -1 (4:2:0), 0 (4:4:4) or 2 (4:2:0)")
+    pyvips = _vips()
+    try:
+        im = pyvips.Image.thumbnail_buffer(
+            data, dst_w, height=dst_h, size="both", crop="centre", option_string="fail_on=error"
+        )
+        if im.hasalpha():
+            im = im.flatten(background=list(BACKGROUND))
+        if im.interpretation not in ("srgb",) or im.format != "uchar":
+            im = im.colourspace("srgb")
+        if im.format != "uchar":
+            im = im.cast("uchar")
+        if im.bands == 1:
+            im = im.bandjoin([im, im])
+        elif im.bands > 3:
+            im = im.extract_band(0, n=3)
+        if (im.width, im.height) != (dst_w, dst_h):
+            raise ImageError("decode_error", f"vips produced {im.width}x{im.height}")
+        if fmt == "jpeg":
+            out = im.jpegsave_buffer(
+                Q=quality, subsample_mode=_VIPS_SUBSAMPLE[subsampling], keep="none"
+            )
+        else:
+            out = im.pngsave_buffer(compression=1, keep="none")
+    except pyvips.Error as e:
+        msg = str(e)
+        low = msg.lower()
+        reason = "truncated" if ("truncated" in low or "premature end" in low) else "decode_error"
+        raise ImageError(reason, msg.strip().splitlines()[0] if msg.strip() else "") from None
+    return Prepared(out, dst_w, dst_h, cover_box(*src_size, dst_w, dst_h))
+
+
+def prepare_with(codec: str, data: bytes, dst_w: int, dst_h: int, **kwargs) -> Prepared:
+    """Dispatch to the chosen codec path (``pillow`` or ``vips``)."""
+    if codec == "pillow":
+        return prepare(data, dst_w, dst_h, **kwargs)
+    if codec == "vips":
+        kwargs.pop("use_draft", None)
+        return prepare_vips(data, dst_w, dst_h, **kwargs)
+    raise ValueError(f"unknown codec {codec!r}; choose from {CODECS}")

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="JPEG chroma subsampling: -1 Pillow default (4:2:0), 0 = 4:4:4, 1 = 4:2:2, 2 = 4:2:0.",
     )
     p.add_argument(
+        "--codec",
+        choices=["pillow", "vips"],
+        default="pillow",
+        help="Resize/encode path: pillow (JPEG draft to >= 1.5x the target, Lanczos) or vips "
+        "(libvips thumbnail: shrink-on-load to >= 2x the target, Lanczos3; faster on large photos).",
+    )
+    p.add_argument(
         "--no-draft",
         dest="use_draft",
         action="store_false",
@@ -148,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         quality=args.quality,
         subsampling=args.subsampling,
         use_draft=args.use_draft,
+        codec=args.codec,
         compression=args.compression,
         hashes=args.hashes,
         size_limit=args.size_limit,

@@ -297,3 +297,22 @@ def test_export_to_object_storage(photo_table, s3_bucket, tmp_path, ray_local):
     ids = [ds[i]["id"] for i in range(ds.num_samples)]
     assert len(ids) == report.buckets[bucket]
     assert all(i.startswith("sample/") for i in ids)
+
+
+def test_vips_codec_counts_the_same_drops(bad_table, tmp_path, ray_local):
+    uri, cases = bad_table
+    out = str(tmp_path / "vips")
+    report = run_export(
+        ExportConfig(table=uri, out=out, rows_per_task=9, codec="vips"), progress=False
+    )
+    expected = {}
+    for _, _, _, reason in cases:
+        if reason:
+            expected[reason] = expected.get(reason, 0) + 1
+    assert report.dropped == expected
+    q92 = _q92_tables()
+    for b in _all_buckets(out):
+        bucket = parse_bucket_name(b)
+        for s in _read_bucket(out, b):
+            im = Image.open(io.BytesIO(s["image"]))
+            assert im.size == (bucket.width, bucket.height) and im.quantization == q92

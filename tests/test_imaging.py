@@ -4,7 +4,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prx_data.imaging import ImageError, cover_box, decode, draft_size, encode, prepare, probe
+from prx_data.imaging import (
+    ImageError,
+    cover_box,
+    decode,
+    draft_size,
+    encode,
+    prepare,
+    prepare_with,
+    probe,
+)
 from tests import badinputs as bad
 
 
@@ -22,9 +31,10 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
         (bad.bomb_gif(), "decompression_bomb"),
     ],
 )
-def test_bad_files_raise_with_reason(data, reason):
+@pytest.mark.parametrize("codec", ["pillow", "vips"])
+def test_bad_files_raise_with_reason(data, reason, codec):
     with pytest.raises(ImageError) as e:
-        prepare(data, 512, 512)
+        prepare_with(codec, data, 512, 512)
     assert e.value.reason == reason
 
 
@@ -39,10 +49,11 @@ def test_bad_files_raise_with_reason(data, reason):
         bad.webp,
     ],
 )
-def test_any_mode_becomes_rgb(make):
+@pytest.mark.parametrize("codec", ["pillow", "vips"])
+def test_any_mode_becomes_rgb(make, codec):
     im = decode(make())
     assert im.mode == "RGB"
-    out = prepare(make(), 448, 576)
+    out = prepare_with(codec, make(), 448, 576)
     dec = Image.open(io.BytesIO(out.data))
     assert dec.size == (448, 576) and dec.mode == "RGB" and dec.format == "JPEG"
 
@@ -111,3 +122,28 @@ def test_draft_keeps_quality_vs_full_decode():
     b = np.asarray(Image.open(io.BytesIO(full.data)))
     assert _psnr(a, b) > 40
     assert fast.crop_box == full.crop_box
+
+
+def test_vips_codec_matches_pillow_contract():
+    """Orientation, alpha on white, first frame, q92 tables and crop box agree across codecs."""
+    data, _ = bad.exif_rotated_jpeg()
+    arr = np.asarray(Image.open(io.BytesIO(prepare_with("vips", data, 384, 512).data)))
+    assert arr.shape == (512, 384, 3) and arr[:200].mean(axis=(0, 1))[0] > 150
+    arr = np.asarray(Image.open(io.BytesIO(prepare_with("vips", bad.rgba_png(), 448, 576).data)))
+    assert (arr[:, :100] > 245).all()
+    arr = np.asarray(
+        Image.open(io.BytesIO(prepare_with("vips", bad.animated_gif(), 448, 576).data))
+    )
+    assert arr.mean(axis=(0, 1))[0] > 150
+    good = bad.good_jpeg(1600, 1200, 3)
+    a, b = prepare_with("vips", good, 576, 448), prepare(good, 576, 448)
+    qa, qb = Image.open(io.BytesIO(a.data)), Image.open(io.BytesIO(b.data))
+    assert qa.quantization == qb.quantization  # both exactly quality 92
+    assert a.crop_box == b.crop_box
+    assert _psnr(np.asarray(qa.convert("RGB")), np.asarray(qb.convert("RGB"))) > 30
+    png = prepare_with("vips", good, 576, 448, fmt="png")
+    assert Image.open(io.BytesIO(png.data)).format == "PNG"
+    with pytest.raises(ValueError):
+        prepare_with("vips", good, 576, 448, subsampling=1)
+    with pytest.raises(ValueError):
+        prepare_with("nope", good, 576, 448)
