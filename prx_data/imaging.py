@@ -12,6 +12,8 @@ import io
 import math
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,26 +125,11 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def decode(data: bytes, draft_to: tuple[int, int] | None = None) -> Image.Image:
-    """Decode to an oriented 8-bit RGB image.
-
-    ``draft_to`` is a minimum size in the *oriented* frame; JPEGs may be
-    DCT-downscaled to no less than it (see :data:`DRAFT_MARGIN`).
-    """
-    im = open_image(data)
+@contextmanager
+def decode_errors() -> Iterator[None]:
+    """Map Pillow's pixel-decoding failures to :class:`ImageError` reasons."""
     try:
-        if getattr(im, "n_frames", 1) > 1:
-            im.seek(0)
-        orientation = _orientation(im)
-        if draft_to is not None and im.format == "JPEG":
-            dw, dh = draft_to
-            if orientation in _TRANSPOSING_ORIENTATIONS:
-                dw, dh = dh, dw
-            im.draft("RGB", (max(1, dw), max(1, dh)))
-        im.load()
-        if orientation != 1:
-            im = ImageOps.exif_transpose(im)
-        return _to_rgb(im)
+        yield
     except ImageError:
         raise
     except Image.DecompressionBombError as e:
@@ -155,6 +142,28 @@ def decode(data: bytes, draft_to: tuple[int, int] | None = None) -> Image.Image:
         raise ImageError(reason, msg) from None
     except (ValueError, SyntaxError, EOFError, MemoryError) as e:
         raise ImageError("decode_error", str(e)) from None
+
+
+def decode(data: bytes, draft_to: tuple[int, int] | None = None) -> Image.Image:
+    """Decode to an oriented 8-bit RGB image.
+
+    ``draft_to`` is a minimum size in the *oriented* frame; JPEGs may be
+    DCT-downscaled to no less than it (see :data:`DRAFT_MARGIN`).
+    """
+    im = open_image(data)
+    with decode_errors():
+        if getattr(im, "n_frames", 1) > 1:
+            im.seek(0)
+        orientation = _orientation(im)
+        if draft_to is not None and im.format == "JPEG":
+            dw, dh = draft_to
+            if orientation in _TRANSPOSING_ORIENTATIONS:
+                dw, dh = dh, dw
+            im.draft("RGB", (max(1, dw), max(1, dh)))
+        im.load()
+        if orientation != 1:
+            im = ImageOps.exif_transpose(im)
+        return _to_rgb(im)
 
 
 def cover_box(src_w: int, src_h: int, dst_w: int, dst_h: int) -> tuple[float, float, float, float]:

@@ -36,7 +36,7 @@ import numpy as np
 import scipy.fftpack
 from PIL import Image, ImageOps
 
-from prx_data.imaging import ImageError
+from prx_data.imaging import ImageError, decode_errors
 from prx_data.imaging import open_image as _open
 
 HASH_SIZE = 8
@@ -210,23 +210,11 @@ def phash_image(im: Image.Image) -> int:
 
 def _exact_pixels(data: bytes) -> np.ndarray:
     im = _open(data)
-    try:
+    with decode_errors():
         if getattr(im, "n_frames", 1) > 1:
             im.seek(0)
         im = ImageOps.exif_transpose(im)
         return _pil_gray32(im.convert("L"))
-    except ImageError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise ImageError("decompression_bomb", str(e)) from None
-    except OSError as e:
-        msg = str(e)
-        reason = (
-            "truncated" if "truncated" in msg or "broken data stream" in msg else "decode_error"
-        )
-        raise ImageError(reason, msg) from None
-    except (ValueError, SyntaxError, EOFError, MemoryError) as e:
-        raise ImageError("decode_error", str(e)) from None
 
 
 def reduction_for(width: int, height: int, min_side: int = MIN_DECODE_SIDE) -> int:
