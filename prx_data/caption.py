@@ -10,13 +10,12 @@ import argparse
 import sys
 
 from prx_data.captioning import checks
-from prx_data.captioning.backends import BackendUnavailable
 from prx_data.captioning.cli import (
     add_backend_args,
     backend_options_from_args,
     generation_from_args,
     parse_list,
-    write_report,
+    run_column_job,
 )
 from prx_data.captioning.images import DEFAULT_MAX_PIXELS
 
@@ -73,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pipelines.caption import CaptionConfig, run_caption
-    from pipelines.runtime import ensure_ray
 
-    try:
-        cfg = CaptionConfig(
+    return run_column_job(
+        args,
+        lambda: CaptionConfig(
             table=args.table,
             backend=args.backend,
             model=args.model,
@@ -91,15 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             redo=parse_list(args.redo),
             flush_rows=args.flush_rows,
             progress=not args.no_progress,
-        )
-        ensure_ray(args.ray_address)
-        report = run_caption(cfg)
-    except (BackendUnavailable, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(report.summary())
-    write_report(args.report_json, report.to_dict())
-    return 0
+        ),
+        run_caption,
+    )
 
 
 if __name__ == "__main__":

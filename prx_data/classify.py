@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.captioning.backends import BackendUnavailable, GenerationConfig
+from prx_data.captioning.backends import GenerationConfig
 from prx_data.captioning.cli import (
     add_backend_args,
     backend_options_from_args,
     generation_from_args,
     parse_list,
-    write_report,
+    run_column_job,
 )
 
 
@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.rules_only and not (args.backend and args.model):
         p.error("--backend and --model are required unless --rules-only is given")
     from pipelines.classify import ClassifyConfig, run_classify
-    from pipelines.runtime import ensure_ray
 
-    try:
-        cfg = ClassifyConfig(
+    return run_column_job(
+        args,
+        lambda: ClassifyConfig(
             table=args.table,
             backend=args.backend,
             model=args.model,
@@ -104,15 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             redo=parse_list(args.redo),
             flush_rows=args.flush_rows,
             progress=not args.no_progress,
-        )
-        ensure_ray(args.ray_address)
-        report = run_classify(cfg)
-    except (BackendUnavailable, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(report.summary())
-    write_report(args.report_json, report.to_dict())
-    return 0
+        ),
+        run_classify,
+    )
 
 
 if __name__ == "__main__":

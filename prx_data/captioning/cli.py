@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from prx_data.captioning.backends import BACKENDS, GenerationConfig
@@ -186,3 +187,25 @@ def write_report(path: str | None, report: dict) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+
+
+def run_column_job(args: argparse.Namespace, make_config: Callable[[], Any], run: Callable) -> int:
+    """The shared tail of the caption/classify CLIs: build, start Ray, run, report.
+
+    Configuration and backend errors print one line and exit 2.
+    """
+    import sys
+
+    from pipelines.runtime import ensure_ray
+    from prx_data.captioning.backends import BackendUnavailable
+
+    try:
+        cfg = make_config()
+        ensure_ray(args.ray_address)
+        report = run(cfg)
+    except (BackendUnavailable, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    write_report(args.report_json, report.to_dict())
+    return 0
