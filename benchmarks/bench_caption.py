@@ -35,14 +35,14 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prx_data.captioning import checks  # noqa: E402
-from prx_data.captioning.backends import (  # noqa: E402
+from prx_data.columns import checks  # noqa: E402
+from prx_data.columns.backends import (  # noqa: E402
     Backend,
     BackendSpec,
     Generation,
     GenerationConfig,
 )
-from prx_data.captioning.images import DEFAULT_MAX_PIXELS, fit_image  # noqa: E402
+from prx_data.columns.images import DEFAULT_MAX_PIXELS, fit_image  # noqa: E402
 
 
 class ZeroCostBackend(Backend):
@@ -88,7 +88,7 @@ def make_table(uri: str, rows: int, size: tuple[int, int], seed: int = 0) -> Non
 
 def anchor(uri: str, column: str, max_pixels: int, flush_rows: int) -> float:
     """The same work in one plain loop (no Ray): rows/s."""
-    from prx_data.captioning.writeback import ColumnWriter
+    from prx_data.columns.writeback import ColumnWriter
 
     writer = ColumnWriter(uri, [column, f"{column}_status"], flush_rows=flush_rows)
     ds = lance.dataset(uri)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from pipelines.caption import CaptionConfig, run_caption
-    from pipelines.runtime import ensure_ray
+    from prx_data.core.runtime import ensure_ray
 
     ensure_ray(num_cpus=args.num_cpus, object_store_memory=512 * 2**20)
     results: dict = {"rows": args.rows, "num_cpus": args.num_cpus, "runs": {}}

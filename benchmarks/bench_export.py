@@ -25,8 +25,8 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from prx_data.buckets import BucketSpec, assign_bucket
-from prx_data.sample_data import photo_like
+from prx_data.core.buckets import BucketSpec, assign_bucket
+from prx_data.core.sample_data import photo_like
 
 SIZES = [
     (2000, 1500),
@@ -100,9 +100,9 @@ def export_rate(
 ) -> dict:
     import ray
 
-    from pipelines.runtime import ensure_ray
     from pipelines.write_mds import run_export
-    from prx_data.export import ExportConfig
+    from prx_data.core.runtime import ensure_ray
+    from prx_data.export.unit import ExportConfig
 
     if ray.is_initialized():
         ray.shutdown()

@@ -3,9 +3,9 @@
 In one run, on the same synthetic photo-like JPEGs with captions:
 
 - ``anchor_folder``: one Python process reads every file and its caption,
-  probes the header (:func:`prx_data.imaging.probe`), and writes the same
+  probes the header (:func:`prx_data.core.imaging.probe`), and writes the same
   table with one ``lance.write_dataset``;
-- ``ray_folder``: ``prx_data.ingest.ingest`` on the folder (Ray Data,
+- ``ray_folder``: ``prx_data.cli.ingest.ingest`` on the folder (Ray Data,
   ``--cpus`` local CPUs; Ray started before the clock so start-up is not
   counted);
 - ``anchor_parquet`` / ``ray_parquet``: the same with the images stored as
@@ -39,10 +39,13 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.runtime import ensure_ray  # noqa: E402
-from prx_data import schema as S  # noqa: E402
-from prx_data.imaging import ImageError, probe  # noqa: E402
-from prx_data.ingest import ingest  # noqa: E402
+from pipelines.ingest import ingest  # noqa: E402
+from prx_data.core import schema as S  # noqa: E402
+from prx_data.core.imaging import (
+    ImageError,
+    probe,  # noqa: E402
+)
+from prx_data.core.runtime import ensure_ray  # noqa: E402
 
 
 def photo_like(rng: np.random.Generator, w: int, h: int) -> bytes:

@@ -1,4 +1,4 @@
-"""Benchmark: pHash from JPEG bytes, ``prx_data.phash`` against ``imagehash.phash``, one core.
+"""Benchmark: pHash from JPEG bytes, ``prx_data.core.phash`` against ``imagehash.phash``, one core.
 
 Target (issue #7): the default (reduced-decode) path at least 10x faster
 than ``imagehash.phash(Image.open(...))`` on the same files in the same run.
@@ -33,7 +33,11 @@ from PIL import Image  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from prx_data.phash import hamming, phash_bytes, phash_many  # noqa: E402
+from prx_data.core.phash import (  # noqa: E402
+    hamming,
+    phash_bytes,
+    phash_many,
+)
 
 #: Default sizes: the range an export's sources span (0.4 to 4 MP).
 SIZES = ((768, 512), (1024, 768), (1280, 960), (1536, 1024), (2048, 1536), (2304, 1728))

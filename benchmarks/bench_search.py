@@ -2,11 +2,11 @@
 
 Builds (once per run, in a temp folder unless --dir is given) a Lance table
 with N synthetic captions and N random 128-d unit vectors, indexes it with
-:func:`prx_data.search.build_indexes` (INVERTED + IVF_PQ), and times:
+:func:`prx_data.table.search.build_indexes` (INVERTED + IVF_PQ), and times:
 
-- ``fts``: :func:`prx_data.search.text_search` for 2-word queries, k=50
+- ``fts``: :func:`prx_data.table.search.text_search` for 2-word queries, k=50
   (target p50 <= 50 ms at 1M rows);
-- ``ann``: :func:`prx_data.search.vector_search`, k=50, nprobes=20,
+- ``ann``: :func:`prx_data.table.search.vector_search`, k=50, nprobes=20,
   refine_factor=5 (target p50 <= 20 ms at 1M), plus recall@10 against an
   exact scan of a few queries;
 - ``anchor``: a plain full scan of the ``id`` column with a filter, in the
@@ -33,8 +33,8 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prx_data import search  # noqa: E402
-from prx_data import table as T  # noqa: E402
+from prx_data.table import lance_ops as T  # noqa: E402
+from prx_data.table import search  # noqa: E402
 
 WORDS = [
     "red",

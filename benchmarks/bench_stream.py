@@ -30,8 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
-from prx_data import skiplist  # noqa: E402
-from prx_data.stream import BucketedDataset, DatasetSpec  # noqa: E402
+from prx_data.skips import sidecar as skiplist  # noqa: E402
+from prx_data.stream.dataset import (
+    BucketedDataset,
+    DatasetSpec,  # noqa: E402
+)
 from tests.exportkit import make_export  # noqa: E402 (test-only export fabrication)
 
 BUCKET = "512/1.000"
@@ -94,7 +97,7 @@ def bench_skip10(work: str, samples: int, rounds: int, chunk: int = 50) -> dict:
     # The per-sample cost of the kept -> stored mapping itself, for scale.
     from streaming.base.format.mds.reader import MDSReader
 
-    from prx_data.stream import SkipMDSReader
+    from prx_data.stream.dataset import SkipMDSReader
 
     shard = MDSReader.__new__(MDSReader)
     shard.samples = 2000

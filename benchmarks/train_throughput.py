@@ -51,9 +51,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="batches left out of the figures")
     args = p.parse_args()
 
-    from prx_data.training.callbacks import DataWaitMonitor
-    from prx_data.training.config import load_config
-    from prx_data.training.trainer import build_trainer, resolve_placement
+    from prx_data.train.callbacks import DataWaitMonitor
+    from prx_data.train.config import load_config
+    from prx_data.train.trainer import build_trainer, resolve_placement
 
     cfg = load_config(
         args.config,

@@ -22,19 +22,19 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from pipelines.runtime import ensure_ray
-from prx_data import schema as S
-from prx_data.captioning import checks
-from prx_data.captioning.backends import (
+from prx_data.columns import checks
+from prx_data.columns.backends import (
     BackendSpec,
     FailureGuard,
     GenerationConfig,
     Request,
     make_spec,
 )
-from prx_data.captioning.images import DEFAULT_MAX_PIXELS, fit_image
-from prx_data.captioning.prompts import load_prompt
-from prx_data.captioning.writeback import ColumnReport, ColumnWriter, count_into, pending_filter
+from prx_data.columns.images import DEFAULT_MAX_PIXELS, fit_image
+from prx_data.columns.prompts import load_prompt
+from prx_data.columns.writeback import ColumnReport, ColumnWriter, count_into, pending_filter
+from prx_data.core import schema as S
+from prx_data.core.runtime import ensure_ray
 
 #: Internal column carrying why a row was flagged (counted, not stored).
 REASON = "__reason"
@@ -89,7 +89,7 @@ def read_pending(
     """Ray dataset of the pending rows, plus how many there are (for the progress bar)."""
     import ray
 
-    from prx_data.table import open_table
+    from prx_data.table.lance_ops import open_table
 
     ds_lance = open_table(uri, storage_options)
     total = ds_lance.count_rows(filter=where) if where else ds_lance.count_rows()
@@ -158,7 +158,7 @@ def iter_results(ds) -> Iterator[pa.Table]:
 
 def prepare_images(batch: pa.Table, max_pixels: int) -> pa.Table:
     """Decode and fit each image to the pixel budget; bad bytes get a reason instead."""
-    from prx_data.imaging import ImageError
+    from prx_data.core.imaging import ImageError
 
     images: list[bytes | None] = []
     reasons: list[str | None] = []
@@ -225,7 +225,7 @@ def build_graph(cfg: CaptionConfig, spec: BackendSpec, prompt: str, limits: chec
     """The Ray Data graph of pending rows -> caption results, plus the row count."""
     import ray
 
-    from prx_data.table import open_table
+    from prx_data.table.lance_ops import open_table
 
     existing = open_table(cfg.table, cfg.storage_options).schema.names
     where = pending_filter(existing, status_column(cfg.column), cfg.column, cfg.redo)

@@ -26,18 +26,18 @@ from functools import lru_cache
 import pyarrow as pa
 
 from pipelines.caption import REASON, drive, iter_results, read_pending
-from pipelines.runtime import ensure_ray
-from prx_data import schema as S
-from prx_data.captioning import labels as L
-from prx_data.captioning.backends import (
+from prx_data.columns import labels as L
+from prx_data.columns.backends import (
     BackendSpec,
     FailureGuard,
     GenerationConfig,
     Request,
     make_spec,
 )
-from prx_data.captioning.prompts import fill_caption, load_classify_prompt
-from prx_data.captioning.writeback import ColumnReport, ColumnWriter, pending_filter
+from prx_data.columns.prompts import fill_caption, load_classify_prompt
+from prx_data.columns.writeback import ColumnReport, ColumnWriter, pending_filter
+from prx_data.core import schema as S
+from prx_data.core.runtime import ensure_ray
 
 _RULE = "__rule"
 
@@ -147,7 +147,7 @@ def build_graph(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | N
     """The Ray Data graph of pending rows -> labels, plus the row count."""
     import ray
 
-    from prx_data.table import open_table
+    from prx_data.table.lance_ops import open_table
 
     existing = open_table(cfg.table, cfg.storage_options).schema.names
     if cfg.source_column not in existing:

@@ -16,14 +16,28 @@ notebooks and small tables).
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from prx_data import schema as S
+from prx_data.core import schema as S
+from prx_data.core.clusters import export_skips, find_duplicates
+from prx_data.skips.dedup import (
+    DUP_OF,
+    DedupConfig,
+    DedupReport,
+    bucket_codes,
+    group_counts,
+    replace_skip_list,
+    sort_groups,
+    table_buckets,
+)
 
 PHASH = "phash"
 PHASH_ERROR = "phash_error"
@@ -74,7 +88,7 @@ class PhashJobReport:
 
 def hash_batch(batch: pa.Table | pa.RecordBatch, exact: bool = False) -> pa.Table:
     """(id, image, width, height) -> (id, phash uint64, phash_error string)."""
-    from prx_data.phash import phash_many
+    from prx_data.core.phash import phash_many
 
     images = batch.column(S.IMAGE).to_pylist()
     widths = batch.column(S.WIDTH).to_pylist()
@@ -102,7 +116,7 @@ def pending_filter(schema_names: list[str], redo_errors: bool = False) -> str | 
 
 
 def _local_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]:
-    from prx_data.table import open_table
+    from prx_data.table.lance_ops import open_table
 
     ds = open_table(cfg.table, cfg.storage_options)
     for rb in ds.to_batches(columns=_READ_COLUMNS, filter=where, batch_size=cfg.batch_size):
@@ -113,7 +127,7 @@ def _local_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]
 def _ray_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]:
     import ray
 
-    from pipelines.runtime import ensure_ray
+    from prx_data.core.runtime import ensure_ray
 
     ensure_ray(cfg.ray_address, cfg.num_cpus)
     kwargs = {"storage_options": cfg.storage_options} if cfg.storage_options else {}
@@ -129,7 +143,7 @@ def _ray_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]:
 
 
 def _flush(cfg: PhashJobConfig, chunks: list[pa.Table]) -> None:
-    from prx_data.table import update_column
+    from prx_data.table.lance_ops import update_column
 
     if not chunks:
         return
@@ -149,7 +163,7 @@ def compute_phash(cfg: PhashJobConfig) -> PhashJobReport:
     """Hash every row that has no ``phash`` yet and write the column back (resumable)."""
     from tqdm.auto import tqdm
 
-    from prx_data.table import open_table
+    from prx_data.table.lance_ops import open_table
 
     start = time.perf_counter()
     ds = open_table(cfg.table, cfg.storage_options)
@@ -176,4 +190,133 @@ def compute_phash(cfg: PhashJobConfig) -> PhashJobReport:
         _flush(cfg, pending)
     report.errors = dict(errors)
     report.seconds = time.perf_counter() - start
+    return report
+
+
+def run_dedup(cfg: DedupConfig) -> DedupReport:
+    """The whole job; see the module docstring."""
+    from prx_data.table.lance_ops import open_table, update_column
+
+    start = time.perf_counter()
+    job = None
+    if cfg.compute:
+        job = compute_phash(
+            PhashJobConfig(
+                table=cfg.table,
+                engine=cfg.engine,
+                exact=cfg.exact,
+                batch_size=cfg.batch_size,
+                ray_address=cfg.ray_address,
+                num_cpus=cfg.num_cpus,
+                storage_options=cfg.storage_options,
+                progress=cfg.progress,
+            )
+        ).to_dict()
+    ds = open_table(cfg.table, cfg.storage_options)
+    if PHASH not in ds.schema.names:
+        raise ValueError(f"table {cfg.table!r} has no {PHASH!r} column; run without --no-compute")
+    cols = [S.ID, PHASH, S.WIDTH, S.HEIGHT] + (
+        [PHASH_ERROR] if PHASH_ERROR in ds.schema.names else []
+    )
+    t = ds.to_table(columns=cols)
+    ids = t[S.ID].combine_chunks()
+    ph = t[PHASH].combine_chunks()
+    valid = ph.is_valid().to_numpy(zero_copy_only=False)
+    hashes = ph.fill_null(0).to_numpy(zero_copy_only=False).astype(np.uint64)
+    width = t[S.WIDTH].cast(pa.float64()).to_numpy(zero_copy_only=False)
+    height = t[S.HEIGHT].cast(pa.float64()).to_numpy(zero_copy_only=False)
+    area = (np.nan_to_num(width, nan=0) * np.nan_to_num(height, nan=0)).astype(np.int64)
+    unhashed: dict[str, int] = {}
+    if (~valid).any():
+        if PHASH_ERROR in t.column_names:
+            reasons = t[PHASH_ERROR].filter(pa.array(~valid)).fill_null("not_hashed")
+        else:
+            reasons = pa.array(["not_hashed"] * int((~valid).sum()), pa.string())
+        unhashed = {vc["values"]: vc["counts"] for vc in pc.value_counts(reasons).to_pylist()}
+
+    clusters = find_duplicates(hashes, ids, area, valid=valid, radius=cfg.radius)
+    n = len(ids)
+    is_dup = clusters.is_dup
+    if cfg.write_column:
+        dup_of = ids.take(pa.array(np.where(is_dup, clusters.keeper, 0)))
+        dup_of = pc.if_else(pa.array(is_dup), dup_of, pa.scalar(None, pa.string()))
+        update_column(
+            cfg.table,
+            DUP_OF,
+            pa.table({S.ID: ids, DUP_OF: dup_of}),
+            storage_options=cfg.storage_options,
+        )
+
+    # Where each row lives: the export's manifests, or the bucket it would get.
+    skip_info = None
+    if cfg.export is not None:
+        from prx_data.skips.sidecar import read_manifests
+
+        man = read_manifests(cfg.export)
+        row_of = pc.index_in(man["id"], value_set=ids).fill_null(-1).to_numpy(zero_copy_only=False)
+        row_of = row_of.astype(np.int64)
+        exported = np.zeros(n, bool)
+        exported[row_of[row_of >= 0]] = True
+        skip_rows_idx = export_skips(clusters, exported)
+        skip_mask = np.zeros(n, bool)
+        skip_mask[skip_rows_idx] = True
+        occ = np.flatnonzero(row_of >= 0)
+        occ_rows = row_of[occ]
+        removed_occ = skip_mask[occ_rows]
+        codes, names = bucket_codes(man["bucket"])
+        codes = codes[occ]
+        skip_info = replace_skip_list(
+            cfg.export, cfg.skip_name, man.take(pa.array(occ[removed_occ]))
+        )
+        skip_info["ids_not_in_table"] = int((row_of < 0).sum())
+        grouped_by = "export"
+    else:
+        occ_rows = np.arange(n)
+        codes, names = table_buckets(width, height, cfg.tiers)
+        removed_occ = is_dup
+        grouped_by = "table"
+
+    buckets = group_counts(codes, names, occ_rows, clusters, removed_occ)
+    tier_names = sorted({b.split("/")[0] for b in names})
+    tier_code_of = np.array([tier_names.index(b.split("/")[0]) for b in names], np.int64)
+    tier_codes = tier_code_of[codes] if len(codes) else codes
+    tiers = group_counts(tier_codes, tier_names, occ_rows, clusters, removed_occ)
+
+    # Clusters whose members sit in more than one tier.
+    spanning = 0
+    if len(clusters.ranked):
+        clustered = np.zeros(n, bool)
+        clustered[clusters.ranked] = True
+        inc = clustered[occ_rows]
+        pairs = np.unique(
+            np.stack([clusters.labels[occ_rows[inc]], tier_codes[inc]], axis=1), axis=0
+        )
+        spanning = int((np.bincount(pairs[:, 0]) > 1).sum()) if len(pairs) else 0
+    sizes = (
+        np.bincount(clusters.labels[clusters.ranked]) if len(clusters.ranked) else np.zeros(1, int)
+    )
+
+    report = DedupReport(
+        table=cfg.table,
+        table_version=open_table(cfg.table, cfg.storage_options).version,
+        radius=cfg.radius,
+        rows=n,
+        hashed=int(valid.sum()),
+        unhashed=dict(sorted(unhashed.items())),
+        clusters=clusters.n_clusters,
+        rows_in_clusters=int(len(clusters.ranked)),
+        removed=clusters.n_removed,
+        largest_cluster=int(sizes.max()),
+        clusters_spanning_tiers=spanning,
+        grouped_by=grouped_by,
+        tiers=sort_groups(tiers),
+        buckets=sort_groups(buckets),
+        skip_list=skip_info,
+        phash_job=job,
+        seconds=round(time.perf_counter() - start, 3),
+    )
+    if cfg.report:
+        from prx_data.core import storage
+
+        storage.write_bytes_atomic(cfg.report, json.dumps(report.to_dict(), indent=2).encode())
     return report

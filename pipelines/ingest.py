@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,10 +26,9 @@ import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.runtime import ensure_ray
-from prx_data import schema as S
-from prx_data import table as T
-from prx_data.sources import (
+from prx_data.core import schema as S
+from prx_data.core.runtime import ensure_ray
+from prx_data.ingest import (
     NOTES,
     Counts,
     SourceSpec,
@@ -38,6 +38,7 @@ from prx_data.sources import (
     parse_source,
     plan_source,
 )
+from prx_data.table import lance_ops as T
 
 MODES = ("append", "create", "overwrite")
 #: Fragments are sized to about this many bytes (mostly image bytes)...
@@ -415,3 +416,40 @@ def duplicate_ids(uri: str, storage_options: dict | None = None) -> int:
 
 def report_json(report: IngestReport) -> str:
     return json.dumps(report.to_dict(), indent=2)
+
+
+def ingest(
+    sources: Sequence[str],
+    table_uri: str,
+    *,
+    mode: str = "append",
+    fmt: str | None = None,
+    rows_per_fragment: int | None = None,
+    fragment_bytes: int = DEFAULT_FRAGMENT_BYTES,
+    items_per_unit: int | None = None,
+    num_cpus: int | None = None,
+    storage_options: dict | None = None,
+    progress: bool = True,
+    **reader_options,
+) -> IngestReport:
+    """Ingest ``sources`` (paths, or ``NAME=PATH`` to set the id prefix) into ``table_uri``.
+
+    ``mode``: ``append`` (default; creates the table if missing and skips ids
+    already in it), ``create`` (fails if the table exists) or ``overwrite``.
+    ``reader_options`` go to the source readers (e.g. ``image_column=``,
+    ``caption_column=``, ``keys=`` for twin tars). Returns the report.
+    """
+    cfg = IngestConfig(
+        sources=list(sources),
+        table_uri=table_uri,
+        mode=mode,
+        fmt=fmt,
+        rows_per_fragment=rows_per_fragment,
+        fragment_bytes=fragment_bytes,
+        items_per_unit=items_per_unit,
+        num_cpus=num_cpus,
+        storage_options=storage_options,
+        reader_options=reader_options,
+        progress=progress,
+    )
+    return run_ingest(cfg)

@@ -13,7 +13,9 @@ from dataclasses import asdict
 
 from tqdm.auto import tqdm
 
-from prx_data.export import (
+from prx_data.core.runtime import ensure_ray
+from prx_data.core.storage import storage_env
+from prx_data.export.unit import (
     ExportConfig,
     ExportReport,
     UnitResult,
@@ -25,9 +27,6 @@ from prx_data.export import (
     prepare_output,
     remove_stale_parts,
 )
-from prx_data.storage import storage_env
-
-from .runtime import ensure_ray
 
 
 class _ExportTask:

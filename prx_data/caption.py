@@ -1,99 +1,11 @@
-"""``python -m prx_data.caption``: re-caption a Lance table with a vision-language model.
+"""``python -m prx_data.caption``: re-caption images with a VLM and write the column back.
 
-Thin over :func:`pipelines.caption.run_caption`, which a notebook can call
-directly with a :class:`pipelines.caption.CaptionConfig`.
+A shim: the argument parsing lives in :mod:`prx_data.cli.caption`.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-from prx_data.captioning import checks
-from prx_data.captioning.cli import (
-    add_backend_args,
-    backend_options_from_args,
-    generation_from_args,
-    parse_list,
-    run_column_job,
-)
-from prx_data.captioning.images import DEFAULT_MAX_PIXELS
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m prx_data.caption",
-        description=(
-            "Caption the rows of a Lance table that lack COLUMN with a vision-language model, as a "
-            "streaming Ray Data job. Each image is decoded and downsized to the model's pixel "
-            "budget, captioned, checked (empty, looping and truncated generations are flagged, "
-            "never stored as captions) and written back in batches: COLUMN holds the caption and "
-            "COLUMN_status one of ok|empty|looping|truncated|error. Rerunning fills only the rows "
-            "still missing, so a killed run can simply be restarted."
-        ),
-    )
-    p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...)")
-    p.add_argument(
-        "--column",
-        default="caption_vlm",
-        help="column to write the captions to; its status goes to COLUMN_status "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--prompt-file",
-        default=None,
-        help="text file with the instruction (default: the packaged prx_data/prompts/caption.txt, "
-        "one dense, visually grounded paragraph of ~100-200 words)",
-    )
-    p.add_argument(
-        "--max-pixels",
-        type=int,
-        default=DEFAULT_MAX_PIXELS,
-        help="downsize images to at most this many pixels before sending them "
-        "(default: %(default)s = 1280 patches of 28x28, Qwen-VL's usual budget)",
-    )
-    p.add_argument(
-        "--limit", type=int, default=None, help="caption at most this many rows (a trial run)"
-    )
-    p.add_argument(
-        "--redo",
-        default="",
-        help=f"comma-separated statuses to caption again, from {','.join(checks.STATUSES[:-1])} "
-        "(default: none; rows that already have a caption are never redone)",
-    )
-    add_backend_args(
-        p,
-        max_tokens=512,
-        batch_size_help="rows per backend call (default: vllm 256, openai 4 x concurrency, transformers 16)",
-    )
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from pipelines.caption import CaptionConfig, run_caption
-
-    return run_column_job(
-        args,
-        lambda: CaptionConfig(
-            table=args.table,
-            backend=args.backend,
-            model=args.model,
-            column=args.column,
-            prompt_file=args.prompt_file,
-            max_pixels=args.max_pixels,
-            limit=args.limit,
-            generation=generation_from_args(args),
-            backend_options=backend_options_from_args(args),
-            replicas=args.replicas,
-            batch_size=args.batch_size,
-            redo=parse_list(args.redo),
-            flush_rows=args.flush_rows,
-            progress=not args.no_progress,
-        ),
-        run_caption,
-    )
-
+from prx_data.cli.caption import main
 
 if __name__ == "__main__":
     sys.exit(main())

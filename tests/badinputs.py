@@ -8,7 +8,7 @@ import struct
 import numpy as np
 from PIL import Image
 
-from prx_data.sample_data import photo_like
+from prx_data.core.sample_data import photo_like
 
 
 def _save(im: Image.Image, fmt: str, **kw) -> bytes:

@@ -20,7 +20,7 @@ def ray_local():
     """A local Ray runtime shared by the whole session."""
     import ray
 
-    from pipelines.runtime import ensure_ray
+    from prx_data.core.runtime import ensure_ray
 
     ensure_ray(num_cpus=2, object_store_memory=256 * 1024 * 1024)
     yield ray

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 from PIL import Image
 
-from prx_data.explore import ExploreConfig, serve
+from prx_data.explore.app import ExploreConfig, serve
 from tests.tablekit import make_table
 
 COLOURS = {"red": (210, 30, 30), "green": (30, 190, 40), "blue": (30, 40, 210)}

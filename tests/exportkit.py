@@ -24,8 +24,8 @@ from PIL import Image
 from streaming import MDSWriter
 from streaming.base.util import merge_index
 
-from prx_data.buckets import parse_bucket_name
-from prx_data.schema import MANIFEST_NAME, MDS_COLUMNS
+from prx_data.core.buckets import parse_bucket_name
+from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS
 
 
 @dataclass
@@ -134,7 +134,7 @@ def make_export(
 
 def upload_tree(local_root: str, remote_root: str) -> None:
     """Copy a local export tree to an ``s3://`` URI (for the remote tests)."""
-    from prx_data import storage
+    from prx_data.core import storage
 
     for rel in storage.list_files(local_root):
         with open(os.path.join(local_root, rel), "rb") as f:
@@ -185,7 +185,7 @@ def run_rank(
     from streaming import StreamingDataLoader
     from streaming.base.util import clean_stale_shared_memory
 
-    from prx_data import stream as ps
+    from prx_data.stream import dataset as ps
 
     env = {
         "RANK": str(rank),

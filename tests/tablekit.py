@@ -10,8 +10,8 @@ from __future__ import annotations
 import lance
 import pyarrow as pa
 
-from prx_data.imaging import ImageError, probe
-from prx_data.schema import TABLE_SCHEMA
+from prx_data.core.imaging import ImageError, probe
+from prx_data.core.schema import TABLE_SCHEMA
 
 
 def make_table(uri: str, items: list[tuple[str, bytes, str | None]], max_rows_per_file: int = 1024):

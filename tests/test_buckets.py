@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from prx_data.buckets import (
+from prx_data.core.buckets import (
     DEFAULT_SPEC,
     Bucket,
     BucketSpec,

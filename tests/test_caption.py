@@ -19,8 +19,8 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from prx_data.captioning import checks
-from prx_data.captioning.backends import (
+from prx_data.columns import checks
+from prx_data.columns.backends import (
     BackendSpec,
     BackendUnavailable,
     GenerationConfig,
@@ -30,9 +30,9 @@ from prx_data.captioning.backends import (
     data_url,
     make_spec,
 )
-from prx_data.captioning.images import fit_image, fit_size
-from prx_data.captioning.prompts import load_classify_prompt, load_prompt
-from prx_data.imaging import ImageError
+from prx_data.columns.images import fit_image, fit_size
+from prx_data.columns.prompts import load_classify_prompt, load_prompt
+from prx_data.core.imaging import ImageError
 from tests.caption_doubles import ChatServer, describe_image
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -178,7 +178,7 @@ def test_vllm_backend_validates_and_explains_when_missing():
 
 
 def test_failure_guard_stops_only_a_backend_failing_everywhere():
-    from prx_data.captioning.backends import FailureGuard, Generation
+    from prx_data.columns.backends import FailureGuard, Generation
 
     guard = FailureGuard(max_failed_batches=2)
     bad, good = Generation(None, None, "http 503"), Generation("A cat.", "stop")
@@ -252,7 +252,7 @@ def tiny_vlm(tmp_path_factory):
 
 
 def test_transformers_backend_generates_from_images(tiny_vlm):
-    from prx_data.captioning.backends import TransformersBackend
+    from prx_data.columns.backends import TransformersBackend
 
     b = TransformersBackend(tiny_vlm, GenerationConfig(max_tokens=5), device="cpu")
     reqs = [
@@ -376,7 +376,7 @@ def test_caption_pipeline_transformers_tiny_vlm(tmp_path, ray_local, tiny_vlm):
 
 @pytest.mark.ray
 def test_caption_cli_runs_and_reports(tmp_path, ray_local):
-    from prx_data.caption import main
+    from prx_data.cli.caption import main
 
     uri = make_table(tmp_path / "c.lance", [jpeg(50, 40, (200, 10, 10))] * 3)
     out = tmp_path / "report.json"
@@ -414,7 +414,7 @@ def test_caption_cli_help_and_bad_input(tmp_path):
         "--limit",
     ):
         assert opt in r.stdout
-    from prx_data.caption import main
+    from prx_data.cli.caption import main
 
     assert (
         main(

@@ -15,8 +15,8 @@ import lance
 import pyarrow as pa
 import pytest
 
-from prx_data.captioning.backends import GenerationConfig, Request
-from prx_data.captioning.labels import RuleFilter, parse_label, quoted_words
+from prx_data.columns.backends import GenerationConfig, Request
+from prx_data.columns.labels import RuleFilter, parse_label, quoted_words
 from tests.caption_doubles import ChatServer, label_caption
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -141,7 +141,7 @@ def tiny_lm(tmp_path_factory):
 
 
 def test_transformers_text_backend(tiny_lm):
-    from prx_data.captioning.backends import TransformersBackend
+    from prx_data.columns.backends import TransformersBackend
 
     b = TransformersBackend(tiny_lm, GenerationConfig(max_tokens=4), text_only=True, device="cpu")
     out = b(
@@ -189,7 +189,7 @@ def test_classify_cli(tmp_path):
     )
     for opt in ("--table", "--backend", "--model", "--column", "--source-column", "--rules-only"):
         assert opt in r.stdout
-    from prx_data.classify import main
+    from prx_data.cli.classify import main
 
     with pytest.raises(SystemExit):
         main(["--table", "x"])  # neither a model nor --rules-only
@@ -197,7 +197,7 @@ def test_classify_cli(tmp_path):
 
 @pytest.mark.ray
 def test_classify_cli_rules_only(tmp_path, ray_local):
-    from prx_data.classify import main
+    from prx_data.cli.classify import main
 
     uri = make_table(tmp_path / "cli.lance")
     assert main(["--table", uri, "--rules-only", "--column", "lbl", "--no-progress"]) == 0

@@ -11,7 +11,7 @@ import lance
 import pyarrow as pa
 import pytest
 
-from prx_data.skiplist import list_sidecars, load_skips, read_index
+from prx_data.skips.sidecar import list_sidecars, load_skips, read_index
 from tests.exportkit import make_export
 
 CAPTIONS = {
@@ -23,8 +23,8 @@ CAPTIONS = {
 
 @pytest.mark.ray
 def test_labels_become_named_skip_lists(tmp_path, ray_local):
-    from prx_data.classify import main as classify_main
-    from prx_data.skips import main as skips_main
+    from prx_data.cli.classify import main as classify_main
+    from prx_data.cli.skips import main as skips_main
 
     bucket = "512/1.000"
     export = make_export(str(tmp_path / "export"), {bucket: 10}, samples_per_part=4)

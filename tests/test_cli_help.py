@@ -32,7 +32,7 @@ def test_help_runs_and_documents_every_option(job, monkeypatch):
         raise SystemExit(0)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", spy)
-    module = importlib.import_module(f"prx_data.{job}")
+    module = importlib.import_module(f"prx_data.cli.{job}")
     with pytest.raises(SystemExit):
         module.main(["--help"])
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", original)

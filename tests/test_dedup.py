@@ -11,9 +11,12 @@ import pytest
 from PIL import Image
 from scipy.sparse.csgraph import connected_components
 
-from prx_data import dedup as D
-from prx_data import skiplist as SL
-from prx_data.phash import hamming
+from pipelines import dedup as PD
+from prx_data.cli import dedup as DC
+from prx_data.core import clusters as C
+from prx_data.core.phash import hamming
+from prx_data.skips import dedup as D
+from prx_data.skips import sidecar as SL
 from tests.dedup_images import jpeg, make_image
 from tests.tablekit import make_table
 
@@ -43,7 +46,7 @@ def test_clusters_equal_brute_force_single_linkage(radius):
     _, ref = connected_components(
         (hamming(h[:, None], h[None, :]) <= radius).astype(np.int8), directed=False
     )
-    labels = D.cluster_hashes(h, radius)
+    labels = C.cluster_hashes(h, radius)
     assert same_partition(labels, ref)
     assert labels.min() == 0 and labels.max() == len(np.unique(labels)) - 1
 
@@ -56,15 +59,15 @@ def test_near_pairs_finds_every_pair_within_radius():
         | rng.integers(0, 4, 1, dtype=np.uint64)
     )
     for radius in (1, 2, 4):
-        i, j = D.near_pairs(h, radius)
+        i, j = C.near_pairs(h, radius)
         got = {(min(a, b), max(a, b)) for a, b in zip(i.tolist(), j.tolist(), strict=True)}
         d = hamming(h[:, None], h[None, :])
         want = {(a, b) for a, b in zip(*np.nonzero(np.triu(d <= radius, 1)), strict=True)}
         assert got == {(int(a), int(b)) for a, b in want}
-    assert D._blocks(0) == [(0, 64)]
-    assert sum(w for _, w in D._blocks(4)) == 64
+    assert C._blocks(0) == [(0, 64)]
+    assert sum(w for _, w in C._blocks(4)) == 64
     with pytest.raises(ValueError, match="radius"):
-        D.cluster_hashes(h, D.MAX_RADIUS + 1)
+        C.cluster_hashes(h, C.MAX_RADIUS + 1)
 
 
 def test_keeper_is_largest_then_smallest_id():
@@ -72,7 +75,7 @@ def test_keeper_is_largest_then_smallest_id():
     ids = ["c", "a", "b", "z", "y", "x", "solo", "bad", "ok"]
     area = np.array([100, 400, 400, 10, 10, 10, 5, 10**6, 1])
     valid = np.array([True] * 7 + [False, True])  # "bad" has no hash
-    cl = D.find_duplicates(hashes, ids, area, valid=valid)
+    cl = C.find_duplicates(hashes, ids, area, valid=valid)
     keeper_id = [ids[k] if k >= 0 else None for k in cl.keeper]
     assert keeper_id == ["a", "a", "a", "x", "x", "x", "solo", None, "ok"]
     assert cl.is_dup.tolist() == [True, False, True, True, True, False, False, False, False]
@@ -84,9 +87,9 @@ def test_keeper_is_largest_then_smallest_id():
 
 def test_export_keeps_best_exported_copy_when_keeper_is_absent():
     hashes = np.array([1, 1, 1, 2, 2], np.uint64)
-    cl = D.find_duplicates(hashes, ["k", "m", "n", "p", "q"], np.array([9, 5, 1, 3, 3]))
+    cl = C.find_duplicates(hashes, ["k", "m", "n", "p", "q"], np.array([9, 5, 1, 3, 3]))
     exported = np.array([False, True, True, True, True])  # the keeper "k" was not exported
-    assert sorted(D.export_skips(cl, exported).tolist()) == [2, 4]
+    assert sorted(C.export_skips(cl, exported).tolist()) == [2, 4]
 
 
 # --- end to end -------------------------------------------------------------------------------
@@ -111,7 +114,7 @@ def dup_items() -> tuple[list[tuple[str, bytes, str | None]], dict[str, str]]:
 
 def export_in_process(table: str, out: str):
     """The real exporter's library steps, run in this process (no Ray)."""
-    from prx_data.export import ExportConfig, export_unit, finalize, plan_units, prepare_output
+    from prx_data.export.unit import ExportConfig, export_unit, finalize, plan_units, prepare_output
 
     cfg = prepare_output(ExportConfig(table=table, out=out, tiers=TIERS, rows_per_task=5))
     results = {}
@@ -140,7 +143,7 @@ def test_job_writes_dup_of_and_is_resumable(dup_table, tmp_path):
     cfg = D.DedupConfig(
         table=uri, engine="local", tiers=TIERS, report=str(report_path), progress=False
     )
-    r = D.run_dedup(cfg)
+    r = PD.run_dedup(cfg)
     got = {k: v for k, v in dup_of(uri).items() if v is not None}
     assert got == expected
     assert r.removed == 3 and r.clusters == 3 and r.rows == 13 and r.hashed == 12
@@ -155,7 +158,7 @@ def test_job_writes_dup_of_and_is_resumable(dup_table, tmp_path):
     assert on_disk["removed"] == 3 and on_disk["tiers"]["128"]["removed"] == 2
 
     # Rerun: nothing left to hash (the bad row's reason is stored), same answer.
-    r2 = D.run_dedup(cfg)
+    r2 = PD.run_dedup(cfg)
     assert r2.phash_job["rows_pending"] == 0 and r2.removed == 3
     # New rows: only they are hashed, and a new copy joins an existing cluster.
     ds = lance.dataset(uri)
@@ -165,7 +168,7 @@ def test_job_writes_dup_of_and_is_resumable(dup_table, tmp_path):
         i = extra.schema.get_field_index(col)
         extra = extra.set_column(i, extra.schema.field(i), pa.nulls(1, extra.schema.field(i).type))
     lance.write_dataset(extra, uri, mode="append")
-    r3 = D.run_dedup(cfg)
+    r3 = PD.run_dedup(cfg)
     assert r3.phash_job["rows_pending"] == 1
     assert dup_of(uri)["pic/05-copy"] == "pic/05" and r3.removed == 4
 
@@ -179,12 +182,12 @@ def test_radius_catches_reencoded_copy(tmp_path):
     ]
     uri = str(tmp_path / "r.lance")
     make_table(uri, items)
-    r0 = D.run_dedup(D.DedupConfig(table=uri, engine="local", radius=0, progress=False))
+    r0 = PD.run_dedup(D.DedupConfig(table=uri, engine="local", radius=0, progress=False))
     d = lance.dataset(uri).to_table(columns=["id", "phash"])
     h = dict(zip(d["id"].to_pylist(), d["phash"].to_pylist(), strict=True))
     assert int(hamming(h["a/orig"], h["a/q20"])) == 2
     assert r0.removed == 0 and dup_of(uri)["a/q20"] is None
-    r2 = D.run_dedup(D.DedupConfig(table=uri, engine="local", radius=2, progress=False))
+    r2 = PD.run_dedup(D.DedupConfig(table=uri, engine="local", radius=2, progress=False))
     assert r2.removed == 1 and r2.phash_job["rows_pending"] == 0
     assert dup_of(uri)["a/q20"] == "a/orig" and dup_of(uri)["a/other"] is None
 
@@ -206,7 +209,7 @@ def test_export_gets_dedup_skip_list(dup_table, tmp_path):
     b, s, x = where[stale_id]
     SL.add_skips(out, "dedup", {(b, s): [x]})
     cfg = D.DedupConfig(table=uri, export=out, engine="local", report=None, progress=False)
-    r = D.run_dedup(cfg)
+    r = PD.run_dedup(cfg)
     assert r.grouped_by == "export"
     skipped = set()
     for bucket in SL.list_buckets(out):
@@ -227,14 +230,14 @@ def test_export_gets_dedup_skip_list(dup_table, tmp_path):
     assert r.clusters_spanning_tiers == 1
     # Running again gives the same sidecars, byte for byte.
     before = {rel: open(f"{out}/{rel}", "rb").read() for rel in SL.storage.list_files(out, ".skip")}
-    D.run_dedup(cfg)
+    PD.run_dedup(cfg)
     after = {rel: open(f"{out}/{rel}", "rb").read() for rel in SL.storage.list_files(out, ".skip")}
     assert before == after and len(before) >= 1
 
 
 def test_cli_help_and_local_run(dup_table, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        D.main(["--help"])
+        DC.main(["--help"])
     help_text = capsys.readouterr().out
     for opt in (
         "--table",
@@ -250,7 +253,7 @@ def test_cli_help_and_local_run(dup_table, tmp_path, capsys):
     uri, expected = dup_table
     rep = tmp_path / "cli.json"
     assert (
-        D.main(
+        DC.main(
             [
                 "--table",
                 uri,

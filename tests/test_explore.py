@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from prx_data import explore
+from prx_data.cli import explore as explore_cli
+from prx_data.explore import app as explore
 from tests.explore_kit import XSS_CAPTION, make_explore_table, running_server
 
 
@@ -96,7 +97,7 @@ def test_captions_are_data_never_markup(server):
 
 def test_help_lists_options(capsys):
     with pytest.raises(SystemExit):
-        explore.main(["--help"])
+        explore_cli.main(["--help"])
     out = capsys.readouterr().out
     for opt in ("--table", "--host", "--port", "--descriptors", "--no-index", "127.0.0.1"):
         assert opt in out
@@ -105,7 +106,7 @@ def test_help_lists_options(capsys):
 def test_explorer_follows_new_columns(tmp_path):
     import pyarrow as pa
 
-    from prx_data.table import update_column
+    from prx_data.table.lance_ops import update_column
 
     uri = str(tmp_path / "t.lance")
     make_explore_table(uri)

@@ -17,9 +17,9 @@ from PIL import Image
 from streaming import LocalDataset, StreamingDataset
 
 from pipelines.write_mds import run_export
-from prx_data.buckets import parse_bucket_name
-from prx_data.export import ExportConfig, ExportError, content_digest, is_complete
-from prx_data.sample_data import make_sample_collection
+from prx_data.core.buckets import parse_bucket_name
+from prx_data.core.sample_data import make_sample_collection
+from prx_data.export.unit import ExportConfig, ExportError, content_digest, is_complete
 from tests import badinputs
 from tests.tablekit import folder_items, make_table
 
@@ -242,7 +242,7 @@ def test_kill_and_resume_gives_complete_valid_output(photo_table, tmp_path, ray_
 def test_resume_refuses_changed_options(photo_table, tmp_path, ray_local):
     out = str(tmp_path / "o")
     cfg = ExportConfig(table=photo_table, out=out, rows_per_task=4)
-    from prx_data.export import prepare_output
+    from prx_data.export.unit import prepare_output
 
     prepare_output(cfg)
     with pytest.raises(ExportError, match="options differ"):
@@ -259,7 +259,7 @@ cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 cluster.add_node(num_cpus=1)
 ray.init(address=cluster.address)
 from pipelines.write_mds import run_export
-from prx_data.export import ExportConfig
+from prx_data.export.unit import ExportConfig
 report = run_export(ExportConfig(table=sys.argv[1], out=sys.argv[2], rows_per_task=2), progress=False)
 nodes = [n for n in ray.nodes() if n["Alive"]]
 print(json.dumps({"nodes": len(nodes), "written": report.samples_written, "rows": report.rows_read}))

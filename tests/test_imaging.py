@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prx_data.imaging import (
+from prx_data.core.imaging import (
     ImageError,
     cover_box,
     decode,
@@ -110,7 +110,7 @@ def test_encode_quality_and_png():
 
 def test_draft_keeps_quality_vs_full_decode():
     """Drafting only down to >= 1.5x the target stays close to a full-decode reference."""
-    from prx_data.sample_data import photo_like
+    from prx_data.core.sample_data import photo_like
 
     src = photo_like(3000, 2000, 42)[0]
     buf = io.BytesIO()

@@ -7,10 +7,9 @@ import json
 import lance
 import pytest
 
-from pipelines.ingest import duplicate_ids, output_schema
-from prx_data import ingest as ingest_cli
-from prx_data.ingest import ingest
-from prx_data.sources import Counts, SourceSpec, conform, folder, load_unit, plan_source
+from pipelines.ingest import duplicate_ids, ingest, output_schema
+from prx_data.cli import ingest as ingest_cli
+from prx_data.ingest import Counts, SourceSpec, conform, folder, load_unit, plan_source
 from tests.ingest_data import jpeg, make_folder, write
 
 

@@ -11,9 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.ingest import duplicate_ids
-from prx_data.ingest import ingest
-from prx_data.sources import Counts, SourceSpec, detect_format, load_unit, plan_source
+from pipelines.ingest import duplicate_ids, ingest
+from prx_data.ingest import Counts, SourceSpec, detect_format, load_unit, plan_source
 from tests.ingest_data import jpeg, make_tar, png, write
 
 

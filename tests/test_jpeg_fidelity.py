@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prx_data import jpeg_fidelity as J
-from prx_data.imaging import ImageError, encode
+from prx_data.cli import jpeg_fidelity as JC
+from prx_data.core.imaging import ImageError, encode
+from prx_data.export import fidelity as J
 from tests.dedup_images import jpeg, make_image, png
 from tests.tablekit import make_table
 
@@ -99,7 +100,7 @@ def test_folder_report_by_band_with_bad_files(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not an image, not listed")
     out = tmp_path / "r.json"
     assert (
-        J.main(["--folder", str(tmp_path), "--json", str(out), "--no-progress", "--no-lpips"]) == 0
+        JC.main(["--folder", str(tmp_path), "--json", str(out), "--no-progress", "--no-lpips"]) == 0
     )
     rep = json.loads(out.read_text())
     assert rep["images"] == 5 and sum(rep["errors"].values()) == 1
@@ -126,13 +127,13 @@ def test_table_source_and_quality_cli(tmp_path, capsys):
     assert rep.images + sum(rep.errors.values()) == 3 and rep.cycles == [1, 2]
     f = tmp_path / "a.jpg"
     f.write_bytes(encode(make_image(1, 64, 64), "jpeg", 92))
-    assert J.main(["--estimate-quality", str(f), str(tmp_path / "missing.jpg")]) == 0
+    assert JC.main(["--estimate-quality", str(f), str(tmp_path / "missing.jpg")]) == 0
     printed = capsys.readouterr().out
     assert f"{f}: q92" in printed and "missing.jpg" in printed
     with pytest.raises(ValueError):
         J.FidelityConfig(folder="a", table="b")
     with pytest.raises(SystemExit):
-        J.main(["--help"])
+        JC.main(["--help"])
     help_text = capsys.readouterr().out
     for opt in (
         "--folder",

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from prx_data import optout as O
-from prx_data import skiplist as SL
+from prx_data.cli import optout as OC
+from prx_data.skips import optout as O
+from prx_data.skips import sidecar as SL
 from tests.exportkit import make_export
 from tests.tablekit import make_table
 
@@ -60,7 +61,7 @@ def test_ids_file_covers_every_tier_and_rerun_changes_nothing(export, tmp_path, 
         "--report",
         str(tmp_path / "r.json"),
     ]
-    assert O.main(args) == 0
+    assert OC.main(args) == 0
     assert skipped_ids(export, "optout-2026-11") == set(chosen)
     rep = json.loads((tmp_path / "r.json").read_text())
     assert (
@@ -73,12 +74,12 @@ def test_ids_file_covers_every_tier_and_rerun_changes_nothing(export, tmp_path, 
     assert f"python -m prx_data.skips rewrite {export.root}" in capsys.readouterr().out
     first = sidecars(export.root)
     assert len(first) >= 4  # several shards in three buckets
-    assert O.main(args) == 0
+    assert OC.main(args) == 0
     assert sidecars(export.root) == first  # byte-identical
     # A later request under the same name extends the list.
     f2 = tmp_path / "more.txt"
     f2.write_text("src/512/1.000/1\n")
-    O.main(["--export", export.root, "--name", "optout-2026-11", "--ids", str(f2)])
+    OC.main(["--export", export.root, "--name", "optout-2026-11", "--ids", str(f2)])
     assert skipped_ids(export, "optout-2026-11") == set(chosen) | {"src/512/1.000/1"}
 
 
@@ -93,7 +94,7 @@ def test_query_and_source_ids(export, tmp_path):
     table = str(tmp_path / "t.lance")
     make_table(table, items)  # tablekit puts every row under source "test"
     assert (
-        O.main(
+        OC.main(
             [
                 "--export",
                 export.root,
@@ -116,7 +117,7 @@ def test_query_and_source_ids(export, tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text("512/1.000/5\n1024/1.000/11\n")
     assert (
-        O.main(
+        OC.main(
             [
                 "--export",
                 export.root,
@@ -149,14 +150,14 @@ def test_errors_are_clear(export, tmp_path, capsys):
     f = tmp_path / "ids.txt"
     f.write_text("src/512/1.000/0\n")
     with pytest.raises(ValueError, match="invalid skip-list name"):
-        O.main(["--export", export.root, "--name", "Bad Name", "--ids", str(f)])
+        OC.main(["--export", export.root, "--name", "Bad Name", "--ids", str(f)])
     with pytest.raises(SystemExit):
-        O.main(["--export", export.root, "--name", "x", "--where", "id = 'a'"])
+        OC.main(["--export", export.root, "--name", "x", "--where", "id = 'a'"])
     assert "--where needs --table" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        O.main(["--export", export.root, "--name", "x", "--source-ids", str(f)])
+        OC.main(["--export", export.root, "--name", "x", "--source-ids", str(f)])
     with pytest.raises(SystemExit):
-        O.main(["--help"])
+        OC.main(["--help"])
     help_text = capsys.readouterr().out
     for opt in (
         "--export",

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from prx_data import phash as P
+from prx_data.core import phash as P
 from tests.dedup_images import jpeg, make_image, png, sizes
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from prx_data.planner import BucketCount, DatasetCount, PlanError, plan_buckets
+from prx_data.stream.planner import BucketCount, DatasetCount, PlanError, plan_buckets
 
 
 def ds(name="a", *counts, **w):
@@ -115,7 +115,7 @@ def test_shuffle_block_share_must_not_round_to_zero():
 
 
 def test_cli_reports_and_fails_on_fatal_configs(tmp_path, capsys):
-    from prx_data.planner import main
+    from prx_data.cli.planner import main
     from tests.exportkit import make_export
 
     root = make_export(str(tmp_path / "ex"), {"512/1.000": 20, "512/0.500": 6}).root

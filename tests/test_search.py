@@ -9,9 +9,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from prx_data import descriptor, search
-from prx_data import table as T
-from prx_data.buckets import assign_bucket
+from prx_data.cli import search as search_cli
+from prx_data.columns import descriptors
+from prx_data.core import descriptor
+from prx_data.core.buckets import assign_bucket
+from prx_data.table import lance_ops as T
+from prx_data.table import search
 from tests.ingest_data import jpeg
 from tests.tablekit import make_table
 
@@ -46,7 +49,7 @@ def table_uri(tmp_path_factory):
             )
     items.append(("t/broken", b"not an image", "a broken red file"))
     make_table(uri, items, max_rows_per_file=5)
-    assert descriptor.compute_descriptors(uri, chunk_rows=4, progress=False) == len(items)
+    assert descriptors.compute_descriptors(uri, chunk_rows=4, progress=False) == len(items)
     search.build_indexes(uri)
     return uri
 
@@ -68,7 +71,7 @@ def test_descriptors_are_resumable(table_uri):
     assert ds.count_rows(f"{descriptor.COLUMN} IS NULL") == 1  # only the broken image
     # A rerun only revisits the row still missing (and leaves the others alone).
     before = ds.to_table(columns=["id", descriptor.COLUMN]).to_pylist()
-    assert descriptor.compute_descriptors(table_uri, progress=False) == 1
+    assert descriptors.compute_descriptors(table_uri, progress=False) == 1
     after = lance.dataset(table_uri).to_table(columns=["id", descriptor.COLUMN]).to_pylist()
     assert before == after
 
@@ -176,7 +179,7 @@ def test_filter_sql_matches_bucket_assignment(tmp_path):
 
 
 def _tier_by_size(w, h):
-    from prx_data.buckets import assign_tier
+    from prx_data.core.buckets import assign_tier
 
     return assign_tier(w, h)
 
@@ -197,8 +200,8 @@ def test_descriptors_with_ray_match_the_local_path(tmp_path):
     a, b = str(tmp_path / "a.lance"), str(tmp_path / "b.lance")
     make_table(a, items, max_rows_per_file=3)
     make_table(b, items, max_rows_per_file=3)
-    assert descriptor.compute_descriptors(a, progress=False) == 7
-    assert descriptor.compute_descriptors(b, use_ray=True, chunk_rows=4, progress=False) == 7
+    assert descriptors.compute_descriptors(a, progress=False) == 7
+    assert descriptors.compute_descriptors(b, use_ray=True, chunk_rows=4, progress=False) == 7
     va = lance.dataset(a).to_table(columns=["id", descriptor.COLUMN]).sort_by("id")
     vb = lance.dataset(b).to_table(columns=["id", descriptor.COLUMN]).sort_by("id")
     assert va.equals(vb)
@@ -206,9 +209,9 @@ def test_descriptors_with_ray_match_the_local_path(tmp_path):
 
 
 def test_search_cli(table_uri, capsys):
-    assert search.main(["--table", table_uri, "blue", "--k", "2"]) == 0
+    assert search_cli.main(["--table", table_uri, "blue", "--k", "2"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 2 and all("id=t/blue" in line for line in out)
-    assert search.main(["--table", table_uri, "--similar", "t/green1", "--k", "3"]) == 0
+    assert search_cli.main(["--table", table_uri, "--similar", "t/green1", "--k", "3"]) == 0
     out = capsys.readouterr().out
     assert out.count("id=t/green") == 3 and "t/green1 " not in out

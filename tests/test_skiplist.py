@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from prx_data import skiplist as S
+from prx_data.skips import sidecar as S
 from tests.exportkit import FakeExport, make_export
 
 B1, B2 = "512/1.000", "512/0.500"

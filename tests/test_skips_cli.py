@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from prx_data import skiplist as S
-from prx_data.skips import RewriteRefused, main, rewrite_export
+from prx_data.cli.skips import main
+from prx_data.skips import sidecar as S
+from prx_data.skips.rewrite import RewriteRefused, rewrite_export
 from tests.exportkit import make_export
 
 B1, B2 = "512/1.000", "512/0.500"
@@ -81,8 +82,8 @@ def test_rewrite_threshold_and_verified_output(export, tmp_path):
     run = run_rank(out, rank=0, world_size=1, batch_size=1, tier=512, shuffle=False)
     assert {i for b in run.batches for i in b} == kept
     # The verification is real: against the unfiltered source the new export differs.
-    from prx_data.skips import _verify
-    from prx_data.stream import SkipMDSReader
+    from prx_data.skips.rewrite import _verify
+    from prx_data.stream.dataset import SkipMDSReader
 
     unfiltered = [(b, {}) for b in S.list_buckets(root)]
     with pytest.raises(AssertionError, match="differs from the filtered source"):

@@ -1,4 +1,4 @@
-"""prx_data.stats: distributions, would-be drops, plots and the CLI."""
+"""prx_data.table.resolution: distributions, would-be drops, plots and the CLI."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import lance
 import pyarrow as pa
 
-from prx_data import stats
+from prx_data.cli import stats as stats_cli
+from prx_data.table import resolution as stats
 
 SIZES = [
     (1000, 1000),
@@ -53,7 +54,7 @@ def test_compute_counts_tiers_buckets_and_drops(tmp_path):
 def test_cli_writes_plots_and_json(tmp_path, capsys):
     uri = _table(str(tmp_path))
     out = str(tmp_path / "out")
-    assert stats.main(["--table", uri, "--out", out, "--tiers", "512,1024"]) == 0
+    assert stats_cli.main(["--table", uri, "--out", out, "--tiers", "512,1024"]) == 0
     for name in ("resolution.png", "aspect_ratio.png", "tiers.png", "fragments.png"):
         with open(os.path.join(out, name), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from prx_data import skiplist as S
-from prx_data.planner import PlanError
-from prx_data.stream import DatasetSpec
+from prx_data.skips import sidecar as S
+from prx_data.stream.dataset import DatasetSpec
+from prx_data.stream.planner import PlanError
 from tests.exportkit import make_export, run_rank
 
 logging.getLogger("streaming").setLevel(logging.ERROR)
@@ -146,7 +146,7 @@ def test_proportions_mix_within_tolerance(export, tmp_path):
 
 
 def test_higher_tier_is_downsized_and_item_fields(export):
-    from prx_data.stream import BucketedDataset
+    from prx_data.stream.dataset import BucketedDataset
 
     plain = DatasetSpec(export.root, skip_lists=[])
     run = run_rank(
@@ -183,7 +183,7 @@ def test_higher_tier_is_downsized_and_item_fields(export):
 def test_errors_are_clear(export, tmp_path):
     import shutil
 
-    from prx_data.stream import BucketedDataset
+    from prx_data.stream.dataset import BucketedDataset
 
     with pytest.raises(S.SkipListError, match=r"\['typo'\] not found"):
         run_rank(
@@ -228,7 +228,7 @@ def test_errors_are_clear(export, tmp_path):
 def _workers_mismatch(export):
     from torch.utils.data import DataLoader
 
-    from prx_data.stream import BucketedDataset
+    from prx_data.stream.dataset import BucketedDataset
 
     ds = BucketedDataset(export.root, tier=512, batch_size=2, small_buckets="drop", num_workers=4)
     try:

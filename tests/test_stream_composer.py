@@ -18,7 +18,7 @@ def _trainer(root, tmp, seen, **kw):
     from streaming import StreamingDataLoader
     from streaming.base.util import clean_stale_shared_memory
 
-    from prx_data.stream import BucketedDataset
+    from prx_data.stream.dataset import BucketedDataset
 
     class Tiny(ComposerModel):
         def __init__(self):

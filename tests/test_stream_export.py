@@ -1,7 +1,7 @@
 """The real exporter's output streams: Lance table -> export units -> skip list by query -> loader.
 
 Runs the exporter's per-unit function in this process (no Ray), so it
-checks the data contract between ``prx_data.export`` and ``prx_data.stream``.
+checks the data contract between ``prx_data.export.unit`` and ``prx_data.stream.dataset``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import logging
 import lance
 import pyarrow as pa
 
-from prx_data import skiplist as S
-from prx_data.export import ExportConfig, export_unit, finalize, plan_units, prepare_output
-from prx_data.sample_data import make_sample_collection
-from prx_data.stream import DatasetSpec
+from prx_data.core.sample_data import make_sample_collection
+from prx_data.export.unit import ExportConfig, export_unit, finalize, plan_units, prepare_output
+from prx_data.skips import sidecar as S
+from prx_data.stream.dataset import DatasetSpec
 from tests.exportkit import run_rank
 from tests.tablekit import folder_items, make_table
 

@@ -57,7 +57,7 @@ def _launch(
 
 @pytest.mark.slow
 def test_gloo_elastic_resume_exactly_once(tmp_path):
-    from prx_data import skiplist as S
+    from prx_data.skips import sidecar as S
     from tests.exportkit import make_export
 
     root = str(tmp_path / "ex")
@@ -88,7 +88,7 @@ def _worker() -> None:
 
     from streaming import StreamingDataLoader
 
-    from prx_data.stream import BucketedDataset
+    from prx_data.stream.dataset import BucketedDataset
 
     logging.getLogger("streaming").setLevel(logging.ERROR)
     ap = argparse.ArgumentParser()

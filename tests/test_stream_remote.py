@@ -16,9 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from prx_data import skiplist as S
-from prx_data import storage
-from prx_data.stream import DatasetSpec, fetch_catalog
+from prx_data.core import storage
+from prx_data.skips import sidecar as S
+from prx_data.stream.dataset import DatasetSpec, fetch_catalog
 from tests.exportkit import make_export, run_rank, upload_tree
 
 pytestmark = pytest.mark.remote
@@ -163,7 +163,7 @@ def test_remote_proportions_and_mismatched_sidecar(s3, tmp_path, monkeypatch):
     assert abs(share - 0.5) <= 2 * 4 / len(seen)  # one batch per bucket of rounding
 
     # Rewriting a remote export without its skipped samples, verified sample by sample.
-    from prx_data.skips import rewrite_export
+    from prx_data.skips.rewrite import rewrite_export
 
     r = rewrite_export(root, str(tmp_path / "clean"), force=True)
     assert r.verified and r.samples_out == r.samples_in - r.skipped

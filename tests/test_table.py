@@ -1,4 +1,4 @@
-"""prx_data.table: add/fill a column without rewriting images, resumability, compaction."""
+"""prx_data.table.lance_ops: add/fill a column without rewriting images, resumability, compaction."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import lance
 import pyarrow as pa
 import pytest
 
-from prx_data import schema as S
-from prx_data import table as T
+from prx_data.cli import table as table_cli
+from prx_data.core import schema as S
+from prx_data.table import lance_ops as T
 
 
 def _make_table(uri: str, n: int = 10, rows_per_file: int = 4) -> None:
@@ -165,7 +166,7 @@ def test_compact_and_stats(table_uri):
 
 
 def test_table_cli(table_uri, capsys):
-    assert T.main(["stats", table_uri]) == 0
+    assert table_cli.main(["stats", table_uri]) == 0
     assert "fragments 3" in capsys.readouterr().out
-    assert T.main(["compact", table_uri, "--target-rows", "100"]) == 0
+    assert table_cli.main(["compact", table_uri, "--target-rows", "100"]) == 0
     assert '"fragments_after": 1' in capsys.readouterr().out

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from prx_data.training.captions import CaptionPolicy
-from prx_data.training.config import ConfigError, load_config, to_yaml
-from prx_data.training.data import collate, num_samples_in_batch, split_batch
-from prx_data.training.flow import interpolate, logit_normal_timesteps, uint8_to_unit
+from prx_data.train.captions import CaptionPolicy
+from prx_data.train.config import ConfigError, load_config, to_yaml
+from prx_data.train.data import collate, num_samples_in_batch, split_batch
+from prx_data.train.flow import interpolate, logit_normal_timesteps, uint8_to_unit
 from tests.trainkit import save_tiny_t5, tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def test_bad_config_names_the_key(tmp_path, yaml_text, overrides, key):
 
 
 def test_device_batch_size_must_divide():
-    from prx_data.training.config import device_batch_size
+    from prx_data.train.config import device_batch_size
 
     cfg = load_config(None, ["data.global_batch_size=12"])
     assert device_batch_size(cfg.data, 4) == 3
@@ -195,7 +195,7 @@ def test_collate_counts_and_refuses_mixed_shapes():
 
 
 def test_resume_guard_refuses_a_different_global_batch():
-    from prx_data.training.callbacks import ResumeGuard
+    from prx_data.train.callbacks import ResumeGuard
 
     saved = ResumeGuard(global_batch_size=8, num_workers=2).state_dict()
     ResumeGuard(8, 2).load_state_dict(saved)  # same layout: fine on any world size
@@ -206,7 +206,7 @@ def test_resume_guard_refuses_a_different_global_batch():
 
 
 def test_data_wait_monitor_measures_the_blocked_share():
-    from prx_data.training.callbacks import DataWaitMonitor
+    from prx_data.train.callbacks import DataWaitMonitor
 
     logged: list[dict] = []
 
@@ -236,7 +236,7 @@ def test_data_wait_monitor_measures_the_blocked_share():
 
 
 def test_text_encoder_loads_by_path(tiny_t5):
-    from prx_data.training.text_encoder import TextEncoder
+    from prx_data.train.text_encoder import TextEncoder
 
     enc = TextEncoder.from_pretrained(tiny_t5, max_length=16, dtype="float32")
     feats, mask = enc.encode(["a red circle", ""])
@@ -249,7 +249,7 @@ def test_text_encoder_loads_by_path(tiny_t5):
 
 def test_decoder_only_text_tower_loads(tmp_path):
     """A causal LM (Qwen-style) serves as encoder through its base model's hidden states."""
-    from prx_data.training.text_encoder import TextEncoder
+    from prx_data.train.text_encoder import TextEncoder
     from tests.tinymodels import build_tiny_causal_lm
 
     enc = TextEncoder.from_pretrained(str(build_tiny_causal_lm(tmp_path / "qwen")), max_length=8)
@@ -259,7 +259,7 @@ def test_decoder_only_text_tower_loads(tmp_path):
 
 
 def test_dataset_factory_errors_name_the_key():
-    from prx_data.training.data import build_dataset
+    from prx_data.train.data import build_dataset
 
     cfg = load_config(None, ["data.factory=prx_data.nope:make"])
     with pytest.raises(ValueError, match="data.factory"):
@@ -270,7 +270,7 @@ def test_dataset_factory_errors_name_the_key():
 
 def test_loss_decreases_on_tiny_overfit_set(tiny_t5):
     """A tiny pixel-space PRX overfits four two-tone 32x32 images within 20 steps."""
-    from prx_data.training.trainer import build_model
+    from prx_data.train.trainer import build_model
 
     torch.manual_seed(0)
     cfg = load_config(None, [*tiny_overrides(tiny_t5), "model.patch_size=8"])
@@ -293,8 +293,8 @@ def test_loss_decreases_on_tiny_overfit_set(tiny_t5):
 
 def test_trainer_on_bucketed_stream(tmp_path, tiny_t5):
     """build_trainer on a real bucketed stream: counting, id log, data wait, checkpoint contents."""
-    from prx_data.training.callbacks import DataWaitMonitor, consumed_ids
-    from prx_data.training.trainer import build_trainer
+    from prx_data.train.callbacks import DataWaitMonitor, consumed_ids
+    from prx_data.train.trainer import build_trainer
     from tests.exportkit import make_export
 
     export = make_export(str(tmp_path / "export"), {"512/1.000": 8, "512/0.778": 4})

@@ -72,7 +72,7 @@ def _command(nproc: int, run: Path, encoder: str, export: str) -> list[str]:
         "--stderr",
         str(run / "logs" / "rank{rank}.stderr"),
         "-m",
-        "prx_data.train",
+        "prx_data.cli.train",
     ]
     return [*launcher, str(CONFIG), *overrides]
 
@@ -114,7 +114,7 @@ def _clean_shm() -> None:
 
 
 def test_killed_two_rank_run_resumes_exactly_once_on_one_and_two_ranks(tmp_path):
-    from prx_data.training.callbacks import attempts_summary, consumed_ids
+    from prx_data.train.callbacks import attempts_summary, consumed_ids
     from tests.exportkit import make_export
 
     encoder = save_tiny_t5(tmp_path / "t5")

@@ -12,7 +12,7 @@ import os
 
 def save_tiny_t5(path: str | os.PathLike) -> str:
     """A ~0.1 M-parameter T5 encoder + ByT5 tokenizer at ``path``; returns the path."""
-    from prx_data.training.text_encoder import save_tiny_t5 as _save
+    from prx_data.train.text_encoder import save_tiny_t5 as _save
 
     return _save(str(path))
 

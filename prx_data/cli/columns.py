@@ -1,0 +1,211 @@
+"""Command-line options shared by ``prx_data.cli.caption`` and ``prx_data.cli.classify``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from prx_data.columns.backends import BACKENDS, GenerationConfig
+
+
+def add_backend_args(
+    p: argparse.ArgumentParser, *, max_tokens: int, batch_size_help: str, required: bool = True
+) -> None:
+    """Backend choice, sampling, resources and per-backend options."""
+    g = p.add_argument_group("backend")
+    g.add_argument(
+        "--backend",
+        required=required,
+        choices=sorted(BACKENDS),
+        help="vllm: offline vLLM engine, one replica per GPU (needs `pip install vllm`); "
+        "openai: an OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, hosted); "
+        "transformers: Hugging Face generate, also on CPU",
+    )
+    g.add_argument(
+        "--model",
+        required=required,
+        help="model name on the Hugging Face Hub, or a local checkpoint path "
+        "(for --backend openai: the model name the server expects)",
+    )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="actors running the backend (vllm: one per GPU group) (default: %(default)s)",
+    )
+    g.add_argument("--batch-size", type=int, default=None, help=batch_size_help)
+    s = p.add_argument_group("sampling")
+    s.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help="generation limit in tokens; hitting it mid-sentence flags the row (default: %(default)s)",
+    )
+    s.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy, reproducible (default: %(default)s)",
+    )
+    s.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)"
+    )
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="values like 1.05 reduce loops with Qwen-VL models; 1.0 disables (default: %(default)s)",
+    )
+    s.add_argument("--seed", type=int, default=None, help="sampling seed (with --temperature > 0)")
+    o = p.add_argument_group("openai backend")
+    o.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000/v1",
+        help="endpoint base URL, up to /v1 (default: %(default)s)",
+    )
+    o.add_argument(
+        "--api-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the API key, if any (default: %(default)s)",
+    )
+    o.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="requests in flight per replica (default: %(default)s)",
+    )
+    o.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds per request (default: %(default)s)"
+    )
+    o.add_argument(
+        "--max-retries",
+        type=int,
+        default=5,
+        help="retries on 429/5xx/timeouts with exponential backoff (default: %(default)s)",
+    )
+    s.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        help="JSON object of chat-template variables, e.g. '{\"enable_thinking\": false}' for "
+        "Qwen3 models (openai: sent as chat_template_kwargs, which vllm serve and SGLang accept)",
+    )
+    v = p.add_argument_group("vllm backend")
+    v.add_argument(
+        "--engine-kwargs",
+        default=None,
+        help='JSON object passed to vllm.LLM, e.g. \'{"max_model_len": 8192, '
+        '"gpu_memory_utilization": 0.9, "tensor_parallel_size": 1}\'',
+    )
+    t = p.add_argument_group("transformers backend")
+    t.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda or cuda:N; cuda gives each replica one GPU (default: auto = cuda if visible)",
+    )
+    t.add_argument(
+        "--dtype", default="auto", help="torch dtype such as bfloat16 (default: %(default)s)"
+    )
+    t.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow checkpoints that ship their own modelling code",
+    )
+    r = p.add_argument_group("run")
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)",
+    )
+    r.add_argument(
+        "--flush-rows",
+        type=int,
+        default=2000,
+        help="rows buffered before each write-back to the table (default: %(default)s)",
+    )
+    r.add_argument(
+        "--report-json", default=None, help="also write the final report to this JSON file"
+    )
+    r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def generation_from_args(args: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+
+
+def _json_object(value: str | None, flag: str) -> dict:
+    try:
+        obj = json.loads(value) if value else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise SystemExit(f"{flag} must be a JSON object")
+    return obj
+
+
+def backend_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the options of the chosen backend (others are left at their defaults)."""
+    template = _json_object(args.chat_template_kwargs, "--chat-template-kwargs")
+    if args.backend == "openai":
+        opts: dict[str, Any] = {
+            "base_url": args.base_url,
+            "api_key_env": args.api_key_env,
+            "concurrency": args.concurrency,
+            "timeout": args.timeout,
+            "max_retries": args.max_retries,
+        }
+        if template:
+            opts["extra_body"] = {"chat_template_kwargs": template}
+        return opts
+    if args.backend == "vllm":
+        return {
+            "engine_kwargs": _json_object(args.engine_kwargs, "--engine-kwargs"),
+            "chat_template_kwargs": template,
+        }
+    if args.backend == "transformers":
+        return {
+            "device": args.device,
+            "dtype": args.dtype,
+            "trust_remote_code": args.trust_remote_code,
+            "chat_template_kwargs": template,
+        }
+    return {}
+
+
+def parse_list(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def write_report(path: str | None, report: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+
+
+def run_column_job(args: argparse.Namespace, make_config: Callable[[], Any], run: Callable) -> int:
+    """The shared tail of the caption/classify CLIs: build, start Ray, run, report.
+
+    Configuration and backend errors print one line and exit 2.
+    """
+    import sys
+
+    from prx_data.columns.backends import BackendUnavailable
+    from prx_data.core.runtime import ensure_ray
+
+    try:
+        cfg = make_config()
+        ensure_ray(args.ray_address)
+        report = run(cfg)
+    except (BackendUnavailable, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    write_report(args.report_json, report.to_dict())
+    return 0

@@ -1,0 +1,131 @@
+"""``python -m prx_data.ingest SOURCE... --table URI``: load image-text sources into Lance.
+
+Thin CLI over :func:`pipelines.ingest.ingest`; the Ray Data job graph is
+:mod:`pipelines.ingest`. Sources: image folders (captions from same-stem
+``.txt``/``.json``), parquet (image bytes or paths, HF exports, LAION-style
+metadata), WebDataset tars, twin-tar modality folders, and Lance tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipelines.ingest import (
+    DEFAULT_FRAGMENT_BYTES,
+    MODES,
+    IngestReport,
+    ingest,
+)
+from prx_data.ingest import FORMATS
+
+__all__ = ["IngestReport", "ingest", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.ingest",
+        description="Load image-text collections into a Lance table with Ray Data. Every row "
+        "gets a stable id '<source>/<key>', the image bytes as found, width/height/format "
+        "from the header (unreadable images are kept with a probe_error), the caption, and "
+        "the source's other metadata columns. Re-ingesting never duplicates ids. Uses a "
+        "local Ray, or the cluster in RAY_ADDRESS.",
+    )
+    p.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="a folder, parquet file/folder, tar(s), twin-tar root or .lance table; "
+        "write NAME=PATH to choose the id prefix (default: the base name of PATH)",
+    )
+    p.add_argument(
+        "--table", required=True, help="Lance table URI to write (local path or s3://...)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="append",
+        help="append: add new ids, create the table if missing (default); create: fail if "
+        "the table exists; overwrite: replace the table",
+    )
+    p.add_argument(
+        "--format",
+        dest="fmt",
+        choices=FORMATS,
+        default=None,
+        help="source format for all SOURCEs (default: detect from each path)",
+    )
+    p.add_argument(
+        "--rows-per-fragment",
+        type=int,
+        default=None,
+        help="rows per Lance fragment (default: about --fragment-mb of images per fragment, "
+        "between 1024 and 1M rows); each write task holds one fragment in memory",
+    )
+    p.add_argument(
+        "--fragment-mb",
+        type=int,
+        default=DEFAULT_FRAGMENT_BYTES // (1024 * 1024),
+        help="target fragment size in MiB when --rows-per-fragment is not given "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--items-per-unit",
+        type=int,
+        default=None,
+        help="items per parallel work unit for folders and parquet (default: the reader's)",
+    )
+    p.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all cores)"
+    )
+    p.add_argument("--image-column", default=None, help="parquet/lance: column with image bytes")
+    p.add_argument(
+        "--path-column",
+        default=None,
+        help="parquet: column with image paths (relative to the file)",
+    )
+    p.add_argument("--caption-column", default=None, help="parquet/lance: caption column")
+    p.add_argument("--key-column", default=None, help="parquet/lance: column giving the id key")
+    p.add_argument(
+        "--keys",
+        default=None,
+        help="twin tars: parquet file listing the keys to load (index mode; missing and "
+        "out-of-order keys are tolerated); default: positional zip of the tars",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide Ray Data progress bars")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    reader_options = {
+        k: v
+        for k, v in {
+            "image_column": args.image_column,
+            "path_column": args.path_column,
+            "caption_column": args.caption_column,
+            "key_column": args.key_column,
+            "keys": args.keys,
+        }.items()
+        if v is not None
+    }
+    report = ingest(
+        args.sources,
+        args.table,
+        mode=args.mode,
+        fmt=args.fmt,
+        rows_per_fragment=args.rows_per_fragment,
+        fragment_bytes=args.fragment_mb * 1024 * 1024,
+        items_per_unit=args.items_per_unit,
+        num_cpus=args.num_cpus,
+        progress=not args.no_progress,
+        **reader_options,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

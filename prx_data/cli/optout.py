@@ -1,0 +1,87 @@
+"""``python -m prx_data.optout``: argument parsing over :mod:`prx_data.skips.optout`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prx_data.skips.optout import add_optout, ids_from_source_ids, read_id_file
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.optout",
+        description="Leave opted-out samples out of an export: adds their (bucket, shard, index) "
+        "positions to a named skip list in every bucket and tier, found through the export's "
+        "id manifests. Nothing is rewritten; running the same request again changes nothing.",
+    )
+    p.add_argument(
+        "--export", required=True, help="Export root (python -m prx_data.write_mds --out)."
+    )
+    p.add_argument(
+        "--name",
+        required=True,
+        help="Skip-list name, e.g. optout-2026-11 ([a-z0-9._-], at most 64 characters). An "
+        "existing list of that name is extended, never shrunk.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--ids",
+        metavar="FILE",
+        help="Row ids (the Lance 'id' column, '<source>/<key>'): a text file with one per line "
+        "(# comments allowed) or a .parquet file with an 'id' column.",
+    )
+    src.add_argument(
+        "--where",
+        metavar="SQL",
+        help="Lance SQL filter over --table selecting the rows to leave out, e.g. "
+        "\"source = 'shop' AND caption LIKE '%%logo%%'\".",
+    )
+    src.add_argument(
+        "--source-ids",
+        metavar="FILE",
+        help="Item keys as the source names them (the part after '<source>/' in row ids), one "
+        "per line or a .parquet 'id' column. Needs --source or --table.",
+    )
+    p.add_argument(
+        "--table", help="Lance table the export was made from (for --where and --source-ids)."
+    )
+    p.add_argument(
+        "--source", help="Source name that --source-ids belong to (row id = '<source>/<key>')."
+    )
+    p.add_argument("--report", default=None, help="Also write the report as JSON to this path.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prx_data.skips.sidecar import lance_storage_options, query_ids
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.ids:
+        ids = read_id_file(args.ids)
+    elif args.where:
+        if not args.table:
+            p.error("--where needs --table")
+        ids = query_ids(args.table, args.where)
+    else:
+        if not (args.source or args.table):
+            p.error("--source-ids needs --source NAME or --table URI")
+        ids = ids_from_source_ids(
+            read_id_file(args.source_ids),
+            source=args.source,
+            table=args.table,
+            storage_options=lance_storage_options(args.table) if args.table else None,
+        )
+    report = add_optout(args.export, args.name, ids)
+    print(report.text())
+    if args.report:
+        from prx_data.core import storage
+
+        storage.write_bytes_atomic(args.report, json.dumps(report.to_dict(), indent=2).encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

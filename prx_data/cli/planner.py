@@ -1,0 +1,102 @@
+"""``python -m prx_data.planner``: argument parsing over :mod:`prx_data.stream.planner`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prx_data.stream.planner import (
+    BATCHING_METHODS,
+    DatasetCount,
+    PlanError,
+    count_export,
+    plan_buckets,
+)
+
+
+def _parse_dataset(arg: str) -> tuple[str, float | None]:
+    root, sep, weight = arg.rpartition("=")
+    if sep and root and not weight.startswith("/"):
+        try:
+            return root, float(weight)
+        except ValueError:
+            pass
+    return arg, None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from prx_data.core.buckets import DEFAULT_SPEC
+
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.planner",
+        description="Preflight a bucketed streaming run: per bucket samples after skips, "
+        "batches and dropped tails; exits 2 on configurations streaming would crash on.",
+    )
+    p.add_argument(
+        "datasets",
+        nargs="+",
+        help="export roots (local or s3://); append =P for a mixing proportion, e.g. a/=0.7 b/=0.3",
+    )
+    p.add_argument("--tier", type=int, required=True, help="training resolution tier, e.g. 512")
+    p.add_argument("--include-higher-tiers", action="store_true", help="also stream higher tiers")
+    p.add_argument("--batch-size", type=int, required=True, help="device (per-rank) batch size")
+    p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="number of physical nodes (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank (default 1)")
+    p.add_argument(
+        "--canonical-nodes", type=int, default=None, help="num_canonical_nodes (default: nodes)"
+    )
+    p.add_argument("--replication", type=int, default=None, help="ranks per replica group")
+    p.add_argument(
+        "--batching", default="per_stream", choices=BATCHING_METHODS, help="batching method"
+    )
+    p.add_argument(
+        "--epoch-size", type=int, default=None, help="samples per epoch (with proportions)"
+    )
+    p.add_argument(
+        "--skip-list",
+        action="append",
+        default=None,
+        help="apply only this skip list (repeatable); default all; --no-skips for none",
+    )
+    p.add_argument("--no-skips", action="store_true", help="apply no skip list")
+    p.add_argument(
+        "--small-buckets",
+        default="error",
+        choices=("error", "drop"),
+        help="buckets below one unit: fail (default) or leave out",
+    )
+    args = p.parse_args(argv)
+    tiers = [
+        t
+        for t in DEFAULT_SPEC.tiers
+        if t == args.tier or (args.include_higher_tiers and t > args.tier)
+    ]
+    names = [] if args.no_skips else args.skip_list
+    counts = []
+    for arg in args.datasets:
+        root, prop = _parse_dataset(arg)
+        counts.append(DatasetCount(root, count_export(root, tiers, names), proportion=prop))
+    try:
+        plan = plan_buckets(
+            counts,
+            device_batch_size=args.batch_size,
+            world_size=args.world_size,
+            num_nodes=args.nodes,
+            num_workers=args.workers,
+            num_canonical_nodes=args.canonical_nodes,
+            replication=args.replication,
+            batching_method=args.batching,
+            epoch_size=args.epoch_size,
+            small_buckets=args.small_buckets,
+        )
+    except PlanError as e:
+        print(f"error: {e}")
+        return 2
+    print(plan.report())
+    return 2 if plan.problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""``python -m prx_data.skips``: argument parsing over :mod:`prx_data.skips.rewrite`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from prx_data.skips import sidecar as skiplist
+from prx_data.skips.rewrite import (
+    DEFAULT_THRESHOLD,
+    RewriteRefused,
+    read_ids_file,
+    read_indices_file,
+    rewrite_export,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.skips",
+        description="Named skip lists stored as sidecars next to MDS shards (local or s3:// exports).",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    a = sub.add_parser("add", help="add samples to a named list (merged with what it holds)")
+    a.add_argument("root", help="export root (local directory or s3://bucket/prefix)")
+    a.add_argument("name", help="list name: [a-z0-9._-], e.g. dedup, nsfw, optout-2026-11")
+    src = a.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--indices", metavar="FILE", help="text file of '<bucket> <shard> <index>' lines"
+    )
+    src.add_argument(
+        "--ids", metavar="FILE", help="text file of row ids (the Lance 'id'), one per line"
+    )
+    src.add_argument("--table", metavar="URI", help="Lance table to query; needs --where")
+    a.add_argument(
+        "--where", metavar="SQL", help='Lance filter selecting the rows to skip, e.g. "nsfw > 0.8"'
+    )
+
+    ls = sub.add_parser("list", help="list the skip lists and the buckets they touch")
+    ls.add_argument("root", help="export root")
+    ls.add_argument("--tier", type=int, action="append", help="only this tier (repeatable)")
+
+    st = sub.add_parser("stats", help="per list and per bucket: samples, skipped, percent")
+    st.add_argument("root", help="export root")
+    st.add_argument(
+        "--name", action="append", help="only this list (repeatable); '*' rows are the union"
+    )
+    st.add_argument("--tier", type=int, action="append", help="only this tier (repeatable)")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    rm = sub.add_parser("remove", help="delete every sidecar of a list")
+    rm.add_argument("root", help="export root")
+    rm.add_argument("name", help="list name")
+
+    rw = sub.add_parser(
+        "rewrite", help="write a new export without the skipped samples and without lists"
+    )
+    rw.add_argument("root", help="export root to read")
+    rw.add_argument("out", help="new export root (must not hold an export)")
+    rw.add_argument(
+        "--name", action="append", help="apply only this list (repeatable); default: all"
+    )
+    rw.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help="refuse unless at least this share is skipped (default %(default)s)",
+    )
+    rw.add_argument("--force", action="store_true", help="rewrite even below the threshold")
+    rw.add_argument("--no-verify", action="store_true", help="skip the sample-by-sample comparison")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "add":
+            if args.table and not args.where:
+                raise SystemExit("--table needs --where")
+            if args.where and not args.table:
+                raise SystemExit("--where needs --table")
+            if args.indices:
+                r = skiplist.add_skips(args.root, args.name, read_indices_file(args.indices))
+            elif args.ids:
+                r = skiplist.add_skips_by_ids(args.root, args.name, read_ids_file(args.ids))
+            else:
+                r = skiplist.add_skips_by_query(args.root, args.name, args.table, args.where)
+            print(
+                f"{r.name}: {r.samples_listed} samples in {r.shards_written} shard sidecars"
+                + (f"; {r.ids_not_found} ids not found in the export" if r.ids_not_found else "")
+            )
+        elif args.cmd == "list":
+            lists = skiplist.list_skip_lists(args.root, args.tier)
+            if not lists:
+                print("no skip lists")
+            for name, buckets in lists.items():
+                print(f"{name}: " + ", ".join(f"{b} ({n} shards)" for b, n in buckets.items()))
+        elif args.cmd == "stats":
+            stats = skiplist.skip_stats(args.root, args.name, args.tier)
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            k: [asdict(r) | {"percent": round(r.percent, 4)} for r in v]
+                            for k, v in stats.items()
+                        },
+                        indent=1,
+                    )
+                )
+            else:
+                print(f"{'list':<20} {'bucket':<12} {'samples':>10} {'skipped':>9} {'%':>7}")
+                for name, rows in stats.items():
+                    for r in rows:
+                        print(
+                            f"{name:<20} {r.bucket:<12} {r.samples:>10} {r.skipped:>9} {r.percent:>7.2f}"
+                        )
+        elif args.cmd == "remove":
+            print(
+                f"removed {skiplist.remove_skip_list(args.root, args.name)} sidecars of {args.name}"
+            )
+        elif args.cmd == "rewrite":
+            r = rewrite_export(
+                args.root,
+                args.out,
+                names=args.name,
+                threshold=args.threshold,
+                force=args.force,
+                verify=not args.no_verify,
+            )
+            print(
+                f"wrote {r.samples_out} of {r.samples_in} samples ({r.skipped} skipped) in "
+                f"{r.buckets} buckets to {r.out}" + (", verified" if r.verified else "")
+            )
+    except (
+        skiplist.SkipListError,
+        RewriteRefused,
+        FileExistsError,
+        FileNotFoundError,
+        KeyError,
+        IndexError,
+        ValueError,
+    ) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

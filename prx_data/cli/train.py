@@ -1,0 +1,103 @@
+"""Train PRX on bucketed MDS exports: ``python -m prx_data.train CONFIG.yaml [key=value ...]``.
+
+Multi-process / multi-node through Composer's launcher::
+
+    composer -n 8 -m prx_data.train configs/train/pretrain_512.yaml data.global_batch_size=512
+
+The library API behind it is :mod:`prx_data.train` (``load_config`` +
+``build_trainer``), usable from a notebook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+EPILOG = """\
+overrides:
+  Dotted keys into the YAML, values parsed as YAML, list items by index:
+    trainer.max_duration=200ba  optimizer.lr=3e-4  data.tier=1024
+    data.datasets.0.proportion=0.7  data.datasets.1.skip_lists=[dedup,nsfw]
+    model.axes_dim=null  trainer.ema.enabled=true
+  An unknown key or a value of the wrong type stops before training, naming the key.
+
+sections (see docs/TRAINING.md):
+  model         PRX size: patch_size, hidden_size, depth, num_heads, mlp_ratio, ...
+  flow          logit-normal timestep mean/std
+  text_encoder  name_or_path, tokenizer, max_length, dtype, layer
+  data          datasets (root/local/proportion/repeat/choose/skip_lists), tier,
+                include_higher_tiers, caption_columns (name/weight), caption_dropout,
+                global_batch_size, num_workers, shuffle_seed, batching_method, streaming
+  optimizer     name, lr, betas, eps, weight_decay
+  scheduler     name, t_warmup, alpha_f
+  trainer       max_duration, run_name, save_folder, autoresume, save_interval,
+                load_path, precision, device, seed, ema
+  logging       console_log_interval, file, window_size, sample_ids_dir, wandb_project
+
+resume:
+  Re-run the same command with trainer.autoresume=true (needs run_name and save_folder);
+  the world size may change as long as data.global_batch_size stays the same.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.train",
+        description=(
+            "Train a pixel-space PRX transformer (diffusers) with rectified flow on "
+            "bucketed MDS exports, with a frozen text encoder run in the step, "
+            "checkpoints and autoresume (Composer)."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", help="YAML run config, e.g. configs/train/smoke_cpu.yaml")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides applied after the YAML (see below)",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as YAML and exit without training",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Python logging level for prx_data and composer (default INFO)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from prx_data.train.config import ConfigError, load_config, to_yaml
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("composer").setLevel(args.log_level)
+
+    from prx_data.train.trainer import build_trainer
+
+    trainer = build_trainer(cfg)
+    trainer.fit()
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

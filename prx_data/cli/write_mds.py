@@ -1,0 +1,184 @@
+"""python -m prx_data.write_mds: Lance table -> resolution/aspect-ratio bucketed MDS."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prx_data.core.buckets import DEFAULT_TIERS
+from prx_data.export.unit import ExportConfig, ExportError
+
+EPILOG = """\
+output layout:
+  OUT/<tier>/<w/h>/index.json      one Mosaic Streaming dataset per bucket (e.g. 1024/1.000)
+  OUT/<tier>/<w/h>/<part>/...      shards + ids.parquet (row ids, for skip lists)
+  OUT/report.json, report.txt      written last: the export is complete
+
+bucketing: an image goes to the largest tier T with (3T/4)^2 <= its pixels (never
+upscaled more than 4/3), then to the nearest of 13 patch-aligned shapes in log
+aspect ratio (0.5 to 2.0). Smaller images are dropped as too_small, more extreme
+ones as aspect_ratio; every drop and failure is counted by reason in the report.
+
+examples:
+  python -m prx_data.write_mds --table data/photos.lance --out exports/photos
+  python -m prx_data.write_mds --table s3://bkt/t.lance --out s3://bkt/mds --compression zstd
+  RAY_ADDRESS=auto python -m prx_data.write_mds --table ... --out ...   # on a cluster
+  python -m prx_data.write_mds --table ... --out OUT --resume        # finish a killed run
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.write_mds",
+        description="Bucket every image of a Lance table by resolution tier and aspect ratio, "
+        "resize (Lanczos, centre crop) and write Mosaic Data Shards, as a Ray Data job.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...).")
+    p.add_argument(
+        "--out", required=True, help="Output root: local directory or s3:// / gs:// URI."
+    )
+    p.add_argument(
+        "--tiers",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=DEFAULT_TIERS,
+        help="Comma-separated resolution tiers (default: %(default)s as 512,1024,2048,4096).",
+    )
+    p.add_argument(
+        "--caption-columns",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        default=None,
+        help="Comma-separated caption columns to carry (default: every caption* column).",
+    )
+    p.add_argument(
+        "--format",
+        dest="image_format",
+        choices=["jpeg", "png"],
+        default="jpeg",
+        help="Sample encoding: JPEG (default) or lossless PNG for artifact-sensitive data.",
+    )
+    p.add_argument("--quality", type=int, default=92, help="JPEG quality (default: 92).")
+    p.add_argument(
+        "--subsampling",
+        type=int,
+        choices=[-1, 0, 1, 2],
+        default=-1,
+        help="JPEG chroma subsampling: -1 Pillow default (4:2:0), 0 = 4:4:4, 1 = 4:2:2, 2 = 4:2:0.",
+    )
+    p.add_argument(
+        "--codec",
+        choices=["pillow", "vips"],
+        default="pillow",
+        help="Resize/encode path: pillow (JPEG draft to >= 1.5x the target, Lanczos) or vips "
+        "(libvips thumbnail: shrink-on-load to >= 2x the target, Lanczos3; faster on large photos).",
+    )
+    p.add_argument(
+        "--no-draft",
+        dest="use_draft",
+        action="store_false",
+        help="Always decode at full size (default: JPEG DCT-domain downscale to >= 1.5x the target).",
+    )
+    p.add_argument(
+        "--compression",
+        default=None,
+        help="MDS shard compression, e.g. zstd, zstd:7, br (default: none; JPEG does not compress).",
+    )
+    p.add_argument(
+        "--hashes",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        default=(),
+        help="Comma-separated shard hashes to record, e.g. sha1,xxh64 (default: none).",
+    )
+    p.add_argument(
+        "--size-limit",
+        type=int,
+        default=1 << 26,
+        help="Maximum shard size in bytes before a new shard starts (default: 64 MiB).",
+    )
+    p.add_argument(
+        "--rows-per-task",
+        type=int,
+        default=1000,
+        help="Rows per work unit (a row range of one Lance fragment). Smaller = finer "
+        "progress and resume, larger = fewer, bigger shards (default: 1000).",
+    )
+    p.add_argument(
+        "--filter",
+        default=None,
+        help="Lance SQL filter; rows that fail it are counted as 'filtered' (e.g. \"label = 'visual'\").",
+    )
+    p.add_argument(
+        "--max-caption-chars",
+        type=int,
+        default=20000,
+        help="Longer captions are truncated and counted (default: 20000).",
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace an existing export at --out (only if it looks like an export).",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="Finish an interrupted export at --out with the same options.",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray runtime).",
+    )
+    p.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="CPUs for a local Ray runtime (default: all). Ignored on a cluster.",
+    )
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="Hide the progress bar."
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pipelines.write_mds import run_export
+
+    cfg = ExportConfig(
+        table=args.table,
+        out=args.out,
+        tiers=args.tiers,
+        caption_columns=args.caption_columns,
+        image_format=args.image_format,
+        quality=args.quality,
+        subsampling=args.subsampling,
+        use_draft=args.use_draft,
+        codec=args.codec,
+        compression=args.compression,
+        hashes=args.hashes,
+        size_limit=args.size_limit,
+        rows_per_task=args.rows_per_task,
+        filter=args.filter,
+        max_caption_chars=args.max_caption_chars,
+    )
+    try:
+        report = run_export(
+            cfg,
+            overwrite=args.overwrite,
+            resume=args.resume,
+            ray_address=args.ray_address,
+            num_cpus=args.num_cpus,
+            progress=args.progress,
+        )
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.table_text())
+    print(f"\nreport: {args.out.rstrip('/')}/report.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

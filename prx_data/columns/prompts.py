@@ -1,0 +1,49 @@
+"""Prompts as editable text files.
+
+The defaults ship in ``prx_data/prompts/*.txt`` so they can be read,
+diffed and changed without touching code; ``--prompt-file`` swaps in your
+own file.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+CAPTION_PROMPT = "caption.txt"
+CLASSIFY_PROMPT = "classify.txt"
+CLASSIFY_RULES = "classify_rules.txt"
+#: Placeholder the classification prompt must contain.
+CAPTION_SLOT = "{caption}"
+
+
+def default_path(name: str) -> Path:
+    """Path of a prompt file shipped with the package."""
+    return Path(str(resources.files("prx_data.columns") / "prompts_txt" / name))
+
+
+def load_prompt(path: str | Path | None, default: str = CAPTION_PROMPT) -> str:
+    """Read a prompt file (or the packaged ``default``), stripped of outer whitespace."""
+    p = Path(path) if path else default_path(default)
+    try:
+        text = p.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"prompt file not found: {p}") from None
+    if not text:
+        raise ValueError(f"prompt file is empty: {p}")
+    return text
+
+
+def load_classify_prompt(path: str | Path | None = None) -> str:
+    """The text-only classification prompt; it must contain ``{caption}``."""
+    text = load_prompt(path, CLASSIFY_PROMPT)
+    if CAPTION_SLOT not in text:
+        raise ValueError(
+            f"classification prompt must contain {CAPTION_SLOT!r} where the caption goes"
+        )
+    return text
+
+
+def fill_caption(template: str, caption: str) -> str:
+    """Insert a caption into the template (plain replace: captions may hold braces)."""
+    return template.replace(CAPTION_SLOT, caption)

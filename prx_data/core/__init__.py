@@ -1,0 +1,1 @@
+"""Pure parts every stage builds on: schema, bucket math, imaging, hashing, storage paths."""

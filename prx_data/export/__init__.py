@@ -1,0 +1,31 @@
+"""The export stage: a Lance table -> ``<out>/<tier>/<ar>/`` Mosaic Data Shards and a report.
+
+:mod:`prx_data.export.unit` turns one work unit (a row range of a fragment)
+into MDS parts; the Ray job graph is :mod:`pipelines.write_mds`.
+"""
+
+from prx_data.export.unit import (
+    ExportConfig,
+    ExportError,
+    ExportReport,
+    UnitResult,
+    WorkUnit,
+    export_unit,
+    finalize,
+    is_complete,
+    plan_units,
+    prepare_output,
+)
+
+__all__ = [
+    "ExportConfig",
+    "ExportError",
+    "ExportReport",
+    "UnitResult",
+    "WorkUnit",
+    "export_unit",
+    "finalize",
+    "is_complete",
+    "plan_units",
+    "prepare_output",
+]

@@ -1,0 +1,141 @@
+"""Opt-outs: leave listed samples out of every bucket and tier of an export, without rewriting it.
+
+``python -m prx_data.optout --export OUT --name optout-2026-11 --ids FILE``
+(or ``--table URI --where SQL``, or ``--source-ids FILE``) turns the request
+into row ids, finds their samples through the export's ``ids.parquet``
+manifests and adds them to the named skip list (:mod:`prx_data.skips.sidecar`).
+Lists are merged, never shrunk: running the same request again leaves the
+sidecars byte-identical, and a later request under the same name adds to it.
+
+Once the skipped share of an export grows past about 10 %, rewrite it
+without the skipped samples: ``python -m prx_data.skips rewrite OUT NEW_OUT``.
+``python -m prx_data.skips add`` takes row ids and queries too; this command
+adds source keys and a per-tier report with that hint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+#: Above this skipped share an export is worth rewriting (the PRX recipe).
+REWRITE_HINT_SHARE = 0.10
+
+
+def read_id_file(path: str, column: str = "id") -> list[str]:
+    """Ids from a text file (one per line; blank lines and ``#`` comments ignored) or a parquet column."""
+    from prx_data.core import storage
+
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        fs, p = storage.filesystem(path)
+        t = pq.read_table(p, filesystem=fs)
+        if column not in t.column_names:
+            raise ValueError(f"{path}: no column {column!r} (has {t.column_names})")
+        return [v for v in t[column].to_pylist() if v]
+    text = storage.read_bytes(path).decode("utf-8-sig")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+def ids_from_source_ids(
+    keys: Iterable[str],
+    *,
+    source: str | None = None,
+    table: str | None = None,
+    storage_options: dict | None = None,
+) -> list[str]:
+    """Row ids (``"<source>/<key>"``) for item keys as the source knows them.
+
+    With ``source`` the ids are built directly. Otherwise every source named
+    in the table's ``source`` column is tried and only ids present in the
+    table are returned.
+    """
+    keys = sorted(set(keys))
+    if source is not None:
+        return [f"{source}/{k}" for k in keys]
+    if table is None:
+        raise ValueError("source ids need --source NAME or --table URI to become row ids")
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from prx_data.core import schema as S
+    from prx_data.table.lance_ops import open_table
+
+    t = open_table(table, storage_options).to_table(columns=[S.ID, S.SOURCE])
+    sources = [s for s in pc.unique(t[S.SOURCE]).to_pylist() if s is not None]
+    candidates = pa.array([f"{s}/{k}" for s in sources for k in keys], pa.string())
+    hit = pc.is_in(candidates, value_set=t[S.ID])
+    return sorted(candidates.filter(hit).to_pylist())
+
+
+@dataclass
+class OptOutReport:
+    export: str
+    name: str
+    ids_requested: int
+    ids_not_in_export: int
+    shards_written: int
+    samples_in_list: int
+    #: {bucket: samples skipped by this list}
+    buckets: dict[str, int] = field(default_factory=dict)
+    #: {tier: samples skipped by this list}
+    tiers: dict[str, int] = field(default_factory=dict)
+    #: Share of the export skipped by all lists together.
+    skipped_share_all_lists: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        lines = [
+            f"skip list {self.name!r} on {self.export}: {self.samples_in_list:,} samples "
+            f"({self.ids_requested:,} ids requested, {self.ids_not_in_export:,} not in this export)",
+        ]
+        for tier, n in self.tiers.items():
+            lines.append(f"  tier {tier}: {n:,}")
+            lines += [
+                f"    {b}: {c:,}" for b, c in self.buckets.items() if b.split("/")[0] == tier and c
+            ]
+        share = self.skipped_share_all_lists
+        lines.append(f"all skip lists together leave out {100 * share:.2f}% of the export")
+        if share > REWRITE_HINT_SHARE:
+            lines.append(
+                f"that is above {100 * REWRITE_HINT_SHARE:.0f}%: consider rewriting the export without "
+                f"them: python -m prx_data.skips rewrite {self.export} NEW_ROOT"
+            )
+        return "\n".join(lines)
+
+
+def add_optout(export: str, name: str, ids: Iterable[str]) -> OptOutReport:
+    """Add the samples of ``ids`` to the skip list ``name`` in every bucket of ``export``."""
+    from prx_data.skips import sidecar as SL
+
+    SL.validate_name(name)
+    wanted = sorted(set(ids))
+    res = SL.add_skips_by_ids(export, name, wanted)
+    stats = SL.skip_stats(export, names=[name])
+    everything = SL.skip_stats(export)
+    buckets = {s.bucket: s.skipped for s in stats.get(name, [])}
+    tiers: dict[str, int] = {}
+    for b, n in buckets.items():
+        tiers[b.split("/")[0]] = tiers.get(b.split("/")[0], 0) + n
+    all_rows = everything.get("*", [])
+    total = sum(s.samples for s in all_rows)
+    skipped = sum(s.skipped for s in all_rows)
+    return OptOutReport(
+        export=export,
+        name=name,
+        ids_requested=len(wanted),
+        ids_not_in_export=res.ids_not_found,
+        shards_written=res.shards_written,
+        samples_in_list=sum(buckets.values()),
+        buckets=buckets,
+        tiers=dict(sorted(tiers.items(), key=lambda kv: int(kv[0]))),
+        skipped_share_all_lists=skipped / total if total else 0.0,
+    )

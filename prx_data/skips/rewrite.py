@@ -1,0 +1,251 @@
+"""``python -m prx_data.skips``: manage skip lists of an export, or rewrite it without them.
+
+Skip lists cost nothing to apply at load time, so they are the default way
+to drop samples (dedup, NSFW, opt-outs). Once a large share of an export is
+skipped, shards carry dead bytes; ``rewrite`` writes a new export that holds
+only the kept samples and no lists, and verifies it sample by sample.
+
+Examples::
+
+    python -m prx_data.skips add out/ optout-2026-11 --ids optout.txt
+    python -m prx_data.skips add out/ lowaes --table data.lance --where "aesthetic < 4.5"
+    python -m prx_data.skips add out/ manual --indices picks.tsv
+    python -m prx_data.skips list out/
+    python -m prx_data.skips stats out/ --json
+    python -m prx_data.skips remove out/ manual
+    python -m prx_data.skips rewrite out/ out-clean/ --threshold 0.10
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from prx_data.core import storage
+from prx_data.core.schema import MANIFEST_NAME
+from prx_data.skips import sidecar as skiplist
+
+DEFAULT_THRESHOLD = 0.10
+
+
+def read_indices_file(path: str) -> dict[tuple[str, str], list[int]]:
+    """Lines ``<bucket> <shard basename> <index>`` (whitespace separated; ``#`` comments)."""
+    out: dict[tuple[str, str], list[int]] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 3 or not parts[2].isdigit():
+                raise ValueError(f"{path}:{n}: expected '<bucket> <shard> <index>', got {line!r}")
+            out.setdefault((parts[0], parts[1]), []).append(int(parts[2]))
+    return out
+
+
+def read_ids_file(path: str) -> list[str]:
+    """One row id per line; blank lines ignored."""
+    with open(path) as f:
+        return [s for s in (line.strip() for line in f) if s]
+
+
+# --- rewrite -----------------------------------------------------------------------------------
+
+
+class RewriteRefused(RuntimeError):
+    """The skipped share is below the threshold (rewriting would buy little)."""
+
+
+@dataclass
+class RewriteResult:
+    out: str
+    samples_in: int
+    samples_out: int
+    skipped: int
+    buckets: int
+    verified: bool
+
+
+def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
+    """A local directory holding this shard's raw file (downloaded / decompressed if needed)."""
+    raw = entry["raw_data"]["basename"]
+    if not storage.is_remote(root) and not entry.get("zip_data"):
+        return os.path.join(root, *bucket.split("/"))
+    dest = os.path.join(tmp, *bucket.split("/"))
+    path = os.path.join(dest, *raw.split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    local_raw = storage.join(root, *bucket.split("/"), *raw.split("/"))
+    if entry.get("zip_data"):
+        from streaming.base.compression import decompress
+
+        zbase = entry["zip_data"]["basename"]
+        data = decompress(
+            entry["compression"],
+            storage.read_bytes(storage.join(root, *bucket.split("/"), *zbase.split("/"))),
+        )
+    else:
+        data = storage.read_bytes(local_raw)
+    with open(path, "wb") as f:
+        f.write(data)
+    return dest
+
+
+def _readers(root: str, bucket: str, tmp: str):
+    """(entry, MDS reader) for every shard of a bucket, in index order."""
+    from streaming.base.format import reader_from_json
+
+    index = json.loads(
+        storage.read_bytes(storage.join(root, *bucket.split("/"), skiplist.INDEX_NAME))
+    )
+    for entry in index["shards"]:
+        yield entry, reader_from_json(_materialize(root, bucket, entry, tmp), None, entry)
+
+
+def rewrite_export(
+    root: str,
+    out: str,
+    *,
+    names: Sequence[str] | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    force: bool = False,
+    verify: bool = True,
+) -> RewriteResult:
+    """Write ``out``: the export at ``root`` without its skipped samples and without lists.
+
+    Parts, columns, compression, hashes and size limits are kept; shards and
+    ``ids.parquet`` manifests are rebuilt. Refused unless the skipped share
+    (union of ``names``, all lists by default) is at least ``threshold`` or
+    ``force``. With ``verify``, every sample of the new export is compared to
+    the filtered view of the old one.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from streaming import MDSWriter
+    from streaming.base.util import merge_index
+
+    from prx_data.stream.dataset import SkipMDSReader
+
+    if storage.exists(storage.join(out, *skiplist.list_buckets(root)[:1], skiplist.INDEX_NAME)):
+        raise FileExistsError(f"{out} already holds an export; choose an empty destination")
+    buckets = skiplist.list_buckets(root)
+    total = skipped = 0
+    plan = []
+    for bucket in buckets:
+        shards = skiplist.read_index(root, bucket)
+        skips = skiplist.load_skips(root, bucket, shards, names)
+        total += sum(s.samples for s in shards)
+        skipped += sum(len(v) for v in skips.values())
+        plan.append((bucket, skips))
+    share = skipped / total if total else 0.0
+    if share < threshold and not force:
+        raise RewriteRefused(
+            f"only {share:.1%} of {total} samples are skipped (threshold {threshold:.0%}); skip lists "
+            "cost nothing at load time. Pass --force to rewrite anyway."
+        )
+    remote_out = storage.is_remote(out)
+    work = tempfile.mkdtemp(prefix="prx-rewrite-")
+    stage = os.path.join(work, "out") if remote_out else out
+    written = 0
+    try:
+        bar = tqdm(total=total - skipped, desc="rewrite", unit="sample")
+        for bucket, skips in plan:
+            bucket_out = os.path.join(stage, *bucket.split("/"))
+            parts: dict[str, list] = {}
+            for entry, reader in _readers(root, bucket, os.path.join(work, "in")):
+                part = posixpath.dirname(entry["raw_data"]["basename"])
+                parts.setdefault(part, []).append((entry, reader))
+            for part, items in parts.items():
+                first = items[0][0]
+                columns = dict(zip(first["column_names"], first["column_encodings"], strict=True))
+                pdir = os.path.join(bucket_out, *part.split("/")) if part else bucket_out
+                ids: list[str] = []
+                with MDSWriter(
+                    out=pdir,
+                    columns=columns,
+                    compression=first.get("compression"),
+                    hashes=list((first["raw_data"].get("hashes") or {}).keys()) or None,
+                    size_limit=first.get("size_limit") or (1 << 26),
+                ) as w:
+                    for entry, reader in items:
+                        skip = skips.get(entry["raw_data"]["basename"])
+                        dead = set() if skip is None else set(skip.tolist())
+                        keep = [i for i in range(reader.samples) if i not in dead]
+                        for i in keep:
+                            sample = reader.get_item(i)
+                            w.write(sample)
+                            ids.append(sample.get("id", ""))
+                            written += 1
+                            bar.update()
+                with open(os.path.join(pdir, "index.json")) as f:
+                    new_shards = json.load(f)["shards"]
+                col_shard, col_idx = [], []
+                for sh in new_shards:
+                    base = (
+                        posixpath.join(part, sh["raw_data"]["basename"])
+                        if part
+                        else sh["raw_data"]["basename"]
+                    )
+                    col_shard += [base] * sh["samples"]
+                    col_idx += list(range(sh["samples"]))
+                pq.write_table(
+                    pa.table(
+                        {
+                            "shard": pa.array(col_shard, pa.string()),
+                            "index": pa.array(col_idx, pa.int32()),
+                            "id": pa.array(ids, pa.string()),
+                        }
+                    ),
+                    os.path.join(pdir, MANIFEST_NAME),
+                )
+            if "" not in parts:
+                merge_index(bucket_out, keep_local=True)
+        bar.close()
+        if verify:
+            _verify(root, stage, plan, os.path.join(work, "in"), SkipMDSReader)
+        if remote_out:
+            for rel in storage.list_files(stage):
+                with open(os.path.join(stage, rel), "rb") as f:
+                    storage.write_bytes_atomic(storage.join(out, *rel.split(os.sep)), f.read())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return RewriteResult(out, total, written, skipped, len(buckets), verify)
+
+
+def _verify(root: str, new_root: str, plan, tmp: str, skip_reader) -> None:
+    """Every sample of the new export equals the next kept sample of the old one, in order."""
+    for bucket, skips in plan:
+
+        def old_samples(bucket=bucket, skips=skips):
+            for entry, reader in _readers(root, bucket, tmp):
+                skip = skips.get(entry["raw_data"]["basename"])
+                view = reader if skip is None else skip_reader.wrap(reader, skip)
+                for i in range(view.samples):
+                    yield view.get_item(i)
+
+        def new_samples(bucket=bucket):
+            for _entry, reader in _readers(new_root, bucket, tmp):
+                for i in range(reader.samples):
+                    yield reader.get_item(i)
+
+        sentinel = object()
+        olds, news = old_samples(), new_samples()
+        n = 0
+        while True:
+            a, b = next(olds, sentinel), next(news, sentinel)
+            if a is sentinel and b is sentinel:
+                break
+            if a is sentinel or b is sentinel or a != b:
+                raise AssertionError(
+                    f"{new_root}/{bucket}: sample {n} differs from the filtered source"
+                )
+            n += 1
+
+
+# --- CLI ---------------------------------------------------------------------------------------

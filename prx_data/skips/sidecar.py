@@ -1,0 +1,508 @@
+"""Named skip lists stored as per-shard sidecars next to the MDS shards.
+
+Mosaic Streaming cannot leave samples out without rewriting shards. A skip
+list records, per shard, the sample indices to leave out; the loader
+(:mod:`prx_data.stream.dataset`) removes them from the *sample space*, so
+partitioning, shuffling and resumption see the filtered dataset.
+
+Sidecar ``<bucket>/<part>/shard.NNNNN.mds.<name>.skip`` (never ``*.json``:
+streaming's ``merge_index`` would take it for an index)::
+
+    magic   8 bytes  b"PRXSKIP1"
+    hlen    uint32 LE, length of the header
+    header  UTF-8 JSON, sorted keys: name, shard (basename as in the merged
+            index), bytes + samples (raw shard size and sample count),
+            hashes (the shard's hashes from the index, may be empty),
+            count (number of indices), crc32 (of the index payload)
+    indices count x uint32 LE, sorted and unique
+
+The header binds the sidecar to its shard's content: a sidecar whose shard
+was rewritten (different bytes, samples or hash) is refused on load. The
+same list written twice gives identical bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import struct
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prx_data.core import storage
+from prx_data.core.schema import MANIFEST_NAME
+
+MAGIC = b"PRXSKIP1"
+SUFFIX = ".skip"
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+INDEX_NAME = "index.json"
+#: Tier directories are integers; bucket directories are aspect labels like ``1.000``.
+_TIER_RE = re.compile(r"^\d+$")
+_AR_RE = re.compile(r"^\d+\.\d{3}$")
+#: Parallel small-file requests against object storage.
+IO_THREADS = 16
+
+
+class SkipListError(ValueError):
+    """A sidecar that is corrupt, or that does not belong to the shard next to it."""
+
+
+def validate_name(name: str) -> str:
+    """Skip-list names become file-name parts: lower-case ``[a-z0-9._-]``, at most 64 chars."""
+    if not isinstance(name, str) or not NAME_RE.match(name) or name.endswith(".json"):
+        raise ValueError(
+            f"invalid skip-list name {name!r}: use 1-64 characters from [a-z0-9._-], "
+            "starting with a letter or digit (e.g. 'dedup', 'optout-2026-11')"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the merged index says about one shard (what a sidecar is bound to)."""
+
+    basename: str
+    bytes: int
+    samples: int
+    hashes: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    @classmethod
+    def from_index_entry(cls, entry: Mapping) -> ShardInfo:
+        raw = entry["raw_data"]
+        return cls(
+            raw["basename"], int(raw["bytes"]), int(entry["samples"]), dict(raw.get("hashes") or {})
+        )
+
+
+@dataclass
+class SkipList:
+    """One named skip list for one shard."""
+
+    name: str
+    shard: ShardInfo
+    indices: np.ndarray  # sorted unique uint32
+
+    def to_bytes(self) -> bytes:
+        payload = np.ascontiguousarray(self.indices, dtype="<u4").tobytes()
+        header = {
+            "name": self.name,
+            "shard": self.shard.basename,
+            "bytes": self.shard.bytes,
+            "samples": self.shard.samples,
+            "hashes": dict(sorted(self.shard.hashes.items())),
+            "count": int(len(self.indices)),
+            "crc32": zlib.crc32(payload),
+        }
+        hb = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        return MAGIC + struct.pack("<I", len(hb)) + hb + payload
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str, expected: ShardInfo | None = None) -> SkipList:
+        """Parse and validate; ``source`` names the file in errors, ``expected`` is its shard."""
+        if len(data) < len(MAGIC) + 4 or data[: len(MAGIC)] != MAGIC:
+            raise SkipListError(f"{source}: not a skip-list sidecar (bad magic)")
+        (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
+        start = len(MAGIC) + 4
+        if start + hlen > len(data):
+            raise SkipListError(f"{source}: truncated header")
+        try:
+            header = json.loads(data[start : start + hlen])
+            name, shard = header["name"], header["shard"]
+            nbytes, samples = int(header["bytes"]), int(header["samples"])
+            count, crc, hashes = int(header["count"]), int(header["crc32"]), dict(header["hashes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SkipListError(f"{source}: corrupt header ({e})") from None
+        payload = data[start + hlen :]
+        if len(payload) != 4 * count:
+            raise SkipListError(
+                f"{source}: truncated or padded payload ({len(payload)} bytes for {count} indices)"
+            )
+        if zlib.crc32(payload) != crc:
+            raise SkipListError(f"{source}: checksum mismatch, the index payload is corrupt")
+        idx = np.frombuffer(payload, dtype="<u4")  # read-only view, no copy
+        if count and ((idx[1:] <= idx[:-1]).any() or int(idx[-1]) >= samples):
+            raise SkipListError(f"{source}: indices are not sorted, unique and < samples={samples}")
+        if expected is not None:
+            # Fast path for the common case; the slow one explains the mismatch.
+            if (shard, nbytes, samples) != (
+                expected.basename,
+                expected.bytes,
+                expected.samples,
+            ) or (hashes and any(expected.hashes.get(k, v) != v for k, v in hashes.items())):
+                _check_binding(source, ShardInfo(shard, nbytes, samples, hashes), expected)
+            info = expected
+        else:
+            info = ShardInfo(shard, nbytes, samples, hashes)
+        return cls(name, info, idx)
+
+
+def _check_binding(source: str, got: ShardInfo, expected: ShardInfo) -> None:
+    problems = []
+    if got.basename != expected.basename:
+        problems.append(f"shard {got.basename!r} != {expected.basename!r}")
+    if got.bytes != expected.bytes:
+        problems.append(f"shard bytes {got.bytes} != {expected.bytes} in the index")
+    if got.samples != expected.samples:
+        problems.append(f"shard samples {got.samples} != {expected.samples} in the index")
+    for algo in sorted(set(got.hashes) & set(expected.hashes)):
+        if got.hashes[algo] != expected.hashes[algo]:
+            problems.append(f"shard {algo} {got.hashes[algo]} != {expected.hashes[algo]}")
+    if problems:
+        raise SkipListError(
+            f"{source}: sidecar does not match its shard ({'; '.join(problems)}). The shard was "
+            "rewritten after the list was made: rebuild the list (python -m prx_data.skips add ...) "
+            "or remove it (python -m prx_data.skips remove)."
+        )
+
+
+def sidecar_basename(shard_basename: str, name: str) -> str:
+    """``f0-0/shard.00000.mds`` + ``dedup`` -> ``f0-0/shard.00000.mds.dedup.skip``."""
+    return f"{shard_basename}.{validate_name(name)}{SUFFIX}"
+
+
+def _rel_join(root: str, rel: str) -> str:
+    return storage.join(root, *rel.split("/"))
+
+
+# --- export tree ---------------------------------------------------------------------------
+
+
+def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
+    """Bucket names (``"512/1.000"``) under an export root that have a merged index.
+
+    Lists two directory levels (tiers, then ratios) rather than the whole tree,
+    so it stays cheap on object storage with many shards.
+    """
+    import pyarrow.fs as pafs
+
+    fs, base = storage.filesystem(root)
+    want = None if tiers is None else {int(t) for t in tiers}
+    out = []
+    for tinfo in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
+        tier = posixpath.basename(tinfo.path.rstrip("/"))
+        if tinfo.type != pafs.FileType.Directory or not _TIER_RE.match(tier):
+            continue
+        if want is not None and int(tier) not in want:
+            continue
+        for ainfo in fs.get_file_info(pafs.FileSelector(tinfo.path, allow_not_found=True)):
+            ar = posixpath.basename(ainfo.path.rstrip("/"))
+            if ainfo.type == pafs.FileType.Directory and _AR_RE.match(ar):
+                bucket = f"{tier}/{ar}"
+                if storage.exists(_rel_join(root, f"{bucket}/{INDEX_NAME}")):
+                    out.append(bucket)
+    return sorted(out, key=lambda b: (int(b.split("/")[0]), b))
+
+
+def read_index(root: str, bucket: str) -> list[ShardInfo]:
+    """The shards of one bucket, in merged-index order."""
+    path = _rel_join(root, f"{bucket}/{INDEX_NAME}")
+    try:
+        obj = json.loads(storage.read_bytes(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no merged index; is {root!r} an export root?") from None
+    return [ShardInfo.from_index_entry(e) for e in obj["shards"]]
+
+
+def _list_suffix(base: str, suffix: str) -> list[str]:
+    """Relative ``/``-separated paths of files ending in ``suffix`` under ``base``."""
+    if storage.is_remote(base):
+        return [r.replace("\\", "/") for r in storage.list_files(base, suffix)]
+    out = []
+    cut = len(base.rstrip(os.sep)) + 1
+    for dirpath, _dirs, files in os.walk(base):
+        rel_dir = dirpath[cut:].replace(os.sep, "/")
+        for f in files:
+            if f.endswith(suffix):
+                out.append(f"{rel_dir}/{f}" if rel_dir else f)
+    return sorted(out)
+
+
+def list_sidecars(root: str, bucket: str, shards: Sequence[ShardInfo]) -> dict[str, list[str]]:
+    """{list name: [shard basenames that have a sidecar]} for one bucket (one listing)."""
+    known = {s.basename for s in shards}
+    out: dict[str, list[str]] = {}
+    for rel in _list_suffix(_rel_join(root, bucket), SUFFIX):
+        stem = rel[: -len(SUFFIX)]
+        # The shard basename is the longest known prefix ending in ".mds".
+        pos = stem.find(".mds.")
+        while pos != -1:
+            shard, name = stem[: pos + 4], stem[pos + 5 :]
+            if shard in known and NAME_RE.match(name):
+                out.setdefault(name, []).append(shard)
+                break
+            pos = stem.find(".mds.", pos + 1)
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def read_sidecar(root: str, bucket: str, shard: ShardInfo, name: str) -> SkipList:
+    path = _rel_join(root, f"{bucket}/{sidecar_basename(shard.basename, name)}")
+    return SkipList.from_bytes(_read(path), path, expected=shard)
+
+
+def _read(path: str) -> bytes:
+    # Plain open() locally: pyarrow's per-file setup dominates for 100k tiny sidecars.
+    if storage.is_remote(path):
+        return storage.read_bytes(path)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def map_io(fn, items: Sequence, remote: bool) -> list:
+    if remote and len(items) > 1:
+        with ThreadPoolExecutor(IO_THREADS) as ex:
+            return list(ex.map(fn, items))
+    return [fn(x) for x in items]
+
+
+def load_skips(
+    root: str,
+    bucket: str,
+    shards: Sequence[ShardInfo],
+    names: Sequence[str] | None = None,
+    listing: Mapping[str, list[str]] | None = None,
+) -> dict[str, np.ndarray]:
+    """Union of the chosen lists (all if ``names`` is None) per shard basename, validated.
+
+    Shards without any skipped sample are absent from the result. ``listing``
+    reuses a :func:`list_sidecars` result instead of listing again.
+    """
+    found = list_sidecars(root, bucket, shards) if listing is None else listing
+    chosen = list(found) if names is None else [validate_name(n) for n in names]
+    by_base = {s.basename: s for s in shards}
+    remote = storage.is_remote(root)
+    bucket_dir = _rel_join(root, bucket)
+    sep = "/" if remote else os.sep
+
+    def read(job: tuple[str, ShardInfo]) -> SkipList:
+        name, shard = job
+        path = f"{bucket_dir}{sep}{shard.basename.replace('/', sep)}.{name}{SUFFIX}"
+        return SkipList.from_bytes(_read(path), path, expected=shard)
+
+    jobs = [(name, by_base[b]) for name in chosen for b in found.get(name, [])]
+    lists = map_io(read, jobs, remote)
+    per_shard: dict[str, list[np.ndarray]] = {}
+    for sl in lists:
+        per_shard.setdefault(sl.shard.basename, []).append(sl.indices)
+    return {
+        b: (arrs[0] if len(arrs) == 1 else np.unique(np.concatenate(arrs))).astype(np.uint32)
+        for b, arrs in per_shard.items()
+    }
+
+
+# --- library API ---------------------------------------------------------------------------
+
+
+@dataclass
+class AddResult:
+    """Outcome of adding to a skip list: what was written and what could not be matched."""
+
+    name: str
+    shards_written: int = 0
+    samples_listed: int = 0
+    #: Row ids not found in any manifest (add_skips_by_ids / add_skips_by_query).
+    ids_not_found: int = 0
+
+
+def add_skips(
+    export_root: str,
+    name: str,
+    skips: Mapping[tuple[str, str], Iterable[int]],
+    *,
+    replace: bool = False,
+) -> AddResult:
+    """Add sample indices ``{(bucket, shard basename): indices}`` to the list ``name``.
+
+    Indices are merged with an existing sidecar of the same name, so adding the
+    same indices again rewrites identical bytes. ``replace=True`` overwrites the
+    given shards' sidecars instead (an empty set removes the shard from the list).
+    Everything is validated before anything is written.
+    """
+    validate_name(name)
+    result = AddResult(name)
+    by_bucket: dict[str, dict[str, list]] = {}
+    for (bucket, shard), idx in skips.items():
+        by_bucket.setdefault(bucket, {}).setdefault(shard, []).append(
+            np.asarray(list(idx), np.int64)
+        )
+    remote = storage.is_remote(export_root)
+    # Validate everything first, so bad input writes nothing.
+    jobs = []
+    for bucket, per_shard in sorted(by_bucket.items()):
+        shards = {s.basename: s for s in read_index(export_root, bucket)}
+        existing = set(list_sidecars(export_root, bucket, list(shards.values())).get(name, []))
+        for base, arrs in sorted(per_shard.items()):
+            if base not in shards:
+                raise KeyError(
+                    f"shard {base!r} is not in the index of bucket {bucket!r} under {export_root}"
+                )
+            info = shards[base]
+            idx = np.unique(np.concatenate(arrs)) if arrs else np.zeros(0, np.int64)
+            if len(idx) and (idx[0] < 0 or idx[-1] >= info.samples):
+                bad = int(idx[-1] if idx[-1] >= info.samples else idx[0])
+                raise IndexError(
+                    f"{bucket}/{base}: sample index {bad} is outside 0..{info.samples - 1}"
+                )
+            jobs.append((bucket, info, idx, base in existing))
+
+    def write(job) -> int:
+        bucket, info, idx, has_old = job
+        path = _rel_join(export_root, f"{bucket}/{sidecar_basename(info.basename, name)}")
+        if has_old and not replace:
+            old = read_sidecar(export_root, bucket, info, name).indices.astype(np.int64)
+            idx = np.union1d(old, idx)
+        if not len(idx):
+            if has_old:  # replace with nothing: the shard leaves the list
+                storage.delete(path)
+            return 0
+        storage.write_bytes_atomic(path, SkipList(name, info, idx.astype(np.uint32)).to_bytes())
+        return len(idx)
+
+    for n in map_io(write, jobs, remote):
+        result.shards_written += bool(n)
+        result.samples_listed += n
+    return result
+
+
+def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
+    """All ``ids.parquet`` rows of the chosen buckets as one Arrow table (+ ``bucket``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = []
+    for bucket in buckets if buckets is not None else list_buckets(export_root):
+        rels = [r for r in storage.list_files(_rel_join(export_root, bucket), MANIFEST_NAME)]
+        fs, _ = storage.filesystem(export_root)
+
+        def read(rel, bucket=bucket, fs=fs):
+            _, p = storage.filesystem(
+                _rel_join(export_root, f"{bucket}/{rel.replace(chr(92), '/')}")
+            )
+            t = pq.read_table(p, filesystem=fs, columns=["shard", "index", "id"])
+            return t.append_column("bucket", pa.array([bucket] * len(t), pa.string()))
+
+        tables += map_io(read, rels, storage.is_remote(export_root))
+    if not tables:
+        return pa.table({"shard": [], "index": pa.array([], pa.int32()), "id": [], "bucket": []})
+    return pa.concat_tables(tables)
+
+
+def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResult:
+    """Skip the samples whose row id (Lance ``id``) is in ``ids``, via the manifests."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    wanted = pa.array(sorted(set(ids)), pa.string())
+    table = read_manifests(export_root)
+    hit = table.filter(pc.is_in(table["id"], value_set=wanted))
+    skips: dict[tuple[str, str], list[int]] = {}
+    for b, s, i in zip(
+        hit["bucket"].to_pylist(), hit["shard"].to_pylist(), hit["index"].to_pylist(), strict=True
+    ):
+        skips.setdefault((b, s), []).append(i)
+    result = add_skips(export_root, name, skips)
+    result.ids_not_found = len(wanted) - len(set(hit["id"].to_pylist()))
+    return result
+
+
+def lance_storage_options(uri: str) -> dict[str, str] | None:
+    """Storage options for a Lance URI on an S3-compatible endpoint (``S3_ENDPOINT_URL``)."""
+    if not uri.startswith("s3://"):
+        return None
+    opts: dict[str, str] = {}
+    endpoint = os.environ.get("S3_ENDPOINT_URL")
+    if endpoint:
+        opts["aws_endpoint"] = endpoint
+        if endpoint.startswith("http://"):
+            opts["allow_http"] = "true"
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        opts["aws_region"] = region
+    return opts or None
+
+
+def query_ids(table_uri: str, where: str) -> list[str]:
+    """Row ids of a Lance table matching a SQL filter (only the ``id`` column is read)."""
+    import lance
+
+    ds = lance.dataset(table_uri, storage_options=lance_storage_options(table_uri))
+    return ds.to_table(columns=["id"], filter=where)["id"].to_pylist()
+
+
+def add_skips_by_query(export_root: str, name: str, table_uri: str, where: str) -> AddResult:
+    """Skip the samples whose rows match ``where`` in the Lance table ``table_uri``."""
+    return add_skips_by_ids(export_root, name, query_ids(table_uri, where))
+
+
+def list_skip_lists(
+    export_root: str, tiers: Iterable[int] | None = None
+) -> dict[str, dict[str, int]]:
+    """{list name: {bucket: number of shards with a sidecar}}."""
+    out: dict[str, dict[str, int]] = {}
+    for bucket in list_buckets(export_root, tiers):
+        for name, shards in list_sidecars(
+            export_root, bucket, read_index(export_root, bucket)
+        ).items():
+            out.setdefault(name, {})[bucket] = len(shards)
+    return dict(sorted(out.items()))
+
+
+@dataclass
+class BucketStats:
+    bucket: str
+    samples: int
+    skipped: int
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.skipped / self.samples if self.samples else 0.0
+
+
+def skip_stats(
+    export_root: str, names: Sequence[str] | None = None, tiers: Iterable[int] | None = None
+) -> dict[str, list[BucketStats]]:
+    """Per list (and ``"*"`` for the union of the chosen lists), per bucket: samples skipped.
+
+    Every bucket appears under every list, with 0 where the list has no sidecar.
+    """
+    out: dict[str, list[BucketStats]] = {}
+    per_bucket = []
+    all_names: set[str] = set()
+    for bucket in list_buckets(export_root, tiers):
+        shards = read_index(export_root, bucket)
+        found = list_sidecars(export_root, bucket, shards)
+        all_names |= set(found)
+        per_bucket.append((bucket, shards, found))
+    chosen = sorted(all_names) if names is None else [validate_name(n) for n in names]
+    for bucket, shards, _found in per_bucket:
+        total = sum(s.samples for s in shards)
+        union: dict[str, np.ndarray] = {}
+        for name in chosen:
+            lists = load_skips(export_root, bucket, shards, [name])
+            out.setdefault(name, []).append(
+                BucketStats(bucket, total, sum(len(v) for v in lists.values()))
+            )
+            for b, v in lists.items():
+                union[b] = np.union1d(union[b], v) if b in union else v
+        out.setdefault("*", []).append(
+            BucketStats(bucket, total, sum(len(v) for v in union.values()))
+        )
+    return out
+
+
+def remove_skip_list(export_root: str, name: str, tiers: Iterable[int] | None = None) -> int:
+    """Delete every sidecar of list ``name``; returns how many files were removed."""
+    validate_name(name)
+    paths = []
+    for bucket in list_buckets(export_root, tiers):
+        for shard in list_sidecars(export_root, bucket, read_index(export_root, bucket)).get(
+            name, []
+        ):
+            paths.append(_rel_join(export_root, f"{bucket}/{sidecar_basename(shard, name)}"))
+    map_io(storage.delete, paths, storage.is_remote(export_root))
+    return len(paths)

@@ -1,0 +1,460 @@
+"""Stream bucketed exports into training: skip lists in the sample space, one shape per batch.
+
+An export tree holds one MDS dataset per bucket (``<root>/<tier>/<ar>/``).
+:class:`BucketedDataset` turns every bucket of the chosen tier(s) of one or
+more export trees into a Mosaic ``Stream`` and mixes them:
+
+* **Skip lists** (:mod:`prx_data.skips.sidecar`) are applied where streaming
+  defines its sample space: each shard reader reports only its kept samples
+  and maps a kept index to the stored one (:class:`SkipMDSReader`). Epoch
+  size, partitioning, shuffling, proportions and resumption all see the
+  filtered dataset, and no data is read to leave a sample out.
+* **Same-shape batches**: ``per_stream`` batching (one bucket per global
+  batch) by default; each bucket's epoch count is sized by
+  :mod:`prx_data.stream.planner` so that streaming never pads a bucket.
+* **Mixing**: datasets mix by ``proportion`` / ``repeat`` / ``choose``;
+  within a dataset, buckets are weighted by their sample counts after skips.
+  Remote roots get the same weights as local ones.
+* **Remote roots**: local rank 0 of each node fetches the bucket indexes and
+  sidecars into the local cache; the other ranks of the node wait and reuse.
+
+See docs/STREAMING.md for the reasoning and the knobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from streaming import Stream, StreamingDataset
+from streaming.base.distributed import maybe_init_dist
+from streaming.base.format.mds.reader import MDSReader
+from streaming.base.world import World
+
+from prx_data.core import storage
+from prx_data.core.buckets import (
+    DEFAULT_SPEC,
+    BucketSpec,
+    bucket_name,
+    parse_bucket_name,
+    same_ratio_shape,
+)
+from prx_data.skips import sidecar as skiplist
+from prx_data.stream import planner
+
+#: Written last by the node's fetching rank; the other ranks wait for it.
+CATALOG_PREFIX = "_prx_catalog."
+FETCH_TIMEOUT_S = 600.0
+
+
+@dataclass
+class DatasetSpec:
+    """One export tree and how much of it to use.
+
+    ``skip_lists``: None applies every list found; ``[]`` applies none; a list
+    of names applies those (an unknown name is an error, to catch typos).
+    """
+
+    root: str
+    local: str | None = None
+    proportion: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+    skip_lists: list[str] | None = None
+
+
+@dataclass
+class BucketSource:
+    """One bucket of one export, ready to stream: where it is, its shards and its skips."""
+
+    bucket: str
+    remote: str | None  # bucket URI when the root is remote
+    local: str  # bucket directory (the export itself, or the cache)
+    shards: list[skiplist.ShardInfo]
+    skips: dict[str, np.ndarray]
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def skipped(self) -> int:
+        return sum(len(v) for v in self.skips.values())
+
+
+# --- skip-aware reader and stream --------------------------------------------------------
+
+
+class SkipMDSReader(MDSReader):
+    """An MDS shard reader whose sample space excludes a sorted set of skipped indices.
+
+    ``samples`` is the kept count; ``get_item(k)`` reads the k-th kept sample.
+    A module-level class (not a patched method) so spawned workers can unpickle it.
+    """
+
+    raw_samples: int
+    skipped: np.ndarray
+    _shift_keys: np.ndarray
+
+    @classmethod
+    def wrap(cls, reader: MDSReader, skipped: np.ndarray) -> SkipMDSReader:
+        new = cls.__new__(cls)
+        new.__dict__.update(reader.__dict__)
+        new.raw_samples = reader.samples
+        new.skipped = np.asarray(skipped, np.int64)
+        # Kept samples before the i-th skipped one; searching it maps kept -> stored in O(log n).
+        new._shift_keys = new.skipped - np.arange(len(new.skipped), dtype=np.int64)
+        new.samples = reader.samples - len(new.skipped)
+        return new
+
+    def stored_index(self, idx: int) -> int:
+        """The index within the shard file of the ``idx``-th kept sample."""
+        if not 0 <= idx < self.samples:
+            raise IndexError(f"kept sample {idx} out of range 0..{self.samples - 1}")
+        return int(idx + np.searchsorted(self._shift_keys, idx, side="right"))
+
+    def get_item(self, idx: int) -> dict[str, Any]:
+        return super().get_item(self.stored_index(idx))
+
+
+class SkipStream(Stream):
+    """A ``Stream`` over one bucket whose shard readers leave the skipped samples out.
+
+    ``skips`` maps shard basenames (as in the index) to sorted skipped indices;
+    shards whose every sample is skipped are left out altogether.
+    """
+
+    def __init__(self, *, skips: dict[str, np.ndarray] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.skips = skips or {}
+
+    def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
+        shards = super().get_shards(world, allow_unsafe_types)
+        out = []
+        for reader in shards:
+            skipped = self.skips.get(reader.raw_data.basename)
+            if skipped is None or not len(skipped):
+                out.append(reader)
+                continue
+            if not isinstance(reader, MDSReader):
+                raise TypeError(f"skip lists need MDS shards, got {type(reader).__name__}")
+            if int(skipped[-1]) >= reader.samples:
+                raise skiplist.SkipListError(
+                    f"{self.local}/{reader.raw_data.basename}: skip index {int(skipped[-1])} "
+                    f">= shard samples {reader.samples}"
+                )
+            wrapped = SkipMDSReader.wrap(reader, skipped)
+            if wrapped.samples:
+                out.append(wrapped)
+        return out
+
+
+# --- discovery and sidecar fetching ---------------------------------------------------------
+
+
+def discover_buckets(root: str, tiers: Sequence[int]) -> list[str]:
+    """Bucket names of the given tiers that exist under an export root (local or remote)."""
+    return skiplist.list_buckets(root, tiers)
+
+
+def _catalog_name(tiers: Sequence[int], names: Sequence[str] | None) -> str:
+    key = json.dumps([sorted(tiers), None if names is None else sorted(names)])
+    return CATALOG_PREFIX + hashlib.sha1(key.encode()).hexdigest()[:12] + ".txt"
+
+
+def _check_names(root: str, found: set[str], names: Sequence[str] | None) -> None:
+    if names:
+        missing = sorted(set(names) - found)
+        if missing:
+            raise skiplist.SkipListError(
+                f"skip list(s) {missing} not found under {root} (found: {sorted(found) or 'none'})"
+            )
+
+
+def fetch_catalog(
+    spec: DatasetSpec,
+    tiers: Sequence[int],
+    local: str,
+    *,
+    is_leader: bool,
+    timeout: float = FETCH_TIMEOUT_S,
+) -> list[str]:
+    """Copy a remote export's bucket indexes and chosen sidecars into ``local``, once per node.
+
+    The leader (local rank 0) lists and fetches, refreshes the cache (stale
+    sidecars are removed) and writes a catalog file last; other ranks wait
+    for that file and make no remote request. Returns the bucket names.
+    """
+    names = spec.skip_lists
+    marker = os.path.join(local, _catalog_name(tiers, names))
+    if not is_leader:
+        _node_barrier()
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(marker):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{marker}: local rank 0 did not finish fetching skip lists")
+            time.sleep(0.05)
+        with open(marker) as f:
+            text = f.read()
+        if text.startswith(_ERROR):
+            raise RuntimeError(f"local rank 0 failed to fetch {spec.root}: {text[len(_ERROR) :]}")
+        return [line for line in text.splitlines() if line]
+    if os.path.exists(marker):
+        os.remove(marker)
+    try:
+        buckets = _fetch(spec, tiers, local)
+    except Exception as e:
+        # Tell the waiting ranks why, instead of leaving them at the barrier.
+        storage.write_bytes_atomic(marker, f"{_ERROR}{type(e).__name__}: {e}".encode())
+        _node_barrier()
+        raise
+    storage.write_bytes_atomic(marker, "".join(b + "\n" for b in buckets).encode())
+    _node_barrier()
+    return buckets
+
+
+_ERROR = "ERROR "
+
+
+def _node_barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
+    names = spec.skip_lists
+    buckets = discover_buckets(spec.root, tiers)
+    found: set[str] = set()
+    for bucket in buckets:
+        remote_b = storage.join(spec.root, *bucket.split("/"))
+        local_b = os.path.join(local, *bucket.split("/"))
+        index = storage.read_bytes(storage.join(remote_b, skiplist.INDEX_NAME))
+        storage.write_bytes_atomic(os.path.join(local_b, skiplist.INDEX_NAME), index)
+        shards = [skiplist.ShardInfo.from_index_entry(e) for e in json.loads(index)["shards"]]
+        listed = skiplist.list_sidecars(spec.root, bucket, shards)
+        found |= set(listed)
+        chosen = list(listed) if names is None else [n for n in names if n in listed]
+        want = {skiplist.sidecar_basename(b, n) for n in chosen for b in listed[n]}
+        for rel in storage.list_files(local_b, skiplist.SUFFIX):
+            if rel.replace(os.sep, "/") not in want:
+                os.remove(os.path.join(local_b, rel))
+
+        def get(rel: str, remote_b: str = remote_b, local_b: str = local_b) -> None:
+            data = storage.read_bytes(storage.join(remote_b, *rel.split("/")))
+            storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
+
+        skiplist.map_io(get, sorted(want), True)
+    _check_names(spec.root, found, names)
+    return buckets
+
+
+def load_sources(
+    spec: DatasetSpec, tiers: Sequence[int], world: World | None = None
+) -> list[BucketSource]:
+    """Every bucket of ``tiers`` in one export with its shards and (validated) skips."""
+    world = world or World.detect()
+    if storage.is_remote(spec.root):
+        if not spec.local:
+            raise ValueError(
+                f"{spec.root}: a remote root needs DatasetSpec.local (a cache directory)"
+            )
+        buckets = fetch_catalog(spec, tiers, spec.local, is_leader=world.is_local_leader)
+        base = spec.local
+    else:
+        buckets = discover_buckets(spec.root, tiers)
+        base = spec.root
+    if not buckets:
+        raise FileNotFoundError(f"no buckets of tier(s) {list(tiers)} under {spec.root}")
+    out = []
+    found: set[str] = set()
+    for bucket in buckets:
+        shards = skiplist.read_index(base, bucket)
+        skips: dict[str, np.ndarray] = {}
+        if spec.skip_lists != []:
+            listing = skiplist.list_sidecars(base, bucket, shards)
+            found |= set(listing)
+            skips = skiplist.load_skips(base, bucket, shards, spec.skip_lists, listing=listing)
+        remote = (
+            storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
+        )
+        out.append(
+            BucketSource(bucket, remote, os.path.join(base, *bucket.split("/")), shards, skips)
+        )
+    _check_names(spec.root, found, spec.skip_lists)
+    return out
+
+
+# --- the dataset -----------------------------------------------------------------------------
+
+
+def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[DatasetSpec]:
+    if isinstance(datasets, (str, DatasetSpec)):
+        datasets = [datasets]
+    out = [d if isinstance(d, DatasetSpec) else DatasetSpec(root=d) for d in datasets]
+    if not out:
+        raise ValueError("give at least one dataset")
+    return out
+
+
+def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
+    im = Image.open(io.BytesIO(data))
+    im = im.convert("RGB") if im.mode != "RGB" else im
+    if im.size != shape:
+        im = im.resize(shape, Image.Resampling.LANCZOS)
+    arr = np.asarray(im, dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
+class BucketedDataset(StreamingDataset):
+    """A StreamingDataset over the buckets of one or more export trees.
+
+    Each item: ``image`` (uint8 [3, H, W] at the run tier's shape for the
+    sample's aspect ratio; higher-tier samples are Lanczos-downsized), ``id``,
+    each caption column, ``tier`` (the run tier), ``bucket`` (its run-tier
+    bucket name), ``width``/``height`` (the original image size), and
+    ``source_bucket``. Every device batch comes from one bucket.
+
+    Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
+    ``cache_limit``, ``download_retry``, ``shuffle_block_size``).
+    ``num_workers`` must equal the DataLoader's: the epoch is sized for it.
+    ``small_buckets="drop"`` leaves out buckets below one planning unit instead
+    of failing. The preflight plan is available as ``self.plan``.
+    """
+
+    def __init__(
+        self,
+        datasets: DatasetSpec | str | Sequence[DatasetSpec | str],
+        *,
+        tier: int,
+        batch_size: int,
+        include_higher_tiers: bool = False,
+        caption_columns: Sequence[str] = ("caption",),
+        batching_method: str = "per_stream",
+        shuffle: bool = True,
+        shuffle_seed: int = 9176,
+        num_canonical_nodes: int | None = None,
+        replication: int | None = None,
+        epoch_size: int | None = None,
+        num_workers: int | None = None,
+        small_buckets: str = "error",
+        bucket_spec: BucketSpec = DEFAULT_SPEC,
+        **streaming_kwargs: Any,
+    ) -> None:
+        specs = _specs(datasets)
+        bucket_spec.shapes(tier)  # unknown tier -> clear error
+        tiers = [t for t in bucket_spec.tiers if t == tier or (include_higher_tiers and t > tier)]
+        self.run_tier = tier
+        self.caption_columns = tuple(caption_columns)
+        self.bucket_spec = bucket_spec
+        destroy_dist = maybe_init_dist()
+        try:
+            world = World.detect()
+            sources = [load_sources(s, tiers, world) for s in specs]
+            counts = [
+                planner.DatasetCount(
+                    s.root,
+                    [planner.BucketCount(b.bucket, b.samples, b.skipped) for b in src],
+                    s.proportion,
+                    s.repeat,
+                    s.choose,
+                )
+                for s, src in zip(specs, sources, strict=True)
+            ]
+            self.plan = planner.plan_buckets(
+                counts,
+                device_batch_size=batch_size,
+                world_size=world.num_ranks,
+                num_nodes=world.num_nodes,
+                num_workers=num_workers or 1,
+                num_canonical_nodes=num_canonical_nodes,
+                replication=replication,
+                batching_method=batching_method,
+                epoch_size=epoch_size,
+                shuffle=shuffle,
+                shuffle_block_size=streaming_kwargs.get("shuffle_block_size"),
+                small_buckets=small_buckets,
+            ).check()
+            streams: list[Stream] = []
+            self.stream_info: list[tuple[int, str, tuple[int, int]]] = []
+            plans = iter(self.plan.buckets)
+            for di, src in enumerate(sources):
+                for b in src:
+                    bp = next(plans)
+                    if bp.excluded or bp.choose == 0:
+                        continue
+                    streams.append(
+                        SkipStream(
+                            remote=b.remote,
+                            local=b.local,
+                            choose=bp.choose,
+                            skips=b.skips,
+                        )
+                    )
+                    shape = same_ratio_shape(
+                        parse_bucket_name(b.bucket, bucket_spec), tier, bucket_spec
+                    )
+                    self.stream_info.append((di, b.bucket, shape))
+            super().__init__(
+                streams=streams,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                shuffle_seed=shuffle_seed,
+                num_canonical_nodes=self.plan.num_canonical_nodes,
+                batching_method=batching_method,
+                replication=replication,
+                **streaming_kwargs,
+            )
+        finally:
+            if destroy_dist:
+                torch.distributed.destroy_process_group()
+
+    # Streaming calls this for every sample id of the epoch (after partitioning).
+    def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
+        raw = super().get_item(sample_id, retry)
+        bucket = parse_bucket_name(raw["bucket"], self.bucket_spec)
+        shape = same_ratio_shape(bucket, self.run_tier, self.bucket_spec)
+        item: dict[str, Any] = {
+            "image": _decode(raw["image"], shape),
+            "id": raw["id"],
+            "tier": self.run_tier,
+            "bucket": bucket_name(self.run_tier, *shape),
+            "source_bucket": raw["bucket"],
+            "width": int(raw["width"]),
+            "height": int(raw["height"]),
+        }
+        for c in self.caption_columns:
+            if c not in raw:
+                raise KeyError(
+                    f"caption column {c!r} is not in the export (columns: {sorted(raw)})"
+                )
+            item[c] = raw[c]
+        return item
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        running = info.num_workers if info is not None else 1
+        if running != self.plan.num_workers:
+            raise planner.PlanError(
+                f"the epoch was planned for {self.plan.num_workers} DataLoader worker(s) but "
+                f"{running} are running: pass num_workers={running} to BucketedDataset"
+            )
+        return super().__iter__()
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        """Resume; refuses a state whose canonical node count differs from the plan's."""
+        ncn = obj.get("num_canonical_nodes")
+        if ncn is not None and ncn != self.plan.num_canonical_nodes:
+            raise planner.PlanError(
+                f"checkpoint was written with num_canonical_nodes={ncn} but this dataset was "
+                f"planned with {self.plan.num_canonical_nodes}: pass num_canonical_nodes={ncn}"
+            )
+        super().load_state_dict(obj)

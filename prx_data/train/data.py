@@ -1,0 +1,158 @@
+"""The training dataloader: bucketed MDS stream -> StreamingDataLoader -> Composer DataSpec.
+
+Every device batch comes from one bucket, so shapes vary *between* batches;
+Composer's default sample counting assumes fixed shapes, hence the explicit
+``get_num_samples_in_batch``. The loader is a ``StreamingDataLoader`` so that
+its position (``state_dict``) goes into each Composer checkpoint and a resume
+continues mid-epoch without reading the skipped data.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from composer.core import DataSpec
+from streaming import StreamingDataLoader, StreamingDataset
+
+from prx_data.train.config import DataConfig, device_batch_size
+
+#: Keys the collate function stacks into tensors; every other key becomes a list.
+TENSOR_KEYS = ("image",)
+INT_KEYS = ("tier", "width", "height")
+
+
+def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Stack one bucket's samples: image -> uint8 [B, 3, H, W]; ints -> int64 [B]; rest -> lists.
+
+    Raises ValueError when shapes differ (a batch must come from one bucket).
+    """
+    if not samples:
+        raise ValueError("empty batch")
+    out: dict[str, Any] = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples]
+        if key in TENSOR_KEYS:
+            shapes = {tuple(v.shape) for v in values}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"batch mixes image shapes {sorted(shapes)}; each device batch must come "
+                    "from a single bucket (batching_method='device_per_stream' or 'per_stream')"
+                )
+            out[key] = torch.stack([torch.as_tensor(v) for v in values])
+        elif key in INT_KEYS:
+            out[key] = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        else:
+            out[key] = values
+    return out
+
+
+def num_samples_in_batch(batch: dict[str, Any]) -> int:
+    """Images in a batch (batches differ in shape, so count the leading dim of ``image``)."""
+    return int(batch["image"].shape[0])
+
+
+def num_tokens_in_batch(batch: dict[str, Any], patch_size: int) -> int:
+    """Image tokens (patches) in a batch, for tokens/s throughput."""
+    b, _, h, w = batch["image"].shape
+    return int(b * (h // patch_size) * (w // patch_size))
+
+
+def split_batch(batch: dict[str, Any], microbatch_size: int | float) -> list[dict[str, Any]]:
+    """Split tensors and lists along the batch dim into microbatches of ``microbatch_size``."""
+    size = int(microbatch_size)
+    n = num_samples_in_batch(batch)
+    chunks = []
+    for start in range(0, n, size):
+        chunks.append({k: v[start : start + size] for k, v in batch.items()})
+    return chunks
+
+
+def _load_factory(path: str) -> Callable[[DataConfig, int], StreamingDataset]:
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"data.factory: cannot import {path!r}: {exc}") from None
+
+
+def build_dataset(cfg: DataConfig, batch_size: int) -> StreamingDataset:
+    """The bucketed stream of ``cfg`` (``prx_data.stream.dataset.BucketedDataset``) for one rank."""
+    if cfg.factory:
+        return _load_factory(cfg.factory)(cfg, batch_size)
+    if not cfg.datasets:
+        raise ValueError("data.datasets: at least one dataset (export root) is required")
+    from prx_data.stream.dataset import (
+        BucketedDataset,
+        DatasetSpec,  # imported late: optional stage
+    )
+
+    specs = [
+        DatasetSpec(
+            root=d.root,
+            local=d.local,
+            proportion=d.proportion,
+            repeat=d.repeat,
+            choose=d.choose,
+            skip_lists=list(d.skip_lists) if d.skip_lists is not None else None,
+        )
+        for d in cfg.datasets
+    ]
+    columns = tuple(dict.fromkeys(c.name for c in cfg.caption_columns))
+    return BucketedDataset(
+        specs,
+        tier=cfg.tier,
+        batch_size=batch_size,
+        include_higher_tiers=cfg.include_higher_tiers,
+        caption_columns=columns,
+        batching_method=cfg.batching_method,
+        shuffle=cfg.shuffle,
+        shuffle_seed=cfg.shuffle_seed,
+        num_canonical_nodes=cfg.num_canonical_nodes,
+        replication=cfg.replication,
+        epoch_size=cfg.epoch_size,
+        num_workers=cfg.num_workers,
+        small_buckets=cfg.small_buckets,
+        **dict(cfg.streaming),
+    )
+
+
+def build_dataloader(
+    dataset: StreamingDataset, cfg: DataConfig, batch_size: int
+) -> StreamingDataLoader:
+    """StreamingDataLoader (resumable) over ``dataset`` with the bucket-aware collate."""
+    workers = cfg.num_workers
+    kwargs: dict[str, Any] = {}
+    if workers > 0:
+        kwargs["persistent_workers"] = cfg.persistent_workers
+        if cfg.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = cfg.prefetch_factor
+    return StreamingDataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=cfg.pin_memory and torch.cuda.is_available(),
+        drop_last=True,
+        **kwargs,
+    )
+
+
+def build_dataspec(
+    cfg: DataConfig,
+    world_size: int,
+    patch_size: int,
+    dataset: StreamingDataset | None = None,
+) -> DataSpec:
+    """Dataset + loader + sample/token counting for one rank of a ``world_size`` run."""
+    batch = device_batch_size(cfg, world_size)
+    ds = dataset if dataset is not None else build_dataset(cfg, batch)
+    loader = build_dataloader(ds, cfg, batch)
+    return DataSpec(
+        loader,
+        get_num_samples_in_batch=num_samples_in_batch,
+        get_num_tokens_in_batch=lambda b: num_tokens_in_batch(b, patch_size),
+        split_batch=split_batch,
+    )

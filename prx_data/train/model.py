@@ -1,0 +1,155 @@
+"""PRX (diffusers ``PRXTransformer2DModel``) in pixel space as a Composer model.
+
+Pixel space, like PRX Pixel: the RGB image is patchified directly
+(``in_channels=3``), so there is no VAE and nothing precomputed. The text
+encoder runs frozen inside the step; the loss is rectified-flow velocity MSE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from composer.models import ComposerModel
+from diffusers.models.transformers.transformer_prx import PRXTransformer2DModel
+
+from prx_data.train.captions import CaptionPolicy
+from prx_data.train.config import FlowConfig, ModelConfig
+from prx_data.train.flow import (
+    interpolate,
+    logit_normal_timesteps,
+    uint8_to_unit,
+    velocity_target,
+)
+from prx_data.train.text_encoder import TextEncoder
+
+
+def build_transformer(cfg: ModelConfig, context_in_dim: int) -> PRXTransformer2DModel:
+    """A fresh (or ``cfg.pretrained``) PRX transformer sized by ``cfg``."""
+    if cfg.pretrained:
+        model = PRXTransformer2DModel.from_pretrained(cfg.pretrained)
+        got = model.config.context_in_dim
+        if got != context_in_dim:
+            raise ValueError(
+                f"model.pretrained expects text features of width {got}, "
+                f"the text encoder gives {context_in_dim}"
+            )
+    else:
+        head_dim = cfg.hidden_size // cfg.num_heads
+        axes = list(cfg.axes_dim) if cfg.axes_dim else [head_dim // 2, head_dim // 2]
+        model = PRXTransformer2DModel(
+            in_channels=cfg.in_channels,
+            patch_size=cfg.patch_size,
+            context_in_dim=cfg.context_in_dim or context_in_dim,
+            hidden_size=cfg.hidden_size,
+            mlp_ratio=cfg.mlp_ratio,
+            num_heads=cfg.num_heads,
+            depth=cfg.depth,
+            axes_dim=axes,
+            theta=cfg.theta,
+        )
+    if cfg.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    return model
+
+
+class PRXFlowModel(ComposerModel):
+    """Composer wrapper: batch -> captions -> text features -> flow-matching loss.
+
+    ``forward`` returns ``(predicted velocity, target velocity)``; ``loss`` is
+    their MSE in float32. Only the transformer is trained and checkpointed.
+    """
+
+    def __init__(
+        self,
+        transformer: PRXTransformer2DModel,
+        text_encoder: TextEncoder,
+        captions: CaptionPolicy,
+        flow: FlowConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.text_encoder = text_encoder  # plain object: not a submodule on purpose
+        self.captions = captions
+        self.flow = flow or FlowConfig()
+        patch = transformer.config.patch_size
+        self._patch = int(patch)
+
+    def encode_text(
+        self, captions: list[str], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.text_encoder.device != device:
+            self.text_encoder.to(device)
+        feats, mask = self.text_encoder.encode(captions)
+        return feats, mask
+
+    def _check_shape(self, x: torch.Tensor) -> None:
+        h, w = x.shape[-2:]
+        if h % self._patch or w % self._patch:
+            raise ValueError(
+                f"image {w}x{h} is not divisible by model.patch_size={self._patch}; "
+                "pick a patch size that divides the bucket shapes of the tier"
+            )
+
+    def flow_outputs(
+        self,
+        batch: Mapping[str, Any],
+        *,
+        generator: torch.Generator | None = None,
+        captions: list[str] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predicted and target velocity for one batch.
+
+        ``generator`` (on the images' device) fixes t and the noise, and the
+        caption choice when ``captions`` is not given: deterministic evaluation.
+        """
+        images = batch["image"]
+        self._check_shape(images)
+        device = images.device
+        x0 = uint8_to_unit(images)
+        if captions is None:
+            cpu_gen = None
+            if generator is not None:
+                cpu_gen = torch.Generator().manual_seed(int(generator.initial_seed()))
+            captions = self.captions.choose(batch, cpu_gen)
+        feats, mask = self.encode_text(captions, device)
+        param_dtype = next(self.transformer.parameters()).dtype
+        feats = feats.to(param_dtype)
+        n = x0.shape[0]
+        t = logit_normal_timesteps(
+            n,
+            mean=self.flow.logit_mean,
+            std=self.flow.logit_std,
+            device=device,
+            generator=generator,
+        )
+        noise = torch.randn(x0.shape, generator=generator, device=device, dtype=x0.dtype)
+        x_t = interpolate(x0, noise, t)
+        pred = self.transformer(
+            hidden_states=x_t,
+            timestep=t,
+            encoder_hidden_states=feats,
+            attention_mask=mask,
+        ).sample
+        return pred, velocity_target(x0, noise)
+
+    def forward(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.flow_outputs(batch)
+
+    def loss(self, outputs: tuple[torch.Tensor, torch.Tensor], batch: Any) -> torch.Tensor:
+        pred, target = outputs
+        return F.mse_loss(pred.float(), target.float())
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Mapping[str, Any], seed: int = 0) -> float:
+        """Loss at fixed t/noise/captions: comparable across training steps."""
+        device = batch["image"].device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        was_training = self.training
+        self.eval()
+        try:
+            return float(self.loss(self.flow_outputs(batch, generator=gen), batch))
+        finally:
+            self.train(was_training)

@@ -1,0 +1,215 @@
+"""Assemble a Composer ``Trainer`` from a :class:`TrainConfig`: the library API behind the CLI.
+
+A notebook can do the same in three lines::
+
+    cfg = load_config("configs/train/smoke_cpu.yaml", ["trainer.max_duration=4ba"])
+    trainer = build_trainer(cfg)
+    trainer.fit()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from composer import Trainer
+from composer.algorithms import EMA
+from composer.callbacks import LRMonitor, SpeedMonitor
+from composer.core import Callback, Time
+from composer.devices import DeviceCPU, DeviceGPU
+from composer.loggers import FileLogger, LoggerDestination
+from composer.optim import (
+    ConstantScheduler,
+    ConstantWithWarmupScheduler,
+    CosineAnnealingScheduler,
+    CosineAnnealingWithWarmupScheduler,
+    DecoupledAdamW,
+    LinearScheduler,
+    LinearWithWarmupScheduler,
+)
+from composer.utils import dist, reproducibility
+from streaming import StreamingDataset
+
+from prx_data.train.callbacks import DataWaitMonitor, ResumeGuard, SampleIdLogger
+from prx_data.train.captions import CaptionPolicy
+from prx_data.train.config import TrainConfig, device_batch_size
+from prx_data.train.data import build_dataspec
+from prx_data.train.model import PRXFlowModel, build_transformer
+from prx_data.train.text_encoder import TextEncoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a run executes, resolved from the ``auto`` settings."""
+
+    device: str  # composer device name: "gpu" or "cpu"
+    precision: str  # composer precision name
+    torch_device: torch.device
+
+
+def resolve_placement(cfg: TrainConfig) -> Placement:
+    """``auto`` picks the GPU with bf16 autocast when CUDA is there, else CPU in fp32."""
+    t = cfg.trainer
+    cuda = torch.cuda.is_available()
+    device = t.device if t.device != "auto" else ("gpu" if cuda else "cpu")
+    if device == "gpu" and not cuda:
+        raise ValueError("trainer.device: 'gpu' requested but CUDA is not available")
+    precision = (
+        t.precision if t.precision != "auto" else ("amp_bf16" if device == "gpu" else "fp32")
+    )
+    if device == "cpu" and precision != "fp32":
+        raise ValueError(f"trainer.precision: {precision!r} needs a GPU; use fp32 on CPU")
+    tdev = torch.device(f"cuda:{dist.get_local_rank()}") if device == "gpu" else torch.device("cpu")
+    return Placement(device, precision, tdev)
+
+
+def build_model(cfg: TrainConfig, device: torch.device | str | None = None) -> PRXFlowModel:
+    """Text encoder (frozen, loaded by name or path) + fresh PRX transformer + flow loss."""
+    te = cfg.text_encoder
+    encoder = TextEncoder.from_pretrained(
+        te.name_or_path,
+        tokenizer=te.tokenizer,
+        max_length=te.max_length,
+        dtype=te.dtype,
+        layer=te.layer,
+        device=device,
+    )
+    transformer = build_transformer(cfg.model, encoder.hidden_size)
+    cols = cfg.data.caption_columns
+    policy = CaptionPolicy(
+        tuple(c.name for c in cols), tuple(float(c.weight) for c in cols), cfg.data.caption_dropout
+    )
+    return PRXFlowModel(transformer, encoder, policy, cfg.flow)
+
+
+def build_optimizer(cfg: TrainConfig, model: PRXFlowModel) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    kwargs = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "decoupled_adamw":
+        return DecoupledAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def build_scheduler(cfg: TrainConfig):
+    s = cfg.scheduler
+    if Time.from_timestring(s.t_warmup).value == 0:
+        # Composer warns about zero-length warm-ups; use the plain schedules instead.
+        if s.name == "cosine_with_warmup":
+            return CosineAnnealingScheduler(alpha_f=s.alpha_f)
+        if s.name == "linear_with_warmup":
+            return LinearScheduler(alpha_f=s.alpha_f)
+        return ConstantScheduler()
+    if s.name == "cosine_with_warmup":
+        return CosineAnnealingWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+    if s.name == "linear_with_warmup":
+        return LinearWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+    return ConstantWithWarmupScheduler(t_warmup=s.t_warmup)
+
+
+def build_loggers(cfg: TrainConfig) -> list[LoggerDestination]:
+    lg = cfg.logging
+    loggers: list[LoggerDestination] = []
+    if lg.file:
+        loggers.append(FileLogger(filename=lg.file, capture_stdout=False, capture_stderr=False))
+    if lg.wandb_project:
+        from composer.loggers import WandBLogger
+
+        loggers.append(WandBLogger(project=lg.wandb_project))
+    if lg.tensorboard_dir:
+        from composer.loggers import TensorboardLogger
+
+        loggers.append(TensorboardLogger(log_dir=lg.tensorboard_dir))
+    return loggers
+
+
+def build_callbacks(cfg: TrainConfig) -> list[Callback]:
+    lg = cfg.logging
+    callbacks: list[Callback] = [
+        SpeedMonitor(window_size=lg.window_size),
+        DataWaitMonitor(window_size=lg.window_size),
+        LRMonitor(),
+        ResumeGuard(cfg.data.global_batch_size, cfg.data.num_workers),
+    ]
+    if lg.sample_ids_dir:
+        callbacks.append(SampleIdLogger(lg.sample_ids_dir))
+    return callbacks
+
+
+def build_trainer(
+    cfg: TrainConfig,
+    *,
+    dataset: StreamingDataset | None = None,
+    model: PRXFlowModel | None = None,
+    callbacks: Sequence[Callback] = (),
+) -> Trainer:
+    """A ready-to-``fit()`` Composer Trainer for this rank.
+
+    ``dataset`` overrides the configured stream (it must already use this
+    rank's device batch size); ``model`` overrides :func:`build_model`.
+    """
+    place = resolve_placement(cfg)
+    composer_device = DeviceGPU() if place.device == "gpu" else DeviceCPU()
+    dist.initialize_dist(composer_device, timeout=cfg.trainer.dist_timeout)
+    world = dist.get_world_size()
+    batch = device_batch_size(cfg.data, world)
+    # Same weights on every rank before DDP broadcasts them; the Trainer reseeds per rank.
+    reproducibility.seed_all(cfg.trainer.seed)
+    if model is None:
+        model = build_model(cfg, place.torch_device)
+    dataspec = build_dataspec(cfg.data, world, cfg.model.patch_size, dataset=dataset)
+    t = cfg.trainer
+    algorithms = []
+    if t.ema.enabled:
+        algorithms.append(
+            EMA(
+                half_life=t.ema.half_life,
+                update_interval=t.ema.update_interval,
+                ema_start=t.ema.ema_start,
+            )
+        )
+    microbatch = t.device_train_microbatch_size or batch
+    log.info(
+        "world size %d, device batch %d, global batch %d, %s/%s",
+        world,
+        batch,
+        cfg.data.global_batch_size,
+        place.device,
+        place.precision,
+    )
+    return Trainer(
+        model=model,
+        train_dataloader=dataspec,
+        max_duration=t.max_duration,
+        optimizers=build_optimizer(cfg, model),
+        schedulers=build_scheduler(cfg),
+        algorithms=algorithms,
+        callbacks=[*build_callbacks(cfg), *callbacks],
+        loggers=build_loggers(cfg),
+        run_name=t.run_name,
+        save_folder=t.save_folder,
+        save_interval=t.save_interval,
+        save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep,
+        autoresume=t.autoresume,
+        load_path=t.load_path,
+        load_weights_only=t.load_weights_only,
+        device=composer_device,
+        precision=place.precision,
+        device_train_microbatch_size=microbatch,
+        seed=t.seed,
+        dist_timeout=t.dist_timeout,
+        progress_bar=cfg.logging.progress_bar,
+        log_to_console=cfg.logging.log_to_console,
+        console_log_interval=cfg.logging.console_log_interval,
+    )
+
+
+def train(cfg: TrainConfig, **kwargs) -> Trainer:
+    """Build and fit; returns the trainer (for its state and logged metrics)."""
+    trainer = build_trainer(cfg, **kwargs)
+    trainer.fit()
+    return trainer
