@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
+from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist  # noqa: E402
 from prx_data.stream.dataset import (
     BucketedDataset,
@@ -43,7 +44,7 @@ BUCKET = "512/1.000"
 def skip_fraction(root: str, name: str, fraction: float, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     skips = {}
-    for s in skiplist.read_index(root, BUCKET):
+    for s in layout.read_index(root, BUCKET):
         k = int(round(s.samples * fraction))
         skips[(BUCKET, s.basename)] = np.sort(rng.choice(s.samples, k, replace=False))
     return skiplist.add_skips(root, name, skips).samples_listed
@@ -194,9 +195,7 @@ def bench_sidecars(work: str, shards: int) -> dict:
     root = os.path.join(work, "sidecars")
     bdir = os.path.join(root, BUCKET)
     os.makedirs(bdir)
-    infos = [
-        skiplist.ShardInfo(f"f0-{i}/shard.00000.mds", 1 << 26, 1000, {}) for i in range(shards)
-    ]
+    infos = [layout.ShardInfo(f"f0-{i}/shard.00000.mds", 1 << 26, 1000, {}) for i in range(shards)]
     with open(os.path.join(bdir, "index.json"), "w") as f:
         json.dump(
             {
@@ -219,7 +218,7 @@ def bench_sidecars(work: str, shards: int) -> dict:
             f.write(skiplist.SkipList("dedup", s, idx).to_bytes())
     os.system("sync")
     t = time.perf_counter()
-    shards_read = skiplist.read_index(root, BUCKET)
+    shards_read = layout.read_index(root, BUCKET)
     loaded = skiplist.load_skips(root, BUCKET, shards_read)
     dt = time.perf_counter() - t
     return {

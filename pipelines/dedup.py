@@ -250,7 +250,7 @@ def run_dedup(cfg: DedupConfig) -> DedupReport:
     # Where each row lives: the export's manifests, or the bucket it would get.
     skip_info = None
     if cfg.export is not None:
-        from prx_data.skips.sidecar import read_manifests
+        from prx_data.export.layout import read_manifests
 
         man = read_manifests(cfg.export)
         row_of = pc.index_in(man["id"], value_set=ids).fill_null(-1).to_numpy(zero_copy_only=False)

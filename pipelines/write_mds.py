@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from prx_data.core.runtime import ensure_ray
 from prx_data.core.storage import storage_env
+from prx_data.export.layout import remove_stale_parts
 from prx_data.export.unit import (
     ExportConfig,
     ExportReport,
@@ -25,7 +26,6 @@ from prx_data.export.unit import (
     finalize,
     plan_units,
     prepare_output,
-    remove_stale_parts,
 )
 
 

@@ -14,4 +14,5 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
 fi
 ruff check .
 ruff format --check .
+python scripts/check_layers.py
 python -m pytest "$@"

@@ -1,9 +1,11 @@
 """Test-only fabrication of small export trees in the layout of ``python -m prx_data.write_mds``.
 
-This is not the exporter: it writes solid-colour JPEGs of the exact bucket
-shape with ``streaming.MDSWriter`` and merges each bucket's part indexes with
-``streaming.base.util.merge_index``, so the streaming tests can run without
-a Lance table or the export pipeline. Layout (see docs/ARCHITECTURE.md):
+This is a test double for the exporter's *pixels only*: it writes solid-colour
+JPEGs of the exact bucket shape with ``streaming.MDSWriter`` instead of
+decoding a Lance table, so the streaming tests run in milliseconds. Everything
+that defines the tree (part names, ``ids.parquet`` manifests, the merged
+bucket index) comes from :mod:`prx_data.export.layout`, the module the real
+exporter and the rewrite use. Layout (see docs/ARCHITECTURE.md):
 
     <root>/<tier>/<ar>/index.json
     <root>/<tier>/<ar>/<part>/index.json, shard.NNNNN.mds, ids.parquet
@@ -18,14 +20,12 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from PIL import Image
 from streaming import MDSWriter
-from streaming.base.util import merge_index
 
 from prx_data.core.buckets import parse_bucket_name
-from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS
+from prx_data.core.schema import MDS_COLUMNS
+from prx_data.export import layout
 
 
 @dataclass
@@ -79,8 +79,10 @@ def make_export(
         if samples_per_shard:
             size_limit = samples_per_shard * (len(proto) + 400) + 64
         ids: list[str] = []
+        parts: list[str] = []
         for start in range(0, n, samples_per_part):
-            part = f"f0-{start}"
+            part = layout.part_name(0, start)
+            parts.append(part)
             pdir = os.path.join(bdir, part)
             shard_rows: list[tuple[str, int, str]] = []
             kw = {"size_limit": size_limit} if size_limit else {}
@@ -117,17 +119,8 @@ def make_export(
                     shard_rows.append((base, j, sid))
                     out.where[sid] = (bucket_name, base, j)
                     k += 1
-            pq.write_table(
-                pa.table(
-                    {
-                        "shard": pa.array([r[0] for r in shard_rows], pa.string()),
-                        "index": pa.array([r[1] for r in shard_rows], pa.int32()),
-                        "id": pa.array([r[2] for r in shard_rows], pa.string()),
-                    }
-                ),
-                os.path.join(pdir, MANIFEST_NAME),
-            )
-        merge_index(bdir, keep_local=True)
+            layout.write_manifest(bdir, part, [r[2] for r in shard_rows])
+        layout.merge_bucket(bdir, parts)
         out.ids[bucket_name] = ids
     return out
 

@@ -11,7 +11,8 @@ import lance
 import pyarrow as pa
 import pytest
 
-from prx_data.skips.sidecar import list_sidecars, load_skips, read_index
+from prx_data.export.layout import read_index
+from prx_data.skips.sidecar import list_sidecars, load_skips
 from tests.exportkit import make_export
 
 CAPTIONS = {

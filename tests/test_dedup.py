@@ -15,6 +15,7 @@ from pipelines import dedup as PD
 from prx_data.cli import dedup as DC
 from prx_data.core import clusters as C
 from prx_data.core.phash import hamming
+from prx_data.export import layout
 from prx_data.skips import dedup as D
 from prx_data.skips import sidecar as SL
 from tests.dedup_images import jpeg, make_image
@@ -196,7 +197,7 @@ def test_export_gets_dedup_skip_list(dup_table, tmp_path):
     uri, expected = dup_table
     out = str(tmp_path / "export")
     export_in_process(uri, out)
-    man = SL.read_manifests(out)
+    man = layout.read_manifests(out)
     where = {
         i: (b, s, x)
         for b, s, x, i in zip(
@@ -212,8 +213,8 @@ def test_export_gets_dedup_skip_list(dup_table, tmp_path):
     r = PD.run_dedup(cfg)
     assert r.grouped_by == "export"
     skipped = set()
-    for bucket in SL.list_buckets(out):
-        shards = SL.read_index(out, bucket)
+    for bucket in layout.list_buckets(out):
+        shards = layout.read_index(out, bucket)
         for base, idx in SL.load_skips(out, bucket, shards, ["dedup"]).items():
             skipped |= {
                 i

@@ -19,7 +19,8 @@ from streaming import LocalDataset, StreamingDataset
 from pipelines.write_mds import run_export
 from prx_data.core.buckets import parse_bucket_name
 from prx_data.core.sample_data import make_sample_collection
-from prx_data.export.unit import ExportConfig, ExportError, content_digest, is_complete
+from prx_data.export.layout import content_digest, is_complete
+from prx_data.export.unit import ExportConfig, ExportError
 from tests import badinputs
 from tests.tablekit import folder_items, make_table
 

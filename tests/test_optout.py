@@ -8,6 +8,7 @@ import os
 import pytest
 
 from prx_data.cli import optout as OC
+from prx_data.export import layout
 from prx_data.skips import optout as O
 from prx_data.skips import sidecar as SL
 from tests.exportkit import make_export
@@ -26,8 +27,8 @@ def export(tmp_path):
 
 def skipped_ids(exp, name: str) -> set[str]:
     out = set()
-    for bucket in SL.list_buckets(exp.root):
-        lists = SL.load_skips(exp.root, bucket, SL.read_index(exp.root, bucket), [name])
+    for bucket in layout.list_buckets(exp.root):
+        lists = SL.load_skips(exp.root, bucket, layout.read_index(exp.root, bucket), [name])
         for sid, (b, shard, idx) in exp.where.items():
             if b == bucket and shard in lists and idx in set(lists[shard].tolist()):
                 out.add(sid)

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompt-file",
         default=None,
-        help="text file with the instruction (default: the packaged prx_data/prompts/caption.txt, "
+        help="text file with the instruction (default: the packaged prx_data/columns/prompts_txt/caption.txt, "
         "one dense, visually grounded paragraph of ~100-200 words)",
     )
     p.add_argument(

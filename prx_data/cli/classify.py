@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Label each row of a Lance table from its caption alone: a text-only language model "
             "answers 'would you look at this image, or read it?' with visual, text or nsfw. "
             "Answers that name no single label become 'unknown' and are counted. A rule-based "
-            "pre-filter (keywords/regex in prx_data/prompts/classify_rules.txt) labels clear "
+            "pre-filter (keywords/regex in prx_data/columns/prompts_txt/classify_rules.txt) labels clear "
             "cases first, or alone with --rules-only. Only rows with a caption and no label are "
             "processed, so reruns resume. Turn labels into skip lists with "
             "`python -m prx_data.skips` and a query such as \"label IN ('text','nsfw')\"."
@@ -45,13 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-file",
         default=None,
         help="prompt template with a {caption} placeholder "
-        "(default: the packaged prx_data/prompts/classify.txt)",
+        "(default: the packaged prx_data/columns/prompts_txt/classify.txt)",
     )
     p.add_argument(
         "--rules-file",
         default=None,
         help="rules file, one '<label>: <regex>' per line "
-        "(default: the packaged prx_data/prompts/classify_rules.txt)",
+        "(default: the packaged prx_data/columns/prompts_txt/classify_rules.txt)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prx_data.skips.sidecar import lance_storage_options
+    from prx_data.table.lance_ops import lance_storage_options
 
     args = build_parser().parse_args(argv)
     cfg = DedupConfig(

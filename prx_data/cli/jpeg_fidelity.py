@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=2)
         return 0
-    from prx_data.skips.sidecar import lance_storage_options
+    from prx_data.table.lance_ops import lance_storage_options
 
     cfg = FidelityConfig(
         folder=args.folder,

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prx_data.skips.sidecar import lance_storage_options, query_ids
+    from prx_data.table.lance_ops import lance_storage_options, query_ids
 
     p = build_parser()
     args = p.parse_args(argv)

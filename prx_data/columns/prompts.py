@@ -1,6 +1,6 @@
 """Prompts as editable text files.
 
-The defaults ship in ``prx_data/prompts/*.txt`` so they can be read,
+The defaults ship in ``prx_data/columns/prompts_txt/*.txt`` so they can be read,
 diffed and changed without touching code; ``--prompt-file`` swaps in your
 own file.
 """

@@ -1,9 +1,11 @@
 """The export stage: a Lance table -> ``<out>/<tier>/<ar>/`` Mosaic Data Shards and a report.
 
-:mod:`prx_data.export.unit` turns one work unit (a row range of a fragment)
+:mod:`prx_data.export.layout` owns the tree (part names, manifests, progress
+markers, the merged index); :mod:`prx_data.export.unit` turns one work unit (a row range of a fragment)
 into MDS parts; the Ray job graph is :mod:`pipelines.write_mds`.
 """
 
+from prx_data.export.layout import is_complete
 from prx_data.export.unit import (
     ExportConfig,
     ExportError,
@@ -12,7 +14,6 @@ from prx_data.export.unit import (
     WorkUnit,
     export_unit,
     finalize,
-    is_complete,
     plan_units,
     prepare_output,
 )

@@ -15,31 +15,29 @@ The Ray Data graph that schedules the units lives in ``pipelines.write_mds``.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
-import os
-import posixpath
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from prx_data.core import storage
 from prx_data.core.buckets import DEFAULT_TIERS, BucketSpec, assign_bucket
 from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, ImageError, prepare_with
-from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
-
-PROGRESS_DIR = "_progress"
-CONFIG_NAME = "_progress/config"
-#: Top-level entries an export may contain; anything else makes --overwrite refuse.
-_EXPORT_ENTRIES_EXTRA = {PROGRESS_DIR, REPORT_NAME, "report.txt"}
-
-
-class ExportError(Exception):
-    """A problem with the export's configuration or output location."""
+from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME
+from prx_data.export.layout import (
+    CONFIG_NAME,
+    PROGRESS_DIR,
+    ExportError,
+    list_markers,
+    list_top,
+    looks_like_export,
+    marker_path,
+    merge_bucket,
+    part_name,
+    write_manifest,
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,7 @@ class WorkUnit:
 
     @property
     def part(self) -> str:
-        return f"f{self.fragment_id:06d}-{self.start:09d}"
+        return part_name(self.fragment_id, self.start)
 
 
 @dataclass
@@ -194,17 +192,6 @@ def plan_units(cfg: ExportConfig) -> list[WorkUnit]:
 # --- output location -----------------------------------------------------------
 
 
-def _list_top(out: str) -> list[str]:
-    if storage.is_remote(out):
-        return sorted({p.split("/")[0] for p in storage.list_files(out)})
-    return sorted(os.listdir(out)) if os.path.isdir(out) else []
-
-
-def _looks_like_export(entries: list[str], tiers: tuple[int, ...]) -> bool:
-    allowed = _EXPORT_ENTRIES_EXTRA | {str(t) for t in tiers}
-    return all(e in allowed or e.isdigit() for e in entries)
-
-
 def prepare_output(
     cfg: ExportConfig, *, overwrite: bool = False, resume: bool = False
 ) -> ExportConfig:
@@ -216,7 +203,7 @@ def prepare_output(
     """
     if overwrite and resume:
         raise ExportError("--overwrite and --resume are mutually exclusive")
-    entries = _list_top(cfg.out)
+    entries = list_top(cfg.out)
     config_path = storage.join(cfg.out, CONFIG_NAME)
     if entries and resume:
         if not storage.exists(config_path):
@@ -249,10 +236,10 @@ def prepare_output(
             else:
                 hint = "choose an empty directory"
             raise ExportError(f"output {cfg.out} is not empty: {hint}")
-        if not _looks_like_export(entries, cfg.tiers):
+        if not looks_like_export(entries, cfg.tiers):
             raise ExportError(
                 f"refusing to --overwrite {cfg.out}: it contains entries that are not part of an export "
-                f"({[e for e in entries if not _looks_like_export([e], cfg.tiers)][:5]})"
+                f"({[e for e in entries if not looks_like_export([e], cfg.tiers)][:5]})"
             )
         for e in entries:
             storage.delete(storage.join(cfg.out, e))
@@ -273,43 +260,12 @@ def _normalise(cfg: ExportConfig) -> ExportConfig:
 
 
 def done_parts(out: str) -> dict[str, UnitResult]:
-    root = storage.join(out, PROGRESS_DIR)
+    """Results of the work units that finished (their markers), by part name."""
     results = {}
-    for rel in storage.list_files(root, suffix=".done", recursive=False):
-        r = UnitResult.from_json(storage.read_bytes(storage.join(root, rel)).decode())
+    for path in list_markers(out):
+        r = UnitResult.from_json(storage.read_bytes(path).decode())
         results[r.part] = r
     return results
-
-
-def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
-    """Delete part directories left by units that did not finish."""
-    removed = 0
-    if storage.is_remote(out):
-        stale = set()
-        for rel in storage.list_files(out):
-            bits = rel.split("/")
-            if len(bits) >= 4 and bits[0].isdigit() and bits[2] not in keep:
-                stale.add("/".join(bits[:3]))
-        for p in sorted(stale):
-            storage.delete(storage.join(out, p))
-            removed += 1
-        return removed
-    for tier in os.listdir(out):
-        tdir = os.path.join(out, tier)
-        if not (tier.isdigit() and os.path.isdir(tdir)):
-            continue
-        for ar in os.listdir(tdir):
-            bdir = os.path.join(tdir, ar)
-            if not os.path.isdir(bdir):
-                continue
-            for part in os.listdir(bdir):
-                if os.path.isdir(os.path.join(bdir, part)) and part not in keep:
-                    storage.delete(os.path.join(bdir, part))
-                    removed += 1
-            index = os.path.join(bdir, "index.json")
-            if os.path.exists(index):  # a merge from an earlier attempt; redone at the end
-                os.remove(index)
-    return removed
 
 
 # --- one work unit -------------------------------------------------------------
@@ -436,57 +392,16 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
         for writer in writers.values():
             writer.finish()
     for name, id_list in ids.items():
-        _write_manifest(storage.join(cfg.out, name), unit.part, id_list)
+        write_manifest(storage.join(cfg.out, name), unit.part, id_list)
         result.buckets[name] = len(id_list)
     result.dropped = dict(dropped)
     result.notes = dict(notes)
     result.seconds = time.perf_counter() - t0
-    storage.write_bytes_atomic(
-        storage.join(cfg.out, PROGRESS_DIR, f"{unit.part}.done"), result.to_json().encode()
-    )
+    storage.write_bytes_atomic(marker_path(cfg.out, unit.part), result.to_json().encode())
     return result
 
 
-def _write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> None:
-    """ids.parquet: (shard basename as in the merged index, index in shard, id)."""
-    index = json.loads(storage.read_bytes(storage.join(bucket_dir, part, "index.json")))
-    shard_col, idx_col = [], []
-    for shard in index["shards"]:
-        base = posixpath.join(part, shard["raw_data"]["basename"])
-        shard_col += [base] * shard["samples"]
-        idx_col += list(range(shard["samples"]))
-    if len(shard_col) != len(id_list):
-        raise ExportError(
-            f"{bucket_dir}/{part}: index has {len(shard_col)} samples, wrote {len(id_list)}"
-        )
-    table = pa.table(
-        {
-            "shard": pa.array(shard_col, pa.string()),
-            "index": pa.array(idx_col, pa.int32()),
-            "id": pa.array(id_list, pa.string()),
-        }
-    )
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    storage.write_bytes_atomic(storage.join(bucket_dir, part, MANIFEST_NAME), buf.getvalue())
-
-
 # --- merge and report ---------------------------------------------------------
-
-
-def merge_bucket(bucket_dir: str, parts: list[str]) -> int:
-    """Write the bucket's index.json from its parts' indexes, atomically."""
-    shards = []
-    for part in sorted(parts):
-        index = json.loads(storage.read_bytes(storage.join(bucket_dir, part, "index.json")))
-        for shard in index["shards"]:
-            for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
-                if shard.get(key):
-                    shard[key]["basename"] = posixpath.join(part, shard[key]["basename"])
-            shards.append(shard)
-    body = json.dumps({"version": 2, "shards": shards}, sort_keys=True)
-    storage.write_bytes_atomic(storage.join(bucket_dir, "index.json"), body.encode())
-    return sum(s["samples"] for s in shards)
 
 
 def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) -> ExportReport:
@@ -530,22 +445,3 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
         storage.join(cfg.out, REPORT_NAME), json.dumps(report.to_dict(), indent=2).encode()
     )
     return report
-
-
-def is_complete(out: str) -> bool:
-    return storage.exists(storage.join(out, REPORT_NAME))
-
-
-def content_digest(out: str) -> str:
-    """Digest of every shard, index and manifest (not reports/progress): equal for identical exports."""
-    h = hashlib.sha256()
-    for rel in storage.list_files(out):
-        if (
-            rel.startswith(PROGRESS_DIR)
-            or rel in (REPORT_NAME, "report.txt")
-            or rel.endswith(".skip")
-        ):
-            continue
-        h.update(rel.encode())
-        h.update(hashlib.sha256(storage.read_bytes(storage.join(out, rel))).digest())
-    return h.hexdigest()

@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.clusters import MAX_RADIUS, Clusters  # noqa: F401 (re-exported)
+from prx_data.export import layout
 
 DUP_OF = "dup_of"
 DEFAULT_SKIP_NAME = "dedup"
@@ -231,8 +232,8 @@ def replace_skip_list(export_root: str, name: str, skip_rows: pa.Table) -> dict:
         skips.setdefault((b, s), []).append(int(i))
     res = SL.add_skips(export_root, name, skips, replace=True)
     stale = 0
-    for bucket in SL.list_buckets(export_root):
-        shards = SL.read_index(export_root, bucket)
+    for bucket in layout.list_buckets(export_root):
+        shards = layout.read_index(export_root, bucket)
         for shard in SL.list_sidecars(export_root, bucket, shards).get(name, []):
             if (bucket, shard) not in skips:
                 path = storage.join(

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from prx_data.core import storage
-from prx_data.core.schema import MANIFEST_NAME
+from prx_data.core.streaming_compat import decompress, reader_from_json
+from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
+from prx_data.skips.reader import SkipMDSReader
 
 DEFAULT_THRESHOLD = 0.10
 
@@ -83,8 +85,6 @@ def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     local_raw = storage.join(root, *bucket.split("/"), *raw.split("/"))
     if entry.get("zip_data"):
-        from streaming.base.compression import decompress
-
         zbase = entry["zip_data"]["basename"]
         data = decompress(
             entry["compression"],
@@ -99,10 +99,8 @@ def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
 
 def _readers(root: str, bucket: str, tmp: str):
     """(entry, MDS reader) for every shard of a bucket, in index order."""
-    from streaming.base.format import reader_from_json
-
     index = json.loads(
-        storage.read_bytes(storage.join(root, *bucket.split("/"), skiplist.INDEX_NAME))
+        storage.read_bytes(storage.join(root, *bucket.split("/"), layout.INDEX_NAME))
     )
     for entry in index["shards"]:
         yield entry, reader_from_json(_materialize(root, bucket, entry, tmp), None, entry)
@@ -125,20 +123,15 @@ def rewrite_export(
     ``force``. With ``verify``, every sample of the new export is compared to
     the filtered view of the old one.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from streaming import MDSWriter
-    from streaming.base.util import merge_index
 
-    from prx_data.stream.dataset import SkipMDSReader
-
-    if storage.exists(storage.join(out, *skiplist.list_buckets(root)[:1], skiplist.INDEX_NAME)):
+    if storage.exists(storage.join(out, *layout.list_buckets(root)[:1], layout.INDEX_NAME)):
         raise FileExistsError(f"{out} already holds an export; choose an empty destination")
-    buckets = skiplist.list_buckets(root)
+    buckets = layout.list_buckets(root)
     total = skipped = 0
     plan = []
     for bucket in buckets:
-        shards = skiplist.read_index(root, bucket)
+        shards = layout.read_index(root, bucket)
         skips = skiplist.load_skips(root, bucket, shards, names)
         total += sum(s.samples for s in shards)
         skipped += sum(len(v) for v in skips.values())
@@ -160,11 +153,16 @@ def rewrite_export(
             parts: dict[str, list] = {}
             for entry, reader in _readers(root, bucket, os.path.join(work, "in")):
                 part = posixpath.dirname(entry["raw_data"]["basename"])
+                if not part:
+                    raise ValueError(
+                        f"{root}/{bucket}: shard {entry['raw_data']['basename']!r} is not inside a "
+                        "part directory; not an export written by prx_data.write_mds"
+                    )
                 parts.setdefault(part, []).append((entry, reader))
             for part, items in parts.items():
                 first = items[0][0]
                 columns = dict(zip(first["column_names"], first["column_encodings"], strict=True))
-                pdir = os.path.join(bucket_out, *part.split("/")) if part else bucket_out
+                pdir = os.path.join(bucket_out, *part.split("/"))
                 ids: list[str] = []
                 with MDSWriter(
                     out=pdir,
@@ -183,29 +181,8 @@ def rewrite_export(
                             ids.append(sample.get("id", ""))
                             written += 1
                             bar.update()
-                with open(os.path.join(pdir, "index.json")) as f:
-                    new_shards = json.load(f)["shards"]
-                col_shard, col_idx = [], []
-                for sh in new_shards:
-                    base = (
-                        posixpath.join(part, sh["raw_data"]["basename"])
-                        if part
-                        else sh["raw_data"]["basename"]
-                    )
-                    col_shard += [base] * sh["samples"]
-                    col_idx += list(range(sh["samples"]))
-                pq.write_table(
-                    pa.table(
-                        {
-                            "shard": pa.array(col_shard, pa.string()),
-                            "index": pa.array(col_idx, pa.int32()),
-                            "id": pa.array(ids, pa.string()),
-                        }
-                    ),
-                    os.path.join(pdir, MANIFEST_NAME),
-                )
-            if "" not in parts:
-                merge_index(bucket_out, keep_local=True)
+                layout.write_manifest(bucket_out, part, ids)
+            layout.merge_bucket(bucket_out, sorted(parts))
         bar.close()
         if verify:
             _verify(root, stage, plan, os.path.join(work, "in"), SkipMDSReader)

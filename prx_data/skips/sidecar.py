@@ -25,28 +25,29 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import re
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from prx_data.core import storage
-from prx_data.core.schema import MANIFEST_NAME
+from prx_data.export.layout import (
+    ShardInfo,
+    list_buckets,
+    list_suffix,
+    map_io,
+    read_index,
+    read_manifests,
+    rel_join,
+)
+from prx_data.table.lance_ops import query_ids
 
 MAGIC = b"PRXSKIP1"
 SUFFIX = ".skip"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-INDEX_NAME = "index.json"
-#: Tier directories are integers; bucket directories are aspect labels like ``1.000``.
-_TIER_RE = re.compile(r"^\d+$")
-_AR_RE = re.compile(r"^\d+\.\d{3}$")
-#: Parallel small-file requests against object storage.
-IO_THREADS = 16
 
 
 class SkipListError(ValueError):
@@ -61,23 +62,6 @@ def validate_name(name: str) -> str:
             "starting with a letter or digit (e.g. 'dedup', 'optout-2026-11')"
         )
     return name
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """What the merged index says about one shard (what a sidecar is bound to)."""
-
-    basename: str
-    bytes: int
-    samples: int
-    hashes: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
-
-    @classmethod
-    def from_index_entry(cls, entry: Mapping) -> ShardInfo:
-        raw = entry["raw_data"]
-        return cls(
-            raw["basename"], int(raw["bytes"]), int(entry["samples"]), dict(raw.get("hashes") or {})
-        )
 
 
 @dataclass
@@ -166,68 +150,14 @@ def sidecar_basename(shard_basename: str, name: str) -> str:
     return f"{shard_basename}.{validate_name(name)}{SUFFIX}"
 
 
-def _rel_join(root: str, rel: str) -> str:
-    return storage.join(root, *rel.split("/"))
-
-
 # --- export tree ---------------------------------------------------------------------------
-
-
-def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
-    """Bucket names (``"512/1.000"``) under an export root that have a merged index.
-
-    Lists two directory levels (tiers, then ratios) rather than the whole tree,
-    so it stays cheap on object storage with many shards.
-    """
-    import pyarrow.fs as pafs
-
-    fs, base = storage.filesystem(root)
-    want = None if tiers is None else {int(t) for t in tiers}
-    out = []
-    for tinfo in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
-        tier = posixpath.basename(tinfo.path.rstrip("/"))
-        if tinfo.type != pafs.FileType.Directory or not _TIER_RE.match(tier):
-            continue
-        if want is not None and int(tier) not in want:
-            continue
-        for ainfo in fs.get_file_info(pafs.FileSelector(tinfo.path, allow_not_found=True)):
-            ar = posixpath.basename(ainfo.path.rstrip("/"))
-            if ainfo.type == pafs.FileType.Directory and _AR_RE.match(ar):
-                bucket = f"{tier}/{ar}"
-                if storage.exists(_rel_join(root, f"{bucket}/{INDEX_NAME}")):
-                    out.append(bucket)
-    return sorted(out, key=lambda b: (int(b.split("/")[0]), b))
-
-
-def read_index(root: str, bucket: str) -> list[ShardInfo]:
-    """The shards of one bucket, in merged-index order."""
-    path = _rel_join(root, f"{bucket}/{INDEX_NAME}")
-    try:
-        obj = json.loads(storage.read_bytes(path))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no merged index; is {root!r} an export root?") from None
-    return [ShardInfo.from_index_entry(e) for e in obj["shards"]]
-
-
-def _list_suffix(base: str, suffix: str) -> list[str]:
-    """Relative ``/``-separated paths of files ending in ``suffix`` under ``base``."""
-    if storage.is_remote(base):
-        return [r.replace("\\", "/") for r in storage.list_files(base, suffix)]
-    out = []
-    cut = len(base.rstrip(os.sep)) + 1
-    for dirpath, _dirs, files in os.walk(base):
-        rel_dir = dirpath[cut:].replace(os.sep, "/")
-        for f in files:
-            if f.endswith(suffix):
-                out.append(f"{rel_dir}/{f}" if rel_dir else f)
-    return sorted(out)
 
 
 def list_sidecars(root: str, bucket: str, shards: Sequence[ShardInfo]) -> dict[str, list[str]]:
     """{list name: [shard basenames that have a sidecar]} for one bucket (one listing)."""
     known = {s.basename for s in shards}
     out: dict[str, list[str]] = {}
-    for rel in _list_suffix(_rel_join(root, bucket), SUFFIX):
+    for rel in list_suffix(rel_join(root, bucket), SUFFIX):
         stem = rel[: -len(SUFFIX)]
         # The shard basename is the longest known prefix ending in ".mds".
         pos = stem.find(".mds.")
@@ -241,7 +171,7 @@ def list_sidecars(root: str, bucket: str, shards: Sequence[ShardInfo]) -> dict[s
 
 
 def read_sidecar(root: str, bucket: str, shard: ShardInfo, name: str) -> SkipList:
-    path = _rel_join(root, f"{bucket}/{sidecar_basename(shard.basename, name)}")
+    path = rel_join(root, f"{bucket}/{sidecar_basename(shard.basename, name)}")
     return SkipList.from_bytes(_read(path), path, expected=shard)
 
 
@@ -251,13 +181,6 @@ def _read(path: str) -> bytes:
         return storage.read_bytes(path)
     with open(path, "rb") as f:
         return f.read()
-
-
-def map_io(fn, items: Sequence, remote: bool) -> list:
-    if remote and len(items) > 1:
-        with ThreadPoolExecutor(IO_THREADS) as ex:
-            return list(ex.map(fn, items))
-    return [fn(x) for x in items]
 
 
 def load_skips(
@@ -276,7 +199,7 @@ def load_skips(
     chosen = list(found) if names is None else [validate_name(n) for n in names]
     by_base = {s.basename: s for s in shards}
     remote = storage.is_remote(root)
-    bucket_dir = _rel_join(root, bucket)
+    bucket_dir = rel_join(root, bucket)
     sep = "/" if remote else os.sep
 
     def read(job: tuple[str, ShardInfo]) -> SkipList:
@@ -352,7 +275,7 @@ def add_skips(
 
     def write(job) -> int:
         bucket, info, idx, has_old = job
-        path = _rel_join(export_root, f"{bucket}/{sidecar_basename(info.basename, name)}")
+        path = rel_join(export_root, f"{bucket}/{sidecar_basename(info.basename, name)}")
         if has_old and not replace:
             old = read_sidecar(export_root, bucket, info, name).indices.astype(np.int64)
             idx = np.union1d(old, idx)
@@ -367,29 +290,6 @@ def add_skips(
         result.shards_written += bool(n)
         result.samples_listed += n
     return result
-
-
-def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
-    """All ``ids.parquet`` rows of the chosen buckets as one Arrow table (+ ``bucket``)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    tables = []
-    for bucket in buckets if buckets is not None else list_buckets(export_root):
-        rels = [r for r in storage.list_files(_rel_join(export_root, bucket), MANIFEST_NAME)]
-        fs, _ = storage.filesystem(export_root)
-
-        def read(rel, bucket=bucket, fs=fs):
-            _, p = storage.filesystem(
-                _rel_join(export_root, f"{bucket}/{rel.replace(chr(92), '/')}")
-            )
-            t = pq.read_table(p, filesystem=fs, columns=["shard", "index", "id"])
-            return t.append_column("bucket", pa.array([bucket] * len(t), pa.string()))
-
-        tables += map_io(read, rels, storage.is_remote(export_root))
-    if not tables:
-        return pa.table({"shard": [], "index": pa.array([], pa.int32()), "id": [], "bucket": []})
-    return pa.concat_tables(tables)
 
 
 def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResult:
@@ -408,30 +308,6 @@ def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResu
     result = add_skips(export_root, name, skips)
     result.ids_not_found = len(wanted) - len(set(hit["id"].to_pylist()))
     return result
-
-
-def lance_storage_options(uri: str) -> dict[str, str] | None:
-    """Storage options for a Lance URI on an S3-compatible endpoint (``S3_ENDPOINT_URL``)."""
-    if not uri.startswith("s3://"):
-        return None
-    opts: dict[str, str] = {}
-    endpoint = os.environ.get("S3_ENDPOINT_URL")
-    if endpoint:
-        opts["aws_endpoint"] = endpoint
-        if endpoint.startswith("http://"):
-            opts["allow_http"] = "true"
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        opts["aws_region"] = region
-    return opts or None
-
-
-def query_ids(table_uri: str, where: str) -> list[str]:
-    """Row ids of a Lance table matching a SQL filter (only the ``id`` column is read)."""
-    import lance
-
-    ds = lance.dataset(table_uri, storage_options=lance_storage_options(table_uri))
-    return ds.to_table(columns=["id"], filter=where)["id"].to_pylist()
 
 
 def add_skips_by_query(export_root: str, name: str, table_uri: str, where: str) -> AddResult:
@@ -503,6 +379,6 @@ def remove_skip_list(export_root: str, name: str, tiers: Iterable[int] | None = 
         for shard in list_sidecars(export_root, bucket, read_index(export_root, bucket)).get(
             name, []
         ):
-            paths.append(_rel_join(export_root, f"{bucket}/{sidecar_basename(shard, name)}"))
+            paths.append(rel_join(export_root, f"{bucket}/{sidecar_basename(shard, name)}"))
     map_io(storage.delete, paths, storage.is_remote(export_root))
     return len(paths)

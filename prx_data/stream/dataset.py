@@ -36,9 +36,6 @@ import numpy as np
 import torch
 from PIL import Image
 from streaming import Stream, StreamingDataset
-from streaming.base.distributed import maybe_init_dist
-from streaming.base.format.mds.reader import MDSReader
-from streaming.base.world import World
 
 from prx_data.core import storage
 from prx_data.core.buckets import (
@@ -48,8 +45,12 @@ from prx_data.core.buckets import (
     parse_bucket_name,
     same_ratio_shape,
 )
+from prx_data.core.streaming_compat import World, maybe_init_dist
+from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
+from prx_data.skips.reader import SkipMDSReader  # noqa: F401 (re-exported)
 from prx_data.stream import planner
+from prx_data.stream.reader import SkipStream
 
 #: Written last by the node's fetching rank; the other ranks wait for it.
 CATALOG_PREFIX = "_prx_catalog."
@@ -79,7 +80,7 @@ class BucketSource:
     bucket: str
     remote: str | None  # bucket URI when the root is remote
     local: str  # bucket directory (the export itself, or the cache)
-    shards: list[skiplist.ShardInfo]
+    shards: list[layout.ShardInfo]
     skips: dict[str, np.ndarray]
 
     @property
@@ -91,79 +92,12 @@ class BucketSource:
         return sum(len(v) for v in self.skips.values())
 
 
-# --- skip-aware reader and stream --------------------------------------------------------
-
-
-class SkipMDSReader(MDSReader):
-    """An MDS shard reader whose sample space excludes a sorted set of skipped indices.
-
-    ``samples`` is the kept count; ``get_item(k)`` reads the k-th kept sample.
-    A module-level class (not a patched method) so spawned workers can unpickle it.
-    """
-
-    raw_samples: int
-    skipped: np.ndarray
-    _shift_keys: np.ndarray
-
-    @classmethod
-    def wrap(cls, reader: MDSReader, skipped: np.ndarray) -> SkipMDSReader:
-        new = cls.__new__(cls)
-        new.__dict__.update(reader.__dict__)
-        new.raw_samples = reader.samples
-        new.skipped = np.asarray(skipped, np.int64)
-        # Kept samples before the i-th skipped one; searching it maps kept -> stored in O(log n).
-        new._shift_keys = new.skipped - np.arange(len(new.skipped), dtype=np.int64)
-        new.samples = reader.samples - len(new.skipped)
-        return new
-
-    def stored_index(self, idx: int) -> int:
-        """The index within the shard file of the ``idx``-th kept sample."""
-        if not 0 <= idx < self.samples:
-            raise IndexError(f"kept sample {idx} out of range 0..{self.samples - 1}")
-        return int(idx + np.searchsorted(self._shift_keys, idx, side="right"))
-
-    def get_item(self, idx: int) -> dict[str, Any]:
-        return super().get_item(self.stored_index(idx))
-
-
-class SkipStream(Stream):
-    """A ``Stream`` over one bucket whose shard readers leave the skipped samples out.
-
-    ``skips`` maps shard basenames (as in the index) to sorted skipped indices;
-    shards whose every sample is skipped are left out altogether.
-    """
-
-    def __init__(self, *, skips: dict[str, np.ndarray] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.skips = skips or {}
-
-    def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
-        shards = super().get_shards(world, allow_unsafe_types)
-        out = []
-        for reader in shards:
-            skipped = self.skips.get(reader.raw_data.basename)
-            if skipped is None or not len(skipped):
-                out.append(reader)
-                continue
-            if not isinstance(reader, MDSReader):
-                raise TypeError(f"skip lists need MDS shards, got {type(reader).__name__}")
-            if int(skipped[-1]) >= reader.samples:
-                raise skiplist.SkipListError(
-                    f"{self.local}/{reader.raw_data.basename}: skip index {int(skipped[-1])} "
-                    f">= shard samples {reader.samples}"
-                )
-            wrapped = SkipMDSReader.wrap(reader, skipped)
-            if wrapped.samples:
-                out.append(wrapped)
-        return out
-
-
 # --- discovery and sidecar fetching ---------------------------------------------------------
 
 
 def discover_buckets(root: str, tiers: Sequence[int]) -> list[str]:
     """Bucket names of the given tiers that exist under an export root (local or remote)."""
-    return skiplist.list_buckets(root, tiers)
+    return layout.list_buckets(root, tiers)
 
 
 def _catalog_name(tiers: Sequence[int], names: Sequence[str] | None) -> str:
@@ -237,9 +171,9 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     for bucket in buckets:
         remote_b = storage.join(spec.root, *bucket.split("/"))
         local_b = os.path.join(local, *bucket.split("/"))
-        index = storage.read_bytes(storage.join(remote_b, skiplist.INDEX_NAME))
-        storage.write_bytes_atomic(os.path.join(local_b, skiplist.INDEX_NAME), index)
-        shards = [skiplist.ShardInfo.from_index_entry(e) for e in json.loads(index)["shards"]]
+        index = storage.read_bytes(storage.join(remote_b, layout.INDEX_NAME))
+        storage.write_bytes_atomic(os.path.join(local_b, layout.INDEX_NAME), index)
+        shards = [layout.ShardInfo.from_index_entry(e) for e in json.loads(index)["shards"]]
         listed = skiplist.list_sidecars(spec.root, bucket, shards)
         found |= set(listed)
         chosen = list(listed) if names is None else [n for n in names if n in listed]
@@ -252,7 +186,7 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
             data = storage.read_bytes(storage.join(remote_b, *rel.split("/")))
             storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
 
-        skiplist.map_io(get, sorted(want), True)
+        layout.map_io(get, sorted(want), True)
     _check_names(spec.root, found, names)
     return buckets
 
@@ -277,7 +211,7 @@ def load_sources(
     out = []
     found: set[str] = set()
     for bucket in buckets:
-        shards = skiplist.read_index(base, bucket)
+        shards = layout.read_index(base, bucket)
         skips: dict[str, np.ndarray] = {}
         if spec.skip_lists != []:
             listing = skiplist.list_sidecars(base, bucket, shards)

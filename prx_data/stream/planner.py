@@ -22,6 +22,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from prx_data.export import layout
+
 BATCHING_METHODS = ("per_stream", "device_per_stream")
 #: streaming's default: max(4_000_000 // num_canonical_nodes, 1 << 18).
 DEFAULT_SHUFFLE_BLOCK = 1 << 18
@@ -306,8 +308,8 @@ def count_export(
     from prx_data.skips import sidecar as skiplist
 
     out = []
-    for bucket in skiplist.list_buckets(root, tiers):
-        shards = skiplist.read_index(root, bucket)
+    for bucket in layout.list_buckets(root, tiers):
+        shards = layout.read_index(root, bucket)
         skips = {} if skip_lists == [] else skiplist.load_skips(root, bucket, shards, skip_lists)
         out.append(
             BucketCount(bucket, sum(s.samples for s in shards), sum(len(v) for v in skips.values()))

@@ -14,6 +14,7 @@ commands.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Iterator
 from datetime import timedelta
@@ -247,3 +248,46 @@ def compact(
         out["old_versions_removed"] = stats.old_versions
         out["bytes_removed"] = stats.bytes_removed
     return out
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """Human summary of :func:`table_stats`."""
+    fr, fb = stats["fragment_rows"], stats["fragment_bytes"]
+    lines = [
+        f"table     {stats['uri']} (version {stats['version']})",
+        f"rows      {stats['rows']:,} ({stats['deleted_rows']:,} deleted, not yet compacted)",
+        f"fragments {stats['fragments']:,}",
+        f"  rows per fragment  min {fr['min']:,} / median {fr['median']:,.0f} / max {fr['max']:,}",
+        f"  MB per fragment    min {fb['min'] / 1e6:,.1f} / median {fb['median'] / 1e6:,.1f} "
+        f"/ max {fb['max'] / 1e6:,.1f} (total {fb['total'] / 1e6:,.1f} MB)",
+        f"columns   {', '.join(stats['columns'])}",
+    ]
+    if stats["indices"]:
+        lines.append(
+            "indices   " + ", ".join(f"{i['name']} ({i['type']})" for i in stats["indices"])
+        )
+    return "\n".join(lines)
+
+
+def lance_storage_options(uri: str) -> dict[str, str] | None:
+    """Storage options for a Lance URI on an S3-compatible endpoint (``S3_ENDPOINT_URL``)."""
+    if not uri.startswith("s3://"):
+        return None
+    opts: dict[str, str] = {}
+    endpoint = os.environ.get("S3_ENDPOINT_URL")
+    if endpoint:
+        opts["aws_endpoint"] = endpoint
+        if endpoint.startswith("http://"):
+            opts["allow_http"] = "true"
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        opts["aws_region"] = region
+    return opts or None
+
+
+def query_ids(table_uri: str, where: str) -> list[str]:
+    """Row ids of a Lance table matching a SQL filter (only the ``id`` column is read)."""
+    import lance
+
+    ds = lance.dataset(table_uri, storage_options=lance_storage_options(table_uri))
+    return ds.to_table(columns=["id"], filter=where)["id"].to_pylist()

@@ -1,0 +1,63 @@
+"""Every private Mosaic Streaming symbol the project uses, in one place, behind a version check.
+
+The skip-aware loader and the rewrite reach below streaming's public API
+(``streaming.Stream`` / ``StreamingDataset`` / ``MDSWriter``) for shard
+readers, the world layout and decompression. Those internals change between
+releases without notice, so they are imported here only, and importing
+this module on an unknown streaming version fails with what to check.
+
+When upgrading streaming, re-run ``tests/test_streaming_compat.py`` (one
+contract test per symbol) and the upstream suite with our Stream swapped in
+(see docs/STREAMING.md), then add the version to :data:`SUPPORTED`.
+"""
+
+from __future__ import annotations
+
+import streaming
+
+#: Streaming release prefixes whose internals match what the project relies on.
+SUPPORTED = ("0.13.",)
+
+if not streaming.__version__.startswith(SUPPORTED):
+    raise ImportError(
+        f"prx-data was checked against mosaicml-streaming {', '.join(v + 'x' for v in SUPPORTED)}, "
+        f"found {streaming.__version__}. Check that MDSReader's constructor and get_item, "
+        "Stream.get_shards, World.detect, maybe_init_dist, decompress and reader_from_json "
+        "behave as before (tests/test_streaming_compat.py), then add the version to "
+        "prx_data.core.streaming_compat.SUPPORTED; or pin mosaicml-streaming==0.13.0."
+    )
+
+from streaming.base.compression import decompress  # noqa: E402
+from streaming.base.distributed import maybe_init_dist  # noqa: E402
+from streaming.base.format import reader_from_json  # noqa: E402
+from streaming.base.format.base.reader import FileInfo  # noqa: E402
+from streaming.base.format.mds.reader import MDSReader  # noqa: E402
+from streaming.base.world import World  # noqa: E402
+
+__all__ = [
+    "SUPPORTED",
+    "FileInfo",
+    "MDSReader",
+    "World",
+    "decompress",
+    "maybe_init_dist",
+    "mds_reader_args",
+    "reader_from_json",
+]
+
+
+def mds_reader_args(reader: MDSReader) -> dict:
+    """The constructor arguments that rebuild ``reader`` (so subclasses never copy ``__dict__``)."""
+    return {
+        "dirname": reader.dirname,
+        "split": reader.split or None,
+        "column_encodings": reader.column_encodings,
+        "column_names": reader.column_names,
+        "column_sizes": reader.column_sizes,
+        "compression": reader.compression,
+        "hashes": reader.hashes,
+        "raw_data": reader.raw_data,
+        "samples": reader.samples,
+        "size_limit": reader.size_limit,
+        "zip_data": reader.zip_data,
+    }
