@@ -5,28 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
-from prx_data.table.lance_ops import DEFAULT_TARGET_ROWS_PER_FRAGMENT, compact, table_stats
-
-
-def format_stats(stats: dict[str, Any]) -> str:
-    """Human summary of :func:`table_stats`."""
-    fr, fb = stats["fragment_rows"], stats["fragment_bytes"]
-    lines = [
-        f"table     {stats['uri']} (version {stats['version']})",
-        f"rows      {stats['rows']:,} ({stats['deleted_rows']:,} deleted, not yet compacted)",
-        f"fragments {stats['fragments']:,}",
-        f"  rows per fragment  min {fr['min']:,} / median {fr['median']:,.0f} / max {fr['max']:,}",
-        f"  MB per fragment    min {fb['min'] / 1e6:,.1f} / median {fb['median'] / 1e6:,.1f} "
-        f"/ max {fb['max'] / 1e6:,.1f} (total {fb['total'] / 1e6:,.1f} MB)",
-        f"columns   {', '.join(stats['columns'])}",
-    ]
-    if stats["indices"]:
-        lines.append(
-            "indices   " + ", ".join(f"{i['name']} ({i['type']})" for i in stats["indices"])
-        )
-    return "\n".join(lines)
+from prx_data.table.lance_ops import (
+    DEFAULT_TARGET_ROWS_PER_FRAGMENT,
+    compact,
+    format_stats,
+    table_stats,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
