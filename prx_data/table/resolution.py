@@ -1,9 +1,11 @@
 """``python -m prx_data.stats --table URI --out DIR``: what an export would make of a table.
 
-Reads only the ``width``/``height``/``probe_error`` columns, buckets every
-row with :func:`prx_data.core.buckets.assign_bucket` and reports the resolution,
-aspect-ratio and tier distributions with would-be drop counts, plus fragment
-hygiene (count and sizes). Writes PNG plots and ``stats.json`` to DIR and
+Reads only the ``width``/``height``/``probe_error`` columns (and
+``image_quality`` when present), buckets every row with
+:func:`prx_data.core.buckets.assign_bucket` and reports the resolution,
+aspect-ratio and tier distributions with would-be drop counts, the
+image-quality distribution with the low-information count, plus fragment
+hygiene (count, rows and bytes). Writes PNG plots and ``stats.json`` to DIR and
 prints a table. This is what set the PRX team's 384x384 floor.
 """
 
