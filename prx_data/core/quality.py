@@ -18,6 +18,11 @@ All three are measured on a thumbnail of at most :data:`THUMB` pixels a
 side: they barely depend on scale, and a JPEG draft decode makes this a few
 milliseconds per photo. ``low_information`` is the recommended threshold
 for a ``blank`` skip list.
+
+On 35 Debian wallpapers (19 JPEG photos, 16 WebP designs) the two
+transparent overlays measured std 0 and 0.08; the flattest real design
+(a faint symbol pattern) std 3.5, entropy 1.8, flat 0.77; every photo std
+28 or more. So the thresholds below sit well clear of real images.
 """
 
 from __future__ import annotations
