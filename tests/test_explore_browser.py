@@ -61,6 +61,20 @@ def test_search_click_neighbours_and_no_xss(tmp_path):
                     thumbs[row_id] = (r.status, r.headers.get("content-type", ""))
 
             page.on("response", on_response)
+            inflight = {"now": 0, "max": 0}
+
+            def started(r) -> None:
+                if "/api/thumb" in r.url:
+                    inflight["now"] += 1
+                    inflight["max"] = max(inflight["max"], inflight["now"])
+
+            def ended(r) -> None:
+                if "/api/thumb" in r.url:
+                    inflight["now"] -= 1
+
+            page.on("request", started)
+            page.on("requestfinished", ended)
+            page.on("requestfailed", ended)
             page.goto(url + "/")
             page.wait_for_selector("body[data-ready='1']")
 
@@ -70,6 +84,8 @@ def test_search_click_neighbours_and_no_xss(tmp_path):
             assert _ids(page, "#results") == [f"t/green{i}" for i in range(4)]
             page.wait_for_load_state("networkidle")
             assert all(thumbs.get(f"t/green{i}") == (200, "image/jpeg") for i in range(4))
+            # Thumbnails never take all six connections: a search always has one free.
+            assert 1 <= inflight["max"] <= 4
 
             # Click one: its neighbours are the other green squares.
             page.click("#results figure.card[data-id='t/green2']")

@@ -72,13 +72,39 @@ function captionTabs(item) {
   return box;
 }
 
+// Thumbnails load at most THUMB_SLOTS at a time: the browser has six connections per host,
+// and a page of thumbnails must never hold all of them while the next search waits.
+const THUMB_SLOTS = 4;
+const thumbs = { queue: [], busy: 0, generation: 0 };
+
+function queueThumb(img, id) {
+  thumbs.queue.push({ img, id, generation: thumbs.generation });
+  pumpThumbs();
+}
+
+function pumpThumbs() {
+  while (thumbs.busy < THUMB_SLOTS && thumbs.queue.length) {
+    const job = thumbs.queue.shift();
+    if (job.generation !== thumbs.generation && !job.img.isConnected) continue;
+    thumbs.busy++;
+    const done = () => { thumbs.busy--; pumpThumbs(); };
+    job.img.addEventListener("load", done, { once: true });
+    job.img.addEventListener("error", done, { once: true });
+    job.img.src = "/api/thumb?id=" + encodeURIComponent(job.id);
+  }
+}
+
+// Called before a grid is replaced: queued thumbnails of cards no longer shown are dropped.
+function newThumbGeneration() {
+  thumbs.generation++;
+}
+
 function card(item, onClick) {
   const fig = el("figure", "card");
   fig.dataset.id = item.id;
   const img = document.createElement("img");
-  img.loading = "lazy";
   img.alt = "";
-  img.src = "/api/thumb?id=" + encodeURIComponent(item.id);
+  queueThumb(img, item.id);
   const cap = document.createElement("figcaption");
   cap.appendChild(el("code", "rid", item.id));
   const dims = el("span", "dims",
@@ -119,6 +145,7 @@ async function runSearch(offset) {
     const data = await getJSON("/api/search?" + p);
     if (seq !== state.seq) return; // a newer query is on its way
     const grid = $("results");
+    newThumbGeneration();
     grid.replaceChildren(...data.results.map((it) => card(it, showSimilar)));
     grid.dataset.query = data.query;
     grid.dataset.offset = String(data.offset);
