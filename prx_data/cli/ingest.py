@@ -61,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="at most this many rows per Lance fragment (default: about --fragment-mb of images "
-        "per fragment, "
-        "between 1024 and 1M rows); each write task holds one fragment in memory",
+        "per fragment, between 1024 and 1M rows); each write task holds one fragment in memory",
     )
     p.add_argument(
         "--fragment-mb",
