@@ -364,7 +364,7 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
                     schema=schema,
                     mode="append" if appending else ("create" if not exists else "overwrite"),
                     min_rows_per_file=rows_per_fragment,
-                    max_rows_per_file=2 * rows_per_fragment,
+                    max_rows_per_file=rows_per_fragment,  # a cap: --rows-per-fragment N means <= N
                     storage_options=cfg.storage_options,
                     ray_remote_args={"num_cpus": WRITE_TASK_CPUS},  # not fused with loading
                 )

@@ -7,9 +7,12 @@ import io
 import threading
 
 import numpy as np
+import pyarrow as pa
 from PIL import Image
 
+from prx_data.columns.quality import compute_quality
 from prx_data.explore.app import ExploreConfig, serve
+from prx_data.table.lance_ops import update_column
 from tests.tablekit import make_table
 
 COLOURS = {"red": (210, 30, 30), "green": (30, 190, 40), "blue": (30, 40, 210)}
@@ -27,7 +30,7 @@ def noisy_jpeg(colour, seed: int, w: int = 96, h: int = 64) -> bytes:
     return buf.getvalue()
 
 
-def make_explore_table(uri: str) -> None:
+def make_explore_table(uri: str, extra: list | None = None) -> None:
     items = []
     for ci, (name, colour) in enumerate(COLOURS.items()):
         for i in range(4):
@@ -38,7 +41,35 @@ def make_explore_table(uri: str) -> None:
             )
     items.append(("t/xss", noisy_jpeg(COLOURS["blue"], 99), XSS_CAPTION))
     items.append(("t/broken", b"not an image", "a broken file"))
-    make_table(uri, items, max_rows_per_file=6)
+    make_table(uri, items + list(extra or []), max_rows_per_file=6)
+
+
+def blank_overlay_png(w: int = 96, h: int = 64) -> bytes:
+    """A fully transparent overlay: the export flattens it to pure white."""
+    buf = io.BytesIO()
+    Image.new("RGBA", (w, h), (20, 20, 20, 0)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def make_enriched_table(uri: str) -> str:
+    """The explore table plus a VLM caption, its status column, labels, dup_of and quality."""
+    make_explore_table(uri, extra=[("t/overlay", blank_overlay_png(), "a wallpaper overlay")])
+    ids = [f"t/{c}{i}" for c in ("red", "green", "blue") for i in range(4)]
+    update_column(
+        uri,
+        "caption_vlm",
+        pa.table({"id": ids, "caption_vlm": [f"vlm says {i} crimson" for i in ids]}),
+    )
+    update_column(
+        uri,
+        "caption_vlm_status",
+        pa.table({"id": ids, "caption_vlm_status": ["ok"] * len(ids)}),
+    )
+    labels = ["visual" if i.startswith("t/red") else "text" for i in ids]
+    update_column(uri, "label", pa.table({"id": ids, "label": labels}))
+    update_column(uri, "dup_of", pa.table({"id": ["t/red1", "t/red2"], "dup_of": ["t/red0"] * 2}))
+    compute_quality(uri, progress=False)
+    return uri
 
 
 @contextlib.contextmanager

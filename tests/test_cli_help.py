@@ -61,3 +61,16 @@ def test_dispatcher_lists_jobs(capsys):
     out = capsys.readouterr().out
     assert all(job in out for job in JOBS)
     assert main(["no-such-job"]) == 2
+
+
+def test_readme_lists_every_job_with_its_purpose():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = {
+        line.split("`")[1]: line.split("|")[2].strip()
+        for line in readme.splitlines()
+        if line.startswith("| `python -m prx_data.")
+    }
+    assert set(rows) == {f"python -m prx_data.{job}" for job in JOBS}
+    assert all(rows.values())  # each with its one line

@@ -11,7 +11,7 @@ import pytest
 
 from prx_data.cli import explore as explore_cli
 from prx_data.explore import app as explore
-from tests.explore_kit import XSS_CAPTION, make_explore_table, running_server
+from tests.explore_kit import XSS_CAPTION, make_enriched_table, make_explore_table, running_server
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,98 @@ def test_explorer_follows_new_columns(tmp_path):
     assert app.meta()["labels"]["quality"] == ["bad", "good"]
     res = app.search({"label.quality": "good"})
     assert [r["id"] for r in res["results"]] == ["t/red0"]
+
+
+def test_cards_carry_captions_labels_duplicates_and_quality(tmp_path):
+    app = explore.Explorer(
+        explore.ExploreConfig(table=make_enriched_table(str(tmp_path / "rich.lance")))
+    )
+    try:
+        meta = app.meta()
+        # Status columns are neither captions nor searchable text.
+        assert meta["caption_columns"] == ["caption", "caption_vlm"]
+        assert meta["text_columns"] == ["caption", "caption_vlm"]
+        assert "dup_of" in meta["fields"] and "dup_of" not in meta["labels"]
+        assert meta["fields"][0] == "id" and meta["quality"] == ["low", "ok", "unmeasured"]
+        (red1,) = [r for r in app.search({"q": "t/red1"})["results"] if r["id"] == "t/red1"]
+        assert red1["captions"] == {
+            "caption": "a red square 1",
+            "caption_vlm": "vlm says t/red1 crimson",
+        }
+        assert red1["labels"]["label"] == "visual" and red1["dup_of"] == "t/red0"
+        assert "caption_vlm_status" not in red1["labels"]  # one value everywhere: not on cards
+        assert red1["quality"]["std"] > 5 and red1["low_information"] is False
+        # The VLM caption is searchable; the status column is not.
+        hits = app.search({"q": "crimson", "k": "50"})["results"]
+        assert len(hits) == 12
+        assert app.search({"q": "ok"})["results"] == []
+        # Typed fields: exact dup_of, id prefix; quality filter.
+        dups = app.search({"field.dup_of": "t/red0"})["results"]
+        assert sorted(r["id"] for r in dups) == ["t/red1", "t/red2"]
+        greens = app.search({"field.id": "t/green"})["results"]
+        assert sorted(r["id"] for r in greens) == [f"t/green{i}" for i in range(4)]
+        assert app.search({"quality": "unmeasured"})["results"][0]["id"] == "t/broken"
+        low = app.search({"quality": "low"})["results"]
+        assert [(r["id"], r["low_information"]) for r in low] == [("t/overlay", True)]
+        with pytest.raises(ValueError, match="quality"):
+            app.search({"quality": "shiny"})
+    finally:
+        app.close()
+
+
+def test_id_search_and_paging(server):
+    url, _ = server
+    res = api(url, "/api/search", q="t/blue2")
+    assert [r["id"] for r in res["results"]] == ["t/blue2"] and res["mode"] == "id"
+    assert res["next_offset"] is None
+    assert api(url, "/api/search", q="t/nope")["results"] == []
+    seen = []
+    offset = 0
+    while offset is not None:
+        page = api(url, "/api/search", k=5, offset=offset)
+        assert len(page["results"]) <= 5
+        seen += [r["id"] for r in page["results"]]
+        offset = page["next_offset"]
+    assert len(seen) == 14 and len(set(seen)) == 14  # every row once, in three pages
+    # Text search pages too: 12 "square" captions, pages of 5.
+    first = api(url, "/api/search", q="square", k=5)
+    second = api(url, "/api/search", q="square", k=5, offset=5)
+    third = api(url, "/api/search", q="square", k=5, offset=10)
+    ids = [r["id"] for p in (first, second, third) for r in p["results"]]
+    assert len(ids) == 12 and len(set(ids)) == 12 and third["next_offset"] is None
+    status, _, body = get(f"{url}/api/search?offset=x")
+    assert status == 400
+
+
+def test_thumbnails_are_made_ahead_off_the_request_path(tmp_path):
+    uri = str(tmp_path / "t.lance")
+    make_explore_table(uri)
+    app = explore.Explorer(explore.ExploreConfig(table=uri))
+    try:
+        app.search({"q": "green"})  # returns at once; the page's thumbnails are queued
+        with app._lock:
+            futures = {app._pending.get((f"t/green{i}", explore.THUMB_SIZE)) for i in range(4)}
+        for f in futures - {None}:
+            f.result(timeout=30)
+        with app._lock:
+            cached = {k[0] for k in app._thumbs}
+        assert {f"t/green{i}" for i in range(4)} <= cached
+        assert app.thumbnail("t/green0")[:2] == b"\xff\xd8"
+        assert app.thumbnail("t/broken") is None and app.thumbnail("t/none") is None
+    finally:
+        app.close()
+
+
+def test_client_disconnects_are_quiet(server, capfd):
+    import socket
+
+    url, _ = server
+    host, port = url.rsplit("//", 1)[1].split(":")
+    for _ in range(5):
+        s = socket.create_connection((host, int(port)))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.sendall(b"GET /api/search?k=200 HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.close()  # linger 0: a reset while the server writes
+    assert api(url, "/api/meta")["rows"] == 14
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "ConnectionReset" not in err

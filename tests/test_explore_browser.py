@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tests.explore_kit import XSS_CAPTION, make_explore_table, running_server
+from tests.explore_kit import XSS_CAPTION, make_enriched_table, make_explore_table, running_server
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "artifacts")
@@ -27,23 +27,27 @@ pytestmark = [
 ]
 
 
+def _launch(p):
+    return p.chromium.launch(
+        executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
+        headless=True,
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+        ],
+    )
+
+
 def test_search_click_neighbours_and_no_xss(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
     uri = str(tmp_path / "t.lance")
     make_explore_table(uri)
     with running_server(uri) as (url, _), sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
-            headless=True,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
+        browser = _launch(p)
         try:
             # The page's CSP forbids eval, so this part sticks to selectors and attributes.
             page = browser.new_page(viewport={"width": 1200, "height": 900})
@@ -57,6 +61,20 @@ def test_search_click_neighbours_and_no_xss(tmp_path):
                     thumbs[row_id] = (r.status, r.headers.get("content-type", ""))
 
             page.on("response", on_response)
+            inflight = {"now": 0, "max": 0}
+
+            def started(r) -> None:
+                if "/api/thumb" in r.url:
+                    inflight["now"] += 1
+                    inflight["max"] = max(inflight["max"], inflight["now"])
+
+            def ended(r) -> None:
+                if "/api/thumb" in r.url:
+                    inflight["now"] -= 1
+
+            page.on("request", started)
+            page.on("requestfinished", ended)
+            page.on("requestfailed", ended)
             page.goto(url + "/")
             page.wait_for_selector("body[data-ready='1']")
 
@@ -66,6 +84,8 @@ def test_search_click_neighbours_and_no_xss(tmp_path):
             assert _ids(page, "#results") == [f"t/green{i}" for i in range(4)]
             page.wait_for_load_state("networkidle")
             assert all(thumbs.get(f"t/green{i}") == (200, "image/jpeg") for i in range(4))
+            # Thumbnails never take all six connections: a search always has one free.
+            assert 1 <= inflight["max"] <= 4
 
             # Click one: its neighbours are the other green squares.
             page.click("#results figure.card[data-id='t/green2']")
@@ -108,6 +128,77 @@ def test_search_click_neighbours_and_no_xss(tmp_path):
             loose.wait_for_load_state("networkidle")
             assert loose.evaluate("window.__xss") is None
             assert loose.title() != "pwned"
+        finally:
+            browser.close()
+
+
+def test_cards_id_search_duplicates_and_paging(tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    uri = make_enriched_table(str(tmp_path / "rich.lance"))
+    with running_server(uri, page_size=6) as (url, _), sync_api.sync_playwright() as p:
+        browser = _launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "/")
+            page.wait_for_selector("body[data-ready='1']")
+            page.wait_for_selector("#results figure.card")
+
+            # Paging: six per page, the next page holds six others, the last one the rest.
+            first = _ids(page, "#results")
+            assert len(first) == 6 and page.is_disabled("#prev")
+            page.click("#next")
+            page.wait_for_selector("#results[data-offset='6']")
+            second = _ids(page, "#results")
+            assert len(second) == 6 and not set(first) & set(second)
+            page.click("#next")
+            page.wait_for_selector("#results[data-offset='12']")
+            assert len(_ids(page, "#results")) == 3 and page.is_disabled("#next")
+            # The transparent overlay is flagged blank on its card.
+            overlay = page.locator("#results figure.card[data-id='t/overlay']")
+            assert overlay.locator(".badge.blank").is_visible()
+            page.wait_for_load_state("networkidle")
+            os.makedirs(ARTIFACTS, exist_ok=True)
+            page.screenshot(path=os.path.join(ARTIFACTS, "explore_last_page.png"), full_page=True)
+            page.click("#prev")
+            page.wait_for_selector("#results[data-offset='6']")
+
+            # An id typed into the search box finds that row; its card shows the id as text.
+            page.fill("#q", "t/red2")
+            page.wait_for_selector("#results[data-query='t/red2']")
+            card = page.locator("#results figure.card").first
+            assert card.get_attribute("data-id") == "t/red2"
+            assert card.locator(".rid").text_content() == "t/red2"
+            assert card.locator(".rid").is_visible()
+            # Labels, the duplicate state with a link to its keeper, and every caption column.
+            chips = card.locator(".chip").all_text_contents()
+            assert "label: visual" in chips
+            assert not [c for c in chips if c.startswith(("source:", "caption_vlm_status:"))]
+            assert card.locator(".dup a.keeper").text_content() == "t/red0"
+            tabs = card.locator(".tab")
+            assert [tabs.nth(i).text_content() for i in range(tabs.count())] == [
+                "caption",
+                "caption_vlm",
+            ]
+            assert card.locator(".caption").text_content() == "a red square 2"
+            card.locator(".tab[data-column='caption_vlm']").click()
+            assert card.locator(".caption").text_content() == "vlm says t/red2 crimson"
+            assert page.locator("#similar-panel").is_hidden()  # a tab is not a card click
+            page.screenshot(path=os.path.join(ARTIFACTS, "explore_cards.png"), full_page=True)
+
+            # Following the keeper link shows the keeper.
+            card.locator(".dup a.keeper").click()
+            page.wait_for_selector("#results[data-query='t/red0']")
+            assert page.locator("#results figure.card").first.get_attribute("data-id") == "t/red0"
+
+            # The typed dup_of field (not a drop-down) lists a keeper's duplicates.
+            page.fill("#q", "")
+            page.fill("#field-dup_of", "t/red0")
+            page.wait_for_selector("#status:has-text('2 images (browse)')")
+            assert _ids(page, "#results") == ["t/red1", "t/red2"]
+            assert page.locator("select#label-dup_of").count() == 0
+            assert errors == []
         finally:
             browser.close()
 

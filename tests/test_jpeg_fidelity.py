@@ -145,3 +145,22 @@ def test_table_source_and_quality_cli(tmp_path, capsys):
         "--limit",
     ):
         assert opt in help_text
+
+
+def test_band_medians_are_not_skewed_by_identical_images(tmp_path, capsys):
+    from PIL import Image
+
+    # Two flat images come back bit-identical (scored at the cap); three photos do not.
+    for i in range(2):
+        Image.new("RGB", (600, 500), (128, 128, 128)).save(tmp_path / f"flat{i}.png")
+    for i in range(3):
+        (tmp_path / f"p{i}.png").write_bytes(png(make_image(i, 600, 500)))
+    rep = J.run_fidelity(
+        J.FidelityConfig(folder=str(tmp_path), cycles=(1,), lpips="off", progress=False)
+    )
+    b = rep.bands["0.25-0.5 MP"]
+    assert b.images == 5 and b.identical == {1: 2}
+    assert b.psnr_median[1] < 60 < b.psnr_mean[1]  # the mean is dragged up by the two 99s
+    assert b.psnr_min[1] <= b.psnr_median[1]
+    text = rep.text()
+    assert "median" in text and "2 at @1 identical" in text

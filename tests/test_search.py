@@ -76,6 +76,16 @@ def test_descriptors_are_resumable(table_uri):
     assert before == after
 
 
+def test_caption_columns_skip_bookkeeping_columns():
+    names = ["caption", "caption_vlm", "caption_vlm_status", "caption_vlm_error", "alt_caption"]
+    assert [n for n in names if search.is_caption_column(n)] == [
+        "caption",
+        "caption_vlm",
+        "alt_caption",
+    ]
+    assert not search.is_caption_column("source_file")
+
+
 def test_text_search_and_filters(table_uri):
     assert search.caption_columns(table_uri) == ["caption"]
     hits = search.text_search(table_uri, "green", k=10)

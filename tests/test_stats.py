@@ -7,6 +7,7 @@ import os
 
 import lance
 import pyarrow as pa
+import pytest
 
 from prx_data.cli import stats as stats_cli
 from prx_data.table import resolution as stats
@@ -63,3 +64,43 @@ def test_cli_writes_plots_and_json(tmp_path, capsys):
     # With tiers 512/1024 only, the 3000x1000 image is still an aspect-ratio drop.
     assert saved["tiers"] == {"512": 1, "1024": 3}
     assert "rows 7" in capsys.readouterr().out
+
+
+def test_plot_axes_fit_the_data_and_fragments_show_bytes(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    uri = _table(str(tmp_path))
+    report = stats.compute(uri)
+    edges = report.megapixels["edges"]
+    # Data spans 0.09-3 MP: the axis is fitted to it, not 0.01-100 MP.
+    assert 0.05 < edges[0] < 0.09 and 3.0 < edges[-1] < 5.0
+    saved: dict[str, object] = {}
+    real_save = stats._save
+
+    def keep(fig, out_dir, name):
+        saved[name] = [
+            (a.get_xlim(), list(a.get_xticks()), [t.get_text() for t in a.texts], a.get_ylabel())
+            for a in fig.axes
+        ]
+        return real_save(fig, out_dir, name)
+
+    stats._save = keep
+    try:
+        stats.plot(report, str(tmp_path / "p"))
+        # One fragment: integer ticks only.
+        lance.dataset(uri).optimize.compact_files(target_rows_per_fragment=100)
+        one = stats.compute(uri)
+        assert one.fragments["fragments"] == 1
+        stats.plot(one, str(tmp_path / "q"))
+    finally:
+        stats._save = real_save
+    res = saved["resolution.png"][0]
+    assert res[0][0] == pytest.approx(edges[0]) and res[0][1] == pytest.approx(edges[-1])
+    assert any("512 tier" in t for t in res[2]) and any("1024 tier" in t for t in res[2])
+    frag = saved["fragments.png"]
+    assert [a[3] for a in frag] == ["rows", "MB"]  # rows and bytes per fragment
+    assert all(float(t).is_integer() for a in frag for t in a[1])
+    assert plt.get_fignums() == []

@@ -156,13 +156,17 @@ def test_compact_and_stats(table_uri):
     assert [f["rows"] for f in stats["fragment_sizes"]] == [4, 4, 2]
     assert all(f["bytes"] > 4 * 2000 * 0.5 for f in stats["fragment_sizes"][:2])
     assert "fragments 3" in T.format_stats(stats)
+    assert "deleted" not in T.format_stats(stats)
+    lance.dataset(table_uri).delete("id = 'src/000'")
+    assert "1 deleted rows still stored" in T.format_stats(T.table_stats(table_uri))
 
     result = T.compact(table_uri, target_rows_per_fragment=100, cleanup=True)
     assert result["fragments_before"] == 3 and result["fragments_after"] == 1
     after = T.table_stats(table_uri)
-    assert after["rows"] == 10 and after["fragments"] == 1
+    assert after["rows"] == 9 and after["fragments"] == 1
+    assert "deleted" not in T.format_stats(after)  # nothing left for a compaction to do
     ids = sorted(lance.dataset(table_uri).to_table(columns=["id"])["id"].to_pylist())
-    assert ids == [f"src/{i:03d}" for i in range(10)]
+    assert ids == [f"src/{i:03d}" for i in range(1, 10)]
 
 
 def test_table_cli(table_uri, capsys):

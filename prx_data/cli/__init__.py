@@ -11,6 +11,7 @@ JOBS = {
     "search": "full-text, vector and hybrid search over a table; builds the indexes",
     "stats": "resolution / aspect-ratio / tier distribution of a table, with plots",
     "explore": "small web explorer over a table (loopback by default)",
+    "quality": "measure blank / near-blank images into an image_quality column",
     "caption": "re-caption images with a VLM and write the column back",
     "classify": "label captions visual / text / nsfw and write the column back",
     "dedup": "perceptual-hash dedup: dup_of column and a 'dedup' skip list",

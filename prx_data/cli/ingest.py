@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rows-per-fragment",
         type=int,
         default=None,
-        help="rows per Lance fragment (default: about --fragment-mb of images per fragment, "
-        "between 1024 and 1M rows); each write task holds one fragment in memory",
+        help="at most this many rows per Lance fragment (default: about --fragment-mb of images "
+        "per fragment, between 1024 and 1M rows); each write task holds one fragment in memory",
     )
     p.add_argument(
         "--fragment-mb",

@@ -14,7 +14,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m prx_data.stats",
         description="Resolution, aspect-ratio and tier distribution of a Lance table, with the "
         "rows an export would drop (too small, aspect ratio outside the range, unreadable), "
-        "plus fragment count and sizes. Writes PNG plots and stats.json, prints a table.",
+        "fragment count with rows and bytes per fragment, and, once python -m prx_data.quality "
+        "has run, the image-quality distribution with the count of low-information (blank) "
+        "images. Writes PNG plots and stats.json, prints a table.",
     )
     p.add_argument("--table", required=True, help="Lance table URI")
     p.add_argument("--out", required=True, help="folder for the PNG plots and stats.json")

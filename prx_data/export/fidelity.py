@@ -225,7 +225,11 @@ class BandResult:
     images: int = 0
     #: {cycles: mean PSNR dB}
     psnr_mean: dict[int, float] = field(default_factory=dict)
+    #: {cycles: median PSNR dB}: identical images score the 99 dB cap and drag means up.
+    psnr_median: dict[int, float] = field(default_factory=dict)
     psnr_min: dict[int, float] = field(default_factory=dict)
+    #: {cycles: images that came back bit-identical (PSNR at the cap)}
+    identical: dict[int, int] = field(default_factory=dict)
     lpips_mean: dict[int, float] = field(default_factory=dict)
 
 
@@ -248,24 +252,29 @@ class FidelityReport:
     def text(self) -> str:
         c = self.cycles
         head = f"{'band':<12}{'images':>7}" + "".join(
-            f"{'PSNR@' + str(k):>10}{'min':>7}" for k in c
+            f"{'PSNR@' + str(k):>10}{'median':>8}{'min':>7}" for k in c
         )
         if self.lpips is None:
             head += "".join(f"{'LPIPS@' + str(k):>10}" for k in c)
         head += "   PRX@1/@10 (q92)"
         lines = [
             f"{self.source}: {self.images} images re-encoded at q{self.quality} "
-            f"(subsampling {self.subsampling}); PSNR in dB over RGB vs the decoded original",
+            f"(subsampling {self.subsampling}); PSNR in dB over RGB vs the decoded original "
+            "(mean, median, min)",
             head,
         ]
         for name, b in self.bands.items():
             row = f"{name:<12}{b.images:>7}" + "".join(
-                f"{b.psnr_mean[k]:>10.1f}{b.psnr_min[k]:>7.1f}" for k in c
+                f"{b.psnr_mean[k]:>10.1f}{b.psnr_median[k]:>8.1f}{b.psnr_min[k]:>7.1f}" for k in c
             )
+
             if self.lpips is None:
                 row += "".join(f"{b.lpips_mean[k]:>10.4f}" for k in c)
             ref = PRX_REFERENCE.get(name)
             row += f"   {ref[0]:.1f} / {ref[1]:.1f}" if ref else ""
+            if sum(b.identical.values()):
+                row += f"   ({', '.join(f'{v} at @{k}' for k, v in b.identical.items() if v)}"
+                row += f" identical, scored {PSNR_CAP:g} dB)"
             lines.append(row)
         if self.errors:
             lines.append(
@@ -357,7 +366,9 @@ def run_fidelity(cfg: FidelityConfig) -> FidelityReport:
         p = np.asarray(per_band[name]["psnr"])
         b = BandResult(images=len(p))
         b.psnr_mean = {c: round(float(p[:, i].mean()), 2) for i, c in enumerate(cycles)}
+        b.psnr_median = {c: round(float(np.median(p[:, i])), 2) for i, c in enumerate(cycles)}
         b.psnr_min = {c: round(float(p[:, i].min()), 2) for i, c in enumerate(cycles)}
+        b.identical = {c: int((p[:, i] >= PSNR_CAP).sum()) for i, c in enumerate(cycles)}
         if per_band[name]["lpips"]:
             lv = np.asarray(per_band[name]["lpips"])
             b.lpips_mean = {c: round(float(lv[:, i].mean()), 5) for i, c in enumerate(cycles)}

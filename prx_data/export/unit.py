@@ -25,6 +25,8 @@ import pyarrow as pa
 from prx_data.core import storage
 from prx_data.core.buckets import DEFAULT_TIERS, BucketSpec, assign_bucket
 from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, ImageError, prepare_with
+from prx_data.core.quality import COLUMN as QUALITY_COLUMN
+from prx_data.core.quality import is_low_information
 from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME
 from prx_data.export.layout import (
     CONFIG_NAME,
@@ -304,7 +306,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     ds = open_table(cfg.table, cfg.table_version)
     frag = ds.get_fragment(unit.fragment_id)
     caption_cols = list(cfg.caption_columns or ())
-    wanted = ["id", "image", "width", "height", "probe_error", *caption_cols]
+    wanted = ["id", "image", "width", "height", "probe_error", QUALITY_COLUMN, *caption_cols]
     available = set(ds.schema.names)
     read_cols = [c for c in wanted if c in available]
     result = UnitResult(part=unit.part)
@@ -388,6 +390,9 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                 writer.write(sample)
                 ids[b.name].append(sample["id"])
                 result.written += 1
+                q = row.get(QUALITY_COLUMN)  # written, but blank: see prx_data.quality
+                if q and is_low_information(q["std"], q["entropy"], q["flat"]):
+                    notes["blank"] += 1
     finally:
         for writer in writers.values():
             writer.finish()

@@ -217,6 +217,30 @@ def table_stats(uri: str, storage_options: dict | None = None) -> dict[str, Any]
     }
 
 
+def format_stats(stats: dict[str, Any]) -> str:
+    """Human summary of :func:`table_stats`."""
+    fr, fb = stats["fragment_rows"], stats["fragment_bytes"]
+    lines = [
+        f"table     {stats['uri']} (version {stats['version']})",
+        f"rows      {stats['rows']:,}"
+        + (
+            f" ({stats['deleted_rows']:,} deleted rows still stored; compaction drops them)"
+            if stats["deleted_rows"]
+            else ""
+        ),
+        f"fragments {stats['fragments']:,}",
+        f"  rows per fragment  min {fr['min']:,} / median {fr['median']:,.0f} / max {fr['max']:,}",
+        f"  MB per fragment    min {fb['min'] / 1e6:,.1f} / median {fb['median'] / 1e6:,.1f} "
+        f"/ max {fb['max'] / 1e6:,.1f} (total {fb['total'] / 1e6:,.1f} MB)",
+        f"columns   {', '.join(stats['columns'])}",
+    ]
+    if stats["indices"]:
+        lines.append(
+            "indices   " + ", ".join(f"{i['name']} ({i['type']})" for i in stats["indices"])
+        )
+    return "\n".join(lines)
+
+
 def compact(
     uri: str,
     target_rows_per_fragment: int = DEFAULT_TARGET_ROWS_PER_FRAGMENT,
@@ -248,25 +272,6 @@ def compact(
         out["old_versions_removed"] = stats.old_versions
         out["bytes_removed"] = stats.bytes_removed
     return out
-
-
-def format_stats(stats: dict[str, Any]) -> str:
-    """Human summary of :func:`table_stats`."""
-    fr, fb = stats["fragment_rows"], stats["fragment_bytes"]
-    lines = [
-        f"table     {stats['uri']} (version {stats['version']})",
-        f"rows      {stats['rows']:,} ({stats['deleted_rows']:,} deleted, not yet compacted)",
-        f"fragments {stats['fragments']:,}",
-        f"  rows per fragment  min {fr['min']:,} / median {fr['median']:,.0f} / max {fr['max']:,}",
-        f"  MB per fragment    min {fb['min'] / 1e6:,.1f} / median {fb['median'] / 1e6:,.1f} "
-        f"/ max {fb['max'] / 1e6:,.1f} (total {fb['total'] / 1e6:,.1f} MB)",
-        f"columns   {', '.join(stats['columns'])}",
-    ]
-    if stats["indices"]:
-        lines.append(
-            "indices   " + ", ".join(f"{i['name']} ({i['type']})" for i in stats["indices"])
-        )
-    return "\n".join(lines)
 
 
 def lance_storage_options(uri: str) -> dict[str, str] | None:

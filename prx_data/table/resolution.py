@@ -1,9 +1,11 @@
 """``python -m prx_data.stats --table URI --out DIR``: what an export would make of a table.
 
-Reads only the ``width``/``height``/``probe_error`` columns, buckets every
-row with :func:`prx_data.core.buckets.assign_bucket` and reports the resolution,
-aspect-ratio and tier distributions with would-be drop counts, plus fragment
-hygiene (count and sizes). Writes PNG plots and ``stats.json`` to DIR and
+Reads only the ``width``/``height``/``probe_error`` columns (and
+``image_quality`` when present), buckets every row with
+:func:`prx_data.core.buckets.assign_bucket` and reports the resolution,
+aspect-ratio and tier distributions with would-be drop counts, the
+image-quality distribution with the low-information count, plus fragment
+hygiene (count, rows and bytes). Writes PNG plots and ``stats.json`` to DIR and
 prints a table. This is what set the PRX team's 384x384 floor.
 """
 
@@ -16,7 +18,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
+from prx_data.core import quality as Q
 from prx_data.core import schema as S
 from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec, assign_bucket
 from prx_data.table import lance_ops as T
@@ -37,6 +41,8 @@ class TableReport:
     aspect_ratio: dict[str, list[float]]  # histogram of log2(w/h): edges, counts
     short_side: dict[str, float]  # percentiles of min(w, h)
     fragments: dict[str, Any] = field(default_factory=dict)
+    #: Image-quality distribution when the table has the column (see prx_data.core.quality).
+    quality: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,7 +84,7 @@ def compute(
                 tiers[str(a.bucket.tier)] += n
                 buckets[a.bucket.name] += n
     mp = (w * h) / 1e6 if len(w) else np.zeros(0)
-    mp_edges = np.geomspace(0.01, max(100.0, float(mp.max()) if len(mp) else 1.0), 41)
+    mp_edges = _mp_edges(mp)
     mp_counts, _ = np.histogram(np.clip(mp, mp_edges[0], mp_edges[-1]), bins=mp_edges)
     lr = np.log2(w / h) if len(w) else np.zeros(0)
     ar_edges = np.linspace(-3, 3, 61)
@@ -94,7 +100,47 @@ def compute(
         aspect_ratio={"log2_edges": ar_edges.tolist(), "counts": ar_counts.tolist()},
         short_side=pct,
         fragments=T.table_stats(uri, storage_options),
+        quality=quality_summary(uri, storage_options),
     )
+
+
+def _mp_edges(mp: np.ndarray, bins: int = 40) -> np.ndarray:
+    """Log-spaced megapixel bins fitted to the data (padded a little), not a fixed 0.01-100."""
+    if not len(mp):
+        return np.geomspace(0.1, 10.0, bins + 1)
+    lo, hi = float(mp.min()), float(mp.max())
+    lo, hi = max(lo / 1.25, 1e-4), hi * 1.25
+    if hi / lo < 4:  # a narrow spread still gets a readable span
+        mid = np.sqrt(lo * hi)
+        lo, hi = mid / 2, mid * 2
+    return np.geomspace(lo, hi, bins + 1)
+
+
+def quality_summary(uri: str, storage_options: dict | None = None) -> dict[str, Any]:
+    """Distribution of the image-quality column and the low-information count ({} without it)."""
+    ds = T.open_table(uri, storage_options)
+    if Q.COLUMN not in ds.schema.names:
+        return {}
+    col = ds.to_table(columns=[Q.COLUMN])[Q.COLUMN].combine_chunks()
+    if isinstance(col, pa.ExtensionArray):  # pragma: no cover - defensive
+        col = col.storage
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    vals = {f: col.field(f).to_numpy(zero_copy_only=False)[valid] for f in Q.FIELDS}
+    low = Q.is_low_information(vals["std"], vals["entropy"], vals["flat"])
+    std_edges = np.linspace(0.0, 128.0, 65)
+    std_counts, _ = np.histogram(np.clip(vals["std"], 0, 128), bins=std_edges)
+    ent_edges = np.linspace(0.0, 8.0, 33)
+    ent_counts, _ = np.histogram(np.clip(vals["entropy"], 0, 8), bins=ent_edges)
+    return {
+        "column": Q.COLUMN,
+        "measured": int(valid.sum()),
+        "not_measured": int((~valid).sum()),
+        "low_information": int(low.sum()),
+        "blank_std": int((vals["std"] < Q.BLANK_STD).sum()),
+        "low_information_filter": Q.LOW_INFORMATION_SQL,
+        "std": {"edges": std_edges.tolist(), "counts": std_counts.tolist()},
+        "entropy": {"edges": ent_edges.tolist(), "counts": ent_counts.tolist()},
+    }
 
 
 def plot(report: TableReport, out_dir: str, spec: BucketSpec = DEFAULT_SPEC) -> list[str]:
@@ -103,6 +149,7 @@ def plot(report: TableReport, out_dir: str, spec: BucketSpec = DEFAULT_SPEC) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -113,12 +160,16 @@ def plot(report: TableReport, out_dir: str, spec: BucketSpec = DEFAULT_SPEC) -> 
         edges[:-1], report.megapixels["counts"], width=np.diff(edges), align="edge", color="#4c78a8"
     )
     ax.set_xscale("log")
+    ax.set_xlim(edges[0], edges[-1])
+    top = max(report.megapixels["counts"] or [0]) or 1
+    ax.set_ylim(0, top * 1.18)
     for t in spec.tiers:
-        ax.axvline(spec.floor_pixels(t) / 1e6, color="#e45756", ls="--", lw=1)
-        ax.text(
-            spec.floor_pixels(t) / 1e6, ax.get_ylim()[1] * 0.95, f" {t}", color="#e45756", va="top"
-        )
-    ax.set_xlabel("megapixels (dashed: tier floors, (tier*3/4)^2)")
+        x = spec.floor_pixels(t) / 1e6
+        if edges[0] <= x <= edges[-1]:
+            ax.axvline(x, color="#e45756", ls="--", lw=1)
+            ax.text(x, top * 1.15, f" {t} tier", color="#e45756", va="top", fontsize=9)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_mp_label))
+    ax.set_xlabel("megapixels (dashed: tier floors, (tier*3/4)^2 pixels)")
     ax.set_ylabel("images")
     ax.set_title("Resolution")
     paths.append(_save(fig, out_dir, "resolution.png"))
@@ -152,14 +203,47 @@ def plot(report: TableReport, out_dir: str, spec: BucketSpec = DEFAULT_SPEC) -> 
     ax.tick_params(axis="x", rotation=30)
     paths.append(_save(fig, out_dir, "tiers.png"))
 
-    fig, ax = plt.subplots(figsize=(8, 4))
     sizes = report.fragments.get("fragment_sizes", [])
-    ax.bar(range(len(sizes)), [s["rows"] for s in sizes], color="#54a24b")
-    ax.set_xlabel("fragment")
-    ax.set_ylabel("rows")
-    ax.set_title(f"{len(sizes)} fragments")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = np.arange(len(sizes))
+    ax.bar(xs, [s["rows"] for s in sizes], color="#54a24b")
+    bx.bar(xs, [s["bytes"] / 1e6 for s in sizes], color="#f58518")
+    for a, what in ((ax, "rows"), (bx, "MB")):
+        a.set_xlabel("fragment")
+        a.set_ylabel(what)
+        a.set_title(f"{what} per fragment")
+        a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True, nbins=10))
+        if len(sizes) == 1:
+            a.set_xticks([0])
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    total = report.fragments.get("fragment_bytes", {}).get("total", 0) / 1e6
+    fig.suptitle(f"{len(sizes)} fragment{'' if len(sizes) == 1 else 's'}, {total:,.1f} MB")
     paths.append(_save(fig, out_dir, "fragments.png"))
+
+    if report.quality:
+        q = report.quality
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+        e = np.array(q["std"]["edges"])
+        ax.bar(e[:-1], q["std"]["counts"], width=np.diff(e), align="edge", color="#4c78a8")
+        ax.axvline(Q.BLANK_STD, color="#e45756", ls="--", lw=1)
+        ax.set_xlabel(f"pixel std, 0-255 (dashed: blank below {Q.BLANK_STD:g})")
+        ax.set_ylabel("images")
+        ax.set_yscale("symlog", linthresh=10)
+        e = np.array(q["entropy"]["edges"])
+        bx.bar(e[:-1], q["entropy"]["counts"], width=np.diff(e), align="edge", color="#72b7b2")
+        bx.axvline(Q.BLANK_ENTROPY, color="#e45756", ls="--", lw=1)
+        bx.set_xlabel(f"grey-level entropy, bits (dashed: blank below {Q.BLANK_ENTROPY:g})")
+        bx.set_yscale("symlog", linthresh=10)
+        fig.suptitle(
+            f"Image quality: {q['low_information']:,} of {q['measured']:,} measured images "
+            "are low-information"
+        )
+        paths.append(_save(fig, out_dir, "quality.png"))
     return paths
+
+
+def _mp_label(x: float, _pos=None) -> str:
+    return f"{x:g}" if x >= 0.01 else f"{x:.0e}"
 
 
 def _save(fig, out_dir: str, name: str) -> str:
@@ -182,12 +266,18 @@ def format_report(report: TableReport) -> str:
     lines += ["", f"{'bucket':<16}{'rows':>12}"]
     lines += [f"{b:<16}{c:>12,}" for b, c in report.buckets.items()]
     ss = report.short_side
-    lines += [
-        "",
-        "short side px    " + "  ".join(f"{k} {v:,.0f}" for k, v in ss.items()),
-        "",
-        T.format_stats(report.fragments),
-    ]
+    lines += ["", "short side px    " + "  ".join(f"{k} {v:,.0f}" for k, v in ss.items())]
+    q = report.quality
+    if q:
+        lines += [
+            "",
+            f"image quality    {q['measured']:,} measured, {q['not_measured']:,} not measured",
+            f"  low-information {q['low_information']:,} ({q['blank_std']:,} with std < "
+            f'{Q.BLANK_STD:g}); select them with --where "{q["low_information_filter"]}"',
+        ]
+    else:
+        lines += ["", "image quality    not measured (python -m prx_data.quality --table URI)"]
+    lines += ["", T.format_stats(report.fragments)]
     return "\n".join(lines)
 
 

@@ -47,15 +47,21 @@ def _is_text(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
+#: Suffixes of bookkeeping columns that column jobs write next to a caption column.
+NOT_CAPTION_SUFFIXES = ("_status", "_error")
+
+
+def is_caption_column(name: str) -> bool:
+    """``caption`` and ``caption_*``/``*_caption``, but not ``*_status``/``*_error`` bookkeeping."""
+    if name.endswith(NOT_CAPTION_SUFFIXES):
+        return False
+    return name == S.CAPTION or name.startswith("caption_") or name.endswith("_caption")
+
+
 def caption_columns(table: TableLike) -> list[str]:
-    """String columns that hold captions: ``caption`` and ``caption_*``/``*_caption``."""
+    """String columns that hold captions (see :func:`is_caption_column`)."""
     ds = _ds(table)
-    return [
-        f.name
-        for f in ds.schema
-        if _is_text(f.type)
-        and (f.name == S.CAPTION or f.name.startswith("caption_") or f.name.endswith("_caption"))
-    ]
+    return [f.name for f in ds.schema if _is_text(f.type) and is_caption_column(f.name)]
 
 
 def vector_column(table: TableLike) -> str | None:

@@ -1,0 +1,41 @@
+"""``python -m prx_data.quality``: argument parsing over :mod:`prx_data.columns.quality`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prx_data.core import quality
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.quality",
+        description="Measure every image's information content (std, grey-level entropy and "
+        f"the share of its most common colour), after flattening alpha on white as the export "
+        f"does, into the struct column {quality.COLUMN!r}. Resumable: only rows without a "
+        "value are measured. Blank images (such as transparent overlays that export as pure "
+        "white) then show in stats and the explorer and can go to a 'blank' skip list.",
+    )
+    p.add_argument("--table", required=True, help="Lance table URI")
+    p.add_argument(
+        "--chunk-rows",
+        type=int,
+        default=2048,
+        help="rows measured per write to the table (default: %(default)s)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    from prx_data.columns.quality import compute_quality
+
+    counts = compute_quality(args.table, chunk_rows=args.chunk_rows, progress=not args.no_progress)
+    print(
+        f"measured {counts['written']:,} rows; {counts['unreadable']:,} unreadable (left empty); "
+        f"{counts['low_information']:,} low-information"
+    )
+    print(f'low-information filter: "{quality.LOW_INFORMATION_SQL}"')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
