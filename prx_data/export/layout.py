@@ -488,3 +488,14 @@ def check_bucket_complete(
             f"{REPORT_NAME} counted {expected}; the export was changed after it finished or did "
             f"not finish. Check it with `python -m prx_data.verify {root}`; {_OVERRIDE_HINT}"
         )
+
+
+def write_completion(out: str, buckets: Mapping[str, int], **extra) -> None:
+    """``report.json`` for a tree written by another tool than the exporter (e.g. a rewrite).
+
+    It carries the per-bucket sample counts the loader checks; without a
+    ``units`` count there are no progress markers to compare.
+    """
+    body = {"buckets": dict(sorted(buckets.items())), "samples_written": sum(buckets.values())}
+    body.update(extra)
+    storage.write_bytes_atomic(storage.join(out, REPORT_NAME), json.dumps(body, indent=2).encode())
