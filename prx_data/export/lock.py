@@ -21,7 +21,8 @@ report is written.
   expired lease's ETag, so two runs cannot both take it. A store that
   ignores conditional headers leaves a race window between the read and the
   write (milliseconds); the run reads the lease back after writing it and
-  refuses if someone else's is there. A run whose heartbeat fails (lost lease)
+  refuses if someone else's is there. Other stores (``gs://``, ...) go through
+  pyarrow without conditions, with that same window. A run whose heartbeat fails (lost lease)
   stops before it writes any index or report.
 """
 
@@ -164,19 +165,90 @@ def _s3_client():
     )
 
 
-class _Lease:
-    def __init__(self, out: str, ttl_s: float):
+class _S3Store:
+    """The lease object on S3 (or an S3-compatible store), written with conditional PUTs."""
+
+    conditional = True
+
+    def __init__(self, out: str):
         parsed = urlparse(out)
-        if parsed.scheme != "s3":
-            raise ExportError(
-                f"{out}: the run lease needs conditional writes, supported here for s3:// "
-                "(and S3-compatible stores); write to s3:// or a local directory"
-            )
         self.bucket = parsed.netloc
         self.key = f"{parsed.path.strip('/')}/{LEASE_NAME}".lstrip("/")
+        self.url = f"s3://{self.bucket}/{self.key}"
+        self.client = _s3_client()
+
+    def put(self, body: bytes, **cond) -> str | None:
+        """PUT with ``IfNoneMatch``/``IfMatch``; the new ETag, or None if the condition failed."""
+        from botocore.exceptions import ClientError
+
+        try:
+            r = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, **cond)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return None
+            raise
+        return r["ETag"]
+
+    def get(self) -> tuple[bytes, str] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=self.key)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+        return r["Body"].read(), r["ETag"]
+
+    def delete(self) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self.key)
+
+
+class _PlainStore:
+    """Other object stores (gs://, ...) through pyarrow: no conditional writes.
+
+    The conditions are checked by reading first, which leaves a race window
+    between the read and the write; the read-back after acquiring narrows it.
+    """
+
+    conditional = False
+
+    def __init__(self, out: str):
+        self.url = storage.join(out, LEASE_NAME)
+
+    def put(self, body: bytes, IfNoneMatch: str | None = None, IfMatch: str | None = None):  # noqa: N803
+        current = self.get()
+        if (IfNoneMatch and current is not None) or (
+            IfMatch and (current is None or current[1] != IfMatch)
+        ):
+            return None
+        storage.write_bytes_atomic(self.url, body)
+        return _tag(body)
+
+    def get(self) -> tuple[bytes, str] | None:
+        try:
+            data = storage.read_bytes(self.url)
+        except FileNotFoundError:
+            return None
+        return data, _tag(data)
+
+    def delete(self) -> None:
+        storage.delete(self.url)
+
+
+def _tag(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+class _Lease:
+    def __init__(self, out: str, ttl_s: float):
+        self.store = _S3Store(out) if urlparse(out).scheme == "s3" else _PlainStore(out)
         self.ttl_s = ttl_s
         self.owner = uuid.uuid4().hex
-        self.client = _s3_client()
         self.etag: str | None = None
         self.lost: str | None = None
         self._last_beat = time.time()
@@ -188,33 +260,17 @@ class _Lease:
         return json.dumps(info, sort_keys=True).encode()
 
     def _put(self, **cond) -> str | None:
-        """PUT the lease with a condition; the new ETag, or None if the condition failed."""
-        from botocore.exceptions import ClientError
-
-        try:
-            r = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self._body(), **cond)
-        except ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return None
-            raise
-        return r["ETag"]
+        return self.store.put(self._body(), **cond)
 
     def _get(self) -> tuple[dict, str] | None:
-        from botocore.exceptions import ClientError
-
+        got = self.store.get()
+        if got is None:
+            return None
         try:
-            r = self.client.get_object(Bucket=self.bucket, Key=self.key)
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise
-        try:
-            info = json.loads(r["Body"].read())
+            info = json.loads(got[0])
         except ValueError:
             info = {}
-        return info, r["ETag"]
+        return (info if isinstance(info, dict) else {}), got[1]
 
     def acquire(self) -> str | None:
         took_over = None
@@ -242,7 +298,7 @@ class _Lease:
 
     def _locked(self, info: dict) -> ExportLocked:
         return ExportLocked(
-            f"another export run holds the lease on s3://{self.bucket}/{self.key} "
+            f"another export run holds the lease on {self.store.url} "
             f"({_holder_text(info)}, expires in {info.get('expires', 0) - time.time():.0f} s); "
             "wait for it to finish, or for the lease to expire if that run died"
         )
@@ -252,7 +308,7 @@ class _Lease:
             try:
                 etag = self._put(IfMatch=self.etag)
             except Exception as e:  # noqa: BLE001 - a transient failure: retry next beat
-                if self._expired_since_beat():
+                if time.time() - self._last_beat > self.ttl_s:
                     self.lost = f"heartbeat failed until the lease expired ({e})"
                     return
                 continue
@@ -262,12 +318,9 @@ class _Lease:
             self.etag = etag
             self._last_beat = time.time()
 
-    def _expired_since_beat(self) -> bool:
-        return time.time() - self._last_beat > self.ttl_s
-
     def check(self) -> None:
         if self.lost:
-            raise ExportLocked(f"lost the lease on s3://{self.bucket}/{self.key}: {self.lost}")
+            raise ExportLocked(f"lost the lease on {self.store.url}: {self.lost}")
 
     def release(self) -> None:
         self._stop.set()
@@ -275,4 +328,4 @@ class _Lease:
             self._thread.join(timeout=10)
         got = self._get()
         if got is not None and got[0].get("owner") == self.owner:
-            self.client.delete_object(Bucket=self.bucket, Key=self.key)
+            self.store.delete()
