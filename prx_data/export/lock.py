@@ -153,18 +153,6 @@ def _read_fd_json(fd: int) -> dict:
 # --- object storage -------------------------------------------------------------------------
 
 
-def _s3_client():
-    """A boto3 S3 client for ``S3_ENDPOINT_URL`` (as streaming uses), with botocore's retries."""
-    import boto3
-    from botocore.config import Config
-
-    return boto3.client(
-        "s3",
-        endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None,
-        config=Config(retries={"mode": "standard", "max_attempts": 5}),
-    )
-
-
 class _S3Store:
     """The lease object on S3 (or an S3-compatible store), written with conditional PUTs."""
 
@@ -175,7 +163,7 @@ class _S3Store:
         self.bucket = parsed.netloc
         self.key = f"{parsed.path.strip('/')}/{LEASE_NAME}".lstrip("/")
         self.url = f"s3://{self.bucket}/{self.key}"
-        self.client = _s3_client()
+        self.client = storage.s3_client()
 
     def put(self, body: bytes, **cond) -> str | None:
         """PUT with ``IfNoneMatch``/``IfMatch``; the new ETag, or None if the condition failed."""
