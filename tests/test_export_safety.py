@@ -345,3 +345,25 @@ def test_manifest_report_and_traversal_problems_are_listed(export_with_list, tmp
     os.remove(os.path.join(root, "report.json"))
     rc, out = _verify(root, capsys=capsys)
     assert "report.json: missing" in out
+
+
+def test_dropped_rows_are_merged_in_part_order_and_gaps_reported(tmp_path):
+    import pyarrow.parquet as pq
+
+    from prx_data.export import unit
+
+    root = str(tmp_path / "exp")
+    make_export(root, {B: 40}, samples_per_part=16)
+    results = done_parts(root)
+    first, second, third = sorted(results)
+    for part, rows in ((third, [("c", "too_small", "10x10")]), (first, [("a", "truncated", "")])):
+        results[part].dropped = {rows[0][1]: 1, "filtered": 5}
+        path = os.path.join(root, layout.DROPPED_DIR, f"{part}.parquet")
+        unit._write_dropped_rows(path, rows)
+    results[second].dropped = {"decode_error": 1}  # a unit whose list was never written
+    cfg = ExportConfig(table="t", out=root, caption_columns=("caption",))
+    with pytest.warns(UserWarning, match="lacks the dropped rows of 1 unit"):
+        report = finalize(cfg, results, 0.0)
+    got = pq.read_table(os.path.join(root, layout.DROPPED_NAME)).to_pylist()
+    assert [(r["id"], r["reason"]) for r in got] == [("a", "truncated"), ("c", "too_small")]
+    assert any(second in w for w in report.warnings)

@@ -500,28 +500,34 @@ def _write_dropped_rows(path: str, rows: list[tuple[str, str, str]]) -> None:
     storage.write_bytes_atomic(path, buf.getvalue())
 
 
-def _merge_dropped(cfg: ExportConfig, results: dict[str, UnitResult]) -> int:
-    """``dropped.parquet``: the units' dropped rows in part order (only units that dropped any)."""
+def _merge_dropped(cfg: ExportConfig, results: dict[str, UnitResult]) -> list[str]:
+    """``dropped.parquet``: the units' dropped rows in part order (only units that dropped any).
+
+    Returns the parts whose list is missing (units finished by an older version).
+    """
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
-    n = 0
+    missing = []
     with pq.ParquetWriter(buf, DROPPED_SCHEMA, compression="zstd") as writer:
         for part in sorted(results):
             r = results[part]
             if not any(k not in UNLISTED_REASONS for k in r.dropped):
                 continue
             path = storage.join(cfg.out, *DROPPED_DIR.split("/"), f"{part}.parquet")
-            table = pq.read_table(io.BytesIO(storage.read_bytes(path)))
+            try:
+                table = pq.read_table(io.BytesIO(storage.read_bytes(path)))
+            except FileNotFoundError:
+                missing.append(part)
+                continue
             expected = sum(v for k, v in r.dropped.items() if k not in UNLISTED_REASONS)
             if table.num_rows != expected:
                 raise ExportError(
                     f"{path}: {table.num_rows} rows, its work unit dropped {expected}"
                 )
             writer.write_table(table.cast(DROPPED_SCHEMA))
-            n += table.num_rows
     storage.write_bytes_atomic(storage.join(cfg.out, DROPPED_NAME), buf.getvalue())
-    return n
+    return missing
 
 
 def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) -> ExportReport:
@@ -550,8 +556,13 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
     tiers: Counter = Counter()
     for name, n in counts.items():
         tiers[name.split("/")[0]] += n
-    _merge_dropped(cfg, results)
+    unlisted = _merge_dropped(cfg, results)
     found = caption_warnings(cfg.table, cfg.caption_columns)
+    if unlisted:
+        found.append(
+            f"{DROPPED_NAME} lacks the dropped rows of {len(unlisted)} unit(s) finished by an "
+            f"older version (e.g. {unlisted[0]}); they are counted in the report"
+        )
     for c in cfg.caption_columns or ():
         blank = notes.get(f"{c}_missing", 0) + notes.get(f"{c}_empty", 0)
         if written and blank >= written:
