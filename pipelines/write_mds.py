@@ -7,20 +7,25 @@ parallel on every CPU Ray offers, locally or across a cluster.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+import warnings
 from dataclasses import asdict
 
 from tqdm.auto import tqdm
 
+from prx_data.core import storage
 from prx_data.core.runtime import ensure_ray
 from prx_data.core.storage import storage_env
 from prx_data.export.layout import remove_stale_parts
+from prx_data.export.lock import ExportLock
 from prx_data.export.unit import (
     ExportConfig,
     ExportReport,
     UnitResult,
     WorkUnit,
+    check_out_location,
     done_parts,
     export_unit,
     finalize,
@@ -50,8 +55,36 @@ def run_export(
     num_cpus: int | None = None,
     progress: bool = True,
 ) -> ExportReport:
-    """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report."""
-    t0 = time.perf_counter()
+    """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report.
+
+    The whole run holds the output's lock (:mod:`prx_data.export.lock`): a
+    second run or a ``--resume`` on the same ``--out`` is refused meanwhile.
+    """
+    check_out_location(cfg.out)
+    created = not storage.is_remote(cfg.out) and not os.path.exists(cfg.out)
+    try:
+        with ExportLock(cfg.out) as lock:
+            if lock.took_over:
+                warnings.warn(f"{cfg.out}: took over {lock.took_over}", UserWarning, stacklevel=2)
+            return _run_locked(
+                cfg, lock, overwrite, resume, ray_address, num_cpus, progress, time.perf_counter()
+            )
+    except BaseException:
+        if created and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
+            os.rmdir(cfg.out)  # a refused run leaves no trace
+        raise
+
+
+def _run_locked(
+    cfg: ExportConfig,
+    lock: ExportLock,
+    overwrite: bool,
+    resume: bool,
+    ray_address: str | None,
+    num_cpus: int | None,
+    progress: bool,
+    t0: float,
+) -> ExportReport:
     cfg = prepare_output(cfg, overwrite=overwrite, resume=resume)
     units = plan_units(cfg)
     finished = done_parts(cfg.out) if resume else {}
@@ -78,6 +111,7 @@ def run_export(
             file=sys.stderr,
         )
         for row in ds.iter_rows():
+            lock.check()
             r = UnitResult.from_json(row["result"])
             results[r.part] = r
             bar.update(1)
@@ -87,4 +121,5 @@ def run_export(
     missing = expected - set(results)
     if missing:
         raise RuntimeError(f"{len(missing)} work units did not report back: {sorted(missing)[:5]}")
+    lock.check()
     return finalize(cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0)

@@ -5,8 +5,13 @@ JPEGs of the exact bucket shape with ``streaming.MDSWriter`` instead of
 decoding a Lance table, so the streaming tests run in milliseconds. Everything
 that defines the tree (part names, ``ids.parquet`` manifests, the merged
 bucket index) comes from :mod:`prx_data.export.layout`, the module the real
-exporter and the rewrite use. Layout (see docs/ARCHITECTURE.md):
+exporter and the rewrite use, and the tree is completed the way the exporter
+completes it (export marker, one progress marker per part, then
+:func:`prx_data.export.unit.finalize` merges the buckets and writes
+``report.json``), so the loader accepts it as a finished export. Layout (see
+docs/ARCHITECTURE.md):
 
+    <root>/report.json, dropped.parquet, _progress/export.marker, _progress/<part>.done
     <root>/<tier>/<ar>/index.json
     <root>/<tier>/<ar>/<part>/index.json, shard.NNNNN.mds, ids.parquet
 """
@@ -23,9 +28,11 @@ from dataclasses import dataclass, field
 from PIL import Image
 from streaming import MDSWriter
 
+from prx_data.core import storage
 from prx_data.core.buckets import parse_bucket_name
 from prx_data.core.schema import MDS_COLUMNS
 from prx_data.export import layout
+from prx_data.export.unit import ExportConfig, UnitResult, done_parts, finalize
 
 
 @dataclass
@@ -55,7 +62,7 @@ def make_export(
     samples_per_part: int = 16,
     samples_per_shard: int | None = None,
     caption_columns: Sequence[str] = ("caption",),
-    hashes: Sequence[str] = ("sha1",),
+    hashes: Sequence[str] = ("sha1", "xxh64"),
     compression: str | None = None,
 ) -> FakeExport:
     """Write ``buckets`` ({"512/1.000": n_samples}) under ``root`` and return the ids.
@@ -65,6 +72,10 @@ def make_export(
     Ids are ``<name>/<bucket>/<i>``; the pixel colour encodes ``i``.
     """
     out = FakeExport(root)
+    results = done_parts(root) if os.path.isdir(os.path.join(root, layout.PROGRESS_DIR)) else {}
+    for r in results.values():  # buckets made again by this call are counted again below
+        for b in buckets:
+            r.written -= r.buckets.pop(b, 0)
     columns = dict(MDS_COLUMNS)
     for c in caption_columns:
         columns[c] = "str"
@@ -120,8 +131,21 @@ def make_export(
                     out.where[sid] = (bucket_name, base, j)
                     k += 1
             layout.write_manifest(bdir, part, [r[2] for r in shard_rows])
-        layout.merge_bucket(bdir, parts)
+            r = results.setdefault(part, UnitResult(part=part))
+            r.buckets[bucket_name] = len(shard_rows)
+            r.written += len(shard_rows)
         out.ids[bucket_name] = ids
+    layout.write_export_marker(root)
+    for r in results.values():
+        r.rows = r.written
+        storage.write_bytes_atomic(layout.marker_path(root, r.part), r.to_json().encode())
+    cfg = ExportConfig(
+        table="(fabricated by tests.exportkit)",
+        out=root,
+        caption_columns=tuple(caption_columns),
+        hashes=tuple(hashes),
+    )
+    finalize(cfg, results, 0.0)  # merges every bucket and writes report.json, as the exporter
     return out
 
 

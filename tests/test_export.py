@@ -178,7 +178,7 @@ def test_rerun_gives_identical_bytes_and_output_guard(photo_table, tmp_path, ray
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    with pytest.raises(ExportError, match="not part of an export"):
+    with pytest.raises(ExportError, match="not provably an export"):
         run_export(
             ExportConfig(table=photo_table, out=str(foreign)), overwrite=True, progress=False
         )

@@ -17,6 +17,7 @@ JOBS = {
     "dedup": "perceptual-hash dedup: dup_of column and a 'dedup' skip list",
     "optout": "add an opt-out skip list to an export",
     "write_mds": "export a table to resolution/aspect-ratio bucketed MDS",
+    "verify": "check an export: report, indexes, shards (--deep: hashes), manifests, sidecars",
     "skips": "manage sidecar skip lists of an export (add, list, stats, remove, rewrite)",
     "planner": "preflight: batches per bucket, tail drops, fatal configurations",
     "jpeg_fidelity": "measure JPEG re-encode fidelity; estimate JPEG quality",

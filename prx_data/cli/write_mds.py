@@ -6,13 +6,20 @@ import argparse
 import sys
 
 from prx_data.core.buckets import DEFAULT_TIERS
-from prx_data.export.unit import ExportConfig, ExportError
+from prx_data.export.unit import DEFAULT_HASHES, ExportConfig, ExportError
 
 EPILOG = """\
 output layout:
   OUT/<tier>/<w/h>/index.json      one Mosaic Streaming dataset per bucket (e.g. 1024/1.000)
   OUT/<tier>/<w/h>/<part>/...      shards + ids.parquet (row ids, for skip lists)
   OUT/report.json, report.txt      written last: the export is complete
+  OUT/dropped.parquet              id, reason, detail of every dropped or failed row
+  OUT/.prx-export.lock             held while a run writes (a lease object on s3://)
+
+safety: --overwrite and --resume only touch a tree the exporter marked as its own
+(OUT/_progress/export.marker) that holds nothing but tiers, buckets and parts;
+anything else is refused with a list of what was found. One run at a time per OUT.
+Check an export with: python -m prx_data.verify OUT [--deep]
 
 bucketing: an image goes to the largest tier T with (3T/4)^2 <= its pixels (never
 upscaled more than 4/3), then to the nearest of 13 patch-aligned shapes in log
@@ -87,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hashes",
         type=lambda s: tuple(x for x in s.split(",") if x),
-        default=(),
-        help="Comma-separated shard hashes to record, e.g. sha1,xxh64 (default: none).",
+        default=DEFAULT_HASHES,
+        help="Comma-separated shard hashes to record in each index; skip lists bind to them and "
+        "`verify --deep` checks them (default: xxh64; pass '' for none).",
     )
     p.add_argument(
         "--size-limit",
@@ -118,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--overwrite",
         action="store_true",
-        help="Replace an existing export at --out (only if it looks like an export).",
+        help="Replace an existing export at --out (only one this exporter wrote, holding "
+        "nothing else).",
     )
     g.add_argument(
         "--resume",

@@ -4,10 +4,18 @@ Shards themselves move through Mosaic Streaming; this module handles the
 files around them (manifests, skip lists, reports, indexes) with one API for
 ``/local/dir`` and ``s3://bucket/prefix`` (plus ``gs://``). S3-compatible
 endpoints are taken from ``S3_ENDPOINT_URL``, as Mosaic Streaming does.
+
+Whole-object reads and writes on ``s3://`` go through boto3 with botocore's
+``standard`` retry policy (5xx, throttling, connection resets and read
+timeouts are retried with backoff and jitter): pyarrow's S3 client gives up
+on a stalled upload after one low-speed timeout. ``S3_READ_TIMEOUT_S`` and
+``S3_CONNECT_TIMEOUT_S`` (seconds; default 60 and 10) bound a stalled request,
+``S3_MAX_ATTEMPTS`` (default 5) the attempts.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import uuid
@@ -48,6 +56,35 @@ def _s3fs() -> pafs.S3FileSystem:
     return pafs.S3FileSystem(**kwargs)
 
 
+def s3_client():
+    """A boto3 S3 client for ``S3_ENDPOINT_URL`` with botocore's standard retries (cached)."""
+    env = os.environ.get
+    return _s3_client(
+        env("S3_ENDPOINT_URL") or None,
+        float(env("S3_READ_TIMEOUT_S") or 60),
+        float(env("S3_CONNECT_TIMEOUT_S") or 10),
+        int(env("S3_MAX_ATTEMPTS") or 5),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_client(endpoint: str | None, read_timeout: float, connect_timeout: float, attempts: int):
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        retries={"mode": "standard", "max_attempts": attempts},
+        read_timeout=read_timeout,
+        connect_timeout=connect_timeout,
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+
+
+def _bucket_key(path: str) -> tuple[str, str]:
+    parsed = urlparse(path)
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path within it) for a local path or URI."""
     if not is_remote(path):
@@ -61,6 +98,16 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 
 
 def read_bytes(path: str) -> bytes:
+    if path.startswith("s3://"):
+        from botocore.exceptions import ClientError
+
+        bucket, key = _bucket_key(path)
+        try:
+            return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NoSuchBucket"):
+                raise FileNotFoundError(path) from None
+            raise
     fs, p = filesystem(path)
     with fs.open_input_stream(p) as f:
         return f.read()
@@ -76,6 +123,10 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
 
     Locally: temp file + fsync + rename. On object storage a PUT is atomic.
     """
+    if path.startswith("s3://"):
+        bucket, key = _bucket_key(path)
+        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        return
     if is_remote(path):
         fs, p = filesystem(path)
         with fs.open_output_stream(p) as f:

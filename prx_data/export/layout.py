@@ -6,7 +6,11 @@ the loader and the tests all read and write the same thing.
     out/
       report.json                      written last: the export is complete
       report.txt
+      dropped.parquet                  id, reason, detail of every dropped or failed row
+      .prx-export.lock                 the run lock (local); .prx-export.lease on object storage
+      _progress/export.marker          written first: proof that the tree is an export of ours
       _progress/config                 the pinned export config (JSON text, not *.json)
+      _progress/dropped/<part>.parquet a unit's dropped rows, merged into dropped.parquet
       _progress/<part>.done            one marker per finished work unit
       <tier>/<ar>/index.json           merged bucket index, written atomically
       <tier>/<ar>/<part>/index.json    the part's own MDSWriter index
@@ -65,8 +69,35 @@ PROGRESS_DIR = "_progress"
 CONFIG_NAME = "_progress/config"
 
 
-#: Top-level entries an export may contain; anything else makes --overwrite refuse.
-_EXPORT_ENTRIES_EXTRA = {PROGRESS_DIR, REPORT_NAME, "report.txt"}
+#: Written first by the exporter, before any shard: the proof that a tree is one of ours.
+MARKER_NAME = "_progress/export.marker"
+MARKER_FORMAT = "prx-data export"
+
+#: The run lock on a local --out (held with flock) and the lease object on object storage.
+LOCK_NAME = ".prx-export.lock"
+LEASE_NAME = ".prx-export.lease"
+
+DROPPED_NAME = "dropped.parquet"
+DROPPED_DIR = "_progress/dropped"
+
+#: Top-level files an export may contain besides tier directories.
+_EXPORT_ENTRIES_EXTRA = {
+    PROGRESS_DIR,
+    REPORT_NAME,
+    "report.txt",
+    DROPPED_NAME,
+    LOCK_NAME,
+    LEASE_NAME,
+}
+
+#: Work-unit part directories: ``f<fragment:06d>-<start:09d>`` (:func:`part_name`).
+_PART_RE = re.compile(r"^f\d{6}-\d{9}$")
+
+#: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
+_PART_FILE_RE = re.compile(
+    r"^(shard\.\d{5}\.mds(\.[a-z0-9]+)?(\.[a-z0-9][a-z0-9._-]{0,63}\.skip)?|index\.json"
+    r"|ids\.parquet)(\.tmp-[0-9a-f]+)?$"
+)
 
 
 class ExportError(Exception):
@@ -79,40 +110,135 @@ def list_top(out: str) -> list[str]:
     return sorted(os.listdir(out)) if os.path.isdir(out) else []
 
 
-def looks_like_export(entries: list[str], tiers: tuple[int, ...]) -> bool:
-    allowed = _EXPORT_ENTRIES_EXTRA | {str(t) for t in tiers}
-    return all(e in allowed or e.isdigit() for e in entries)
+def write_export_marker(out: str) -> None:
+    """Mark ``out`` as an export of ours (first thing written into a new export)."""
+    body = json.dumps({"format": MARKER_FORMAT, "version": 1}, sort_keys=True)
+    storage.write_bytes_atomic(storage.join(out, *MARKER_NAME.split("/")), body.encode())
+
+
+def _has_proof(out: str) -> bool:
+    """The marker, or (exports written before the marker existed) a parseable export config."""
+    for name in (MARKER_NAME, CONFIG_NAME):
+        try:
+            obj = json.loads(storage.read_bytes(storage.join(out, *name.split("/"))))
+        except (FileNotFoundError, OSError, ValueError):
+            continue
+        if name == MARKER_NAME and isinstance(obj, dict) and obj.get("format") == MARKER_FORMAT:
+            return True
+        if name == CONFIG_NAME and isinstance(obj, dict) and {"table", "tiers"} <= set(obj):
+            return True
+    return False
+
+
+def foreign_entries(out: str) -> list[str]:
+    """What makes ``out`` not provably an export of ours (empty: safe to delete or resume).
+
+    Proof is the exporter's marker (or config), and a tree in which every
+    top-level entry is an export file or a tier directory holding only
+    ``<ratio>`` bucket directories, which hold only part directories and the
+    merged index. A photo folder with ``2023/`` and ``2024/`` fails on both.
+    """
+    found: list[str] = []
+    if not _has_proof(out):
+        found.append(f"no {MARKER_NAME} or {CONFIG_NAME} written by the exporter")
+    if storage.is_remote(out):
+        for rel in storage.list_files(out):
+            bits = rel.split("/")
+            if bits[0] in _EXPORT_ENTRIES_EXTRA and (len(bits) == 1 or bits[0] == PROGRESS_DIR):
+                continue
+            if not _allowed_bucket_path(bits):
+                found.append(rel)
+        return found
+    for top in sorted(os.listdir(out)):
+        path = os.path.join(out, top)
+        if top in _EXPORT_ENTRIES_EXTRA:
+            if top == PROGRESS_DIR and not os.path.isdir(path):
+                found.append(top)
+            continue
+        if not (_TIER_RE.match(top) and os.path.isdir(path)):
+            found.append(top)
+            continue
+        for ar in sorted(os.listdir(path)):
+            bdir = os.path.join(path, ar)
+            if not (_AR_RE.match(ar) and os.path.isdir(bdir)):
+                found.append(f"{top}/{ar}")
+                continue
+            for entry in sorted(os.listdir(bdir)):
+                epath = os.path.join(bdir, entry)
+                if os.path.isdir(epath):
+                    if not _PART_RE.match(entry):
+                        found.append(f"{top}/{ar}/{entry}")
+                        continue
+                    for f in sorted(os.listdir(epath)):
+                        if not (_PART_FILE_RE.match(f) and os.path.isfile(os.path.join(epath, f))):
+                            found.append(f"{top}/{ar}/{entry}/{f}")
+                elif not (entry == INDEX_NAME or entry.startswith(f"{INDEX_NAME}.tmp-")):
+                    found.append(f"{top}/{ar}/{entry}")
+    return found
+
+
+def _allowed_bucket_path(bits: list[str]) -> bool:
+    if len(bits) < 3 or not (_TIER_RE.match(bits[0]) and _AR_RE.match(bits[1])):
+        return False
+    if len(bits) == 3:
+        return bits[2] == INDEX_NAME or bits[2].startswith(f"{INDEX_NAME}.tmp-")
+    return len(bits) == 4 and bool(_PART_RE.match(bits[2]) and _PART_FILE_RE.match(bits[3]))
+
+
+def describe_foreign(found: Sequence[str], limit: int = 10) -> str:
+    more = f" and {len(found) - limit} more" if len(found) > limit else ""
+    return "; ".join(found[:limit]) + more
 
 
 def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
-    """Delete part directories left by units that did not finish."""
+    """Delete what an interrupted run left: unfinished parts, merged indexes, temp files.
+
+    Only names the exporter writes are touched (part directories, ``index.json``
+    and its ``.tmp-*`` files); the caller has checked the tree with
+    :func:`foreign_entries` first.
+    """
     removed = 0
     if storage.is_remote(out):
         stale = set()
         for rel in storage.list_files(out):
             bits = rel.split("/")
-            if len(bits) >= 4 and bits[0].isdigit() and bits[2] not in keep:
+            if not _allowed_bucket_path(bits):
+                continue
+            if len(bits) == 4 and bits[2] not in keep:
                 stale.add("/".join(bits[:3]))
+            elif len(bits) == 3:  # a merge from an earlier attempt; redone at the end
+                stale.add(rel)
         for p in sorted(stale):
             storage.delete(storage.join(out, p))
             removed += 1
         return removed
+    _remove_temp_files(os.path.join(out, PROGRESS_DIR))
     for tier in os.listdir(out):
         tdir = os.path.join(out, tier)
-        if not (tier.isdigit() and os.path.isdir(tdir)):
+        if not (_TIER_RE.match(tier) and os.path.isdir(tdir)):
             continue
         for ar in os.listdir(tdir):
             bdir = os.path.join(tdir, ar)
-            if not os.path.isdir(bdir):
+            if not (_AR_RE.match(ar) and os.path.isdir(bdir)):
                 continue
             for part in os.listdir(bdir):
-                if os.path.isdir(os.path.join(bdir, part)) and part not in keep:
-                    storage.delete(os.path.join(bdir, part))
+                ppath = os.path.join(bdir, part)
+                if os.path.isdir(ppath) and _PART_RE.match(part) and part not in keep:
+                    storage.delete(ppath)
                     removed += 1
-            index = os.path.join(bdir, "index.json")
-            if os.path.exists(index):  # a merge from an earlier attempt; redone at the end
-                os.remove(index)
+                elif os.path.isdir(ppath):
+                    _remove_temp_files(ppath)
+                elif part == INDEX_NAME or part.startswith(f"{INDEX_NAME}.tmp-"):
+                    os.remove(ppath)  # a merge from an earlier attempt; redone at the end
     return removed
+
+
+def _remove_temp_files(directory: str) -> None:
+    """Leftovers of :func:`storage.write_bytes_atomic` from a killed process."""
+    for dirpath, _dirs, files in os.walk(directory):
+        for f in files:
+            if re.search(r"\.tmp-[0-9a-f]{8}$", f):
+                os.remove(os.path.join(dirpath, f))
 
 
 def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> None:
@@ -139,11 +265,27 @@ def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> None:
     storage.write_bytes_atomic(storage.join(bucket_dir, part, MANIFEST_NAME), buf.getvalue())
 
 
-def merge_bucket(bucket_dir: str, parts: list[str]) -> int:
-    """Write the bucket's index.json from its parts' indexes, atomically."""
+def merge_bucket(
+    bucket_dir: str, parts: list[str], expected: Mapping[str, int] | None = None
+) -> int:
+    """Write the bucket's index.json from its parts' indexes, atomically.
+
+    ``expected`` ({part: samples}, from the work units' results) is checked
+    before anything is written: a part whose index disagrees (another run
+    rewrote it) fails the merge and leaves no index behind.
+    """
     shards = []
     for part in sorted(parts):
-        index = json.loads(storage.read_bytes(storage.join(bucket_dir, part, "index.json")))
+        path = storage.join(bucket_dir, part, "index.json")
+        index = json.loads(storage.read_bytes(path))
+        if expected is not None:
+            n = sum(int(s["samples"]) for s in index["shards"])
+            if n != expected.get(part):
+                raise ExportError(
+                    f"{path}: the part's index holds {n} samples but its work unit wrote "
+                    f"{expected.get(part)}; another run changed this export. Start again with "
+                    "--overwrite."
+                )
         for shard in index["shards"]:
             for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
                 if shard.get(key):
@@ -164,7 +306,7 @@ def content_digest(out: str) -> str:
     for rel in storage.list_files(out):
         if (
             rel.startswith(PROGRESS_DIR)
-            or rel in (REPORT_NAME, "report.txt")
+            or rel in (REPORT_NAME, "report.txt", DROPPED_NAME, LOCK_NAME, LEASE_NAME)
             or rel.endswith(".skip")
         ):
             continue
@@ -286,3 +428,74 @@ def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
     if not tables:
         return pa.table({"shard": [], "index": pa.array([], pa.int32()), "id": [], "bucket": []})
     return pa.concat_tables(tables)
+
+
+# --- completeness (what the loader and verify check) -----------------------------------------
+
+
+class IncompleteExport(ExportError):
+    """An export that did not finish, or whose indexes disagree with its report."""
+
+
+_OVERRIDE_HINT = "pass DatasetSpec(allow_incomplete=True) to stream it anyway"
+
+
+def read_report(root: str) -> dict | None:
+    """The export's ``report.json`` (None when there is none: the export did not finish)."""
+    try:
+        return json.loads(storage.read_bytes(storage.join(root, REPORT_NAME)))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise IncompleteExport(
+            f"{storage.join(root, REPORT_NAME)}: unreadable report ({e})"
+        ) from None
+
+
+def check_export_complete(root: str, report: dict | None, *, count_markers: bool = True) -> None:
+    """Refuse an export without a report, or with fewer unit markers than it reports.
+
+    Counting markers lists ``_progress`` once (local roots). A remote root's
+    cache holds no ``_progress``: there the loader checks the report and the
+    per-bucket counts, and ``python -m prx_data.verify`` checks the markers.
+    """
+    if report is None:
+        raise IncompleteExport(
+            f"{root}: no {REPORT_NAME}, so the export did not finish (finish it with "
+            f"`python -m prx_data.write_mds ... --resume`, check it with `python -m prx_data.verify "
+            f"{root}`); {_OVERRIDE_HINT}"
+        )
+    units = report.get("units")
+    if units is None or not count_markers:  # e.g. a rewritten export: no work units
+        return
+    markers = len(list_markers(root))
+    if markers != units:
+        raise IncompleteExport(
+            f"{root}: {REPORT_NAME} reports {units} work units but {PROGRESS_DIR}/ holds "
+            f"{markers} markers; {_OVERRIDE_HINT}"
+        )
+
+
+def check_bucket_complete(
+    root: str, bucket: str, shards: Sequence[ShardInfo], report: dict
+) -> None:
+    """The bucket's merged index holds exactly the samples the report counted."""
+    expected = (report.get("buckets") or {}).get(bucket)
+    got = sum(s.samples for s in shards)
+    if expected != got:
+        raise IncompleteExport(
+            f"{rel_join(root, f'{bucket}/{INDEX_NAME}')}: index holds {got} samples but "
+            f"{REPORT_NAME} counted {expected}; the export was changed after it finished or did "
+            f"not finish. Check it with `python -m prx_data.verify {root}`; {_OVERRIDE_HINT}"
+        )
+
+
+def write_completion(out: str, buckets: Mapping[str, int], **extra) -> None:
+    """``report.json`` for a tree written by another tool than the exporter (e.g. a rewrite).
+
+    It carries the per-bucket sample counts the loader checks; without a
+    ``units`` count there are no progress markers to compare.
+    """
+    body = {"buckets": dict(sorted(buckets.items())), "samples_written": sum(buckets.values())}
+    body.update(extra)
+    storage.write_bytes_atomic(storage.join(out, REPORT_NAME), json.dumps(body, indent=2).encode())

@@ -15,8 +15,11 @@ The Ray Data graph that schedules the units lives in ``pipelines.write_mds``.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import time
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -30,16 +33,32 @@ from prx_data.core.quality import is_low_information
 from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME
 from prx_data.export.layout import (
     CONFIG_NAME,
+    DROPPED_DIR,
+    DROPPED_NAME,
+    LEASE_NAME,
+    LOCK_NAME,
     PROGRESS_DIR,
     ExportError,
+    describe_foreign,
+    foreign_entries,
     list_markers,
     list_top,
-    looks_like_export,
     marker_path,
     merge_bucket,
     part_name,
+    write_export_marker,
     write_manifest,
 )
+
+#: Table columns the exporter cannot do without.
+REQUIRED_COLUMNS = ("id", "image", "width", "height")
+
+#: Drop reasons that are choices, not problems: counted, but not listed in dropped.parquet.
+UNLISTED_REASONS = frozenset({"filtered"})
+
+#: Shard content hash recorded in every index by default (streaming's xxh64: fast, and
+#: what sidecars bind to and ``python -m prx_data.verify --deep`` checks).
+DEFAULT_HASHES = ("xxh64",)
 
 
 @dataclass(frozen=True)
@@ -57,7 +76,7 @@ class ExportConfig:
     #: Resize/encode path: "pillow" (draft >= 1.5x + Lanczos) or "vips" (libvips thumbnail).
     codec: str = "pillow"
     compression: str | None = None
-    hashes: tuple[str, ...] = ()
+    hashes: tuple[str, ...] = DEFAULT_HASHES
     size_limit: int = 1 << 26
     rows_per_task: int = 1000
     #: Optional Lance SQL filter applied before bucketing (e.g. ``label = 'visual'``).
@@ -115,6 +134,8 @@ class ExportReport:
     notes: dict[str, int]
     units: int
     seconds: float
+    #: Problems worth a look that did not stop the export (e.g. no captions at all).
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,6 +165,8 @@ class ExportReport:
             lines += ["", f"{'kept, with notes':<24}{'rows':>10}"]
             for reason, n in sorted(self.notes.items(), key=lambda kv: -kv[1]):
                 lines.append(f"  {reason:<22}{n:>10,}")
+        if self.warnings:
+            lines += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
         rate = self.rows_read / self.seconds if self.seconds else 0.0
         lines += ["", f"{self.units} work units in {self.seconds:.1f} s ({rate:,.1f} rows/s)"]
         return "\n".join(lines)
@@ -161,6 +184,26 @@ def open_table(uri: str, version: int | None = None):
         raise ExportError(
             f"cannot open Lance table {uri!r}: {e}. Create one with `python -m prx_data.ingest DIR --table {uri}`."
         ) from None
+
+
+def check_table_columns(uri: str, schema: pa.Schema) -> None:
+    """Refuse a table the exporter would turn into nothing but drops."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
+    if missing:
+        raise ExportError(
+            f"table {uri} has no {', '.join(repr(c) for c in missing)} column(s) (it has "
+            f"{sorted(schema.names)}); every row would be dropped. Ingest images with "
+            "`python -m prx_data.ingest`, which writes id, image, width and height."
+        )
+
+
+def caption_warnings(table: str, caption_columns: tuple[str, ...] | None) -> list[str]:
+    if not caption_columns:
+        return [
+            f"table {table} has no caption column: samples carry no text "
+            "(add one with `python -m prx_data.caption`, or pass --caption-columns)"
+        ]
+    return []
 
 
 def resolve_caption_columns(schema: pa.Schema, wanted: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -194,19 +237,43 @@ def plan_units(cfg: ExportConfig) -> list[WorkUnit]:
 # --- output location -----------------------------------------------------------
 
 
+def check_out_location(out: str) -> None:
+    """A local ``--out`` must be a directory (or not exist yet, under a directory)."""
+    if storage.is_remote(out):
+        return
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ExportError(f"--out {out} is a file, not a directory; choose a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ExportError(f"--out {out}: {parent} is a file, not a directory")
+
+
 def prepare_output(
     cfg: ExportConfig, *, overwrite: bool = False, resume: bool = False
 ) -> ExportConfig:
     """Check the output location, pin the table version, record the config.
 
     Returns the config with ``table_version`` pinned. Never deletes anything
-    unless ``overwrite`` is set, and then only a directory that looks like an
-    export.
+    unless ``overwrite`` is set, and resumes nothing, unless the tree is
+    provably an export of ours (:func:`layout.foreign_entries`). The caller
+    holds the run lock (:class:`prx_data.export.lock.ExportLock`).
     """
     if overwrite and resume:
         raise ExportError("--overwrite and --resume are mutually exclusive")
-    entries = list_top(cfg.out)
+    check_out_location(cfg.out)
+    entries = [e for e in list_top(cfg.out) if e not in (LOCK_NAME, LEASE_NAME)]
     config_path = storage.join(cfg.out, CONFIG_NAME)
+    if entries and (resume or overwrite):
+        foreign = foreign_entries(cfg.out)
+        if foreign:
+            flag = "--resume" if resume else "--overwrite"
+            raise ExportError(
+                f"refusing to {flag} {cfg.out}: it is not provably an export written by "
+                f"prx_data.write_mds, so nothing was touched. Found: {describe_foreign(foreign)}"
+            )
     if entries and resume:
         if not storage.exists(config_path):
             raise ExportError(f"{cfg.out} has no interrupted export to resume (no {CONFIG_NAME})")
@@ -214,6 +281,7 @@ def prepare_output(
             ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out})
         )
         ds = open_table(cfg.table, previous.table_version)
+        check_table_columns(cfg.table, ds.schema)
         caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
         now = _normalise(
             ExportConfig(
@@ -222,11 +290,12 @@ def prepare_output(
         )
         if now.fingerprint() != previous.fingerprint():
             old = previous.fingerprint()
-            diff = {k: (old[k], v) for k, v in now.fingerprint().items() if old[k] != v}
+            diff = {k: (old.get(k), v) for k, v in now.fingerprint().items() if old.get(k) != v}
             raise ExportError(
                 f"cannot resume {cfg.out}: options differ from the interrupted run {diff} "
                 "(previous, now). Rerun with the same options, or use --overwrite to start again."
             )
+        _warn(caption_warnings(cfg.table, caps))
         return now
     if entries:
         complete = REPORT_NAME in entries
@@ -238,19 +307,22 @@ def prepare_output(
             else:
                 hint = "choose an empty directory"
             raise ExportError(f"output {cfg.out} is not empty: {hint}")
-        if not looks_like_export(entries, cfg.tiers):
-            raise ExportError(
-                f"refusing to --overwrite {cfg.out}: it contains entries that are not part of an export "
-                f"({[e for e in entries if not looks_like_export([e], cfg.tiers)][:5]})"
-            )
-        for e in entries:
-            storage.delete(storage.join(cfg.out, e))
     ds = open_table(cfg.table, cfg.table_version)
+    check_table_columns(cfg.table, ds.schema)
     caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
+    for e in entries:  # only after every check: a refused run deletes nothing
+        storage.delete(storage.join(cfg.out, e))
     pinned = ExportConfig(**{**asdict(cfg), "table_version": ds.version, "caption_columns": caps})
     pinned = _normalise(pinned)
+    write_export_marker(cfg.out)
     storage.write_bytes_atomic(config_path, json.dumps(asdict(pinned), sort_keys=True).encode())
+    _warn(caption_warnings(cfg.table, caps))
     return pinned
+
+
+def _warn(messages: list[str]) -> None:
+    for m in messages:
+        warnings.warn(m, UserWarning, stacklevel=3)
 
 
 def _normalise(cfg: ExportConfig) -> ExportConfig:
@@ -311,6 +383,13 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     read_cols = [c for c in wanted if c in available]
     result = UnitResult(part=unit.part)
     dropped: Counter = Counter()
+    listed: list[tuple[str, str, str]] = []  # (id, reason, detail) for dropped.parquet
+
+    def drop(row: dict, reason: str, detail: str = "") -> None:
+        dropped[reason] += 1
+        if reason not in UNLISTED_REASONS:
+            listed.append((str(row.get("id")), reason, detail))
+
     notes: Counter = Counter()
     writers: dict[str, MDSWriter] = {}
     ids: dict[str, list[str]] = {}
@@ -329,22 +408,22 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
             for row in batch.to_pylist():
                 result.rows += 1
                 if cfg.filter and not row["_keep"]:
-                    dropped["filtered"] += 1
+                    drop(row, "filtered")
                     continue
                 if row.get("probe_error"):
-                    dropped[str(row["probe_error"])] += 1
+                    drop(row, str(row["probe_error"]), "the image header could not be read")
                     continue
                 data = row.get("image")
                 w, h = row.get("width"), row.get("height")
                 if not data:
-                    dropped["empty_file"] += 1
+                    drop(row, "empty_file")
                     continue
                 if not w or not h:
-                    dropped["unknown_size"] += 1
+                    drop(row, "unknown_size", f"width={w} height={h}")
                     continue
                 assignment = assign_bucket(int(w), int(h), spec)
                 if assignment.bucket is None:
-                    dropped[assignment.reason or "unbucketed"] += 1
+                    drop(row, assignment.reason or "unbucketed", f"{w}x{h}")
                     continue
                 b = assignment.bucket
                 try:
@@ -360,7 +439,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                         subsampling=cfg.subsampling,
                     )
                 except ImageError as e:
-                    dropped[e.reason] += 1
+                    drop(row, e.reason, e.detail)
                     continue
                 sample = {
                     "image": prepared.data,
@@ -401,6 +480,10 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
         result.buckets[name] = len(id_list)
     result.dropped = dict(dropped)
     result.notes = dict(notes)
+    if listed:
+        _write_dropped_rows(
+            storage.join(cfg.out, *DROPPED_DIR.split("/"), f"{unit.part}.parquet"), listed
+        )
     result.seconds = time.perf_counter() - t0
     storage.write_bytes_atomic(marker_path(cfg.out, unit.part), result.to_json().encode())
     return result
@@ -409,8 +492,53 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
 # --- merge and report ---------------------------------------------------------
 
 
+DROPPED_SCHEMA = pa.schema([("id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])
+
+
+def _write_dropped_rows(path: str, rows: list[tuple[str, str, str]]) -> None:
+    import pyarrow.parquet as pq
+
+    ids, reasons, details = zip(*rows, strict=True) if rows else ((), (), ())
+    table = pa.table([list(ids), list(reasons), list(details)], schema=DROPPED_SCHEMA)
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    storage.write_bytes_atomic(path, buf.getvalue())
+
+
+def _merge_dropped(cfg: ExportConfig, results: dict[str, UnitResult]) -> list[str]:
+    """``dropped.parquet``: the units' dropped rows in part order (only units that dropped any).
+
+    Returns the parts whose list is missing (units finished by an older version).
+    """
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    missing = []
+    with pq.ParquetWriter(buf, DROPPED_SCHEMA, compression="zstd") as writer:
+        for part in sorted(results):
+            r = results[part]
+            if not any(k not in UNLISTED_REASONS for k in r.dropped):
+                continue
+            path = storage.join(cfg.out, *DROPPED_DIR.split("/"), f"{part}.parquet")
+            try:
+                table = pq.read_table(io.BytesIO(storage.read_bytes(path)))
+            except FileNotFoundError:
+                missing.append(part)
+                continue
+            expected = sum(v for k, v in r.dropped.items() if k not in UNLISTED_REASONS)
+            if table.num_rows != expected:
+                raise ExportError(
+                    f"{path}: {table.num_rows} rows, its work unit dropped {expected}"
+                )
+            writer.write_table(table.cast(DROPPED_SCHEMA))
+    storage.write_bytes_atomic(storage.join(cfg.out, DROPPED_NAME), buf.getvalue())
+    return missing
+
+
 def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) -> ExportReport:
+    """Merge every bucket (checked against the units' counts), then the dropped rows and report."""
     per_bucket: dict[str, list[str]] = {}
+    per_part: dict[str, dict[str, int]] = {}
     counts: Counter = Counter()
     dropped: Counter = Counter()
     notes: Counter = Counter()
@@ -422,9 +550,10 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
         notes.update(r.notes)
         for name, n in r.buckets.items():
             per_bucket.setdefault(name, []).append(r.part)
+            per_part.setdefault(name, {})[r.part] = n
             counts[name] += n
     for name, parts in sorted(per_bucket.items()):
-        merged = merge_bucket(storage.join(cfg.out, name), parts)
+        merged = merge_bucket(storage.join(cfg.out, name), parts, expected=per_part[name])
         if merged != counts[name]:
             raise ExportError(
                 f"bucket {name}: merged index has {merged} samples, expected {counts[name]}"
@@ -432,6 +561,18 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
     tiers: Counter = Counter()
     for name, n in counts.items():
         tiers[name.split("/")[0]] += n
+    unlisted = _merge_dropped(cfg, results)
+    found = caption_warnings(cfg.table, cfg.caption_columns)
+    if unlisted:
+        found.append(
+            f"{DROPPED_NAME} lacks the dropped rows of {len(unlisted)} unit(s) finished by an "
+            f"older version (e.g. {unlisted[0]}); they are counted in the report"
+        )
+    for c in cfg.caption_columns or ():
+        blank = notes.get(f"{c}_missing", 0) + notes.get(f"{c}_empty", 0)
+        if written and blank >= written:
+            found.append(f"caption column {c!r} is null or empty in every exported sample")
+    _warn(found)
     report = ExportReport(
         table=cfg.table,
         out=cfg.out,
@@ -444,6 +585,7 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
         notes=dict(sorted(notes.items())),
         units=len(results),
         seconds=round(seconds, 3),
+        warnings=found,
     )
     storage.write_bytes_atomic(storage.join(cfg.out, "report.txt"), report.table_text().encode())
     storage.write_bytes_atomic(

@@ -146,6 +146,7 @@ def rewrite_export(
     work = tempfile.mkdtemp(prefix="prx-rewrite-")
     stage = os.path.join(work, "out") if remote_out else out
     written = 0
+    counts: dict[str, int] = {}
     try:
         bar = tqdm(total=total - skipped, desc="rewrite", unit="sample")
         for bucket, skips in plan:
@@ -182,8 +183,9 @@ def rewrite_export(
                             written += 1
                             bar.update()
                 layout.write_manifest(bucket_out, part, ids)
-            layout.merge_bucket(bucket_out, sorted(parts))
+            counts[bucket] = layout.merge_bucket(bucket_out, sorted(parts))
         bar.close()
+        layout.write_completion(stage, counts, rewritten_from=root)
         if verify:
             _verify(root, stage, plan, os.path.join(work, "in"), SkipMDSReader)
         if remote_out:

@@ -45,6 +45,7 @@ from prx_data.core.buckets import (
     parse_bucket_name,
     same_ratio_shape,
 )
+from prx_data.core.schema import REPORT_NAME
 from prx_data.core.streaming_compat import World, maybe_init_dist
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
@@ -63,6 +64,9 @@ class DatasetSpec:
 
     ``skip_lists``: None applies every list found; ``[]`` applies none; a list
     of names applies those (an unknown name is an error, to catch typos).
+    ``allow_incomplete``: stream an export that has no ``report.json``, misses
+    unit markers, or whose bucket indexes disagree with its report (refused by
+    default: such an export did not finish, or was changed after it did).
     """
 
     root: str
@@ -71,6 +75,7 @@ class DatasetSpec:
     repeat: float | None = None
     choose: int | None = None
     skip_lists: list[str] | None = None
+    allow_incomplete: bool = False
 
 
 @dataclass
@@ -167,6 +172,11 @@ def _node_barrier() -> None:
 def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     names = spec.skip_lists
     buckets = discover_buckets(spec.root, tiers)
+    report = storage.join(spec.root, REPORT_NAME)
+    if storage.exists(report):  # the loader's completeness check reads the cached copy
+        storage.write_bytes_atomic(os.path.join(local, REPORT_NAME), storage.read_bytes(report))
+    elif os.path.exists(os.path.join(local, REPORT_NAME)):
+        os.remove(os.path.join(local, REPORT_NAME))
     found: set[str] = set()
     for bucket in buckets:
         remote_b = storage.join(spec.root, *bucket.split("/"))
@@ -210,8 +220,16 @@ def load_sources(
         raise FileNotFoundError(f"no buckets of tier(s) {list(tiers)} under {spec.root}")
     out = []
     found: set[str] = set()
+    report = None
+    if not spec.allow_incomplete:
+        report = layout.read_report(base)
+        layout.check_export_complete(
+            spec.root, report, count_markers=not storage.is_remote(spec.root)
+        )
     for bucket in buckets:
         shards = layout.read_index(base, bucket)
+        if report is not None:
+            layout.check_bucket_complete(spec.root, bucket, shards, report)
         skips: dict[str, np.ndarray] = {}
         if spec.skip_lists != []:
             listing = skiplist.list_sidecars(base, bucket, shards)

@@ -1,0 +1,314 @@
+"""Check an export end to end: report <-> markers <-> indexes <-> shards <-> manifests <-> sidecars.
+
+Every problem is collected with the path it concerns, instead of stopping at
+the first, so one run tells a user everything that is wrong:
+
+* ``report.json`` exists and its unit count matches the ``_progress`` markers;
+* every bucket the report counts has a merged index with that many samples,
+  and no bucket exists that the report does not count;
+* every shard basename is confined to the bucket (``<part>/shard.NNNNN.mds[.ext]``,
+  no ``..``, absolute paths or backslashes);
+* every shard exists with the size its index records; ``deep`` rehashes each
+  shard with the hashes its index records (streaming's ``xxh64`` by default);
+* every part's ``ids.parquet`` has as many rows per shard as the index;
+* no part directory or file sits in a bucket without being in its index;
+* every sidecar belongs to a shard of the index, and its content is checked by
+  ``check_sidecar`` (the skip-list parser lives a layer above: the CLI passes it in).
+
+This reads every index, manifest and sidecar (and with ``deep`` every shard)
+and lists each bucket once: an audit, not a hot path.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prx_data.core import storage
+from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
+from prx_data.export.layout import (
+    _AR_RE,
+    _PART_RE,
+    _TIER_RE,
+    INDEX_NAME,
+    PROGRESS_DIR,
+    ShardInfo,
+    list_markers,
+    map_io,
+    read_report,
+    rel_join,
+)
+
+#: A shard basename as the merged index records it.
+SHARD_RE = re.compile(r"^f\d{6}-\d{9}/shard\.\d{5}\.mds(\.[a-z0-9]+)?$")
+SIDECAR_SUFFIX = ".skip"
+
+#: ``check_sidecar(path, data, shard, name) -> problems`` (messages, empty when fine).
+SidecarCheck = Callable[[str, bytes, ShardInfo, str], list[str]]
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+@dataclass
+class VerifyResult:
+    root: str
+    buckets: int = 0
+    shards: int = 0
+    sidecars: int = 0
+    rehashed: int = 0
+    problems: list[Problem] = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.problems is None:
+            self.problems = []
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _buckets_on_disk(root: str) -> tuple[list[str], list[str]]:
+    """(bucket names with any file, top-level-ish paths that are not part of the layout)."""
+    buckets, stray = set(), []
+    for rel in storage.list_files(root, recursive=True):
+        bits = rel.replace("\\", "/").split("/")
+        if not _TIER_RE.match(bits[0]):
+            continue
+        if len(bits) < 3 or not _AR_RE.match(bits[1]):
+            stray.append(rel)
+            continue
+        buckets.add(f"{bits[0]}/{bits[1]}")
+    return sorted(buckets), stray
+
+
+def verify_export(
+    root: str,
+    *,
+    deep: bool = False,
+    check_sidecar: SidecarCheck | None = None,
+    progress: bool = False,
+) -> VerifyResult:
+    """Check the export at ``root``; the result lists every problem found.
+
+    ``progress`` shows a bar over buckets (useful with ``deep`` on large exports).
+    """
+    res = VerifyResult(root)
+    add = res.problems.append
+    if not storage.exists(root):
+        add(Problem(root, "does not exist"))
+        return res
+    report_path = storage.join(root, REPORT_NAME)
+    try:
+        report = read_report(root)
+    except Exception as e:  # noqa: BLE001 - an unreadable report is a finding, not a crash
+        add(Problem(report_path, str(e)))
+        report = {}
+    if report is None:
+        add(Problem(report_path, "missing: the export did not finish (resume it)"))
+        report = {}
+    units = report.get("units")
+    if units is not None:
+        markers = list_markers(root)
+        if len(markers) != units:
+            add(
+                Problem(
+                    storage.join(root, PROGRESS_DIR),
+                    f"{len(markers)} unit markers, the report counts {units} units",
+                )
+            )
+    reported = dict(report.get("buckets") or {})
+    on_disk, stray = _buckets_on_disk(root)
+    for rel in stray:
+        add(Problem(rel_join(root, rel), "not inside a <tier>/<ratio>/ bucket"))
+    from tqdm.auto import tqdm
+
+    names = sorted(set(on_disk) | set(reported), key=lambda b: (int(b.split("/")[0]), b))
+    for bucket in tqdm(names, desc="verify", unit="bucket", disable=not progress):
+        res.buckets += 1
+        _verify_bucket(root, bucket, reported.get(bucket), bool(report), deep, check_sidecar, res)
+    return res
+
+
+def _verify_bucket(
+    root: str,
+    bucket: str,
+    expected: int | None,
+    have_report: bool,
+    deep: bool,
+    check_sidecar: SidecarCheck | None,
+    res: VerifyResult,
+) -> None:
+    add = res.problems.append
+    bdir = rel_join(root, bucket)
+    index_path = storage.join(bdir, INDEX_NAME)
+    if have_report and expected is None:
+        add(Problem(bdir, "bucket is not in report.json (left by another run?)"))
+    try:
+        index = json.loads(storage.read_bytes(index_path))
+        entries = list(index["shards"])
+    except FileNotFoundError:
+        add(Problem(index_path, "missing: no merged index for this bucket"))
+        return
+    except (ValueError, KeyError, TypeError) as e:
+        add(Problem(index_path, f"unreadable index ({e})"))
+        return
+    shards: dict[str, ShardInfo] = {}
+    on_disk: dict[str, tuple[str, int, dict]] = {}  # basename -> (file basename, bytes, hashes)
+    total = 0
+    for i, entry in enumerate(entries):
+        try:
+            info = ShardInfo.from_index_entry(entry)
+            stored = entry.get("zip_data") or entry["raw_data"]
+            file_base, nbytes = stored["basename"], int(stored["bytes"])
+        except (KeyError, TypeError, ValueError) as e:
+            add(Problem(index_path, f"shard entry {i} is malformed ({e})"))
+            continue
+        bad = [b for b in {info.basename, file_base} if not SHARD_RE.match(str(b))]
+        if bad:
+            add(
+                Problem(
+                    index_path,
+                    f"shard {bad[0]!r} is not a <part>/shard.NNNNN.mds path inside the bucket; "
+                    "refusing to follow it",
+                )
+            )
+            continue
+        shards[info.basename] = info
+        on_disk[info.basename] = (file_base, nbytes, dict(stored.get("hashes") or {}))
+        total += info.samples
+    res.shards += len(shards)
+    if expected is not None and total != expected:
+        add(Problem(index_path, f"index holds {total} samples, report.json counts {expected}"))
+    sizes = _sizes(bdir)  # one listing of the bucket: relative path -> bytes
+    files = sizes
+    for file_base, nbytes, _hashes in sorted(on_disk.values()):
+        path = rel_join(bdir, file_base)
+        if file_base not in files:
+            add(Problem(path, "shard listed in the index is missing"))
+            continue
+        if sizes.get(file_base) != nbytes:
+            add(Problem(path, f"{sizes.get(file_base)} bytes, the index records {nbytes}"))
+    if deep:
+        _rehash(bdir, on_disk, files, sizes, res)
+    # manifests: rows per shard == index samples
+    parts = sorted({b.split("/")[0] for b in shards})
+    for part in parts:
+        mpath = rel_join(bdir, f"{part}/{MANIFEST_NAME}")
+        if f"{part}/{MANIFEST_NAME}" not in files:
+            add(Problem(mpath, "manifest missing"))
+            continue
+        try:
+            import pyarrow.parquet as pq
+
+            fs, p = storage.filesystem(mpath)
+            col = pq.read_table(p, filesystem=fs, columns=["shard"]).column("shard").to_pylist()
+        except Exception as e:  # noqa: BLE001 - a corrupt manifest is a finding
+            add(Problem(mpath, f"unreadable manifest ({e})"))
+            continue
+        got = Counter(col)
+        for base in sorted(b for b in shards if b.startswith(f"{part}/")):
+            rows = got.pop(base, 0)
+            if rows != shards[base].samples:
+                add(
+                    Problem(
+                        mpath,
+                        f"{rows} rows for {base}, the index records {shards[base].samples} samples",
+                    )
+                )
+        for base in sorted(got):
+            add(Problem(mpath, f"{got[base]} rows for {base!r}, which the index does not list"))
+    # files that the index does not account for
+    known_parts = set(parts)
+    sidecars = []
+    for rel in sorted(files):
+        bits = rel.split("/")
+        if rel == INDEX_NAME:
+            continue
+        if len(bits) != 2 or not _PART_RE.match(bits[0]):
+            add(Problem(rel_join(bdir, rel), "not part of the export layout"))
+            continue
+        if bits[0] not in known_parts:
+            add(Problem(rel_join(bdir, rel), "part is not in the merged index (unfinished unit?)"))
+            continue
+        if rel.endswith(SIDECAR_SUFFIX):
+            sidecars.append(rel)
+        elif bits[1] not in (INDEX_NAME, MANIFEST_NAME) and rel not in {
+            v[0] for v in on_disk.values()
+        }:
+            add(Problem(rel_join(bdir, rel), "file is not listed in the merged index"))
+    _verify_sidecars(bdir, sidecars, shards, check_sidecar, res)
+
+
+def _sizes(bdir: str) -> dict[str, int]:
+    import pyarrow.fs as pafs
+
+    fs, base = storage.filesystem(bdir)
+    out = {}
+    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
+        if info.type == pafs.FileType.File:
+            out[posixpath.relpath(info.path.replace("\\", "/"), base.replace("\\", "/"))] = (
+                info.size
+            )
+    return out
+
+
+def _rehash(bdir: str, on_disk: dict, files: dict, sizes: dict, res: VerifyResult) -> None:
+    from streaming.base.hashing import get_hash
+
+    jobs = [(b, v) for b, v in sorted(on_disk.items()) if v[0] in files]
+
+    def one(job):
+        base, (file_base, _nbytes, hashes) = job
+        path = rel_join(bdir, file_base)
+        if not hashes:
+            return [Problem(path, "the index records no hash for this shard; cannot rehash")]
+        data = storage.read_bytes(path)
+        return [
+            Problem(path, f"{algo} is {got}, the index records {want}: the shard's bytes changed")
+            for algo, want in sorted(hashes.items())
+            if (got := get_hash(algo, data)) != want
+        ]
+
+    for found in map_io(one, jobs, storage.is_remote(bdir)):
+        res.problems.extend(found)
+        res.rehashed += 1
+
+
+def _verify_sidecars(
+    bdir: str,
+    rels: list[str],
+    shards: dict[str, ShardInfo],
+    check_sidecar: SidecarCheck | None,
+    res: VerifyResult,
+) -> None:
+    add = res.problems.append
+    for rel in rels:
+        path = rel_join(bdir, rel)
+        stem = rel[: -len(SIDECAR_SUFFIX)]
+        match = None
+        for base in sorted(shards, key=len, reverse=True):
+            if stem.startswith(base + "."):
+                match = (base, stem[len(base) + 1 :])
+                break
+        if match is None:
+            add(Problem(path, "orphan sidecar: no shard of the index has this name"))
+            continue
+        res.sidecars += 1
+        base, name = match
+        if not re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", name):
+            add(Problem(path, f"sidecar name {name!r} is not a valid skip-list name"))
+            continue
+        if check_sidecar is not None:
+            for msg in check_sidecar(path, storage.read_bytes(path), shards[base], name):
+                add(Problem(path, msg))
