@@ -18,7 +18,6 @@ Examples::
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import shutil
@@ -99,10 +98,7 @@ def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
 
 def _readers(root: str, bucket: str, tmp: str):
     """(entry, MDS reader) for every shard of a bucket, in index order."""
-    index = json.loads(
-        storage.read_bytes(storage.join(root, *bucket.split("/"), layout.INDEX_NAME))
-    )
-    for entry in index["shards"]:
+    for entry in layout.read_index_entries(root, bucket):
         yield entry, reader_from_json(_materialize(root, bucket, entry, tmp), None, entry)
 
 

@@ -171,9 +171,16 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     for bucket in buckets:
         remote_b = storage.join(spec.root, *bucket.split("/"))
         local_b = os.path.join(local, *bucket.split("/"))
-        index = storage.read_bytes(storage.join(remote_b, layout.INDEX_NAME))
+        index_uri = storage.join(remote_b, layout.INDEX_NAME)
+        index = storage.read_bytes(index_uri)
+        try:
+            obj = json.loads(index)
+        except ValueError as e:
+            raise layout.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
+        entries = layout.check_index_entries(index_uri, obj)
+        # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.
         storage.write_bytes_atomic(os.path.join(local_b, layout.INDEX_NAME), index)
-        shards = [layout.ShardInfo.from_index_entry(e) for e in json.loads(index)["shards"]]
+        shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
         listed = skiplist.list_sidecars(spec.root, bucket, shards)
         found |= set(listed)
         chosen = list(listed) if names is None else [n for n in names if n in listed]

@@ -8,6 +8,7 @@ import numpy as np
 from streaming import Stream
 
 from prx_data.core.streaming_compat import MDSReader, World
+from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
 
@@ -25,8 +26,13 @@ class SkipStream(Stream):
 
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
         shards = super().get_shards(world, allow_unsafe_types)
+        index = f"{self.local}/{self.split or ''}/index.json"
         out = []
         for reader in shards:
+            # Before any shard file is opened: streaming joins these names to ``local`` unchecked.
+            for info in (reader.raw_data, reader.zip_data):
+                if info is not None:
+                    layout.check_shard_basename(index, info.basename)
             skipped = self.skips.get(reader.raw_data.basename)
             if skipped is None or not len(skipped):
                 out.append(reader)
