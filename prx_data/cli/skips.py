@@ -148,6 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"wrote {r.samples_out} of {r.samples_in} samples ({r.skipped} skipped) in "
                 f"{r.buckets} buckets to {r.out}" + (", verified" if r.verified else "")
             )
+            if r.buckets_dropped:
+                print(f"left out (every sample skipped): {', '.join(r.buckets_dropped)}")
+            if r.warnings:
+                print(f"{sum(r.warnings.values())} streaming warnings, see the report")
+            print(f"report: {r.out}/report.json")
     except (
         skiplist.SkipListError,
         RewriteRefused,
