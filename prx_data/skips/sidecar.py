@@ -33,7 +33,7 @@ import re
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -315,6 +315,8 @@ class AddResult:
     samples_listed: int = 0
     #: Row ids not found in any manifest (add_skips_by_ids / add_skips_by_query).
     ids_not_found: int = 0
+    #: Those ids, sorted (a request is small next to the export; a compliance report lists them).
+    missing_ids: list[str] = field(default_factory=list)
 
 
 def add_skips(
@@ -391,7 +393,9 @@ def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResu
     ):
         skips.setdefault((b, s), []).append(i)
     result = add_skips(export_root, name, skips)
-    result.ids_not_found = len(wanted) - len(set(hit["id"].to_pylist()))
+    found = set(hit["id"].to_pylist())
+    result.missing_ids = sorted(set(wanted.to_pylist()) - found)
+    result.ids_not_found = len(result.missing_ids)
     return result
 
 
