@@ -1,0 +1,58 @@
+"""No swallowed errors: failed units and images are recorded with a reason, and every job
+fails past ``--max-error-rate`` and says where the details are."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from prx_data.core import errors
+from tests.ingest_data import jpeg
+
+
+def _parquet_dir(root: str, bad: int, good: int = 1) -> list[str]:
+    """``good`` readable parquet files and ``bad`` ones whose data pages are overwritten."""
+    os.makedirs(root, exist_ok=True)
+    t = pa.table({"id": [f"k{i}" for i in range(4)], "image": [jpeg(32, 32)] * 4})
+    bad_paths = []
+    for i in range(good + bad):
+        path = os.path.join(root, f"part-{i}.parquet")
+        pq.write_table(t.set_column(0, "id", pa.array([f"f{i}-k{j}" for j in range(4)])), path)
+        if i >= good:
+            b = bytearray(open(path, "rb").read())
+            b[8 : len(b) // 2] = b"\xab" * (len(b) // 2 - 8)  # footer intact: planning works
+            open(path, "wb").write(bytes(b))
+            bad_paths.append(path)
+    return bad_paths
+
+
+def test_check_error_rate():
+    errors.check_error_rate("job", 2, 10, 0.2, "there")
+    with pytest.raises(errors.ErrorRateExceeded, match=r"job: 3 of 10 rows failed.*details: there"):
+        errors.check_error_rate("job", 3, 10, 0.2, "there", "rows")
+    errors.check_error_rate("job", 0, 0, 0.0, "there")  # nothing to do is not an error
+
+
+def test_ingest_records_failed_units_and_fails_past_the_rate(tmp_path, ray_local, capsys):
+    from prx_data.cli.ingest import main
+
+    bad = _parquet_dir(str(tmp_path / "src"), bad=1)
+    table = str(tmp_path / "t.lance")
+    assert main([str(tmp_path / "src"), "--table", table, "--json", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["rows_written"] == 4 and report["units"] == 2
+    [f] = report["failures"]
+    assert f["path"] == bad[0] and f["error"] == "OSError" and "thrift" in f["message"]
+    assert "ingest: 1 of 2 work units failed (50.0% > --max-error-rate 0.2)" in captured.err
+    assert "details: the failed units above" in captured.err
+    # The same run allowed a higher rate succeeds, still listing the failure.
+    table2 = str(tmp_path / "t2.lance")
+    args = [str(tmp_path / "src"), "--table", table2, "--no-progress", "--max-error-rate", "0.5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"failed units (1 of 2):\n    {bad[0]}: OSError:" in out
