@@ -56,3 +56,21 @@ def test_ingest_records_failed_units_and_fails_past_the_rate(tmp_path, ray_local
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"failed units (1 of 2):\n    {bad[0]}: OSError:" in out
+
+
+def test_write_mds_fails_past_the_rate_counting_failures_not_policy(tmp_path, ray_local, capsys):
+    from prx_data.cli.write_mds import main
+    from tests.tablekit import make_table
+
+    uri = str(tmp_path / "t.lance")
+    items = [("t/good", jpeg(600, 600), "ok"), ("t/broken", b"not an image", "x")]
+    items += [(f"t/small{i}", jpeg(40, 40), "tiny") for i in range(3)]  # too_small: a choice
+    make_table(uri, items)
+    out = str(tmp_path / "out")
+    assert main(["--table", uri, "--out", out, "--no-progress", "--num-cpus", "1"]) == 0
+    capsys.readouterr()
+    args = ["--table", uri, "--out", out, "--overwrite", "--no-progress", "--num-cpus", "1"]
+    assert main(args + ["--max-error-rate", "0.1"]) == 1
+    err = capsys.readouterr().err
+    assert "write_mds: 1 of 5 rows failed (20.0% > --max-error-rate 0.1)" in err
+    assert f"dropped counts by reason in {out}/report.json" in err
