@@ -74,3 +74,30 @@ def test_write_mds_fails_past_the_rate_counting_failures_not_policy(tmp_path, ra
     err = capsys.readouterr().err
     assert "write_mds: 1 of 5 rows failed (20.0% > --max-error-rate 0.1)" in err
     assert f"dropped counts by reason in {out}/report.json" in err
+
+
+@pytest.mark.ray
+def test_caption_cli_fails_past_the_rate(tmp_path, ray_local, capsys):
+    from prx_data.cli.caption import main
+    from tests.caption_doubles import ChatServer
+    from tests.test_caption import jpeg as cjpeg
+    from tests.test_caption import make_table as cmake_table
+
+    uri = cmake_table(tmp_path / "c.lance", [cjpeg(50, 40, (200, 10, 10))] * 3)
+    out = tmp_path / "report.json"
+    with ChatServer() as srv:
+        srv.fail_next(400, 400)  # client errors are not retried: two rows fail
+        rc = main(
+            [
+                "--table", uri, "--backend", "openai", "--model", "test-model",
+                "--base-url", srv.base_url, "--column", "cap3", "--batch-size", "1",
+                "--report-json", str(out), "--no-progress",
+            ]
+        )  # fmt: skip
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert (
+        "column job (cap3, cap3_status): 2 of 3 rows failed (66.7% > --max-error-rate 0.2)" in err
+    )
+    assert f"and in {out}" in err
+    assert json.loads(out.read_text())["counts"]["error"] == 2
