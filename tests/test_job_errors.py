@@ -101,3 +101,21 @@ def test_caption_cli_fails_past_the_rate(tmp_path, ray_local, capsys):
     )
     assert f"and in {out}" in err
     assert json.loads(out.read_text())["counts"]["error"] == 2
+
+
+def test_dedup_cli_fails_past_the_rate(tmp_path, capsys):
+    from prx_data.cli.dedup import main
+    from tests.dedup_images import jpeg as djpeg
+    from tests.dedup_images import make_image
+    from tests.tablekit import make_table
+
+    uri = str(tmp_path / "t.lance")
+    items = [("p/good", djpeg(make_image(1, 64, 64)), None)]
+    items += [(f"p/bad{i}", b"not an image", None) for i in range(2)]
+    make_table(uri, items)
+    args = ["--table", uri, "--engine", "local", "--report", "", "--no-progress"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "dedup: 2 of 3 rows failed (66.7% > --max-error-rate 0.2)" in err
+    assert f"phash_error column of {uri}" in err
+    assert main(args + ["--max-error-rate", "1"]) == 0
