@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -119,3 +120,28 @@ def test_dedup_cli_fails_past_the_rate(tmp_path, capsys):
     assert "dedup: 2 of 3 rows failed (66.7% > --max-error-rate 0.2)" in err
     assert f"phash_error column of {uri}" in err
     assert main(args + ["--max-error-rate", "1"]) == 0
+
+
+def test_descriptor_failures_keep_their_reason(tmp_path):
+    import lance
+
+    from prx_data.columns.descriptors import compute_descriptors
+    from prx_data.core import descriptor
+    from tests.dedup_images import jpeg as djpeg
+    from tests.dedup_images import make_image
+    from tests.tablekit import make_table
+
+    v, why = descriptor.describe_reason(b"not an image")
+    assert v is None and why == "not_an_image"
+    uri = str(tmp_path / "t.lance")
+    good = djpeg(make_image(3, 64, 64))
+    make_table(uri, [("p/good", good, None), ("p/bad", b"\xff\xd8\xff broken", None)])
+    failed = Counter()
+    assert compute_descriptors(uri, progress=False, errors=failed) == 2
+    t = lance.dataset(uri).to_table(columns=["id", "pixel_descriptor", "pixel_descriptor_error"])
+    rows = {r["id"]: r for r in t.to_pylist()}
+    assert rows["p/good"]["pixel_descriptor"] is not None
+    assert rows["p/good"]["pixel_descriptor_error"] is None
+    assert rows["p/bad"]["pixel_descriptor"] is None
+    assert rows["p/bad"]["pixel_descriptor_error"] in ("decode_error", "truncated", "not_an_image")
+    assert sum(failed.values()) == 1
