@@ -11,7 +11,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prx_data.core import errors
 from tests.ingest_data import jpeg
 
 
@@ -32,6 +31,8 @@ def _parquet_dir(root: str, bad: int, good: int = 1) -> list[str]:
 
 
 def test_check_error_rate():
+    from prx_data.core import errors
+
     errors.check_error_rate("job", 2, 10, 0.2, "there")
     with pytest.raises(errors.ErrorRateExceeded, match=r"job: 3 of 10 rows failed.*details: there"):
         errors.check_error_rate("job", 3, 10, 0.2, "there", "rows")
