@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ class SkipStream(Stream):
 
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
         shards = super().get_shards(world, allow_unsafe_types)
-        index = f"{self.local}/{self.split or ''}/index.json"
+        index = os.path.join(self.local, self.split or "", layout.INDEX_NAME)
         out = []
         for reader in shards:
             # Before any shard file is opened: streaming joins these names to ``local`` unchecked.
