@@ -172,3 +172,11 @@ def test_loader_warns_or_refuses_on_stray_sidecars(export):
         f.write(good)
     with pytest.raises(S.SkipListError, match="requested skip list cannot be applied|Dedup"):
         load_sources(DatasetSpec(export.root, skip_lists=["dedup"]), [512])
+
+
+def test_list_no_check_reports_orphans_only(export, capsys):
+    paths = _plant_strays(export)
+    assert main(["list", export.root, "--no-check"]) == 1
+    out = capsys.readouterr().out
+    assert paths["wrong_case"] in out and paths["no_shard"] in out
+    assert paths["unparseable"] not in out

@@ -417,14 +417,21 @@ def list_skip_lists(
     return dict(sorted(out.items()))
 
 
-def sidecar_problems(export_root: str, tiers: Iterable[int] | None = None) -> list[SidecarProblem]:
-    """Every orphan and unparseable sidecar of an export (reads and checks every sidecar)."""
+def sidecar_problems(
+    export_root: str, tiers: Iterable[int] | None = None, *, read: bool = True
+) -> list[SidecarProblem]:
+    """Every orphan and unparseable sidecar of an export.
+
+    ``read`` checks every sidecar's bytes (about 0.1 ms each locally); without
+    it only orphans, which the listing alone reveals, are found.
+    """
     problems: list[SidecarProblem] = []
     for bucket in list_buckets(export_root, tiers):
         shards = read_index(export_root, bucket)
         listing, orphans = scan_sidecars(export_root, bucket, shards)
         problems += orphans
-        load_skips(export_root, bucket, shards, None, listing=listing, problems=problems)
+        if read:
+            load_skips(export_root, bucket, shards, None, listing=listing, problems=problems)
     return problems
 
 
