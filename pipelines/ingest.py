@@ -89,6 +89,8 @@ class IngestReport:
     fragments: int = 0
     rows_per_fragment: int = 0
     seconds: float = 0.0
+    #: Work units that could not be read at all: unit, kind, path, error, message.
+    failures: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def rows_per_second(self) -> float:
@@ -113,6 +115,12 @@ class IngestReport:
             lines.append(f"  {title}:" + ("" if counts else " none"))
             for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
                 lines.append(f"    {reason:<40} {n:>10,}")
+        if self.failures:
+            lines.append(f"  failed units ({len(self.failures):,} of {self.units:,}):")
+            for f in self.failures[:20]:
+                lines.append(f"    {f['path']}: {f['error']}: {f['message']}")
+            if len(self.failures) > 20:
+                lines.append(f"    ... {len(self.failures) - 20:,} more (--json lists them all)")
         return "\n".join(lines)
 
 
@@ -127,6 +135,7 @@ class _Ledger:
         self.existing: set[str] = set()
         self.unit_counts: dict[int, dict[str, int]] = {}
         self.unit_rows: dict[int, int] = {}
+        self.unit_failures: dict[int, dict[str, Any]] = {}
 
     def seed(self, ids: list[str]) -> int:
         self.existing.update(ids)
@@ -143,9 +152,18 @@ class _Ledger:
             out.append(0 if owner == unit else 2)
         return out
 
-    def report(self, unit: int, counts: dict[str, int], rows: int) -> None:
-        self.unit_counts[unit] = counts  # a retried unit replaces its counts
+    def report(
+        self, unit: int, counts: dict[str, int], rows: int, failure: dict | None = None
+    ) -> None:
+        self.unit_counts[unit] = counts  # a retried unit replaces its counts (and failure)
         self.unit_rows[unit] = rows
+        if failure is None:
+            self.unit_failures.pop(unit, None)
+        else:
+            self.unit_failures[unit] = failure
+
+    def failures(self) -> list[dict[str, Any]]:
+        return [self.unit_failures[u] for u in sorted(self.unit_failures)]
 
     def progress(self) -> tuple[int, int]:
         return len(self.unit_rows), sum(self.unit_rows.values())
@@ -155,6 +173,22 @@ class _Ledger:
         for c in self.unit_counts.values():
             total.update(c)
         return dict(total), sum(self.unit_rows.values())
+
+
+def unit_location(unit: WorkUnit) -> str:
+    """Where a work unit reads from, for error reports (file, tar, table fragment or folder)."""
+    a = unit.args
+    if "file" in a:
+        return str(a["file"])
+    if "tar" in a:
+        return str(a["tar"])
+    if "uri" in a:
+        return f"{a['uri']} fragment {a.get('fragment')} rows {a.get('offset')}+{a.get('limit')}"
+    if "shard" in a:
+        return f"{a.get('root')}/{a['shard']}"
+    items = a.get("items") or []
+    first = f", first {items[0][0]}" if items and items[0] else ""
+    return f"{a.get('root', unit.source)} ({len(items)} items{first})"
 
 
 def _load_batch(batch: pa.Table, ledger, schema: pa.Schema) -> pa.Table:
@@ -167,10 +201,18 @@ def _load_batch(batch: pa.Table, ledger, schema: pa.Schema) -> pa.Table:
     ):
         counts = Counts()
         unit = WorkUnit.from_json(unit_json)
+        failure = None
         try:
             table = load_unit(unit, counts)
-        except Exception as e:  # a unit that cannot be read at all is counted, not fatal
+        except Exception as e:  # a unit that cannot be read is recorded; the error rate decides
             counts.dropped(f"unit_failed:{type(e).__name__}")
+            failure = {
+                "unit": unit_index,
+                "kind": unit.kind,
+                "path": unit_location(unit),
+                "error": type(e).__name__,
+                "message": str(e)[:500],
+            }
             table = schema.empty_table()
         if table.num_rows:
             # Within a unit the first occurrence of an id wins.
@@ -199,7 +241,7 @@ def _load_batch(batch: pa.Table, ledger, schema: pa.Schema) -> pa.Table:
         if NOTES in table.column_names:
             counts.tally_notes(table[NOTES].to_pylist())
         table = conform(table, schema)
-        ray.get(ledger.report.remote(unit_index, dict(counts), table.num_rows))
+        ray.get(ledger.report.remote(unit_index, dict(counts), table.num_rows, failure))
         outs.append(table)
     return pa.concat_tables(outs) if outs else schema.empty_table()
 
@@ -372,6 +414,7 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
                 stop.set()
                 poller.join()
         counts, rows_written = ray.get(ledger.totals.remote())
+        failures = ray.get(ledger.failures.remote())
         ray.kill(ledger)
     finally:
         if started:
@@ -405,6 +448,7 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
         fragments=len(final.get_fragments()),
         rows_per_fragment=rows_per_fragment,
         seconds=time.perf_counter() - t0,
+        failures=failures,
     )
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipelines.dedup import run_dedup
+from pipelines.dedup import PHASH_ERROR, run_dedup
 from prx_data.core.buckets import DEFAULT_TIERS
+from prx_data.core.errors import ErrorRateExceeded, add_max_error_rate, check_error_rate
 from prx_data.skips.dedup import (
     DEFAULT_REPORT,
     DEFAULT_SKIP_NAME,
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-progress", dest="progress", action="store_false", help="Hide the progress bar."
     )
+    add_max_error_rate(p, "rows whose image could not be hashed")
     return p
 
 
@@ -122,6 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table_text())
     if cfg.report:
         print(f"report: {cfg.report}")
+    # "not_hashed": never tried (--no-compute); every other reason is a failed hash.
+    failed = sum(n for reason, n in report.unhashed.items() if reason != "not_hashed")
+    try:
+        check_error_rate(
+            "dedup",
+            failed,
+            report.rows,
+            args.max_error_rate,
+            f"the 'not hashed' reasons above and the {PHASH_ERROR} column of {args.table}",
+            "rows",
+        )
+    except ErrorRateExceeded as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -18,6 +18,7 @@ from pipelines.ingest import (
     IngestReport,
     ingest,
 )
+from prx_data.core.errors import ErrorRateExceeded, add_max_error_rate, check_error_rate
 from prx_data.ingest import FORMATS
 
 __all__ = ["IngestReport", "ingest", "main"]
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="hide Ray Data progress bars")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_max_error_rate(p, "work units (files, tars, fragments)")
     return p
 
 
@@ -124,6 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         **reader_options,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    try:
+        check_error_rate(
+            "ingest",
+            len(report.failures),
+            report.units,
+            args.max_error_rate,
+            "the failed units above" + ("" if args.json else " (all of them with --json)"),
+            "work units",
+        )
+    except ErrorRateExceeded as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from prx_data.skips.optout import add_optout, ids_from_source_ids, read_id_file
+from prx_data.skips.optout import add_optout, read_id_file, resolve_source_ids
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--source", help="Source name that --source-ids belong to (row id = '<source>/<key>')."
     )
     p.add_argument("--report", default=None, help="Also write the report as JSON to this path.")
+    p.add_argument(
+        "--unmatched",
+        metavar="FILE",
+        default=None,
+        help="Where to list every requested id or key that matched nothing, one per line "
+        "(written only when there are some). Default: next to --report as "
+        "<report>.unmatched.txt, else ./<name>.unmatched.txt.",
+    )
     return p
 
 
@@ -59,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = build_parser()
     args = p.parse_args(argv)
+    keys = None
     if args.ids:
         ids = read_id_file(args.ids)
     elif args.where:
@@ -68,17 +77,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not (args.source or args.table):
             p.error("--source-ids needs --source NAME or --table URI")
-        ids = ids_from_source_ids(
+        ids = []
+        keys = resolve_source_ids(
             read_id_file(args.source_ids),
             source=args.source,
             table=args.table,
             storage_options=lance_storage_options(args.table) if args.table else None,
         )
-    report = add_optout(args.export, args.name, ids)
+    from prx_data.core import storage
+
+    report = add_optout(args.export, args.name, ids, keys=keys)
+    if report.not_matched:
+        path = args.unmatched or (
+            f"{args.report.removesuffix('.json')}.unmatched.txt"
+            if args.report
+            else f"{args.name}.unmatched.txt"
+        )
+        storage.write_bytes_atomic(path, "".join(k + "\n" for k in report.not_matched).encode())
+        report.not_matched_file = path
     print(report.text())
     if args.report:
-        from prx_data.core import storage
-
         storage.write_bytes_atomic(args.report, json.dumps(report.to_dict(), indent=2).encode())
     return 0
 

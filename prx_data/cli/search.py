@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
+
 from prx_data.columns import descriptors
 from prx_data.table import lance_ops as T
 from prx_data.table.search import build_indexes, filter_sql, hybrid_search, similar, text_search
@@ -36,7 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.descriptors:
-        descriptors.compute_descriptors(args.table)
+        failed: Counter = Counter()
+        descriptors.compute_descriptors(args.table, errors=failed)
+        if failed:
+            print(
+                f"{sum(failed.values()):,} rows without a descriptor, by reason (see the "
+                "pixel_descriptor_error column): "
+                + ", ".join(f"{k} {v:,}" for k, v in failed.most_common()),
+                file=sys.stderr,
+            )
     if args.build_indexes:
         print("indexes:", build_indexes(args.table))
     where = filter_sql(tier=args.tier, aspect=args.aspect)

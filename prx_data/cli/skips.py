@@ -40,11 +40,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--where", metavar="SQL", help='Lance filter selecting the rows to skip, e.g. "nsfw > 0.8"'
     )
 
-    ls = sub.add_parser("list", help="list the skip lists and the buckets they touch")
+    ls = sub.add_parser(
+        "list",
+        help="list the skip lists and the buckets they touch; checks every sidecar and reports "
+        "orphan and unparseable ones (exit status 1)",
+    )
     ls.add_argument("root", help="export root")
     ls.add_argument("--tier", type=int, action="append", help="only this tier (repeatable)")
+    ls.add_argument(
+        "--no-check",
+        action="store_true",
+        help="do not read the sidecars (faster on large remote exports): orphans are still "
+        "reported, unparseable sidecars are not",
+    )
 
-    st = sub.add_parser("stats", help="per list and per bucket: samples, skipped, percent")
+    st = sub.add_parser(
+        "stats",
+        help="per list and per bucket: samples, skipped, percent; orphan and unparseable "
+        "sidecars are reported and left out (exit status 1)",
+    )
     st.add_argument("root", help="export root")
     st.add_argument(
         "--name", action="append", help="only this list (repeatable); '*' rows are the union"
@@ -77,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problems: list = []
     try:
         if args.cmd == "add":
             if args.table and not args.where:
@@ -99,18 +114,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("no skip lists")
             for name, buckets in lists.items():
                 print(f"{name}: " + ", ".join(f"{b} ({n} shards)" for b, n in buckets.items()))
+            problems = skiplist.sidecar_problems(args.root, args.tier, read=not args.no_check)
+            for pr in problems:
+                print(pr.text())
         elif args.cmd == "stats":
-            stats = skiplist.skip_stats(args.root, args.name, args.tier)
+            problems = []
+            stats = skiplist.skip_stats(args.root, args.name, args.tier, problems=problems)
             if args.json:
-                print(
-                    json.dumps(
-                        {
-                            k: [asdict(r) | {"percent": round(r.percent, 4)} for r in v]
-                            for k, v in stats.items()
-                        },
-                        indent=1,
-                    )
-                )
+                body = {
+                    k: [asdict(r) | {"percent": round(r.percent, 4)} for r in v]
+                    for k, v in stats.items()
+                }
+                if problems:  # list names start with [a-z0-9], so this key cannot clash
+                    body["_problems"] = [asdict(pr) for pr in problems]
+                print(json.dumps(body, indent=1))
             else:
                 print(f"{'list':<20} {'bucket':<12} {'samples':>10} {'skipped':>9} {'%':>7}")
                 for name, rows in stats.items():
@@ -118,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(
                             f"{name:<20} {r.bucket:<12} {r.samples:>10} {r.skipped:>9} {r.percent:>7.2f}"
                         )
+                for pr in problems:
+                    print(pr.text())
         elif args.cmd == "remove":
             print(
                 f"removed {skiplist.remove_skip_list(args.root, args.name)} sidecars of {args.name}"
@@ -135,6 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"wrote {r.samples_out} of {r.samples_in} samples ({r.skipped} skipped) in "
                 f"{r.buckets} buckets to {r.out}" + (", verified" if r.verified else "")
             )
+            if r.buckets_dropped:
+                print(f"left out (every sample skipped): {', '.join(r.buckets_dropped)}")
+            if r.warnings:
+                print(f"{sum(r.warnings.values())} streaming warnings, see the report")
+            print(f"report: {r.out}/report.json")
     except (
         skiplist.SkipListError,
         RewriteRefused,
@@ -146,6 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if problems:
+        print(
+            f"{len(problems)} sidecar problem(s): orphan files are never applied and unparseable "
+            "ones make the loader refuse their list; rebuild them with 'add' or delete them",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.core.buckets import DEFAULT_TIERS
+from prx_data.core.buckets import DEFAULT_TIERS, DROP_ASPECT_RATIO, DROP_TOO_SMALL
+from prx_data.core.errors import ErrorRateExceeded, add_max_error_rate, check_error_rate
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig, ExportError
 
 EPILOG = """\
@@ -148,7 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-progress", dest="progress", action="store_false", help="Hide the progress bar."
     )
+    add_max_error_rate(p, "rows read (broken, empty or undecodable images; not --filter or size)")
     return p
+
+
+#: Drop reasons that are choices, not failures: they never count toward --max-error-rate.
+POLICY_DROPS = frozenset({"filtered", "unbucketed", DROP_TOO_SMALL, DROP_ASPECT_RATIO})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,7 +191,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table_text())
-    print(f"\nreport: {args.out.rstrip('/')}/report.json")
+    where = f"{args.out.rstrip('/')}/report.json"
+    print(f"\nreport: {where}")
+    failed = sum(n for reason, n in report.dropped.items() if reason not in POLICY_DROPS)
+    try:
+        check_error_rate(
+            "write_mds",
+            failed,
+            report.rows_read,
+            args.max_error_rate,
+            f"the dropped counts by reason in {where}",
+            "rows",
+        )
+    except ErrorRateExceeded as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -26,9 +26,7 @@ import importlib.util
 import inspect
 import json
 import logging
-import random
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -333,15 +331,40 @@ class TransformersBackend(Backend):
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 
+def _counting_retry():
+    """urllib3's ``Retry`` that reports each retry it takes (the backend counts them)."""
+    from urllib3.util.retry import Retry
+
+    class CountingRetry(Retry):
+        def __init__(self, *args: Any, on_retry=None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.on_retry = on_retry
+
+        def new(self, **kw: Any) -> CountingRetry:
+            r = super().new(**kw)
+            r.on_retry = self.on_retry
+            return r
+
+        def increment(self, *args: Any, **kwargs: Any) -> CountingRetry:
+            r = super().increment(*args, **kwargs)  # raises once the budget is spent
+            if self.on_retry is not None:
+                self.on_retry()
+            return r
+
+    return CountingRetry
+
+
 class OpenAIBackend(Backend):
     """``POST {base_url}/chat/completions`` with images as base64 data URLs.
 
     At most ``concurrency`` requests are in flight per actor (the job's
-    total is ``concurrency x replicas``). A request is retried up to
-    ``max_retries`` times on 408/409/429/5xx, connection errors and
-    timeouts, waiting ``backoff * 2**attempt`` seconds (with jitter, capped
-    at ``max_backoff``) or the server's ``Retry-After``. A request that
-    still fails becomes a per-row error; other rows are unaffected.
+    total is ``concurrency x replicas``). Retries are urllib3's ``Retry``
+    mounted on each thread's ``requests`` session: up to ``max_retries`` on
+    408/409/429/5xx, connection errors and read timeouts (POST included),
+    exponential backoff from ``backoff`` seconds with jitter, capped at
+    ``max_backoff``, and the server's ``Retry-After`` (also capped). A
+    request that still fails becomes a per-row error; other rows are
+    unaffected.
     """
 
     name = "openai"
@@ -387,11 +410,37 @@ class OpenAIBackend(Backend):
         #: Retries made so far (for reports and tests).
         self.retries = 0
         self._lock = threading.Lock()
+        self.retry = _counting_retry()(
+            total=max_retries,
+            connect=max_retries,
+            read=max_retries,
+            status=max_retries,
+            other=0,
+            redirect=0,
+            allowed_methods=None,  # POST too: a completion request has no side effects
+            status_forcelist=RETRY_STATUSES,
+            backoff_factor=backoff,
+            backoff_max=max_backoff,
+            backoff_jitter=backoff,
+            respect_retry_after_header=True,
+            retry_after_max=max(1, int(max_backoff)),
+            raise_on_status=False,  # the last response becomes the row's error text
+            on_retry=self._count_retry,
+        )
+
+    def _count_retry(self) -> None:
+        with self._lock:
+            self.retries += 1
 
     def _session(self):
         s = getattr(self._local, "session", None)
         if s is None:
+            from requests.adapters import HTTPAdapter
+
             s = self._local.session = self._requests.Session()
+            adapter = HTTPAdapter(max_retries=self.retry, pool_maxsize=1)
+            s.mount("http://", adapter)
+            s.mount("https://", adapter)
         return s
 
     def prepare(self, requests: Sequence[Request]) -> list[dict]:
@@ -413,41 +462,20 @@ class OpenAIBackend(Backend):
             payloads.append(body)
         return payloads
 
-    def _wait(self, attempt: int, retry_after: str | None) -> None:
-        delay = self.backoff * (2**attempt) * random.uniform(0.5, 1.0)
-        if retry_after:
-            try:
-                delay = max(delay, float(retry_after))
-            except ValueError:
-                pass
-        with self._lock:
-            self.retries += 1
-        time.sleep(min(delay, self.max_backoff))
-
     def _post(self, body: dict) -> dict | Exception:
         req = self._requests
-        last: Exception = RuntimeError("no attempt made")
-        for attempt in range(self.max_retries + 1):
-            retry_after = None
-            try:
-                resp = self._session().post(
-                    self.url, json=body, headers=self.headers, timeout=self.timeout
-                )
-            except (req.ConnectionError, req.Timeout) as e:
-                last = RuntimeError(f"http: {type(e).__name__}")
-            else:
-                if resp.status_code == 200:
-                    try:
-                        return resp.json()
-                    except ValueError:
-                        return RuntimeError("http: response is not JSON")
-                last = RuntimeError(f"http {resp.status_code}: {resp.text[:200]}")
-                if resp.status_code not in RETRY_STATUSES:
-                    return last
-                retry_after = resp.headers.get("Retry-After")
-            if attempt < self.max_retries:
-                self._wait(attempt, retry_after)
-        return last
+        try:
+            resp = self._session().post(
+                self.url, json=body, headers=self.headers, timeout=self.timeout
+            )
+        except (req.ConnectionError, req.Timeout) as e:  # retries spent (MaxRetryError inside)
+            return RuntimeError(f"http: {type(e).__name__}")
+        if resp.status_code != 200:
+            return RuntimeError(f"http {resp.status_code}: {resp.text[:200]}")
+        try:
+            return resp.json()
+        except ValueError:
+            return RuntimeError("http: response is not JSON")
 
     def generate(self, prepared: list[dict]) -> list[dict | Exception]:
         return list(self._pool.map(self._post, prepared))

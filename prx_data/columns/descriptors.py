@@ -1,10 +1,24 @@
-"""The descriptor column job: fill ``pixel_descriptor`` for rows that lack it (resumable)."""
+"""The descriptor column job: fill ``pixel_descriptor`` for rows that lack it (resumable).
+
+A row that cannot be described keeps a null descriptor and gets its reason
+in ``pixel_descriptor_error`` (``decode_error``, ``missing_image``, ...).
+"""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pyarrow as pa
 
 from prx_data.core.descriptor import COLUMN, describe_many
+
+
+def _describe_batch(batch, column: str) -> pa.Table:
+    reasons: list[str | None] = []
+    vectors = describe_many(batch["image"].to_pylist(), reasons)
+    return pa.table(
+        {"id": batch["id"], column: vectors, f"{column}_error": pa.array(reasons, pa.string())}
+    )
 
 
 def compute_descriptors(
@@ -16,8 +30,12 @@ def compute_descriptors(
     num_cpus: int | None = None,
     progress: bool = True,
     storage_options: dict | None = None,
+    errors: Counter | None = None,
 ) -> int:
     """Fill ``column`` for every row that lacks it; resumable. Returns rows written.
+
+    Rows that cannot be described stay null and get their reason in
+    ``<column>_error``; ``errors``, when given, counts them by reason.
 
     Rows are read with :func:`prx_data.table.lance_ops.rows_missing` and written in
     chunks with :func:`prx_data.table.lance_ops.update_column` (image files untouched),
@@ -41,13 +59,25 @@ def compute_descriptors(
         batches = _ray_batches(uri, column, chunk_rows, num_cpus, storage_options)
     else:
         batches = (
-            pa.table({"id": b["id"], column: describe_many(b["image"].to_pylist())})
+            _describe_batch(b, column)
             for b in T.rows_missing(
                 uri, column, ["id", "image"], batch_size=chunk_rows, storage_options=storage_options
             )
         )
+    err_col = f"{column}_error"
+    has_err_col = err_col in ds.schema.names
     for chunk in batches:
-        written += T.update_column(uri, column, chunk, storage_options=storage_options)
+        written += T.update_column(
+            uri, column, chunk.select(["id", column]), storage_options=storage_options
+        )
+        failed = chunk[err_col].drop_null()
+        if len(failed) or has_err_col:  # also clears the reason of a row that now succeeded
+            T.update_column(
+                uri, err_col, chunk.select(["id", err_col]), storage_options=storage_options
+            )
+            has_err_col = True
+        if errors is not None:
+            errors.update(failed.to_pylist())
         bar.update(chunk.num_rows)
     bar.close()
     return written
@@ -68,7 +98,7 @@ def _ray_batches(uri, column, chunk_rows, num_cpus, storage_options):
         rd = read_lance(uri, columns=["id", "image"], filter=where, storage_options=storage_options)
 
         def fn(batch: pa.Table) -> pa.Table:
-            return pa.table({"id": batch["id"], column: describe_many(batch["image"].to_pylist())})
+            return _describe_batch(batch, column)
 
         rd = rd.map_batches(fn, batch_format="pyarrow", batch_size=256)
         yield from rd.iter_batches(batch_size=chunk_rows, batch_format="pyarrow")

@@ -78,25 +78,51 @@ def describe_image(im: Image.Image) -> np.ndarray:
     return _unit(v).astype(np.float32)
 
 
-def describe(data: bytes) -> np.ndarray | None:
-    """Descriptor of encoded image bytes, or None when the image cannot be decoded."""
+#: Column holding why a row has no descriptor (null where it has one).
+ERROR_COLUMN = f"{COLUMN}_error"
+#: Reason for a row without image bytes.
+MISSING = "missing_image"
+
+
+def describe_reason(data: bytes) -> tuple[np.ndarray | None, str | None]:
+    """``(descriptor, None)``, or ``(None, reason)`` when the image cannot be described.
+
+    Reasons are :class:`ImageError` reasons (``decode_error``, ``truncated``,
+    ...); anything else a broken file raises becomes ``unexpected:<Type>: msg``
+    so a batch job goes on and the row still says why.
+    """
     try:
         rgb = decode(data, draft_to=(_THUMB * 2, _THUMB * 2))
-    except ImageError:
-        return None
-    except Exception:  # a broken file must not stop a batch job
-        return None
-    return describe_image(rgb)
+        return describe_image(rgb), None
+    except ImageError as e:
+        return None, e.reason
+    except Exception as e:  # a broken file must not stop a batch job; the reason is kept
+        return None, f"unexpected:{type(e).__name__}: {str(e)[:200]}"
 
 
-def describe_many(images: list[bytes | None]) -> pa.FixedSizeListArray:
-    """Descriptors as an Arrow column (null where an image is missing or undecodable)."""
+def describe(data: bytes) -> np.ndarray | None:
+    """Descriptor of encoded image bytes, or None when it cannot be decoded (see describe_reason)."""
+    return describe_reason(data)[0]
+
+
+def describe_many(
+    images: list[bytes | None], reasons: list[str | None] | None = None
+) -> pa.FixedSizeListArray:
+    """Descriptors as an Arrow column (null where an image is missing or undecodable).
+
+    ``reasons``, when given, is extended with one entry per image: None, or why
+    that row has no descriptor.
+    """
     flat = np.zeros((len(images), DIM), np.float32)
     valid = np.zeros(len(images), bool)
     for i, data in enumerate(images):
         if data is None:
+            if reasons is not None:
+                reasons.append(MISSING)
             continue
-        v = describe(data)
+        v, why = describe_reason(data)
+        if reasons is not None:
+            reasons.append(why)
         if v is not None:
             flat[i] = v
             valid[i] = True

@@ -50,6 +50,93 @@ def part_name(fragment_id: int, start: int) -> str:
     return f"f{fragment_id:06d}-{start:09d}"
 
 
+#: What :func:`part_name` produces (widths are minimums: more fragments widen them).
+PART_PATTERN = r"f\d{6,}-\d{9,}"
+#: A shard file as MDSWriter names it, raw or compressed (streaming's compression extensions).
+SHARD_FILE_PATTERN = r"shard\.\d{5,}\.mds(?:\.(?:br|bz2|gz|snappy|zstd))?"
+_PART_RE = re.compile(rf"^{PART_PATTERN}$")
+_SHARD_FILE_RE = re.compile(rf"^{SHARD_FILE_PATTERN}$")
+_SHARD_RE = re.compile(rf"^{PART_PATTERN}/{SHARD_FILE_PATTERN}$")
+#: Index entry keys that name a file (streaming joins each to the dataset directory).
+_FILE_KEYS = ("raw_data", "zip_data", "raw_meta", "zip_meta")
+
+
+class UnsafeIndexError(ValueError):
+    """An index (or manifest) names a file outside the layout the exporter writes."""
+
+
+def check_shard_basename(index_path: str, basename: object, *, in_part: bool = False) -> str:
+    """Refuse a shard name that could escape the export, naming the file it came from.
+
+    Streaming joins ``local + basename`` with no check, so ``../../victim`` or
+    ``/etc/passwd`` in an index would be read (and our tools would write next
+    to it). A merged index names ``<part>/shard.NNNNN.mds[.ext]``; a part's
+    own index (``in_part``) names ``shard.NNNNN.mds[.ext]``. Anything else is
+    refused: absolute, ``..``, backslashes, empty segments, other names.
+    """
+    pattern = _SHARD_FILE_RE if in_part else _SHARD_RE
+    if not isinstance(basename, str) or not pattern.match(basename):
+        want = "shard.NNNNN.mds[.zstd]" if in_part else "<part>/shard.NNNNN.mds[.zstd]"
+        why = _why_unsafe(basename)
+        raise UnsafeIndexError(
+            f"{index_path}: refusing shard name {basename!r}{why}; an export written by "
+            f"prx_data.write_mds names {want} with <part> like {part_name(0, 0)}"
+        )
+    return basename
+
+
+def _why_unsafe(name: object) -> str:
+    if not isinstance(name, str):
+        return " (not a string)"
+    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        return " (absolute path)"
+    if "\\" in name:
+        return " (backslash)"
+    segs = name.split("/")
+    if ".." in segs:
+        return " (parent-directory segment)"
+    if "" in segs or "." in segs:
+        return " (empty segment)"
+    return ""
+
+
+def check_index_entries(index_path: str, obj: object, *, in_part: bool = False) -> list[dict]:
+    """The ``shards`` entries of a parsed index, every file name in them checked."""
+    shards = obj.get("shards") if isinstance(obj, dict) else None
+    if not isinstance(shards, list):
+        raise UnsafeIndexError(f"{index_path}: not a streaming index (no 'shards' list)")
+    for entry in shards:
+        if not isinstance(entry, dict) or not isinstance(entry.get("raw_data"), dict):
+            raise UnsafeIndexError(f"{index_path}: shard entry without raw_data: {entry!r:.200}")
+        for key in _FILE_KEYS:
+            if entry.get(key):
+                check_shard_basename(index_path, entry[key].get("basename"), in_part=in_part)
+    return shards
+
+
+def check_bucket(bucket: object) -> str:
+    """A bucket name is ``<tier>/<ratio>`` (``512/1.000``): nothing else may reach a path."""
+    if not isinstance(bucket, str) or bucket.count("/") != 1:
+        raise UnsafeIndexError(
+            f"bad bucket name {bucket!r}: expected <tier>/<ratio>, e.g. 512/1.000"
+        )
+    tier, ar = bucket.split("/")
+    if not (_TIER_RE.match(tier) and _AR_RE.match(ar)):
+        raise UnsafeIndexError(
+            f"bad bucket name {bucket!r}: expected <tier>/<ratio>, e.g. 512/1.000"
+        )
+    return bucket
+
+
+def load_index(path: str, *, in_part: bool = False) -> list[dict]:
+    """Read and check one ``index.json``: its shard entries, every file name confined."""
+    try:
+        obj = json.loads(storage.read_bytes(path))
+    except ValueError as e:
+        raise UnsafeIndexError(f"{path}: not valid JSON ({e})") from None
+    return check_index_entries(path, obj, in_part=in_part)
+
+
 def marker_path(out: str, part: str) -> str:
     """Where a finished work unit leaves its marker (the unit's counts, JSON text)."""
     return storage.join(out, PROGRESS_DIR, f"{part}.done")
@@ -243,9 +330,8 @@ def _remove_temp_files(directory: str) -> None:
 
 def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> None:
     """ids.parquet: (shard basename as in the merged index, index in shard, id)."""
-    index = json.loads(storage.read_bytes(storage.join(bucket_dir, part, "index.json")))
     shard_col, idx_col = [], []
-    for shard in index["shards"]:
+    for shard in load_index(storage.join(bucket_dir, part, INDEX_NAME), in_part=True):
         base = posixpath.join(part, shard["raw_data"]["basename"])
         shard_col += [base] * shard["samples"]
         idx_col += list(range(shard["samples"]))
@@ -276,18 +362,18 @@ def merge_bucket(
     """
     shards = []
     for part in sorted(parts):
-        path = storage.join(bucket_dir, part, "index.json")
-        index = json.loads(storage.read_bytes(path))
+        path = storage.join(bucket_dir, part, INDEX_NAME)
+        entries = load_index(path, in_part=True)
         if expected is not None:
-            n = sum(int(s["samples"]) for s in index["shards"])
+            n = sum(int(s["samples"]) for s in entries)
             if n != expected.get(part):
                 raise ExportError(
                     f"{path}: the part's index holds {n} samples but its work unit wrote "
                     f"{expected.get(part)}; another run changed this export. Start again with "
                     "--overwrite."
                 )
-        for shard in index["shards"]:
-            for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
+        for shard in entries:
+            for key in _FILE_KEYS:
                 if shard.get(key):
                     shard[key]["basename"] = posixpath.join(part, shard[key]["basename"])
             shards.append(shard)
@@ -376,14 +462,18 @@ def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
     return sorted(out, key=lambda b: (int(b.split("/")[0]), b))
 
 
-def read_index(root: str, bucket: str) -> list[ShardInfo]:
-    """The shards of one bucket, in merged-index order."""
-    path = rel_join(root, f"{bucket}/{INDEX_NAME}")
+def read_index_entries(root: str, bucket: str) -> list[dict]:
+    """The raw shard entries of one bucket's merged index, every file name confined."""
+    path = rel_join(root, f"{check_bucket(bucket)}/{INDEX_NAME}")
     try:
-        obj = json.loads(storage.read_bytes(path))
+        return load_index(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no merged index; is {root!r} an export root?") from None
-    return [ShardInfo.from_index_entry(e) for e in obj["shards"]]
+
+
+def read_index(root: str, bucket: str) -> list[ShardInfo]:
+    """The shards of one bucket, in merged-index order (names checked by :func:`load_index`)."""
+    return [ShardInfo.from_index_entry(e) for e in read_index_entries(root, bucket)]
 
 
 def list_suffix(base: str, suffix: str) -> list[str]:
@@ -407,6 +497,18 @@ def map_io(fn, items: Sequence, remote: bool) -> list:
     return [fn(x) for x in items]
 
 
+def check_manifest_shards(path: str, part: str, shards) -> None:
+    """Shard names in a manifest are data too: each must be a shard of the manifest's own part."""
+    import pyarrow.compute as pc
+
+    for name in pc.unique(shards).to_pylist():  # a handful per part, whatever the row count
+        check_shard_basename(path, name)
+        if name.split("/")[0] != part:
+            raise UnsafeIndexError(
+                f"{path}: shard {name!r} is not in this manifest's part {part!r}"
+            )
+
+
 def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
     """All ``ids.parquet`` rows of the chosen buckets as one Arrow table (+ ``bucket``)."""
     import pyarrow as pa
@@ -414,14 +516,15 @@ def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
 
     tables = []
     for bucket in buckets if buckets is not None else list_buckets(export_root):
+        check_bucket(bucket)
         rels = [r for r in storage.list_files(rel_join(export_root, bucket), MANIFEST_NAME)]
         fs, _ = storage.filesystem(export_root)
 
         def read(rel, bucket=bucket, fs=fs):
-            _, p = storage.filesystem(
-                rel_join(export_root, f"{bucket}/{rel.replace(chr(92), '/')}")
-            )
+            path = rel_join(export_root, f"{bucket}/{rel.replace(chr(92), '/')}")
+            _, p = storage.filesystem(path)
             t = pq.read_table(p, filesystem=fs, columns=["shard", "index", "id"])
+            check_manifest_shards(path, posixpath.dirname(rel.replace(chr(92), "/")), t["shard"])
             return t.append_column("bucket", pa.array([bucket] * len(t), pa.string()))
 
         tables += map_io(read, rels, storage.is_remote(export_root))

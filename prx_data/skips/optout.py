@@ -15,7 +15,7 @@ adds source keys and a per-tier report with that hint.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 #: Above this skipped share an export is worth rewriting (the PRX recipe).
@@ -54,11 +54,27 @@ def ids_from_source_ids(
 
     With ``source`` the ids are built directly. Otherwise every source named
     in the table's ``source`` column is tried and only ids present in the
-    table are returned.
+    table are returned (:func:`resolve_source_ids` says which keys found none).
+    """
+    found = resolve_source_ids(keys, source=source, table=table, storage_options=storage_options)
+    return sorted({i for ids in found.values() for i in ids})
+
+
+def resolve_source_ids(
+    keys: Iterable[str],
+    *,
+    source: str | None = None,
+    table: str | None = None,
+    storage_options: dict | None = None,
+) -> dict[str, list[str]]:
+    """``{key: [row ids]}`` for every requested key; ``[]`` where the table has no such row.
+
+    Keeping the keys that match nothing lets the report list them instead of
+    letting them vanish before counting.
     """
     keys = sorted(set(keys))
     if source is not None:
-        return [f"{source}/{k}" for k in keys]
+        return {k: [f"{source}/{k}"] for k in keys}
     if table is None:
         raise ValueError("source ids need --source NAME or --table URI to become row ids")
     import pyarrow as pa
@@ -69,16 +85,23 @@ def ids_from_source_ids(
 
     t = open_table(table, storage_options).to_table(columns=[S.ID, S.SOURCE])
     sources = [s for s in pc.unique(t[S.SOURCE]).to_pylist() if s is not None]
-    candidates = pa.array([f"{s}/{k}" for s in sources for k in keys], pa.string())
-    hit = pc.is_in(candidates, value_set=t[S.ID])
-    return sorted(candidates.filter(hit).to_pylist())
+    pairs = [(k, f"{s}/{k}") for s in sources for k in keys]
+    candidates = pa.array([c for _, c in pairs], pa.string())
+    hit = pc.is_in(candidates, value_set=t[S.ID]).to_pylist()
+    out: dict[str, list[str]] = {k: [] for k in keys}
+    for (k, c), h in zip(pairs, hit, strict=True):
+        if h:
+            out[k].append(c)
+    return {k: sorted(v) for k, v in out.items()}
 
 
 @dataclass
 class OptOutReport:
     export: str
     name: str
+    #: Requested keys as given (row ids, or source keys with --source-ids), deduplicated.
     ids_requested: int
+    #: How many of them matched no sample of this export (or no row of the table).
     ids_not_in_export: int
     shards_written: int
     samples_in_list: int
@@ -88,6 +111,10 @@ class OptOutReport:
     tiers: dict[str, int] = field(default_factory=dict)
     #: Share of the export skipped by all lists together.
     skipped_share_all_lists: float = 0.0
+    #: Every requested key that matched nothing, sorted.
+    not_matched: list[str] = field(default_factory=list)
+    #: The file the CLI wrote ``not_matched`` to (one per line), if any.
+    not_matched_file: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,6 +124,11 @@ class OptOutReport:
             f"skip list {self.name!r} on {self.export}: {self.samples_in_list:,} samples "
             f"({self.ids_requested:,} ids requested, {self.ids_not_in_export:,} not in this export)",
         ]
+        if self.not_matched:
+            shown = ", ".join(self.not_matched[:5])
+            more = f" and {len(self.not_matched) - 5:,} more" if len(self.not_matched) > 5 else ""
+            where = f"; all listed in {self.not_matched_file}" if self.not_matched_file else ""
+            lines.append(f"matched nothing: {shown}{more}{where}")
         for tier, n in self.tiers.items():
             lines.append(f"  tier {tier}: {n:,}")
             lines += [
@@ -112,13 +144,32 @@ class OptOutReport:
         return "\n".join(lines)
 
 
-def add_optout(export: str, name: str, ids: Iterable[str]) -> OptOutReport:
-    """Add the samples of ``ids`` to the skip list ``name`` in every bucket of ``export``."""
+def add_optout(
+    export: str,
+    name: str,
+    ids: Iterable[str],
+    *,
+    keys: Mapping[str, Sequence[str]] | None = None,
+) -> OptOutReport:
+    """Add the samples of ``ids`` to the skip list ``name`` in every bucket of ``export``.
+
+    ``keys`` (from :func:`resolve_source_ids`) makes the request the source keys:
+    they are what is counted, and a key is unmatched when none of its row ids
+    is in the export (including keys that have no row in the table at all).
+    """
     from prx_data.skips import sidecar as SL
 
     SL.validate_name(name)
+    if keys is not None:
+        ids = {i for v in keys.values() for i in v}
     wanted = sorted(set(ids))
     res = SL.add_skips_by_ids(export, name, wanted)
+    if keys is None:
+        requested, not_matched = len(wanted), res.missing_ids
+    else:
+        missing = set(res.missing_ids)
+        requested = len(keys)
+        not_matched = sorted(k for k, v in keys.items() if all(i in missing for i in v))
     stats = SL.skip_stats(export, names=[name])
     everything = SL.skip_stats(export)
     buckets = {s.bucket: s.skipped for s in stats.get(name, [])}
@@ -131,11 +182,12 @@ def add_optout(export: str, name: str, ids: Iterable[str]) -> OptOutReport:
     return OptOutReport(
         export=export,
         name=name,
-        ids_requested=len(wanted),
-        ids_not_in_export=res.ids_not_found,
+        ids_requested=requested,
+        ids_not_in_export=len(not_matched),
         shards_written=res.shards_written,
         samples_in_list=sum(buckets.values()),
         buckets=buckets,
         tiers=dict(sorted(tiers.items(), key=lambda kv: int(kv[0]))),
         skipped_share_all_lists=skipped / total if total else 0.0,
+        not_matched=not_matched,
     )

@@ -19,16 +19,19 @@ Examples::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import posixpath
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
 from prx_data.core import storage
+from prx_data.core.schema import REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
@@ -67,12 +70,80 @@ class RewriteRefused(RuntimeError):
 
 @dataclass
 class RewriteResult:
+    """What a rewrite did; written as ``report.json`` / ``report.txt`` in the new export."""
+
     out: str
     samples_in: int
     samples_out: int
     skipped: int
+    #: Buckets in the new export.
     buckets: int
     verified: bool
+    source: str = ""
+    #: Skip lists applied (left out of the new export).
+    lists: list[str] = field(default_factory=list)
+    #: {bucket: samples in the new export}
+    bucket_samples: dict[str, int] = field(default_factory=dict)
+    #: Buckets whose every sample was skipped: not written (streaming rejects empty indexes).
+    buckets_dropped: list[str] = field(default_factory=list)
+    #: Log warnings from streaming during the run, {message: count} (kept off the terminal).
+    warnings: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        # ``buckets`` and ``samples_written`` are what the loader checks an export against
+        # (``layout.check_bucket_complete``), as for an export's own report.
+        return {
+            **asdict(self),
+            "buckets": dict(self.bucket_samples),
+            "samples_written": self.samples_out,
+        }
+
+    def text(self) -> str:
+        lines = [
+            f"rewrite of {self.source} -> {self.out}",
+            f"samples in       {self.samples_in:>10,}",
+            f"samples written  {self.samples_out:>10,}",
+            f"skipped          {self.skipped:>10,}  (lists: {', '.join(self.lists) or 'none'})",
+            "",
+            f"{'bucket':<14}{'samples':>10}",
+        ]
+        lines += [f"{b:<14}{n:>10,}" for b, n in self.bucket_samples.items()]
+        for b in self.buckets_dropped:
+            lines.append(f"{b:<14}{'dropped':>10}  (every sample was skipped)")
+        if self.warnings:
+            lines.append("")
+            lines.append(f"streaming warnings ({sum(self.warnings.values())}):")
+            lines += [f"  {n} x {m}" for m, n in self.warnings.items()]
+        lines.append("verified sample by sample" if self.verified else "not verified")
+        return "\n".join(lines) + "\n"
+
+
+class _QuietStreaming(logging.Handler):
+    """Keeps streaming's log warnings off the terminal for a run and counts them for the report.
+
+    Streaming logs per writer/shard (e.g. about existing directories); a
+    rewrite opens thousands of writers, so the lines would bury the output.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: dict[str, int] = {}
+        self._logger = logging.getLogger("streaming")
+        self._saved = (self._logger.propagate, list(self._logger.handlers))
+        self._logger.propagate = False
+        self._logger.handlers = [self]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        self.seen[msg] = self.seen.get(msg, 0) + 1
+
+    def summary(self) -> dict[str, int]:
+        return dict(sorted(self.seen.items(), key=lambda kv: -kv[1]))
+
+    def close(self) -> None:
+        self._logger.propagate, self._logger.handlers = self._saved
+        super().close()
 
 
 def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
@@ -99,10 +170,7 @@ def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
 
 def _readers(root: str, bucket: str, tmp: str):
     """(entry, MDS reader) for every shard of a bucket, in index order."""
-    index = json.loads(
-        storage.read_bytes(storage.join(root, *bucket.split("/"), layout.INDEX_NAME))
-    )
-    for entry in index["shards"]:
+    for entry in layout.read_index_entries(root, bucket):
         yield entry, reader_from_json(_materialize(root, bucket, entry, tmp), None, entry)
 
 
@@ -127,12 +195,16 @@ def rewrite_export(
 
     if storage.exists(storage.join(out, *layout.list_buckets(root)[:1], layout.INDEX_NAME)):
         raise FileExistsError(f"{out} already holds an export; choose an empty destination")
+    t0 = time.monotonic()
     buckets = layout.list_buckets(root)
     total = skipped = 0
     plan = []
+    applied: set[str] = set()
     for bucket in buckets:
         shards = layout.read_index(root, bucket)
-        skips = skiplist.load_skips(root, bucket, shards, names)
+        listing = skiplist.list_sidecars(root, bucket, shards)
+        applied |= set(listing) if names is None else set(names) & set(listing)
+        skips = skiplist.load_skips(root, bucket, shards, names, listing=listing)
         total += sum(s.samples for s in shards)
         skipped += sum(len(v) for v in skips.values())
         plan.append((bucket, skips))
@@ -146,7 +218,9 @@ def rewrite_export(
     work = tempfile.mkdtemp(prefix="prx-rewrite-")
     stage = os.path.join(work, "out") if remote_out else out
     written = 0
-    counts: dict[str, int] = {}
+    per_bucket: dict[str, int] = {}
+    dropped: list[str] = []
+    quiet = _QuietStreaming()
     try:
         bar = tqdm(total=total - skipped, desc="rewrite", unit="sample")
         for bucket, skips in plan:
@@ -160,7 +234,15 @@ def rewrite_export(
                         "part directory; not an export written by prx_data.write_mds"
                     )
                 parts.setdefault(part, []).append((entry, reader))
+            kept_parts = []
             for part, items in parts.items():
+                kept = sum(
+                    reader.samples - len(skips.get(entry["raw_data"]["basename"], ()))
+                    for entry, reader in items
+                )
+                if not kept:  # no empty part: its shard-less index would only add noise
+                    continue
+                kept_parts.append(part)
                 first = items[0][0]
                 columns = dict(zip(first["column_names"], first["column_encodings"], strict=True))
                 pdir = os.path.join(bucket_out, *part.split("/"))
@@ -183,22 +265,49 @@ def rewrite_export(
                             written += 1
                             bar.update()
                 layout.write_manifest(bucket_out, part, ids)
-            counts[bucket] = layout.merge_bucket(bucket_out, sorted(parts))
+                per_bucket[bucket] = per_bucket.get(bucket, 0) + len(ids)
+            if kept_parts:
+                layout.merge_bucket(bucket_out, sorted(kept_parts))
+            else:
+                # Streaming refuses an index with no shards: every sample was skipped, so the
+                # bucket is left out and the report says so.
+                dropped.append(bucket)
         bar.close()
-        layout.write_completion(stage, counts, rewritten_from=root)
         if verify:
-            _verify(root, stage, plan, os.path.join(work, "in"), SkipMDSReader)
+            _verify(root, stage, plan, os.path.join(work, "in"), SkipMDSReader, set(dropped))
         if remote_out:
             for rel in storage.list_files(stage):
                 with open(os.path.join(stage, rel), "rb") as f:
                     storage.write_bytes_atomic(storage.join(out, *rel.split(os.sep)), f.read())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return RewriteResult(out, total, written, skipped, len(buckets), verify)
+        quiet.close()
+    result = RewriteResult(
+        out,
+        total,
+        written,
+        skipped,
+        len(buckets) - len(dropped),
+        verify,
+        source=root,
+        lists=sorted(applied),
+        bucket_samples=dict(sorted(per_bucket.items())),
+        buckets_dropped=dropped,
+        warnings=quiet.summary(),
+        seconds=round(time.monotonic() - t0, 3),
+    )
+    storage.write_bytes_atomic(storage.join(out, "report.txt"), result.text().encode())
+    storage.write_bytes_atomic(
+        storage.join(out, REPORT_NAME), json.dumps(result.to_dict(), indent=2).encode()
+    )
+    return result
 
 
-def _verify(root: str, new_root: str, plan, tmp: str, skip_reader) -> None:
-    """Every sample of the new export equals the next kept sample of the old one, in order."""
+def _verify(root: str, new_root: str, plan, tmp: str, skip_reader, dropped=frozenset()) -> None:
+    """Every sample of the new export equals the next kept sample of the old one, in order.
+
+    A dropped bucket must have had nothing to keep.
+    """
     for bucket, skips in plan:
 
         def old_samples(bucket=bucket, skips=skips):
@@ -209,6 +318,8 @@ def _verify(root: str, new_root: str, plan, tmp: str, skip_reader) -> None:
                     yield view.get_item(i)
 
         def new_samples(bucket=bucket):
+            if bucket in dropped:
+                return
             for _entry, reader in _readers(new_root, bucket, tmp):
                 for i in range(reader.samples):
                     yield reader.get_item(i)

@@ -16,8 +16,12 @@ streaming's ``merge_index`` would take it for an index)::
             count (number of indices), crc32 (of the index payload)
     indices count x uint32 LE, sorted and unique
 
-The header binds the sidecar to its shard's content: a sidecar whose shard
-was rewritten (different bytes, samples or hash) is refused on load. The
+The header binds the sidecar to its shard's content and to its own name: a
+sidecar whose shard was rewritten (different bytes, samples or hash; when
+the index records hashes the sidecar must carry the same ones) or that was
+renamed (header name != file name) is refused on load. Stray ``*.skip``
+files (a name that is not a valid list name, a shard the index does not
+have) are reported by :func:`scan_sidecars` instead of being ignored. The
 same list written twice gives identical bytes.
 """
 
@@ -29,7 +33,7 @@ import re
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -87,8 +91,18 @@ class SkipList:
         return MAGIC + struct.pack("<I", len(hb)) + hb + payload
 
     @classmethod
-    def from_bytes(cls, data: bytes, source: str, expected: ShardInfo | None = None) -> SkipList:
-        """Parse and validate; ``source`` names the file in errors, ``expected`` is its shard."""
+    def from_bytes(
+        cls,
+        data: bytes,
+        source: str,
+        expected: ShardInfo | None = None,
+        expected_name: str | None = None,
+    ) -> SkipList:
+        """Parse and validate; ``source`` names the file in errors.
+
+        ``expected`` is the shard it sits next to and ``expected_name`` the
+        list its file name says: a copied or renamed sidecar is refused.
+        """
         if len(data) < len(MAGIC) + 4 or data[: len(MAGIC)] != MAGIC:
             raise SkipListError(f"{source}: not a skip-list sidecar (bad magic)")
         (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
@@ -112,13 +126,19 @@ class SkipList:
         idx = np.frombuffer(payload, dtype="<u4")  # read-only view, no copy
         if count and ((idx[1:] <= idx[:-1]).any() or int(idx[-1]) >= samples):
             raise SkipListError(f"{source}: indices are not sorted, unique and < samples={samples}")
+        if expected_name is not None and name != expected_name:
+            raise SkipListError(
+                f"{source}: the file is named for list {expected_name!r} but holds list {name!r} "
+                "(a renamed or copied sidecar); rebuild it with python -m prx_data.skips add, or "
+                "delete it"
+            )
         if expected is not None:
             # Fast path for the common case; the slow one explains the mismatch.
             if (shard, nbytes, samples) != (
                 expected.basename,
                 expected.bytes,
                 expected.samples,
-            ) or (hashes and any(expected.hashes.get(k, v) != v for k, v in hashes.items())):
+            ) or hashes != expected.hashes:
                 _check_binding(source, ShardInfo(shard, nbytes, samples, hashes), expected)
             info = expected
         else:
@@ -134,9 +154,21 @@ def _check_binding(source: str, got: ShardInfo, expected: ShardInfo) -> None:
         problems.append(f"shard bytes {got.bytes} != {expected.bytes} in the index")
     if got.samples != expected.samples:
         problems.append(f"shard samples {got.samples} != {expected.samples} in the index")
-    for algo in sorted(set(got.hashes) & set(expected.hashes)):
+    common = sorted(set(got.hashes) & set(expected.hashes))
+    for algo in common:
         if got.hashes[algo] != expected.hashes[algo]:
             problems.append(f"shard {algo} {got.hashes[algo]} != {expected.hashes[algo]}")
+    # Same size is no proof of same bytes: when either side has hashes, they must meet.
+    if expected.hashes and not common:
+        problems.append(
+            f"the index records shard hashes ({', '.join(sorted(expected.hashes))}) and the "
+            f"sidecar {'records ' + ', '.join(sorted(got.hashes)) if got.hashes else 'none'}"
+        )
+    elif got.hashes and not expected.hashes:
+        problems.append(
+            f"the sidecar was bound to shard hashes ({', '.join(sorted(got.hashes))}) that the "
+            "index no longer records"
+        )
     if problems:
         raise SkipListError(
             f"{source}: sidecar does not match its shard ({'; '.join(problems)}). The shard was "
@@ -153,26 +185,68 @@ def sidecar_basename(shard_basename: str, name: str) -> str:
 # --- export tree ---------------------------------------------------------------------------
 
 
-def list_sidecars(root: str, bucket: str, shards: Sequence[ShardInfo]) -> dict[str, list[str]]:
-    """{list name: [shard basenames that have a sidecar]} for one bucket (one listing)."""
+@dataclass(frozen=True)
+class SidecarProblem:
+    """A ``*.skip`` file that is not a usable sidecar: ``orphan`` or ``unparseable``."""
+
+    path: str
+    kind: str
+    reason: str
+    #: The list its file name claims (None when the name has no ``.mds.<list>`` part).
+    claimed: str | None = None
+
+    def text(self) -> str:
+        return f"{self.kind}: {self.path}: {self.reason}"
+
+
+def scan_sidecars(
+    root: str, bucket: str, shards: Sequence[ShardInfo]
+) -> tuple[dict[str, list[str]], list[SidecarProblem]]:
+    """One listing of a bucket: ``{list: [shard basenames]}`` and the orphan ``*.skip`` files.
+
+    An orphan is a file that cannot belong to any list of this bucket: a list
+    name that is not valid (``Dedup``: names are lower-case), or a shard the
+    index does not have. Such files are never applied, so they are reported.
+    """
     known = {s.basename for s in shards}
     out: dict[str, list[str]] = {}
-    for rel in list_suffix(rel_join(root, bucket), SUFFIX):
+    orphans: list[SidecarProblem] = []
+    bucket_dir = rel_join(root, bucket)
+    for rel in list_suffix(bucket_dir, SUFFIX):
         stem = rel[: -len(SUFFIX)]
         # The shard basename is the longest known prefix ending in ".mds".
         pos = stem.find(".mds.")
+        first = pos
         while pos != -1:
             shard, name = stem[: pos + 4], stem[pos + 5 :]
             if shard in known and NAME_RE.match(name):
                 out.setdefault(name, []).append(shard)
                 break
             pos = stem.find(".mds.", pos + 1)
-    return {k: sorted(v) for k, v in sorted(out.items())}
+        else:
+            path = rel_join(bucket_dir, rel)
+            if first == -1:
+                orphans.append(
+                    SidecarProblem(path, "orphan", "not named <shard>.mds.<list>.skip", None)
+                )
+                continue
+            shard, name = stem[: first + 4], stem[first + 5 :]
+            if shard not in known:
+                why = f"no shard {shard!r} in {bucket}/index.json"
+            else:
+                why = f"{name!r} is not a valid list name (lower-case [a-z0-9._-])"
+            orphans.append(SidecarProblem(path, "orphan", why, name))
+    return {k: sorted(v) for k, v in sorted(out.items())}, orphans
+
+
+def list_sidecars(root: str, bucket: str, shards: Sequence[ShardInfo]) -> dict[str, list[str]]:
+    """{list name: [shard basenames that have a sidecar]} for one bucket (one listing)."""
+    return scan_sidecars(root, bucket, shards)[0]
 
 
 def read_sidecar(root: str, bucket: str, shard: ShardInfo, name: str) -> SkipList:
     path = rel_join(root, f"{bucket}/{sidecar_basename(shard.basename, name)}")
-    return SkipList.from_bytes(_read(path), path, expected=shard)
+    return SkipList.from_bytes(_read(path), path, expected=shard, expected_name=name)
 
 
 def _read(path: str) -> bytes:
@@ -189,11 +263,14 @@ def load_skips(
     shards: Sequence[ShardInfo],
     names: Sequence[str] | None = None,
     listing: Mapping[str, list[str]] | None = None,
+    problems: list[SidecarProblem] | None = None,
 ) -> dict[str, np.ndarray]:
     """Union of the chosen lists (all if ``names`` is None) per shard basename, validated.
 
     Shards without any skipped sample are absent from the result. ``listing``
-    reuses a :func:`list_sidecars` result instead of listing again.
+    reuses a :func:`list_sidecars` result instead of listing again. A bad
+    sidecar raises :class:`SkipListError`, unless ``problems`` is given: then
+    it is appended there and left out (for reports such as ``skips stats``).
     """
     found = list_sidecars(root, bucket, shards) if listing is None else listing
     chosen = list(found) if names is None else [validate_name(n) for n in names]
@@ -202,13 +279,21 @@ def load_skips(
     bucket_dir = rel_join(root, bucket)
     sep = "/" if remote else os.sep
 
-    def read(job: tuple[str, ShardInfo]) -> SkipList:
+    def read(job: tuple[str, ShardInfo]) -> SkipList | SidecarProblem:
         name, shard = job
         path = f"{bucket_dir}{sep}{shard.basename.replace('/', sep)}.{name}{SUFFIX}"
-        return SkipList.from_bytes(_read(path), path, expected=shard)
+        if problems is not None:
+            try:
+                return SkipList.from_bytes(_read(path), path, shard, expected_name=name)
+            except SkipListError as e:
+                return SidecarProblem(path, "unparseable", str(e).removeprefix(f"{path}: "), name)
+        return SkipList.from_bytes(_read(path), path, expected=shard, expected_name=name)
 
     jobs = [(name, by_base[b]) for name in chosen for b in found.get(name, [])]
     lists = map_io(read, jobs, remote)
+    if problems is not None:  # report bad sidecars and leave them out, instead of raising
+        problems += [sl for sl in lists if isinstance(sl, SidecarProblem)]
+        lists = [sl for sl in lists if isinstance(sl, SkipList)]
     per_shard: dict[str, list[np.ndarray]] = {}
     for sl in lists:
         per_shard.setdefault(sl.shard.basename, []).append(sl.indices)
@@ -230,6 +315,8 @@ class AddResult:
     samples_listed: int = 0
     #: Row ids not found in any manifest (add_skips_by_ids / add_skips_by_query).
     ids_not_found: int = 0
+    #: Those ids, sorted (a request is small next to the export; a compliance report lists them).
+    missing_ids: list[str] = field(default_factory=list)
 
 
 def add_skips(
@@ -306,7 +393,9 @@ def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResu
     ):
         skips.setdefault((b, s), []).append(i)
     result = add_skips(export_root, name, skips)
-    result.ids_not_found = len(wanted) - len(set(hit["id"].to_pylist()))
+    found = set(hit["id"].to_pylist())
+    result.missing_ids = sorted(set(wanted.to_pylist()) - found)
+    result.ids_not_found = len(result.missing_ids)
     return result
 
 
@@ -328,6 +417,24 @@ def list_skip_lists(
     return dict(sorted(out.items()))
 
 
+def sidecar_problems(
+    export_root: str, tiers: Iterable[int] | None = None, *, read: bool = True
+) -> list[SidecarProblem]:
+    """Every orphan and unparseable sidecar of an export.
+
+    ``read`` checks every sidecar's bytes (about 0.1 ms each locally); without
+    it only orphans, which the listing alone reveals, are found.
+    """
+    problems: list[SidecarProblem] = []
+    for bucket in list_buckets(export_root, tiers):
+        shards = read_index(export_root, bucket)
+        listing, orphans = scan_sidecars(export_root, bucket, shards)
+        problems += orphans
+        if read:
+            load_skips(export_root, bucket, shards, None, listing=listing, problems=problems)
+    return problems
+
+
 @dataclass
 class BucketStats:
     bucket: str
@@ -340,26 +447,33 @@ class BucketStats:
 
 
 def skip_stats(
-    export_root: str, names: Sequence[str] | None = None, tiers: Iterable[int] | None = None
+    export_root: str,
+    names: Sequence[str] | None = None,
+    tiers: Iterable[int] | None = None,
+    problems: list[SidecarProblem] | None = None,
 ) -> dict[str, list[BucketStats]]:
     """Per list (and ``"*"`` for the union of the chosen lists), per bucket: samples skipped.
 
     Every bucket appears under every list, with 0 where the list has no sidecar.
+    With ``problems``, orphan and unparseable sidecars are appended there (and
+    left out of the counts) instead of an unparseable one raising.
     """
     out: dict[str, list[BucketStats]] = {}
     per_bucket = []
     all_names: set[str] = set()
     for bucket in list_buckets(export_root, tiers):
         shards = read_index(export_root, bucket)
-        found = list_sidecars(export_root, bucket, shards)
+        found, orphans = scan_sidecars(export_root, bucket, shards)
+        if problems is not None:
+            problems += orphans
         all_names |= set(found)
         per_bucket.append((bucket, shards, found))
     chosen = sorted(all_names) if names is None else [validate_name(n) for n in names]
-    for bucket, shards, _found in per_bucket:
+    for bucket, shards, found in per_bucket:
         total = sum(s.samples for s in shards)
         union: dict[str, np.ndarray] = {}
         for name in chosen:
-            lists = load_skips(export_root, bucket, shards, [name])
+            lists = load_skips(export_root, bucket, shards, [name], found, problems)
             out.setdefault(name, []).append(
                 BucketStats(bucket, total, sum(len(v) for v in lists.values()))
             )

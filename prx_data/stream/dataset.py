@@ -28,6 +28,7 @@ import io
 import json
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,30 @@ def _check_names(root: str, found: set[str], names: Sequence[str] | None) -> Non
             )
 
 
+def _check_orphans(
+    root: str, orphans: Sequence[skiplist.SidecarProblem], names: Sequence[str] | None
+) -> None:
+    """Stray ``*.skip`` files are never applied: refuse if they claim a requested list, else warn."""
+    if not orphans or names == []:
+        return
+    wanted = {n.lower() for n in names or []}
+    hit = [o for o in orphans if o.claimed is not None and o.claimed.lower() in wanted]
+    if hit:
+        raise skiplist.SkipListError(
+            f"{root}: {len(hit)} sidecar(s) of a requested skip list cannot be applied:\n  "
+            + "\n  ".join(o.text() for o in hit[:10])
+            + "\nrebuild them with python -m prx_data.skips add, or delete them"
+        )
+    more = f" (and {len(orphans) - 5} more)" if len(orphans) > 5 else ""
+    warnings.warn(
+        f"{root}: {len(orphans)} stray sidecar(s) are not applied: "
+        + "; ".join(o.text() for o in orphans[:5])
+        + more
+        + ". Run python -m prx_data.skips list to see them all.",
+        stacklevel=3,
+    )
+
+
 def fetch_catalog(
     spec: DatasetSpec,
     tiers: Sequence[int],
@@ -178,13 +203,22 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     elif os.path.exists(os.path.join(local, REPORT_NAME)):
         os.remove(os.path.join(local, REPORT_NAME))
     found: set[str] = set()
+    orphans: list[skiplist.SidecarProblem] = []
     for bucket in buckets:
         remote_b = storage.join(spec.root, *bucket.split("/"))
         local_b = os.path.join(local, *bucket.split("/"))
-        index = storage.read_bytes(storage.join(remote_b, layout.INDEX_NAME))
+        index_uri = storage.join(remote_b, layout.INDEX_NAME)
+        index = storage.read_bytes(index_uri)
+        try:
+            obj = json.loads(index)
+        except ValueError as e:
+            raise layout.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
+        entries = layout.check_index_entries(index_uri, obj)
+        # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.
         storage.write_bytes_atomic(os.path.join(local_b, layout.INDEX_NAME), index)
-        shards = [layout.ShardInfo.from_index_entry(e) for e in json.loads(index)["shards"]]
-        listed = skiplist.list_sidecars(spec.root, bucket, shards)
+        shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
+        listed, stray = skiplist.scan_sidecars(spec.root, bucket, shards)
+        orphans += stray
         found |= set(listed)
         chosen = list(listed) if names is None else [n for n in names if n in listed]
         want = {skiplist.sidecar_basename(b, n) for n in chosen for b in listed[n]}
@@ -197,6 +231,7 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
             storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
 
         layout.map_io(get, sorted(want), True)
+    _check_orphans(spec.root, orphans, names)
     _check_names(spec.root, found, names)
     return buckets
 
@@ -226,13 +261,15 @@ def load_sources(
         layout.check_export_complete(
             spec.root, report, count_markers=not storage.is_remote(spec.root)
         )
+    orphans: list[skiplist.SidecarProblem] = []
     for bucket in buckets:
         shards = layout.read_index(base, bucket)
         if report is not None:
             layout.check_bucket_complete(spec.root, bucket, shards, report)
         skips: dict[str, np.ndarray] = {}
         if spec.skip_lists != []:
-            listing = skiplist.list_sidecars(base, bucket, shards)
+            listing, stray = skiplist.scan_sidecars(base, bucket, shards)
+            orphans += stray
             found |= set(listing)
             skips = skiplist.load_skips(base, bucket, shards, spec.skip_lists, listing=listing)
         remote = (
@@ -241,6 +278,7 @@ def load_sources(
         out.append(
             BucketSource(bucket, remote, os.path.join(base, *bucket.split("/")), shards, skips)
         )
+    _check_orphans(spec.root, orphans, spec.skip_lists)
     _check_names(spec.root, found, spec.skip_lists)
     return out
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 from streaming import Stream
 
 from prx_data.core.streaming_compat import MDSReader, World
+from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
 
@@ -25,8 +27,13 @@ class SkipStream(Stream):
 
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
         shards = super().get_shards(world, allow_unsafe_types)
+        index = os.path.join(self.local, self.split or "", layout.INDEX_NAME)
         out = []
         for reader in shards:
+            # Before any shard file is opened: streaming joins these names to ``local`` unchecked.
+            for info in (reader.raw_data, reader.zip_data):
+                if info is not None:
+                    layout.check_shard_basename(index, info.basename)
             skipped = self.skips.get(reader.raw_data.basename)
             if skipped is None or not len(skipped):
                 out.append(reader)
