@@ -74,6 +74,10 @@ def test_streaming_log_warnings_stay_off_the_terminal(export, tmp_path, monkeypa
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(streaming, "MDSWriter", LoudMDSWriter)
+    # Other tests may have quietened streaming's loggers; this one needs the record created.
+    monkeypatch.setattr(log, "level", log.level)  # restored on undo
+    log.setLevel(logging.WARNING)  # setLevel also clears the logging cache
+    monkeypatch.setattr(logging.root.manager, "disable", 0)
     logging.basicConfig()  # a root handler that would print streaming's records to stderr
     out = str(tmp_path / "out")
     r = R.rewrite_export(export.root, out, force=True)
