@@ -24,7 +24,6 @@ See docs/STREAMING.md for the reasoning and the knobs.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
@@ -34,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from streaming import Stream, StreamingDataset
 from streaming.base.distributed import maybe_init_dist
 from streaming.base.format.mds.reader import MDSReader
@@ -50,6 +48,8 @@ from prx_data.core.buckets import (
 )
 from prx_data.skips import sidecar as skiplist
 from prx_data.stream import planner
+from prx_data.stream.decode import decode_to
+from prx_data.stream.holdout import Holdout, merge_skips
 
 #: Written last by the node's fetching rank; the other ranks wait for it.
 CATALOG_PREFIX = "_prx_catalog."
@@ -70,6 +70,8 @@ class DatasetSpec:
     repeat: float | None = None
     choose: int | None = None
     skip_lists: list[str] | None = None
+    #: In-memory hold-out by id hash (train side or eval side), merged with the skip lists.
+    holdout: Holdout | None = None
 
 
 @dataclass
@@ -283,6 +285,8 @@ def load_sources(
             listing = skiplist.list_sidecars(base, bucket, shards)
             found |= set(listing)
             skips = skiplist.load_skips(base, bucket, shards, spec.skip_lists, listing=listing)
+        if spec.holdout is not None:
+            skips = merge_skips(skips, spec.holdout.skips(spec.root, bucket, shards))
         remote = (
             storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
         )
@@ -306,12 +310,8 @@ def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[Da
 
 
 def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
-    im = Image.open(io.BytesIO(data))
-    im = im.convert("RGB") if im.mode != "RGB" else im
-    if im.size != shape:
-        im = im.resize(shape, Image.Resampling.LANCZOS)
-    arr = np.asarray(im, dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    arr = decode_to(data, shape)  # higher tiers decode at reduced size (JPEG draft)
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
 class BucketedDataset(StreamingDataset):
