@@ -36,9 +36,16 @@ sections (see docs/TRAINING.md):
                 load_path, precision, device, seed, ema
   logging       console_log_interval, file, window_size, sample_ids_dir, wandb_project
 
+  eval          enabled, source (slice|export), holdout_fraction, holdout_salt, datasets,
+                interval, num_bands, global_batch_size, subset_num_batches, seed
+  sampling      enabled, prompts, seeds, shapes, steps, guidance_scale, interval, folder
+  parallelism   fsdp (enabled, version, sharding_strategy, activation_checkpointing, ...),
+                compile, compile_mode
+
 resume:
   Re-run the same command with trainer.autoresume=true (needs run_name and save_folder);
   the world size may change as long as data.global_batch_size stays the same.
+  Re-running a run that already reached trainer.max_duration prints so and exits 0.
 """
 
 
@@ -91,9 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.getLogger("composer").setLevel(args.log_level)
 
-    from prx_data.train.trainer import build_trainer
+    from prx_data.train.trainer import build_trainer, finished_message, run_is_finished
 
     trainer = build_trainer(cfg)
+    if run_is_finished(trainer):
+        # A rerun of a finished run (e.g. a requeued job) is not a failure: say so, exit 0.
+        print(finished_message(cfg, trainer), file=sys.stderr)
+        trainer.close()
+        return 0
     trainer.fit()
     trainer.close()
     return 0

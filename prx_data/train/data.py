@@ -78,9 +78,17 @@ def _load_factory(path: str) -> Callable[[DataConfig, int], StreamingDataset]:
         raise ValueError(f"data.factory: cannot import {path!r}: {exc}") from None
 
 
-def build_dataset(cfg: DataConfig, batch_size: int) -> StreamingDataset:
-    """The bucketed stream of ``cfg`` (``prx_data.stream.dataset.BucketedDataset``) for one rank."""
+def build_dataset(cfg: DataConfig, batch_size: int, holdout: Any = None) -> StreamingDataset:
+    """The bucketed stream of ``cfg`` (``prx_data.stream.dataset.BucketedDataset``) for one rank.
+
+    ``holdout`` (a ``prx_data.stream.holdout.Holdout``) leaves out one side of an
+    id-hash hold-out split in every dataset's sample space.
+    """
     if cfg.factory:
+        if holdout is not None:
+            raise ValueError(
+                "data.factory cannot apply the eval hold-out slice; use eval.source=export"
+            )
         return _load_factory(cfg.factory)(cfg, batch_size)
     if not cfg.datasets:
         raise ValueError("data.datasets: at least one dataset (export root) is required")
@@ -97,6 +105,7 @@ def build_dataset(cfg: DataConfig, batch_size: int) -> StreamingDataset:
             repeat=d.repeat,
             choose=d.choose,
             skip_lists=list(d.skip_lists) if d.skip_lists is not None else None,
+            holdout=holdout,
         )
         for d in cfg.datasets
     ]
@@ -145,10 +154,11 @@ def build_dataspec(
     world_size: int,
     patch_size: int,
     dataset: StreamingDataset | None = None,
+    holdout: Any = None,
 ) -> DataSpec:
     """Dataset + loader + sample/token counting for one rank of a ``world_size`` run."""
     batch = device_batch_size(cfg, world_size)
-    ds = dataset if dataset is not None else build_dataset(cfg, batch)
+    ds = dataset if dataset is not None else build_dataset(cfg, batch, holdout=holdout)
     loader = build_dataloader(ds, cfg, batch)
     return DataSpec(
         loader,

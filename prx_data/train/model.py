@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from composer.models import ComposerModel
 from diffusers.models.transformers.transformer_prx import PRXTransformer2DModel
 
+from prx_data.train import evaluation
 from prx_data.train.captions import CaptionPolicy
 from prx_data.train.config import FlowConfig, ModelConfig
 from prx_data.train.flow import (
@@ -76,6 +77,10 @@ class PRXFlowModel(ComposerModel):
         self.flow = flow or FlowConfig()
         patch = transformer.config.patch_size
         self._patch = int(patch)
+        # Held-out evaluation (prx_data.train.evaluation): bands, seed, caption choice.
+        self.eval_bands = 4
+        self.eval_seed = 0
+        self.eval_captions = evaluation.eval_caption_policy(captions.columns)
 
     def encode_text(
         self, captions: list[str], device: torch.device
@@ -153,3 +158,21 @@ class PRXFlowModel(ComposerModel):
             return float(self.loss(self.flow_outputs(batch, generator=gen), batch))
         finally:
             self.train(was_training)
+
+    # --- Composer evaluation: per-band flow loss at fixed noise and timesteps -------------
+
+    def configure_eval(self, num_bands: int, seed: int) -> None:
+        """Set the timestep bands and noise seed of the held-out metrics."""
+        self.eval_bands = int(num_bands)
+        self.eval_seed = int(seed)
+
+    def eval_forward(self, batch: Mapping[str, Any], outputs: Any = None) -> torch.Tensor:
+        """``[B, num_bands]`` per-sample losses (see :mod:`prx_data.train.evaluation`)."""
+        with torch.no_grad():
+            return evaluation.per_sample_band_losses(self, batch)
+
+    def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
+        return {} if is_train else evaluation.eval_metrics(self.eval_bands)
+
+    def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
+        metric.update(outputs)

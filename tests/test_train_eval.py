@@ -1,0 +1,342 @@
+"""Eval hold-out, eval loss, sample grids, rerun hygiene and parallelism options of the trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from prx_data.train.config import ConfigError, load_config
+from tests.trainkit import save_tiny_t5, tiny_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs" / "train" / "smoke_cpu.yaml"
+BUCKETS = {"512/1.000": 24, "512/0.778": 16}
+
+
+@pytest.fixture(scope="module")
+def tiny_t5(tmp_path_factory) -> str:
+    return save_tiny_t5(tmp_path_factory.mktemp("t5"))
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from tests.exportkit import make_export
+
+    root = tmp_path_factory.mktemp("export") / "tree"
+    return make_export(str(root), BUCKETS, samples_per_part=8)
+
+
+def _ids(ds) -> list[str]:
+    return [ds[i]["id"] for i in range(ds.num_samples)]
+
+
+# --- hold-out slice -----------------------------------------------------------------------
+
+
+def test_holdout_slice_is_disjoint_from_training_and_covers_the_export(export):
+    """Train side + eval side partition the export by id hash, in the sample space."""
+    from prx_data.stream.dataset import BucketedDataset, DatasetSpec
+    from prx_data.stream.holdout import Holdout
+
+    def dataset(keep: str) -> BucketedDataset:
+        spec = DatasetSpec(root=export.root, holdout=Holdout(0.25, "eval", keep))
+        return BucketedDataset(spec, tier=512, batch_size=1, shuffle=False, small_buckets="drop")
+
+    train, held = dataset("train"), dataset("eval")
+    train_ids, held_ids = _ids(train), _ids(held)
+    assert not set(train_ids) & set(held_ids)
+    assert sorted(train_ids + held_ids) == sorted(export.all_ids())
+    # The slice is the hash's, not the layout's: recomputed from the ids alone.
+    mask = Holdout(0.25, "eval").held_out(sorted(export.all_ids()))
+    assert sorted(held_ids) == sorted(np.asarray(sorted(export.all_ids()))[mask].tolist())
+    assert 0 < len(held_ids) < len(train_ids)
+    # Skipped samples are out of the epoch itself (planner counts), not filtered on read.
+    assert train.num_samples == len(train_ids) and held.num_samples == len(held_ids)
+    # Another salt draws another slice.
+    other = Holdout(0.25, "other").held_out(sorted(export.all_ids()))
+    assert not np.array_equal(mask, other)
+
+
+def test_holdout_rejects_bad_fractions_and_sides():
+    from prx_data.stream.holdout import Holdout
+
+    with pytest.raises(ValueError, match="fraction"):
+        Holdout(1.0)
+    with pytest.raises(ValueError, match="side"):
+        Holdout(0.1, keep="both")
+
+
+# --- smoke run: eval and sample grid --------------------------------------------------------
+
+
+def _smoke_cfg(tmp_path: Path, export, t5: str, run: str, extra=()):
+    return load_config(
+        SMOKE,
+        [
+            *tiny_overrides(t5),
+            f"variables.data_root={export.root}",
+            f"variables.run_name={run}",
+            "data.include_higher_tiers=false",
+            f"trainer.save_folder={tmp_path / '{run_name}' / 'checkpoints'}",
+            f"sampling.folder={tmp_path / '{run_name}' / 'samples'}",
+            "trainer.max_duration=4ba",
+            "trainer.save_interval=4ba",
+            "logging.log_to_console=false",
+            *extra,
+        ],
+    )
+
+
+def _fit(cfg):
+    from prx_data.train.sampling import SampleGrid
+    from prx_data.train.trainer import build_trainer
+
+    torch.manual_seed(0)
+    trainer = build_trainer(cfg)
+    trainer.fit()
+    metrics = {k: float(v.compute()) for k, v in trainer.state.eval_metrics.get("eval", {}).items()}
+    grid = next(c for c in trainer.state.callbacks if isinstance(c, SampleGrid))
+    written = list(grid.written)
+    trainer.close()
+    return metrics, written
+
+
+def test_smoke_config_runs_eval_and_writes_a_sample_grid(tmp_path, export, tiny_t5):
+    from prx_data.train.evaluation import TOTAL, band_edges, band_name
+    from prx_data.train.sampling import grid_size
+
+    cfg = _smoke_cfg(tmp_path, export, tiny_t5, "a")
+    metrics, written = _fit(cfg)
+    names = {TOTAL} | {band_name(lo, hi) for lo, hi in band_edges(cfg.eval.num_bands)}
+    assert set(metrics) == names
+    assert all(np.isfinite(v) and v > 0 for v in metrics.values())
+    # The total is the mean over bands (each sample scored once per band).
+    bands = [metrics[band_name(lo, hi)] for lo, hi in band_edges(cfg.eval.num_bands)]
+    assert metrics[TOTAL] == pytest.approx(sum(bands) / len(bands), rel=1e-9)
+
+    assert written == [str(tmp_path / "a" / "samples" / "ba0000004.png")]
+    s = cfg.sampling
+    want = grid_size(len(s.prompts), len(s.seeds), s.shapes)
+    assert want == (4 * 64, 2 * 96)
+    with Image.open(written[0]) as im:
+        assert im.size == want and im.mode == "RGB"
+        arr = np.asarray(im)
+    # 64x64 cells are centred in 64x96 cells: black bands above and below them only.
+    assert arr[:16, :128].max() == 0 and arr[:16, 128:].max() > 0
+
+    # Same config, new run folder: the eval loss is identical.
+    again, _ = _fit(_smoke_cfg(tmp_path, export, tiny_t5, "b"))
+    assert again == metrics
+
+
+def test_eval_loss_is_fixed_per_sample_not_per_batch(tiny_t5):
+    """Scoring a batch whole or split gives the same per-sample losses (noise keyed by id)."""
+    from prx_data.train.trainer import build_model
+
+    torch.manual_seed(0)
+    cfg = load_config(None, tiny_overrides(tiny_t5))
+    model = build_model(cfg)
+    model.configure_eval(3, seed=5)
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "image": (torch.rand(4, 3, 64, 64, generator=g) * 255).to(torch.uint8),
+        "caption": ["a", "b", "", "d"],
+        "id": ["x/1", "x/2", "x/3", "x/4"],
+    }
+    whole = model.eval_forward(batch)
+    assert whole.shape == (4, 3)
+    part = model.eval_forward({k: v[2:] for k, v in batch.items()})
+    torch.testing.assert_close(part, whole[2:])
+    model.configure_eval(3, seed=6)
+    assert not torch.allclose(model.eval_forward(batch), whole)
+
+
+def test_rerunning_a_finished_run_says_so(tmp_path, export, tiny_t5, capsys):
+    from prx_data.cli.train import main
+    from prx_data.train.trainer import build_trainer, run_is_finished
+
+    cfg = _smoke_cfg(tmp_path, export, tiny_t5, "done", ["eval.enabled=false"])
+    trainer = build_trainer(cfg)
+    assert not run_is_finished(trainer)
+    trainer.fit()
+    trainer.close()
+    again = build_trainer(cfg)
+    assert run_is_finished(again)
+    again.close()
+
+    args = [
+        str(SMOKE),
+        *tiny_overrides(tiny_t5),
+        f"variables.data_root={export.root}",
+        "variables.run_name=done",
+        "data.include_higher_tiers=false",
+        f"trainer.save_folder={tmp_path / '{run_name}' / 'checkpoints'}",
+        f"sampling.folder={tmp_path / '{run_name}' / 'samples'}",
+        "trainer.max_duration=4ba",
+        "eval.enabled=false",
+        "logging.log_to_console=false",
+    ]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "'done' is already finished" in err and "trainer.max_duration" in err
+
+
+def test_resume_refuses_a_different_holdout():
+    from prx_data.train.callbacks import ResumeGuard
+
+    saved = ResumeGuard(8, 2, holdout="0.01/eval").state_dict()
+    ResumeGuard(8, 2, holdout="0.01/eval").load_state_dict(saved)
+    with pytest.raises(ValueError, match="held out"):
+        ResumeGuard(8, 2, holdout="none").load_state_dict(saved)
+    # Checkpoints written before the hold-out existed count as "none".
+    legacy = {"global_batch_size": 8, "num_workers": 2}
+    ResumeGuard(8, 2).load_state_dict(legacy)
+
+
+# --- sampler --------------------------------------------------------------------------------
+
+
+def test_sampler_matches_diffusers_prx_pipeline(tiny_t5):
+    """euler_sample + CFG gives PRXPipeline's images for the same noise, features and steps."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.prx.pipeline_prx import PRXPipeline
+
+    from prx_data.train.flow import euler_sample
+    from prx_data.train.sampling import cfg_velocity, seeded_noise
+    from prx_data.train.trainer import build_model
+
+    torch.manual_seed(0)
+    cfg = load_config(None, tiny_overrides(tiny_t5))
+    model = build_model(cfg).eval()
+    prompts = ["a red fox", "a city at night"]
+    feats, mask = model.encode_text(prompts + ["", ""], torch.device("cpu"))
+    cond, uncond = feats.chunk(2)
+    cmask, umask = mask.chunk(2)
+    noise = seeded_noise([3, 4], (64, 32))
+    steps, guidance = 5, 3.5
+
+    with torch.no_grad():
+        ours = euler_sample(cfg_velocity(model, cond, cmask, uncond, umask, guidance), noise, steps)
+        pipe = PRXPipeline(
+            transformer=model.transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(),
+            text_encoder=None,
+            tokenizer=None,
+            vae=None,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        # PRXPipeline's CFG step passes a [2] timestep, so it samples one prompt per call.
+        ref = torch.cat(
+            [
+                pipe(
+                    prompt_embeds=cond[i : i + 1],
+                    prompt_attention_mask=cmask[i : i + 1],
+                    negative_prompt_embeds=uncond[i : i + 1],
+                    negative_prompt_attention_mask=umask[i : i + 1],
+                    latents=noise[i : i + 1].clone(),
+                    height=32,
+                    width=64,
+                    timesteps=(torch.linspace(1.0, 0.0, steps + 1)[:-1] * 1000).tolist(),
+                    guidance_scale=guidance,
+                    output_type="pt",
+                    use_resolution_binning=False,
+                ).images
+                for i in range(len(prompts))
+            ]
+        )
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ours, noise)
+
+
+# --- parallelism options ----------------------------------------------------------------------
+
+
+def test_replication_with_fsdp_is_refused():
+    with pytest.raises(ConfigError, match="data.replication"):
+        load_config(None, ["parallelism.fsdp.enabled=true", "data.replication=2"])
+    # replication=1 is the default behaviour and allowed; without FSDP replication stays valid.
+    load_config(None, ["parallelism.fsdp.enabled=true", "data.replication=1"])
+    load_config(None, ["data.replication=2"])
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["parallelism.fsdp.activation_checkpointing=true"], "parallelism.fsdp"),
+        (["parallelism.fsdp.enabled=true", "parallelism.fsdp.sharding_strategy=HALF"], "sharding"),
+        (
+            [
+                "parallelism.fsdp.enabled=true",
+                "parallelism.fsdp.version=2",
+                "parallelism.fsdp.sharding_strategy=HYBRID_SHARD",
+            ],
+            "sharding_strategy",
+        ),
+        (["eval.enabled=true", "eval.holdout_fraction=0"], "eval.holdout_fraction"),
+        (["eval.enabled=true", "eval.source=export"], "eval.datasets"),
+        (["sampling.enabled=true", "sampling.shapes=[[100,64]]"], "sampling.shapes.0"),
+        (["sampling.enabled=true", "sampling.guidance_scale=0.5"], "sampling.guidance_scale"),
+    ],
+)
+def test_bad_eval_sampling_parallelism_options_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, overrides)
+
+
+def test_fsdp_options_map_to_composer(tiny_t5):
+    from composer.utils.parallelism import FSDP2Config, FSDPConfig
+    from diffusers.models.transformers.transformer_prx import PRXBlock
+
+    from prx_data.train.trainer import build_model, parallelism_kwargs
+
+    cfg = load_config(
+        None,
+        [
+            *tiny_overrides(tiny_t5),
+            "parallelism.fsdp.enabled=true",
+            "parallelism.fsdp.sharding_strategy=HYBRID_SHARD",
+            "parallelism.fsdp.data_parallel_shard_degree=8",
+            "parallelism.fsdp.activation_checkpointing=true",
+            "parallelism.compile=true",
+            "parallelism.compile_mode=max-autotune",
+        ],
+    )
+    model = build_model(cfg)
+    kw = parallelism_kwargs(cfg, model)
+    fsdp = kw["parallelism_config"]["fsdp"]
+    assert isinstance(fsdp, FSDPConfig)
+    assert (fsdp.sharding_strategy, fsdp.data_parallel_shard_degree) == ("HYBRID_SHARD", 8)
+    assert fsdp.activation_checkpointing and fsdp.use_orig_params
+    assert kw["compile_config"] == {"mode": "max-autotune"}
+    blocks = [m for m in model.transformer.modules() if model.transformer.fsdp_wrap_fn(m)]
+    assert blocks and all(isinstance(m, PRXBlock) for m in blocks)
+    assert len(blocks) == cfg.model.depth
+
+    cfg2 = load_config(
+        None,
+        [*tiny_overrides(tiny_t5), "parallelism.fsdp.enabled=true", "parallelism.fsdp.version=2"],
+    )
+    assert isinstance(parallelism_kwargs(cfg2, model)["parallelism_config"]["fsdp"], FSDP2Config)
+    assert parallelism_kwargs(load_config(None), model) == {}
+
+
+def test_shipped_fsdp_configs_state_their_sharding():
+    for name, strategy in [
+        ("pretrain_1b_fsdp.yaml", "FULL_SHARD"),
+        ("pretrain_8b_hsdp.yaml", "HYBRID_SHARD"),
+    ]:
+        cfg = load_config(REPO / "configs" / "train" / name)
+        f = cfg.parallelism.fsdp
+        assert f.enabled and f.sharding_strategy == strategy and f.activation_checkpointing
+        assert cfg.data.replication is None
+
+
+def test_smoke_config_documents_run_name_and_autoresume():
+    text = SMOKE.read_text()
+    assert "run_name names the run folder" in text and "already finished" in text
+    assert json.dumps(load_config(SMOKE).trainer.autoresume) == "true"
