@@ -340,3 +340,51 @@ def test_smoke_config_documents_run_name_and_autoresume():
     text = SMOKE.read_text()
     assert "run_name names the run folder" in text and "already finished" in text
     assert json.dumps(load_config(SMOKE).trainer.autoresume) == "true"
+
+
+# --- the prepared GPU check ---------------------------------------------------------------------
+
+
+def test_gpu_check_without_cuda_prints_one_skipped_line_per_step(capsys, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [ln for ln in out if ln.split(" ")[0] in mod.STEPS]
+    assert [r.split()[0] for r in rows] == list(mod.STEPS)
+    assert all(r.endswith("skipped: no CUDA") for r in rows)
+
+
+@pytest.mark.slow
+def test_gpu_check_train_and_eval_steps_run_on_cpu(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--steps",
+            "train,data,eval",
+            "--train-steps",
+            "6",
+            "--work",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {
+        ln.split()[0]: ln
+        for ln in proc.stdout.splitlines()
+        if ln.split(" ")[0] in "train data eval"
+    }
+    assert set(rows) == {"train", "data", "eval"} and all(" ok " in r for r in rows.values())
