@@ -6,6 +6,8 @@ Steps, in order, each in its own process with its own time limit:
   train     a tiny PRX, 50 steps in bf16 on a small bucketed export: loss finite and
             decreasing (mean of the last 10 steps below the first 10)
   data      the same run's data-wait fraction and samples/s
+  decode    data.decode=device: nvJPEG batch decode of 2048-tier JPEGs to a 512 shape on
+            the GPU (images/s), against the loader's CPU path on one core
   eval      one held-out eval (per-band flow loss) and one sample grid PNG
   fsdp      FSDP (FULL_SHARD, activation checkpointing) on one GPU, 10 steps
   vllm      the vLLM caption backend on a tiny Qwen2-VL built from a config, 20 rows
@@ -34,9 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-STEPS = ("train", "data", "eval", "fsdp", "vllm")
+STEPS = ("train", "data", "decode", "eval", "fsdp", "vllm")
 #: Seconds per step process (the whole check stays under 8 minutes on one H200).
-LIMITS = {"train": 150, "eval": 90, "fsdp": 90, "vllm": 150}
+LIMITS = {"train": 150, "decode": 60, "eval": 90, "fsdp": 90, "vllm": 150}
 SMOKE = REPO / "configs" / "train" / "smoke_cpu.yaml"
 
 
@@ -146,6 +148,53 @@ def step_train(work: Path, args) -> dict:
     }
 
 
+def step_decode(work: Path, args) -> dict:
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from prx_data.stream.decode import decode_batch, decode_to
+
+    yy, xx = np.mgrid[0:1536, 0:2048].astype(np.float32)
+    jpegs = []
+    for k in range(8):
+        arr = np.stack(
+            [
+                127 + 100 * np.sin(xx / (30 + k)) * np.cos(yy / 23.0),
+                127 + 90 * np.cos((xx + yy) / (50 + k)),
+                127 + 80 * np.sin(np.hypot(xx - 600, yy - 700) / (29 + k)),
+            ],
+            -1,
+        )
+        buf = io.BytesIO()
+        Image.fromarray(arr.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=92)
+        jpegs.append(buf.getvalue())
+    batch = jpegs * 4  # 32 images per call, like one device batch
+    device = "cuda" if args.device == "gpu" else "cpu"
+    decode_batch(batch[:2], (512, 384), device)  # warm-up (nvJPEG handles, kernels)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    rounds = 5 if device == "cuda" else 1
+    for _ in range(rounds):
+        out = decode_batch(batch, (512, 384), device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dev_rate = rounds * len(batch) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for data in jpegs:
+        decode_to(data, (512, 384))
+    cpu_rate = len(jpegs) / (time.perf_counter() - t0)
+    ok = tuple(out.shape) == (len(batch), 3, 384, 512)
+    return {
+        "ok": ok,
+        "detail": f"2048->512: {dev_rate:.0f} img/s on {device} (batched) vs "
+        f"{cpu_rate:.1f} img/s loader path on one CPU core",
+    }
+
+
 def step_eval(work: Path, args) -> dict:
     from PIL import Image
 
@@ -250,7 +299,13 @@ def step_vllm(work: Path, args) -> dict:
     return {"ok": good == 20, "detail": f"{good}/20 captions in {wall:.1f} s"}
 
 
-RUNNERS = {"train": step_train, "eval": step_eval, "fsdp": step_fsdp, "vllm": step_vllm}
+RUNNERS = {
+    "train": step_train,
+    "decode": step_decode,
+    "eval": step_eval,
+    "fsdp": step_fsdp,
+    "vllm": step_vllm,
+}
 
 
 # --- driver ---------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ sections (see docs/TRAINING.md):
   text_encoder  name_or_path, tokenizer, max_length, dtype, layer
   data          datasets (root/local/proportion/repeat/choose/skip_lists), tier,
                 include_higher_tiers, caption_columns (name/weight), caption_dropout,
-                global_batch_size, num_workers, shuffle_seed, batching_method, streaming
+                global_batch_size, num_workers, shuffle_seed, batching_method, decode,
+                streaming
   optimizer     name, lr, betas, eps, weight_decay
   scheduler     name, t_warmup, alpha_f
   trainer       max_duration, run_name, save_folder, autoresume, save_interval,

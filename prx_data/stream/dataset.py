@@ -330,6 +330,9 @@ class BucketedDataset(StreamingDataset):
     of failing. The preflight plan is available as ``self.plan``.
     """
 
+    #: False: ``image`` stays the encoded bytes, for decoding on the GPU (``decode.decode_batch``).
+    decode_images = True
+
     def __init__(
         self,
         datasets: DatasetSpec | str | Sequence[DatasetSpec | str],
@@ -423,7 +426,7 @@ class BucketedDataset(StreamingDataset):
         bucket = parse_bucket_name(raw["bucket"], self.bucket_spec)
         shape = same_ratio_shape(bucket, self.run_tier, self.bucket_spec)
         item: dict[str, Any] = {
-            "image": _decode(raw["image"], shape),
+            "image": _decode(raw["image"], shape) if self.decode_images else raw["image"],
             "id": raw["id"],
             "tier": self.run_tier,
             "bucket": bucket_name(self.run_tier, *shape),

@@ -119,6 +119,9 @@ class DataConfig:
     batching_method: str = "per_stream"
     #: Buckets too small for one planning unit: "error" (default) or "drop" them.
     small_buckets: str = "error"
+    #: Where images decode: "loader" (CPU workers; higher tiers via JPEG draft) or
+    #: "device" (the loader passes bytes; the step decodes the batch on the GPU, nvJPEG).
+    decode: str = "loader"
     num_canonical_nodes: int | None = None
     replication: int | None = None
     epoch_size: int | None = None
@@ -434,6 +437,8 @@ def validate(cfg: TrainConfig) -> None:
         _fail("data.num_workers", "must be >= 0")
     if d.batching_method not in _BATCHING:
         _fail("data.batching_method", f"{d.batching_method!r} is not one of {sorted(_BATCHING)}")
+    if d.decode not in ("loader", "device"):
+        _fail("data.decode", f"{d.decode!r} is not one of loader, device")
     if d.small_buckets not in ("error", "drop"):
         _fail("data.small_buckets", f"{d.small_buckets!r} is not one of error, drop")
     if d.factory is not None and ":" not in d.factory:

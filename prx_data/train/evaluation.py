@@ -102,7 +102,7 @@ def per_sample_band_losses(model: Any, batch: Mapping[str, Any]) -> torch.Tensor
     """``[B, num_bands]`` flow losses of ``model`` (a PRXFlowModel) at the fixed noise/timesteps."""
     from prx_data.train.flow import interpolate, uint8_to_unit, velocity_target
 
-    images = batch["image"]
+    images = model.batch_images(batch)
     model._check_shape(images)
     device = images.device
     x0 = uint8_to_unit(images)
@@ -167,6 +167,7 @@ def eval_data_config(cfg: TrainConfig, world_size: int) -> DataConfig:
         shuffle_seed=d.shuffle_seed,
         batching_method="per_stream",
         small_buckets="drop",
+        decode=d.decode,
         num_canonical_nodes=d.num_canonical_nodes,
         replication=d.replication,
         epoch_size=None,

@@ -90,6 +90,17 @@ class PRXFlowModel(ComposerModel):
         feats, mask = self.text_encoder.encode(captions)
         return feats, mask
 
+    def batch_images(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """uint8 [B, 3, H, W] on the model's device; encoded bytes are decoded there (nvJPEG)."""
+        images = batch["image"]
+        if isinstance(images, torch.Tensor):
+            return images
+        from prx_data.stream.decode import decode_batch
+        from prx_data.train.data import batch_shape
+
+        device = next(self.transformer.parameters()).device
+        return decode_batch(images, batch_shape(batch), device)
+
     def _check_shape(self, x: torch.Tensor) -> None:
         h, w = x.shape[-2:]
         if h % self._patch or w % self._patch:
@@ -110,7 +121,7 @@ class PRXFlowModel(ComposerModel):
         ``generator`` (on the images' device) fixes t and the noise, and the
         caption choice when ``captions`` is not given: deterministic evaluation.
         """
-        images = batch["image"]
+        images = self.batch_images(batch)
         self._check_shape(images)
         device = images.device
         x0 = uint8_to_unit(images)
@@ -150,7 +161,7 @@ class PRXFlowModel(ComposerModel):
     @torch.no_grad()
     def eval_loss(self, batch: Mapping[str, Any], seed: int = 0) -> float:
         """Loss at fixed t/noise/captions: comparable across training steps."""
-        device = batch["image"].device
+        device = self.batch_images(batch).device
         gen = torch.Generator(device=device).manual_seed(seed)
         was_training = self.training
         self.eval()
