@@ -360,6 +360,7 @@ def test_gpu_check_without_cuda_prints_one_skipped_line_per_step(capsys, monkeyp
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_gpu_check_train_and_eval_steps_run_on_cpu(tmp_path):
     import subprocess
     import sys
@@ -467,3 +468,71 @@ def test_trainer_decodes_on_the_device_when_asked(tmp_path, export, tiny_t5):
     assert int(trainer.state.timestamp.sample) == 8
     assert np.isfinite(float(trainer.state.loss))
     trainer.close()
+
+
+# --- FSDP wiring on two CPU processes (gloo) ---------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_fsdp2_trains_on_two_gloo_ranks(tmp_path, export, tiny_t5):
+    """composer -n 2 with parallelism.fsdp (fully_shard) on CPU: trains and saves a checkpoint.
+
+    Composer's FSDP1 places units on CUDA, so version 1 is checked by scripts/gpu_check.sh.
+    """
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "composer.cli.launcher",
+        "-n",
+        "2",
+        "--master_port",
+        str(port),
+        "--stdout",
+        str(logs / "rank{rank}.stdout"),
+        "--stderr",
+        str(logs / "rank{rank}.stderr"),
+        "-m",
+        "prx_data.cli.train",
+        str(SMOKE),
+        *tiny_overrides(tiny_t5),
+        f"variables.data_root={export.root}",
+        "variables.run_name=fsdp2",
+        "data.include_higher_tiers=false",
+        "data.global_batch_size=4",
+        f"trainer.save_folder={tmp_path / 'ckpt'}",
+        "trainer.max_duration=2ba",
+        "trainer.save_interval=2ba",
+        "eval.enabled=false",
+        "sampling.enabled=false",
+        "parallelism.fsdp.enabled=true",
+        "parallelism.fsdp.version=2",
+        "parallelism.fsdp.activation_checkpointing=true",
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    tails = "\n".join(p.read_text()[-2000:] for p in sorted(logs.glob("*")))
+    assert proc.returncode == 0, proc.stderr[-3000:] + tails
+    assert any((tmp_path / "ckpt").rglob("*")), "no checkpoint written"
+
+
+def test_a_passed_in_dataset_cannot_hide_the_holdout(export, tiny_t5):
+    from prx_data.train.trainer import build_trainer
+
+    cfg = load_config(
+        None,
+        [*tiny_overrides(tiny_t5), "eval.enabled=true", f"data.datasets=[{{root: {export.root}}}]"],
+    )
+    with pytest.raises(ValueError, match="eval.source=slice with a dataset passed in"):
+        build_trainer(cfg, dataset=object())

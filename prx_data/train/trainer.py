@@ -260,11 +260,15 @@ def build_trainer(
     reproducibility.seed_all(cfg.trainer.seed)
     if model is None:
         model = build_model(cfg, place.torch_device)
-    train_holdout = None
-    if dataset is None:
-        from prx_data.train.evaluation import holdout_for
+    from prx_data.train.evaluation import holdout_for
 
-        train_holdout = holdout_for(cfg, "train")
+    train_holdout = holdout_for(cfg, "train")
+    if dataset is not None and train_holdout is not None:
+        raise ValueError(
+            "eval.source=slice with a dataset passed in: the hold-out cannot be left out of a "
+            "stream built elsewhere; let build_trainer build the stream, or evaluate on a "
+            "separate export (eval.source=export)"
+        )
     dataspec = build_dataspec(
         cfg.data, world, cfg.model.patch_size, dataset=dataset, holdout=train_holdout
     )
