@@ -92,10 +92,34 @@ def _smoke_cfg(tmp_path: Path, export, t5: str, run: str, extra=()):
     )
 
 
-def _fit(cfg):
+class RecordingDestinationDouble:
+    """Test double of a logger destination: records logged images and metric names."""
+
+    def __new__(cls):
+        from composer.loggers import LoggerDestination
+
+        class Recorder(LoggerDestination):
+            def __init__(self) -> None:
+                self.images: list[tuple[str, int, tuple]] = []
+                self.metrics: set[str] = set()
+
+            def log_images(self, images, name="Images", channels_last=False, step=None, *a, **kw):
+                self.images.append((name, step, tuple(np.asarray(images).shape)))
+
+            def log_metrics(self, metrics, step=None):
+                self.metrics |= set(metrics)
+
+        return Recorder()
+
+
+def _fit(cfg, monkeypatch=None):
+    from prx_data.train import trainer as trainer_mod
     from prx_data.train.sampling import SampleGrid
     from prx_data.train.trainer import build_trainer
 
+    recorder = RecordingDestinationDouble()
+    if monkeypatch is not None:
+        monkeypatch.setattr(trainer_mod, "build_loggers", lambda cfg: [recorder])
     torch.manual_seed(0)
     trainer = build_trainer(cfg)
     trainer.fit()
@@ -103,15 +127,17 @@ def _fit(cfg):
     grid = next(c for c in trainer.state.callbacks if isinstance(c, SampleGrid))
     written = list(grid.written)
     trainer.close()
+    if monkeypatch is not None:
+        return metrics, written, recorder
     return metrics, written
 
 
-def test_smoke_config_runs_eval_and_writes_a_sample_grid(tmp_path, export, tiny_t5):
+def test_smoke_config_runs_eval_and_writes_a_sample_grid(tmp_path, export, tiny_t5, monkeypatch):
     from prx_data.train.evaluation import TOTAL, band_edges, band_name
     from prx_data.train.sampling import grid_size
 
     cfg = _smoke_cfg(tmp_path, export, tiny_t5, "a")
-    metrics, written = _fit(cfg)
+    metrics, written, recorder = _fit(cfg, monkeypatch)
     names = {TOTAL} | {band_name(lo, hi) for lo, hi in band_edges(cfg.eval.num_bands)}
     assert set(metrics) == names
     assert all(np.isfinite(v) and v > 0 for v in metrics.values())
@@ -128,6 +154,9 @@ def test_smoke_config_runs_eval_and_writes_a_sample_grid(tmp_path, export, tiny_
         arr = np.asarray(im)
     # 64x64 cells are centred in 64x96 cells: black bands above and below them only.
     assert arr[:16, :128].max() == 0 and arr[:16, 128:].max() > 0
+    # The grid and the eval metrics reached the configured loggers.
+    assert recorder.images == [("samples/grid", 4, (want[1], want[0], 3))]
+    assert {f"metrics/eval/{n}" for n in names} <= recorder.metrics
 
     # Same config, new run folder: the eval loss is identical.
     again, _ = _fit(_smoke_cfg(tmp_path, export, tiny_t5, "b"))

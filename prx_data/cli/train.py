@@ -35,7 +35,8 @@ sections (see docs/TRAINING.md):
   scheduler     name, t_warmup, alpha_f
   trainer       max_duration, run_name, save_folder, autoresume, save_interval,
                 load_path, precision, device, seed, ema
-  logging       console_log_interval, file, window_size, sample_ids_dir, wandb_project
+  logging       console_log_interval, file, window_size, sample_ids_dir, wandb_project,
+                tensorboard_dir, mlflow_experiment, mlflow_tracking_uri
 
   eval          enabled, source (slice|export), holdout_fraction, holdout_salt, datasets,
                 interval, num_bands, global_batch_size, subset_num_batches, seed

@@ -195,6 +195,10 @@ class LoggingConfig:
     sample_ids_dir: str | None = None
     wandb_project: str | None = None
     tensorboard_dir: str | None = None
+    #: MLflow experiment to log to (needs the mlflow package); None: off.
+    mlflow_experiment: str | None = None
+    #: MLflow tracking URI (None: MLflow's default, ./mlruns or MLFLOW_TRACKING_URI).
+    mlflow_tracking_uri: str | None = None
 
 
 @dataclass
@@ -516,6 +520,8 @@ def _validate_sampling(cfg: TrainConfig) -> None:
     if s.guidance_scale < 1.0:
         _fail("sampling.guidance_scale", "must be >= 1 (1 turns guidance off)")
     _check_time("sampling.interval", s.interval, optional=True)
+    if "://" in s.folder:
+        _fail("sampling.folder", f"{s.folder!r}: grids are written to a local (or mounted) path")
 
 
 def _validate_parallelism(cfg: TrainConfig) -> None:

@@ -124,6 +124,12 @@ def build_loggers(cfg: TrainConfig) -> list[LoggerDestination]:
         from composer.loggers import TensorboardLogger
 
         loggers.append(TensorboardLogger(log_dir=lg.tensorboard_dir))
+    if lg.mlflow_experiment:
+        from composer.loggers import MLFlowLogger
+
+        loggers.append(
+            MLFlowLogger(experiment_name=lg.mlflow_experiment, tracking_uri=lg.mlflow_tracking_uri)
+        )
     return loggers
 
 
