@@ -235,8 +235,6 @@ def step_eval(work: Path, args) -> dict:
 
 
 def step_fsdp(work: Path, args) -> dict:
-    from composer.distributed import DDPSyncStrategy  # noqa: F401 - fails early if missing
-
     from prx_data.train.trainer import build_trainer
 
     cfg = _config(
