@@ -236,9 +236,10 @@ def run_is_finished(trainer: Trainer) -> bool:
 
 def finished_message(cfg: TrainConfig, trainer: Trainer) -> str:
     ts = trainer.state.timestamp
+    folder = str(cfg.trainer.save_folder).replace("{run_name}", str(cfg.trainer.run_name))
     return (
         f"run {cfg.trainer.run_name!r} is already finished: the checkpoint in "
-        f"{cfg.trainer.save_folder} is at batch {int(ts.batch)} (epoch {int(ts.epoch)}), "
+        f"{folder} is at batch {int(ts.batch)} (epoch {int(ts.epoch)}), "
         f"trainer.max_duration={cfg.trainer.max_duration}. Nothing to train. To train longer, "
         "raise trainer.max_duration; to start over, pick a new trainer.run_name "
         "(or remove the checkpoints)."
