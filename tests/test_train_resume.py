@@ -58,6 +58,9 @@ def _command(nproc: int, run: Path, encoder: str, export: str) -> list[str]:
         "trainer.autoresume=true",
         f"logging.sample_ids_dir={run / 'ids'}",
         "logging.console_log_interval=1ba",
+        # Exactly-once over the whole export: no eval hold-out, no sample grids.
+        "eval.enabled=false",
+        "sampling.enabled=false",
     ]
     launcher = [
         sys.executable,

@@ -100,8 +100,14 @@ def _tokenizer(extra_special: list[str]):
     return fast
 
 
-def build_tiny_vlm(path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny Qwen2-VL (model + processor) under ``path`` and return it."""
+def build_tiny_vlm(
+    path: str | Path, seed: int = 0, *, hidden_size: int = 64, vision_embed_dim: int = 32
+) -> Path:
+    """Save a tiny Qwen2-VL (model + processor) under ``path`` and return it.
+
+    Heads are 4 (text) and 2 (vision); widen ``hidden_size`` / ``vision_embed_dim``
+    for engines whose attention kernels need a head size of 64 or more (vLLM).
+    """
     import torch
     from transformers import (
         Qwen2VLConfig,
@@ -117,17 +123,17 @@ def build_tiny_vlm(path: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = Qwen2VLConfig(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        rope_scaling={"type": "mrope", "mrope_section": _mrope_section(hidden_size // 4)},
         vision_config={
             "depth": 1,
-            "embed_dim": 32,
-            "hidden_size": 64,
+            "embed_dim": vision_embed_dim,
+            "hidden_size": hidden_size,
             "num_heads": 2,
             "mlp_ratio": 2,
             "patch_size": 14,
@@ -157,6 +163,12 @@ def build_tiny_vlm(path: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Temporal/height/width split of the rotary half-dims ([2, 2, 4] at head dim 16)."""
+    half = head_dim // 2
+    return [half // 4, half // 4, half - 2 * (half // 4)]
 
 
 def build_tiny_causal_lm(path: str | Path, seed: int = 0) -> Path:

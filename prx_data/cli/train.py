@@ -29,16 +29,25 @@ sections (see docs/TRAINING.md):
   text_encoder  name_or_path, tokenizer, max_length, dtype, layer
   data          datasets (root/local/proportion/repeat/choose/skip_lists), tier,
                 include_higher_tiers, caption_columns (name/weight), caption_dropout,
-                global_batch_size, num_workers, shuffle_seed, batching_method, streaming
+                global_batch_size, num_workers, shuffle_seed, batching_method, decode,
+                streaming
   optimizer     name, lr, betas, eps, weight_decay
   scheduler     name, t_warmup, alpha_f
   trainer       max_duration, run_name, save_folder, autoresume, save_interval,
                 load_path, precision, device, seed, ema
-  logging       console_log_interval, file, window_size, sample_ids_dir, wandb_project
+  logging       console_log_interval, file, window_size, sample_ids_dir, wandb_project,
+                tensorboard_dir, mlflow_experiment, mlflow_tracking_uri
+
+  eval          enabled, source (slice|export), holdout_fraction, holdout_salt, datasets,
+                interval, num_bands, global_batch_size, subset_num_batches, seed
+  sampling      enabled, prompts, seeds, shapes, steps, guidance_scale, interval, folder
+  parallelism   fsdp (enabled, version, sharding_strategy, activation_checkpointing, ...),
+                compile, compile_mode
 
 resume:
   Re-run the same command with trainer.autoresume=true (needs run_name and save_folder);
   the world size may change as long as data.global_batch_size stays the same.
+  Re-running a run that already reached trainer.max_duration prints so and exits 0.
 """
 
 
@@ -91,9 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.getLogger("composer").setLevel(args.log_level)
 
-    from prx_data.train.trainer import build_trainer
+    from prx_data.train.trainer import build_trainer, finished_message, run_is_finished
 
     trainer = build_trainer(cfg)
+    if run_is_finished(trainer):
+        # A rerun of a finished run (e.g. a requeued job) is not a failure: say so, exit 0.
+        print(finished_message(cfg, trainer), file=sys.stderr)
+        trainer.close()
+        return 0
     trainer.fit()
     trainer.close()
     return 0

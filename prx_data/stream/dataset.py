@@ -24,7 +24,6 @@ See docs/STREAMING.md for the reasoning and the knobs.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
@@ -35,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from streaming import Stream, StreamingDataset
 
 from prx_data.core import storage
@@ -52,6 +50,8 @@ from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader  # noqa: F401 (re-exported)
 from prx_data.stream import planner
+from prx_data.stream.decode import decode_to
+from prx_data.stream.holdout import Holdout, merge_skips
 from prx_data.stream.reader import SkipStream
 
 #: Written last by the node's fetching rank; the other ranks wait for it.
@@ -77,6 +77,8 @@ class DatasetSpec:
     choose: int | None = None
     skip_lists: list[str] | None = None
     allow_incomplete: bool = False
+    #: In-memory hold-out by id hash (train side or eval side), merged with the skip lists.
+    holdout: Holdout | None = None
 
 
 @dataclass
@@ -272,6 +274,8 @@ def load_sources(
             orphans += stray
             found |= set(listing)
             skips = skiplist.load_skips(base, bucket, shards, spec.skip_lists, listing=listing)
+        if spec.holdout is not None:
+            skips = merge_skips(skips, spec.holdout.skips(spec.root, bucket, shards))
         remote = (
             storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
         )
@@ -296,12 +300,8 @@ def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[Da
 
 
 def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
-    im = Image.open(io.BytesIO(data))
-    im = im.convert("RGB") if im.mode != "RGB" else im
-    if im.size != shape:
-        im = im.resize(shape, Image.Resampling.LANCZOS)
-    arr = np.asarray(im, dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    arr = decode_to(data, shape)  # higher tiers decode at reduced size (JPEG draft)
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
 class BucketedDataset(StreamingDataset):
@@ -319,6 +319,9 @@ class BucketedDataset(StreamingDataset):
     ``small_buckets="drop"`` leaves out buckets below one planning unit instead
     of failing. The preflight plan is available as ``self.plan``.
     """
+
+    #: False: ``image`` stays the encoded bytes, for decoding on the GPU (``decode.decode_batch``).
+    decode_images = True
 
     def __init__(
         self,
@@ -413,7 +416,7 @@ class BucketedDataset(StreamingDataset):
         bucket = parse_bucket_name(raw["bucket"], self.bucket_spec)
         shape = same_ratio_shape(bucket, self.run_tier, self.bucket_spec)
         item: dict[str, Any] = {
-            "image": _decode(raw["image"], shape),
+            "image": _decode(raw["image"], shape) if self.decode_images else raw["image"],
             "id": raw["id"],
             "tier": self.run_tier,
             "bucket": bucket_name(self.run_tier, *shape),

@@ -88,16 +88,25 @@ class ResumeGuard(Callback):
     compared on load.
     """
 
-    def __init__(self, global_batch_size: int, num_workers: int) -> None:
-        self.expected = {
+    def __init__(self, global_batch_size: int, num_workers: int, holdout: str = "none") -> None:
+        self.expected: dict[str, Any] = {
             "global_batch_size": int(global_batch_size),
             "num_workers": int(num_workers),
         }
+        #: The eval hold-out shapes the training sample space too (checkpoints before it: "none").
+        self.holdout = holdout
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.expected)
+        return {**self.expected, "eval_holdout": self.holdout}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        got = state.get("eval_holdout", "none")
+        if got != self.holdout:
+            raise ValueError(
+                f"eval: the checkpoint's training stream held out {got!r} (fraction/salt) but "
+                f"this run holds out {self.holdout!r}; the sample space would change and the "
+                "resume would not be exact. Keep eval.source/holdout_fraction/holdout_salt"
+            )
         for key, want in self.expected.items():
             got = state.get(key)
             if got is not None and int(got) != want:

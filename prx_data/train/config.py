@@ -119,6 +119,9 @@ class DataConfig:
     batching_method: str = "per_stream"
     #: Buckets too small for one planning unit: "error" (default) or "drop" them.
     small_buckets: str = "error"
+    #: Where images decode: "loader" (CPU workers; higher tiers via JPEG draft) or
+    #: "device" (the loader passes bytes; the step decodes the batch on the GPU, nvJPEG).
+    decode: str = "loader"
     num_canonical_nodes: int | None = None
     replication: int | None = None
     epoch_size: int | None = None
@@ -192,6 +195,97 @@ class LoggingConfig:
     sample_ids_dir: str | None = None
     wandb_project: str | None = None
     tensorboard_dir: str | None = None
+    #: MLflow experiment to log to (needs the mlflow package); None: off.
+    mlflow_experiment: str | None = None
+    #: MLflow tracking URI (None: MLflow's default, ./mlruns or MLFLOW_TRACKING_URI).
+    mlflow_tracking_uri: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: flow loss at fixed noise and timesteps, per timestep band.
+
+    ``source: slice`` holds out a deterministic fraction of the training
+    datasets by a hash of the sample id; the training stream leaves those
+    samples out in its sample space (like a skip list), so resumes stay exact.
+    ``source: export`` evaluates on separate export trees (``datasets``).
+    """
+
+    enabled: bool = False
+    #: "slice" (hash of the id, excluded from training) or "export" (separate trees).
+    source: str = "slice"
+    #: Share of the training samples held out when source is "slice".
+    holdout_fraction: float = 0.01
+    #: Changing the salt draws a different hold-out slice.
+    holdout_salt: str = "eval"
+    #: Export trees to evaluate on when source is "export".
+    datasets: list[DatasetConfig] = field(default_factory=list)
+    #: How often to evaluate (Composer eval_interval: 500ba, 1ep, ...).
+    interval: str = "1000ba"
+    #: Batches per evaluation over all ranks (None: the whole eval set).
+    subset_num_batches: int | None = None
+    #: Samples per eval step over all ranks (None: the training global batch).
+    global_batch_size: int | None = None
+    num_workers: int = 0
+    #: Timestep bands: [0, 1] split evenly; each sample is scored once per band.
+    num_bands: int = 4
+    #: Seed for the per-sample noise and in-band timesteps (combined with the sample id).
+    seed: int = 0
+
+
+@dataclass
+class SamplingConfig:
+    """Sample grids: fixed prompts and seeds, Euler flow sampling with CFG, per checkpoint."""
+
+    enabled: bool = False
+    prompts: list[str] = field(
+        default_factory=lambda: ["a photo of a red fox in the snow", "a city street at night"]
+    )
+    #: One grid column per seed and shape.
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    #: Image shapes as [width, height]; multiples of model.patch_size.
+    shapes: list[list[int]] = field(default_factory=lambda: [[512, 512]])
+    steps: int = 28
+    guidance_scale: float = 4.0
+    #: How often to sample (None: at trainer.save_interval); always at the end of training.
+    interval: str | None = None
+    #: Folder for the PNG grids; "{run_name}" is filled in.
+    folder: str = "runs/{run_name}/samples"
+
+
+@dataclass
+class FSDPSettings:
+    """Composer FSDP (``parallelism_config.fsdp``); PRX blocks are the wrap units."""
+
+    enabled: bool = False
+    #: 1 (torch FSDP, composer FSDPConfig) or 2 (fully_shard, composer FSDP2Config).
+    version: int = 1
+    #: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, _HYBRID_SHARD_ZERO2 or NO_SHARD (version 1).
+    sharding_strategy: str = "FULL_SHARD"
+    #: HYBRID_SHARD: ranks per shard group (-1: all ranks of a node) ...
+    data_parallel_shard_degree: int = -1
+    #: ... and replica groups (None: derived).
+    data_parallel_replicate_degree: int | None = None
+    #: Recompute each PRX block's activations in backward (memory for compute).
+    activation_checkpointing: bool = False
+    activation_cpu_offload: bool = False
+    #: DEFAULT (params in the autocast dtype, reduce in fp32), PURE or FULL.
+    mixed_precision: str = "DEFAULT"
+    #: "full" (one file, gathered on rank 0) or "sharded" checkpoints.
+    state_dict_type: str = "full"
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    cpu_offload: bool = False
+
+
+@dataclass
+class ParallelismConfig:
+    fsdp: FSDPSettings = field(default_factory=FSDPSettings)
+    #: Compile the model with torch.compile (Composer compile_config).
+    compile: bool = False
+    #: torch.compile mode: default, reduce-overhead, max-autotune, ...
+    compile_mode: str | None = None
+    compile_dynamic: bool | None = None
 
 
 @dataclass
@@ -205,6 +299,9 @@ class TrainConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
 
 
 _PRECISIONS = {"auto", "fp32", "amp_fp16", "amp_bf16", "amp_fp8"}
@@ -212,6 +309,8 @@ _DTYPES = {"auto", "float32", "bfloat16", "float16"}
 _OPTIMIZERS = {"adamw", "decoupled_adamw"}
 _SCHEDULERS = {"constant_with_warmup", "cosine_with_warmup", "linear_with_warmup"}
 _BATCHING = {"device_per_stream", "per_stream"}
+_SHARDING = {"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"}
+_FSDP_PRECISION = {"DEFAULT", "PURE", "FULL"}
 
 
 #: Composer time strings: a number and a unit (epochs, batches, samples, tokens, fraction).
@@ -342,6 +441,8 @@ def validate(cfg: TrainConfig) -> None:
         _fail("data.num_workers", "must be >= 0")
     if d.batching_method not in _BATCHING:
         _fail("data.batching_method", f"{d.batching_method!r} is not one of {sorted(_BATCHING)}")
+    if d.decode not in ("loader", "device"):
+        _fail("data.decode", f"{d.decode!r} is not one of loader, device")
     if d.small_buckets not in ("error", "drop"):
         _fail("data.small_buckets", f"{d.small_buckets!r} is not one of error, drop")
     if d.factory is not None and ":" not in d.factory:
@@ -371,6 +472,97 @@ def validate(cfg: TrainConfig) -> None:
         _fail(key, "autoresume needs both trainer.save_folder and trainer.run_name")
     if t.device_train_microbatch_size is not None and t.device_train_microbatch_size <= 0:
         _fail("trainer.device_train_microbatch_size", "must be positive")
+    _validate_eval(cfg)
+    _validate_sampling(cfg)
+    _validate_parallelism(cfg)
+
+
+def _validate_eval(cfg: TrainConfig) -> None:
+    e = cfg.eval
+    if not e.enabled:
+        return
+    if e.source not in ("slice", "export"):
+        _fail("eval.source", f"{e.source!r} is not one of slice, export")
+    if e.source == "slice" and not 0.0 < e.holdout_fraction < 1.0:
+        _fail("eval.holdout_fraction", f"must be in (0, 1), got {e.holdout_fraction}")
+    if e.source == "export" and not e.datasets:
+        _fail("eval.datasets", "source 'export' needs at least one export root")
+    _check_time("eval.interval", e.interval)
+    if e.num_bands < 1:
+        _fail("eval.num_bands", "must be >= 1")
+    if e.global_batch_size is not None and e.global_batch_size <= 0:
+        _fail("eval.global_batch_size", "must be positive")
+    if e.subset_num_batches is not None and e.subset_num_batches <= 0:
+        _fail("eval.subset_num_batches", "must be positive (or null for the whole eval set)")
+    if e.num_workers < 0:
+        _fail("eval.num_workers", "must be >= 0")
+
+
+def _validate_sampling(cfg: TrainConfig) -> None:
+    s = cfg.sampling
+    if not s.enabled:
+        return
+    if not s.prompts:
+        _fail("sampling.prompts", "needs at least one prompt")
+    if not s.seeds:
+        _fail("sampling.seeds", "needs at least one seed")
+    if not s.shapes:
+        _fail("sampling.shapes", "needs at least one [width, height]")
+    for i, shape in enumerate(s.shapes):
+        if len(shape) != 2 or any(v <= 0 or v % cfg.model.patch_size for v in shape):
+            _fail(
+                f"sampling.shapes.{i}",
+                f"{shape} must be [width, height], positive multiples of "
+                f"model.patch_size={cfg.model.patch_size}",
+            )
+    if s.steps < 1:
+        _fail("sampling.steps", "must be >= 1")
+    if s.guidance_scale < 1.0:
+        _fail("sampling.guidance_scale", "must be >= 1 (1 turns guidance off)")
+    _check_time("sampling.interval", s.interval, optional=True)
+    if "://" in s.folder:
+        _fail("sampling.folder", f"{s.folder!r}: grids are written to a local (or mounted) path")
+
+
+def _validate_parallelism(cfg: TrainConfig) -> None:
+    f = cfg.parallelism.fsdp
+    if f.enabled:
+        if f.version not in (1, 2):
+            _fail("parallelism.fsdp.version", f"{f.version} is not 1 or 2")
+        if f.sharding_strategy not in _SHARDING:
+            _fail(
+                "parallelism.fsdp.sharding_strategy",
+                f"{f.sharding_strategy!r} is not one of {sorted(_SHARDING)}",
+            )
+        if f.version == 2 and f.sharding_strategy != "FULL_SHARD":
+            _fail(
+                "parallelism.fsdp.sharding_strategy",
+                "FSDP version 2 shards fully; use version 1 for hybrid or grad-op sharding",
+            )
+        if f.mixed_precision not in _FSDP_PRECISION:
+            _fail(
+                "parallelism.fsdp.mixed_precision",
+                f"{f.mixed_precision!r} is not one of {sorted(_FSDP_PRECISION)}",
+            )
+        if f.state_dict_type not in ("full", "sharded"):
+            _fail("parallelism.fsdp.state_dict_type", f"{f.state_dict_type!r} is not full/sharded")
+        # replication=N makes N consecutive ranks read identical samples; that only pays
+        # when those ranks split one model (tensor/context parallel). FSDP is data-parallel:
+        # replicated ranks would compute the same gradients and the effective batch would
+        # shrink by N. Refuse rather than silently waste the compute.
+        if cfg.data.replication is not None and cfg.data.replication > 1:
+            _fail(
+                "data.replication",
+                f"{cfg.data.replication} with parallelism.fsdp: FSDP is data-parallel, so "
+                "replicated ranks would train on identical samples; drop data.replication "
+                "(it is for tensor/context-parallel groups, which this trainer does not set up)",
+            )
+    elif f.activation_checkpointing or f.activation_cpu_offload:
+        _fail(
+            "parallelism.fsdp.activation_checkpointing",
+            "applies with parallelism.fsdp.enabled=true; without FSDP use "
+            "model.gradient_checkpointing=true",
+        )
 
 
 def device_batch_size(cfg: DataConfig, world_size: int) -> int:

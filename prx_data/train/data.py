@@ -17,6 +17,7 @@ import torch
 from composer.core import DataSpec
 from streaming import StreamingDataLoader, StreamingDataset
 
+from prx_data.stream.dataset import BucketedDataset
 from prx_data.train.config import DataConfig, device_batch_size
 
 #: Keys the collate function stacks into tensors; every other key becomes a list.
@@ -34,7 +35,9 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in samples[0]:
         values = [s[key] for s in samples]
-        if key in TENSOR_KEYS:
+        if key in TENSOR_KEYS and isinstance(values[0], (bytes, bytearray)):
+            out[key] = values  # encoded images, decoded on the device (data.decode=device)
+        elif key in TENSOR_KEYS:
             shapes = {tuple(v.shape) for v in values}
             if len(shapes) != 1:
                 raise ValueError(
@@ -51,13 +54,24 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def num_samples_in_batch(batch: dict[str, Any]) -> int:
     """Images in a batch (batches differ in shape, so count the leading dim of ``image``)."""
-    return int(batch["image"].shape[0])
+    return len(batch["image"])
+
+
+def batch_shape(batch: dict[str, Any]) -> tuple[int, int]:
+    """(width, height) of a batch's images: the tensor's, or its run-tier bucket's for bytes."""
+    images = batch["image"]
+    if isinstance(images, torch.Tensor):
+        return int(images.shape[-1]), int(images.shape[-2])
+    from prx_data.core.buckets import parse_bucket_name
+
+    b = parse_bucket_name(batch["bucket"][0])
+    return b.width, b.height
 
 
 def num_tokens_in_batch(batch: dict[str, Any], patch_size: int) -> int:
     """Image tokens (patches) in a batch, for tokens/s throughput."""
-    b, _, h, w = batch["image"].shape
-    return int(b * (h // patch_size) * (w // patch_size))
+    w, h = batch_shape(batch)
+    return int(len(batch["image"]) * (h // patch_size) * (w // patch_size))
 
 
 def split_batch(batch: dict[str, Any], microbatch_size: int | float) -> list[dict[str, Any]]:
@@ -78,16 +92,23 @@ def _load_factory(path: str) -> Callable[[DataConfig, int], StreamingDataset]:
         raise ValueError(f"data.factory: cannot import {path!r}: {exc}") from None
 
 
-def build_dataset(cfg: DataConfig, batch_size: int) -> StreamingDataset:
-    """The bucketed stream of ``cfg`` (``prx_data.stream.dataset.BucketedDataset``) for one rank."""
+def build_dataset(cfg: DataConfig, batch_size: int, holdout: Any = None) -> StreamingDataset:
+    """The bucketed stream of ``cfg`` (``prx_data.stream.dataset.BucketedDataset``) for one rank.
+
+    ``holdout`` (a ``prx_data.stream.holdout.Holdout``) leaves out one side of an
+    id-hash hold-out split in every dataset's sample space.
+    """
     if cfg.factory:
+        if holdout is not None:
+            raise ValueError(
+                "data.factory cannot apply the eval hold-out slice; use eval.source=export"
+            )
         return _load_factory(cfg.factory)(cfg, batch_size)
     if not cfg.datasets:
         raise ValueError("data.datasets: at least one dataset (export root) is required")
-    from prx_data.stream.dataset import (
-        BucketedDataset,
-        DatasetSpec,  # imported late: optional stage
-    )
+    from prx_data.stream.dataset import DatasetSpec
+
+    cls = EncodedBucketedDataset if cfg.decode == "device" else BucketedDataset
 
     specs = [
         DatasetSpec(
@@ -97,11 +118,12 @@ def build_dataset(cfg: DataConfig, batch_size: int) -> StreamingDataset:
             repeat=d.repeat,
             choose=d.choose,
             skip_lists=list(d.skip_lists) if d.skip_lists is not None else None,
+            holdout=holdout,
         )
         for d in cfg.datasets
     ]
     columns = tuple(dict.fromkeys(c.name for c in cfg.caption_columns))
-    return BucketedDataset(
+    return cls(
         specs,
         tier=cfg.tier,
         batch_size=batch_size,
@@ -117,6 +139,12 @@ def build_dataset(cfg: DataConfig, batch_size: int) -> StreamingDataset:
         small_buckets=cfg.small_buckets,
         **dict(cfg.streaming),
     )
+
+
+class EncodedBucketedDataset(BucketedDataset):
+    """``BucketedDataset`` whose ``image`` stays the encoded bytes (``data.decode=device``)."""
+
+    decode_images = False
 
 
 def build_dataloader(
@@ -145,10 +173,11 @@ def build_dataspec(
     world_size: int,
     patch_size: int,
     dataset: StreamingDataset | None = None,
+    holdout: Any = None,
 ) -> DataSpec:
     """Dataset + loader + sample/token counting for one rank of a ``world_size`` run."""
     batch = device_batch_size(cfg, world_size)
-    ds = dataset if dataset is not None else build_dataset(cfg, batch)
+    ds = dataset if dataset is not None else build_dataset(cfg, batch, holdout=holdout)
     loader = build_dataloader(ds, cfg, batch)
     return DataSpec(
         loader,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from composer.models import ComposerModel
 from diffusers.models.transformers.transformer_prx import PRXTransformer2DModel
 
+from prx_data.train import evaluation
 from prx_data.train.captions import CaptionPolicy
 from prx_data.train.config import FlowConfig, ModelConfig
 from prx_data.train.flow import (
@@ -76,6 +77,10 @@ class PRXFlowModel(ComposerModel):
         self.flow = flow or FlowConfig()
         patch = transformer.config.patch_size
         self._patch = int(patch)
+        # Held-out evaluation (prx_data.train.evaluation): bands, seed, caption choice.
+        self.eval_bands = 4
+        self.eval_seed = 0
+        self.eval_captions = evaluation.eval_caption_policy(captions.columns)
 
     def encode_text(
         self, captions: list[str], device: torch.device
@@ -84,6 +89,17 @@ class PRXFlowModel(ComposerModel):
             self.text_encoder.to(device)
         feats, mask = self.text_encoder.encode(captions)
         return feats, mask
+
+    def batch_images(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """uint8 [B, 3, H, W] on the model's device; encoded bytes are decoded there (nvJPEG)."""
+        images = batch["image"]
+        if isinstance(images, torch.Tensor):
+            return images
+        from prx_data.stream.decode import decode_batch
+        from prx_data.train.data import batch_shape
+
+        device = next(self.transformer.parameters()).device
+        return decode_batch(images, batch_shape(batch), device)
 
     def _check_shape(self, x: torch.Tensor) -> None:
         h, w = x.shape[-2:]
@@ -105,7 +121,7 @@ class PRXFlowModel(ComposerModel):
         ``generator`` (on the images' device) fixes t and the noise, and the
         caption choice when ``captions`` is not given: deterministic evaluation.
         """
-        images = batch["image"]
+        images = self.batch_images(batch)
         self._check_shape(images)
         device = images.device
         x0 = uint8_to_unit(images)
@@ -145,7 +161,7 @@ class PRXFlowModel(ComposerModel):
     @torch.no_grad()
     def eval_loss(self, batch: Mapping[str, Any], seed: int = 0) -> float:
         """Loss at fixed t/noise/captions: comparable across training steps."""
-        device = batch["image"].device
+        device = self.batch_images(batch).device
         gen = torch.Generator(device=device).manual_seed(seed)
         was_training = self.training
         self.eval()
@@ -153,3 +169,21 @@ class PRXFlowModel(ComposerModel):
             return float(self.loss(self.flow_outputs(batch, generator=gen), batch))
         finally:
             self.train(was_training)
+
+    # --- Composer evaluation: per-band flow loss at fixed noise and timesteps -------------
+
+    def configure_eval(self, num_bands: int, seed: int) -> None:
+        """Set the timestep bands and noise seed of the held-out metrics."""
+        self.eval_bands = int(num_bands)
+        self.eval_seed = int(seed)
+
+    def eval_forward(self, batch: Mapping[str, Any], outputs: Any = None) -> torch.Tensor:
+        """``[B, num_bands]`` per-sample losses (see :mod:`prx_data.train.evaluation`)."""
+        with torch.no_grad():
+            return evaluation.per_sample_band_losses(self, batch)
+
+    def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
+        return {} if is_train else evaluation.eval_metrics(self.eval_bands)
+
+    def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
+        metric.update(outputs)

@@ -124,6 +124,12 @@ def build_loggers(cfg: TrainConfig) -> list[LoggerDestination]:
         from composer.loggers import TensorboardLogger
 
         loggers.append(TensorboardLogger(log_dir=lg.tensorboard_dir))
+    if lg.mlflow_experiment:
+        from composer.loggers import MLFlowLogger
+
+        loggers.append(
+            MLFlowLogger(experiment_name=lg.mlflow_experiment, tracking_uri=lg.mlflow_tracking_uri)
+        )
     return loggers
 
 
@@ -133,11 +139,111 @@ def build_callbacks(cfg: TrainConfig) -> list[Callback]:
         SpeedMonitor(window_size=lg.window_size),
         DataWaitMonitor(window_size=lg.window_size),
         LRMonitor(),
-        ResumeGuard(cfg.data.global_batch_size, cfg.data.num_workers),
+        ResumeGuard(cfg.data.global_batch_size, cfg.data.num_workers, holdout=_holdout_key(cfg)),
     ]
     if lg.sample_ids_dir:
         callbacks.append(SampleIdLogger(lg.sample_ids_dir))
+    s = cfg.sampling
+    if s.enabled:
+        from prx_data.train.sampling import SampleGrid
+
+        callbacks.append(
+            SampleGrid(
+                s.prompts,
+                s.seeds,
+                s.shapes,
+                steps=s.steps,
+                guidance_scale=s.guidance_scale,
+                interval=s.interval or cfg.trainer.save_interval,
+                folder=s.folder,
+            )
+        )
     return callbacks
+
+
+def _holdout_key(cfg: TrainConfig) -> str:
+    """What the training sample space leaves out for eval (checked on resume)."""
+    e = cfg.eval
+    if not e.enabled or e.source != "slice":
+        return "none"
+    return f"{e.holdout_fraction!r}/{e.holdout_salt}"
+
+
+def parallelism_kwargs(cfg: TrainConfig, model: PRXFlowModel) -> dict:
+    """Composer ``parallelism_config`` / ``compile_config`` from ``cfg.parallelism``.
+
+    FSDP wraps and (optionally) activation-checkpoints each PRX block; the
+    text encoder is not a submodule, so it is neither sharded nor trained.
+    """
+    from composer.utils.parallelism import FSDP2Config, FSDPConfig
+
+    p = cfg.parallelism
+    out: dict = {}
+    f = p.fsdp
+    if f.enabled:
+        model.transformer.fsdp_wrap_fn = is_prx_block
+        model.transformer.activation_checkpointing_fn = is_prx_block
+        if f.version == 2:
+            fsdp = FSDP2Config(
+                activation_checkpointing=f.activation_checkpointing,
+                activation_cpu_offload=f.activation_cpu_offload,
+                state_dict_type=f.state_dict_type,
+                mixed_precision=f.mixed_precision,
+            )
+        else:
+            fsdp = FSDPConfig(
+                sharding_strategy=f.sharding_strategy,
+                data_parallel_shard_degree=f.data_parallel_shard_degree,
+                data_parallel_replicate_degree=f.data_parallel_replicate_degree,
+                activation_checkpointing=f.activation_checkpointing,
+                activation_checkpointing_reentrant=False,
+                activation_cpu_offload=f.activation_cpu_offload,
+                mixed_precision=f.mixed_precision,
+                state_dict_type=f.state_dict_type,
+                forward_prefetch=f.forward_prefetch,
+                limit_all_gathers=f.limit_all_gathers,
+                cpu_offload=f.cpu_offload,
+                sync_module_states=True,
+                use_orig_params=True,
+            )
+        out["parallelism_config"] = {"fsdp": fsdp}
+    if p.compile:
+        cc: dict = {}
+        if p.compile_mode:
+            cc["mode"] = p.compile_mode
+        if p.compile_dynamic is not None:
+            cc["dynamic"] = p.compile_dynamic
+        out["compile_config"] = cc
+    return out
+
+
+def is_prx_block(module: torch.nn.Module) -> bool:
+    """FSDP wrap unit and activation-checkpointing unit: one PRX transformer block."""
+    from diffusers.models.transformers.transformer_prx import PRXBlock
+
+    return isinstance(module, PRXBlock)
+
+
+def run_is_finished(trainer: Trainer) -> bool:
+    """True when the (auto)resumed state already reached ``max_duration``: fit would do nothing."""
+    from composer.core import TimeUnit
+
+    md = trainer.state.max_duration
+    if md is None or md.unit == TimeUnit.DURATION:
+        return False
+    return bool(trainer.state.timestamp.get(md.unit) >= md)
+
+
+def finished_message(cfg: TrainConfig, trainer: Trainer) -> str:
+    ts = trainer.state.timestamp
+    folder = str(cfg.trainer.save_folder).replace("{run_name}", str(cfg.trainer.run_name))
+    return (
+        f"run {cfg.trainer.run_name!r} is already finished: the checkpoint in "
+        f"{folder} is at batch {int(ts.batch)} (epoch {int(ts.epoch)}), "
+        f"trainer.max_duration={cfg.trainer.max_duration}. Nothing to train. To train longer, "
+        "raise trainer.max_duration; to start over, pick a new trainer.run_name "
+        "(or remove the checkpoints)."
+    )
 
 
 def build_trainer(
@@ -161,7 +267,26 @@ def build_trainer(
     reproducibility.seed_all(cfg.trainer.seed)
     if model is None:
         model = build_model(cfg, place.torch_device)
-    dataspec = build_dataspec(cfg.data, world, cfg.model.patch_size, dataset=dataset)
+    from prx_data.train.evaluation import holdout_for
+
+    train_holdout = holdout_for(cfg, "train")
+    if dataset is not None and train_holdout is not None:
+        raise ValueError(
+            "eval.source=slice with a dataset passed in: the hold-out cannot be left out of a "
+            "stream built elsewhere; let build_trainer build the stream, or evaluate on a "
+            "separate export (eval.source=export)"
+        )
+    dataspec = build_dataspec(
+        cfg.data, world, cfg.model.patch_size, dataset=dataset, holdout=train_holdout
+    )
+    extra: dict = parallelism_kwargs(cfg, model)
+    if cfg.eval.enabled:
+        from prx_data.train.evaluation import build_evaluator
+
+        model.configure_eval(cfg.eval.num_bands, cfg.eval.seed)
+        extra["eval_dataloader"] = build_evaluator(cfg, world, cfg.model.patch_size)
+        extra["eval_interval"] = cfg.eval.interval
+        extra["eval_subset_num_batches"] = cfg.eval.subset_num_batches or -1
     t = cfg.trainer
     algorithms = []
     if t.ema.enabled:
@@ -205,11 +330,19 @@ def build_trainer(
         progress_bar=cfg.logging.progress_bar,
         log_to_console=cfg.logging.log_to_console,
         console_log_interval=cfg.logging.console_log_interval,
+        **extra,
     )
 
 
 def train(cfg: TrainConfig, **kwargs) -> Trainer:
-    """Build and fit; returns the trainer (for its state and logged metrics)."""
+    """Build and fit; returns the trainer (for its state and logged metrics).
+
+    A run whose autoresumed checkpoint already reached ``max_duration`` is not
+    fitted again; the reason is logged (see :func:`run_is_finished`).
+    """
     trainer = build_trainer(cfg, **kwargs)
+    if run_is_finished(trainer):
+        log.warning(finished_message(cfg, trainer))
+        return trainer
     trainer.fit()
     return trainer
