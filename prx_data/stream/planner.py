@@ -423,16 +423,17 @@ def plan_buckets(
     buckets: list[BucketPlan] = []
     per = gbs if batching_method == "per_stream" else device_batch_size
     for di, (d, tgt, n) in enumerate(zip(datasets, targets, units, strict=True)):
-        if d.kept <= 0:
-            problems.append(f"dataset {d.name!r} has no samples left after skip lists in this tier")
         kept = [max(0, b.kept) for b in d.buckets]
+        d_kept = sum(kept)
+        if d_kept <= 0:
+            problems.append(f"dataset {d.name!r} has no samples left after skip lists in this tier")
         if unweighted and not epoch_size:
             alloc = [k // unit for k in kept]
             excluded = [k > 0 and a == 0 for k, a in zip(kept, alloc, strict=True)]
         else:
-            alloc, excluded = split_units(n, kept, unit, upsample=n * unit > d.kept)
+            alloc, excluded = split_units(n, kept, unit, upsample=n * unit > d_kept)
         for b, a, ex in zip(d.buckets, alloc, excluded, strict=True):
-            t = round(tgt * b.kept / d.kept) if d.kept > 0 else 0
+            t = round(tgt * b.kept / d_kept) if d_kept > 0 else 0
             buckets.append(
                 BucketPlan(
                     di, b.bucket, b.samples, b.skipped, b.kept, t, a * unit, a * unit // per, ex
