@@ -229,11 +229,12 @@ def test_replicated_run_counts_unique_samples_and_resumes_exactly_once(tmp_path)
     assert max(done) < steps - 1, done
     ckpt = torch.load(first / "ckpt" / "latest-rank0.pt", weights_only=False)
     state = ckpt["state"]
-    batches = int(state["timestamp"]["batch"].value)
+    stamp = state["timestamp"]["Timestamp"]  # Composer keys serialized objects by class
+    batches = int(stamp["batch"])
     assert batches % 4 == 0 and batches >= 4
     # The resume position counts each replicated batch once.
     assert state["dataset_state"]["train"]["sample_in_epoch"] == batches * unique_per_step
-    assert int(state["timestamp"]["sample"].value) == batches * unique_per_step
+    assert int(stamp["sample"]) == batches * unique_per_step
     _clean_shm()
 
     run = tmp_path / "resume"
