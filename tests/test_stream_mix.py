@@ -137,6 +137,11 @@ def test_weights_changed_since_the_checkpoint_name_the_change(two):
     other = [DatasetSpec(a.root, proportion=0.5), DatasetSpec(b.root, proportion=0.5)]
     with pytest.raises(ResumeMismatch, match=r"a: proportion 0.7 -> 0.5"):
         run_rank(other, rank=0, world_size=1, batch_size=8, state=first[0].state, **kw)
+    # Replication reorders the epoch: named too (same data-parallel global batch of 8).
+    with pytest.raises(ResumeMismatch, match=r"replication: 1 -> 2"):
+        run_rank(
+            specs, rank=0, world_size=2, batch_size=8, replication=2, state=first[0].state, **kw
+        )
     # The same datasets and weights resume on another world size without complaint.
     again = run_rank(specs, rank=0, world_size=1, batch_size=8, state=first[0].state, **kw)
     full = run_rank(specs, rank=0, world_size=1, batch_size=8, **kw)

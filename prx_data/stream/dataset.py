@@ -292,9 +292,10 @@ def fingerprint(
     """What defines the epoch's sample space, as plain JSON types (no world size in it).
 
     Datasets and weights, the skip lists in force with their size and a digest
-    of their content, the epoch size, tier and bucket spec, and a digest of
-    the per-bucket plan. Two runs with equal fingerprints, the same global
-    batch and the same workers see the same epoch, on any world size.
+    of their content, the epoch size, tier and bucket spec, the data-parallel
+    global batch, replication and planning unit, and a digest of the
+    per-bucket plan. Two runs with equal fingerprints see the same epoch, on
+    any world size.
     """
     datasets = []
     for spec, src in zip(specs, sources, strict=True):
@@ -324,6 +325,10 @@ def fingerprint(
         "include_higher_tiers": include_higher_tiers,
         "bucket_spec": hashlib.sha1(repr(bucket_spec).encode()).hexdigest()[:16],
         "batching_method": plan.batching_method,
+        # Fixed across elastic resumes (streaming's rule); a change reorders the epoch.
+        "global_batch_size": plan.global_batch_size,
+        "replication": plan.replication,
+        "unit": plan.unit,
         "epoch_size": plan.epoch_size,
         "datasets": datasets,
         "plan": hashlib.sha1(buckets.encode()).hexdigest()[:16],
@@ -333,7 +338,8 @@ def fingerprint(
 def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable differences between two fingerprints (empty when they match)."""
     out: list[str] = []
-    for key in ("tier", "include_higher_tiers", "bucket_spec", "batching_method"):
+    keys = ("tier", "include_higher_tiers", "bucket_spec", "batching_method")
+    for key in (*keys, "global_batch_size", "replication", "unit"):
         if old.get(key) != new.get(key):
             out.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
     old_ds = {d["root"]: d for d in old.get("datasets", [])}
