@@ -8,6 +8,11 @@
             (a 1.2M-sample index over hard-linked copies of one shard, with a
             10% skip list on every shard); target <= 1.2x. Nothing is read to skip.
   sidecars  validating and loading skip lists for 100,000 shards (seconds)
+  plan      planning 1,000 buckets over 3 datasets (seconds; target < 1 s)
+  mix       loader throughput of a 0.7/0.3 BucketedDataset (dataset-level allocation)
+            vs plain streaming (one Stream per bucket with streaming's own
+            proportions) over the same shards, the same decode in both,
+            pulled in alternating chunks; target >= 0.95x
 
 Run on an otherwise idle machine:  python benchmarks/bench_stream.py
 Smaller:                           python benchmarks/bench_stream.py --quick
@@ -31,12 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
 from prx_data.export import layout
+from prx_data.export.sample import make_sample_export as make_export  # noqa: E402
 from prx_data.skips import sidecar as skiplist  # noqa: E402
 from prx_data.stream.dataset import (
     BucketedDataset,
     DatasetSpec,  # noqa: E402
 )
-from tests.exportkit import make_export  # noqa: E402 (test-only export fabrication)
 
 BUCKET = "512/1.000"
 
@@ -228,6 +233,127 @@ def bench_sidecars(work: str, shards: int) -> dict:
     }
 
 
+def bench_plan(buckets: int = 1000, datasets: int = 3, rounds: int = 5) -> dict:
+    """Plan ``buckets`` skewed buckets over ``datasets`` datasets mixed by proportion."""
+    from prx_data.stream.planner import BucketCount, DatasetCount, plan_buckets
+
+    rng = np.random.default_rng(0)
+    counts = []
+    for d in range(datasets):
+        n = buckets // datasets + (d < buckets % datasets)
+        sizes = (rng.pareto(1.2, n) * 2000 + 5).astype(int)
+        counts.append(
+            DatasetCount(
+                f"d{d}",
+                [
+                    BucketCount(f"{512 * (1 + i // 13)}/{i:04d}", int(x))
+                    for i, x in enumerate(sizes)
+                ],
+                proportion=float(d + 1),
+            )
+        )
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        plan = plan_buckets(
+            counts, device_batch_size=128, world_size=8, num_workers=8, small_buckets="drop"
+        )
+        times.append(time.perf_counter() - t)
+    want = [(d + 1) / sum(range(1, datasets + 1)) for d in range(datasets)]
+    return {
+        "buckets": sum(len(c.buckets) for c in counts),
+        "samples": sum(c.kept for c in counts),
+        "plan_s_best": min(times),
+        "plan_s_median": sorted(times)[len(times) // 2],
+        "max_share_error": max(
+            abs(m.realised(plan.epoch_size) - w) for m, w in zip(plan.mix, want, strict=True)
+        ),
+    }
+
+
+def bench_mix(work: str, samples: int, rounds: int, chunk: int = 50) -> dict:
+    """BucketedDataset (planned mix) vs plain StreamingDataset streams over the same shards."""
+    from streaming import Stream, StreamingDataset
+
+    from prx_data.core.buckets import parse_bucket_name, same_ratio_shape
+    from prx_data.stream.dataset import _decode
+
+    shapes = {"512/1.000": 0.6, "512/0.500": 0.4}
+    a = make_export(
+        os.path.join(work, "mix-a"),
+        {b: int(samples * 0.6 * f) for b, f in shapes.items()},
+        name="a",
+        samples_per_part=samples,
+        samples_per_shard=200,
+        hashes=(),
+    ).root
+    b = make_export(
+        os.path.join(work, "mix-b"),
+        {b: int(samples * 0.4 * f) for b, f in shapes.items()},
+        name="b",
+        samples_per_part=samples,
+        samples_per_shard=200,
+        hashes=(),
+    ).root
+    clean_stale_shared_memory()
+    batch = 16
+    mixed = BucketedDataset(
+        [
+            DatasetSpec(a, proportion=0.7, skip_lists=[]),
+            DatasetSpec(b, proportion=0.3, skip_lists=[]),
+        ],
+        tier=512,
+        batch_size=batch,
+        small_buckets="drop",
+    )
+    streams = []
+    for root, weight in ((a, 0.7), (b, 0.3)):
+        kept = {bk: int(samples * (0.6 if root == a else 0.4) * f) for bk, f in shapes.items()}
+        for bk, n in kept.items():
+            streams.append(
+                Stream(local=os.path.join(root, bk), proportion=weight * n / sum(kept.values()))
+            )
+    plain = StreamingDataset(
+        streams=streams, batch_size=batch, batching_method="per_stream", shuffle=True
+    )
+
+    def plain_items(ds):
+        for raw in ds:
+            shape = same_ratio_shape(parse_bucket_name(raw["bucket"]), 512)
+            yield _decode(raw["image"], shape)
+
+    t_mix = t_plain = 0.0
+    n_mix = n_plain = 0
+    for _ in range(rounds):
+        its = [iter(mixed), plain_items(plain)]
+        live = [True, True]
+        turn = 0
+        while any(live):
+            turn += 1
+            for k in (0, 1) if turn % 2 else (1, 0):
+                if not live[k]:
+                    continue
+                t = time.perf_counter()
+                got = sum(1 for _ in zip(range(chunk), its[k], strict=False))
+                dt = time.perf_counter() - t
+                live[k] = got == chunk
+                if k == 0:
+                    t_mix, n_mix = t_mix + dt, n_mix + got
+                else:
+                    t_plain, n_plain = t_plain + dt, n_plain + got
+    share = {m.name[-5:]: round(m.realised(mixed.plan.epoch_size), 4) for m in mixed.plan.mix}
+    del mixed, plain
+    gc.collect()
+    clean_stale_shared_memory()
+    return {
+        "samples_per_s_planned_mix": n_mix / t_mix,
+        "samples_per_s_plain_streaming": n_plain / t_plain,
+        "ratio": (n_mix / t_mix) / (n_plain / t_plain),
+        "samples_streamed": [n_mix, n_plain],
+        "planned_shares": share,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -246,7 +372,10 @@ def main() -> None:
         "--sidecar-shards", type=int, default=100_000, help="shards with a sidecar to load"
     )
     ap.add_argument(
-        "--only", action="append", choices=("skip10", "resume", "sidecars"), help="run only these"
+        "--only",
+        action="append",
+        choices=("skip10", "resume", "sidecars", "plan", "mix"),
+        help="run only these",
     )
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     args = ap.parse_args()
@@ -260,6 +389,8 @@ def main() -> None:
             "skip10": lambda: bench_skip10(work, args.samples, args.rounds),
             "resume": lambda: bench_resume(work, shards, per_shard, args.resume_at, args.rounds),
             "sidecars": lambda: bench_sidecars(work, args.sidecar_shards),
+            "plan": lambda: bench_plan(),
+            "mix": lambda: bench_mix(work, args.samples, args.rounds),
         }
         out = {k: f() for k, f in benches.items() if not args.only or k in args.only}
     finally:

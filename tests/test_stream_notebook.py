@@ -19,5 +19,11 @@ def test_mixing_notebook_executes():
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     assert "batch shapes" in text and "epoch:" in text
-    # The plot was drawn.
+    # The plot was drawn, and written to a file.
     assert any("image/png" in o.get("data", {}) for o in outputs)
+    path = text.split("plot written to ", 1)[1].split()[0]
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "requested" in text and "realised" in text
+    # It runs from the package: nothing is imported from tests/.
+    assert "tests" not in "".join(c.source for c in nb.cells if c.cell_type == "code")

@@ -74,3 +74,35 @@ def test_world_detect_without_a_process_group(monkeypatch):
 def test_maybe_init_dist_is_a_no_op_on_one_process(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert C.maybe_init_dist() is False
+
+
+@pytest.mark.parametrize(
+    ("ncn", "nodes", "rpn", "workers", "batch"),
+    [(1, 1, 1, 1, 4), (4, 2, 2, 2, 4), (8, 4, 2, 3, 2), (2, 1, 4, 2, 3), (6, 3, 1, 2, 5)],
+)
+@pytest.mark.parametrize("algo", ["relaxed", "orig"])
+def test_get_partitions_has_no_padding_at_the_planner_unit(algo, ncn, nodes, rpn, workers, batch):
+    """The planner's per_stream unit is where streaming's own partition needs no padding."""
+    from prx_data.stream.planner import BucketCount, DatasetCount, plan_buckets
+
+    p = plan_buckets(
+        [DatasetCount("a", [BucketCount("512/1.000", 10**6)])],
+        device_batch_size=batch,
+        world_size=nodes * rpn,
+        num_nodes=nodes,
+        num_workers=workers,
+        num_canonical_nodes=ncn,
+        shuffle=False,
+    )
+    gbs = batch * nodes * rpn
+    for n in (p.unit, 3 * p.unit):
+        part = C.get_partitions(algo, n, ncn, nodes, rpn, workers, batch)
+        flat = part.reshape(-1)
+        assert (flat >= 0).all(), "padding holes"
+        assert sorted(flat.tolist()) == list(range(n)), "repeated or missing samples"
+        # per_stream reads it as global batches in traversal order: all of them complete.
+        assert part.transpose(3, 2, 0, 1, 4).reshape(-1, gbs).shape[0] == n // gbs
+    # One global batch short of a unit, streaming pads (or the unit was not needed).
+    if p.unit > gbs:
+        short = C.get_partitions(algo, p.unit - gbs, ncn, nodes, rpn, workers, batch).reshape(-1)
+        assert (short < 0).any() or len(short) != len(set(short.tolist()))

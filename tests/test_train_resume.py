@@ -41,7 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _command(nproc: int, run: Path, encoder: str, export: str) -> list[str]:
+def _command(
+    nproc: int, run: Path, encoder: str, export: str, extra: tuple[str, ...] = ()
+) -> list[str]:
     overrides = [
         *tiny_overrides(encoder),
         f"variables.data_root={export}",
@@ -61,6 +63,7 @@ def _command(nproc: int, run: Path, encoder: str, export: str) -> list[str]:
         # Exactly-once over the whole export: no eval hold-out, no sample grids.
         "eval.enabled=false",
         "sampling.enabled=false",
+        *extra,
     ]
     launcher = [
         sys.executable,
@@ -98,7 +101,8 @@ def _logged_batches(ids_dir: Path) -> set[int]:
     return out
 
 
-def _run_to_end(cmd: list[str], run: Path, timeout: float = 900) -> None:
+def _run_to_end(cmd: list[str], run: Path, timeout: float = 900) -> str:
+    """Run to completion; returns rank 0's output (the launcher's own stdout and stderr)."""
     (run / "logs").mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
@@ -108,6 +112,7 @@ def _run_to_end(cmd: list[str], run: Path, timeout: float = 900) -> None:
         raise AssertionError(
             f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}\n{logs}"
         )
+    return proc.stdout + proc.stderr
 
 
 def _clean_shm() -> None:
@@ -167,3 +172,87 @@ def test_killed_two_rank_run_resumes_exactly_once_on_one_and_two_ranks(tmp_path)
         dupes = {k: v for k, v in Counter(ids).items() if v > 1}
         assert not dupes, f"{nproc} rank(s): seen twice: {sorted(dupes)[:5]}"
         assert sorted(ids) == expected, f"{nproc} rank(s): missing {set(expected) - set(ids)}"
+
+
+def _kill_after(cmd: list[str], run: Path, batch: int) -> set[int]:
+    """Start ``cmd``, SIGKILL its process group once rank 0 logged ``batch``; the batches logged."""
+    (run / "logs").mkdir(parents=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            if max(_logged_batches(run / "ids"), default=-1) >= batch:
+                break
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    if proc.returncode != -signal.SIGKILL:
+        logs = "\n".join(p.read_text()[-4000:] for p in sorted((run / "logs").glob("*")))
+        raise AssertionError(f"the run ended on its own (exit {proc.returncode}):\n{logs}")
+    return _logged_batches(run / "ids")
+
+
+def _rank_ids(ids_dir: Path, rank: int) -> dict[tuple[str, int], list[str]]:
+    out = {}
+    for p in ids_dir.glob(f"attempt-*-rank{rank}.jsonl"):
+        token = p.name.split("-")[1]
+        for line in p.read_text().splitlines()[1:]:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out[(token, rec["batch"])] = rec["ids"]
+    return out
+
+
+def test_replicated_run_counts_unique_samples_and_resumes_exactly_once(tmp_path):
+    """replication=2 on 2 ranks: both ranks train the same batch; one copy is counted."""
+    import torch
+
+    from prx_data.train.callbacks import consumed_ids
+    from tests.exportkit import make_export
+
+    encoder = save_tiny_t5(tmp_path / "t5")
+    export = make_export(str(tmp_path / "export"), BUCKETS)
+    expected = sorted(export.all_ids())
+    unique_per_step = GLOBAL_BATCH // 2
+    steps = len(expected) // unique_per_step  # 24
+    extra = ("data.replication=2", "trainer.save_interval=4ba")
+    first = tmp_path / "first"
+    done = _kill_after(_command(2, first, encoder, str(tmp_path / "export"), extra), first, 9)
+    assert max(done) < steps - 1, done
+    ckpt = torch.load(first / "ckpt" / "latest-rank0.pt", weights_only=False)
+    state = ckpt["state"]
+    stamp = state["timestamp"]["Timestamp"]  # Composer keys serialized objects by class
+    batches = int(stamp["batch"])
+    assert batches % 4 == 0 and batches >= 4
+    # The resume position counts each replicated batch once.
+    assert state["dataset_state"]["train"]["sample_in_epoch"] == batches * unique_per_step
+    assert int(stamp["sample"]) == batches * unique_per_step
+    _clean_shm()
+
+    run = tmp_path / "resume"
+    shutil.copytree(first, run, symlinks=True)
+    out = _run_to_end(_command(2, run, encoder, str(tmp_path / "export"), extra), run)
+    _clean_shm()
+    # Replicas got identical batches.
+    r0, r1 = _rank_ids(run / "ids", 0), _rank_ids(run / "ids", 1)
+    assert r0 == r1 and all(len(v) == unique_per_step for v in r0.values())
+    only0 = tmp_path / "ids0"
+    only0.mkdir()
+    for p in (run / "ids").glob("attempt-*-rank0.jsonl"):
+        shutil.copy(p, only0 / p.name)
+    ids = consumed_ids(only0)
+    dupes = {k: v for k, v in Counter(ids).items() if v > 1}
+    assert not dupes, f"seen twice after the resume: {sorted(dupes)[:5]}"
+    assert sorted(ids) == expected, f"missing {set(expected) - set(ids)}"
+    assert "4 unique per step, replication 2" in out and "data plan at start" in out, out[-3000:]

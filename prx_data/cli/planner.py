@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from prx_data.stream.planner import (
@@ -30,8 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m prx_data.planner",
-        description="Preflight a bucketed streaming run: per bucket samples after skips, "
-        "batches and dropped tails; exits 2 on configurations streaming would crash on.",
+        description="Preflight a bucketed streaming run: requested vs realised share per "
+        "dataset; per bucket samples after skips, planned samples, batches and dropped "
+        "samples; exits 2 on configurations streaming would crash on.",
     )
     p.add_argument(
         "datasets",
@@ -65,7 +67,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--small-buckets",
         default="error",
         choices=("error", "drop"),
-        help="buckets below one unit: fail (default) or leave out",
+        help="buckets too small for a unit: fail (default) or leave out with a warning",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the whole plan as JSON to PATH ('-' for stdout instead of the table): "
+        "per dataset requested/realised share and samples, per bucket samples/skipped/"
+        "planned/dropped, epoch size and unit",
     )
     args = p.parse_args(argv)
     tiers = [
@@ -94,7 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as e:
         print(f"error: {e}")
         return 2
-    print(plan.report())
+    if args.json == "-":
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(plan.report())
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(plan.to_dict(), f, indent=2)
     return 2 if plan.problems else 0
 
 

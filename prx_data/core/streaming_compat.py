@@ -22,7 +22,8 @@ if not streaming.__version__.startswith(SUPPORTED):
     raise ImportError(
         f"prx-data was checked against mosaicml-streaming {', '.join(v + 'x' for v in SUPPORTED)}, "
         f"found {streaming.__version__}. Check that MDSReader's constructor and get_item, "
-        "Stream.get_shards, World.detect, maybe_init_dist, decompress and reader_from_json "
+        "Stream.get_shards, World.detect, maybe_init_dist, decompress, reader_from_json and "
+        "get_partitions "
         "behave as before (tests/test_streaming_compat.py), then add the version to "
         "prx_data.core.streaming_compat.SUPPORTED; or pin mosaicml-streaming==0.13.0."
     )
@@ -32,6 +33,7 @@ from streaming.base.distributed import maybe_init_dist  # noqa: E402
 from streaming.base.format import reader_from_json  # noqa: E402
 from streaming.base.format.base.reader import FileInfo  # noqa: E402
 from streaming.base.format.mds.reader import MDSReader  # noqa: E402
+from streaming.base.partition import get_partitions  # noqa: E402
 from streaming.base.world import World  # noqa: E402
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "MDSReader",
     "World",
     "decompress",
+    "get_partitions",
     "maybe_init_dist",
     "mds_reader_args",
     "reader_from_json",

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,8 @@ from prx_data.stream import planner
 from prx_data.stream.decode import decode_to
 from prx_data.stream.holdout import Holdout, merge_skips
 from prx_data.stream.reader import SkipStream
+
+log = logging.getLogger(__name__)
 
 #: Written last by the node's fetching rank; the other ranks wait for it.
 CATALOG_PREFIX = "_prx_catalog."
@@ -90,6 +93,8 @@ class BucketSource:
     local: str  # bucket directory (the export itself, or the cache)
     shards: list[layout.ShardInfo]
     skips: dict[str, np.ndarray]
+    #: Per skip list in force: (samples it removes here, sha1 of its indices here).
+    lists: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def samples(self) -> int:
@@ -269,21 +274,171 @@ def load_sources(
         if report is not None:
             layout.check_bucket_complete(spec.root, bucket, shards, report)
         skips: dict[str, np.ndarray] = {}
+        lists: dict[str, tuple[int, str]] = {}
         if spec.skip_lists != []:
             listing, stray = skiplist.scan_sidecars(base, bucket, shards)
             orphans += stray
             found |= set(listing)
-            skips = skiplist.load_skips(base, bucket, shards, spec.skip_lists, listing=listing)
+            skips, lists = _load_lists(base, bucket, shards, spec.skip_lists, listing)
         if spec.holdout is not None:
             skips = merge_skips(skips, spec.holdout.skips(spec.root, bucket, shards))
         remote = (
             storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
         )
         out.append(
-            BucketSource(bucket, remote, os.path.join(base, *bucket.split("/")), shards, skips)
+            BucketSource(
+                bucket, remote, os.path.join(base, *bucket.split("/")), shards, skips, lists
+            )
         )
     _check_orphans(spec.root, orphans, spec.skip_lists)
     _check_names(spec.root, found, spec.skip_lists)
+    return out
+
+
+def _load_lists(
+    base: str,
+    bucket: str,
+    shards: list[layout.ShardInfo],
+    names: Sequence[str] | None,
+    listing: dict[str, list[str]],
+) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, str]]]:
+    """The union of the chosen lists per shard, and per list its size and content digest.
+
+    Each sidecar is read once; the digests let a resume tell that a list was
+    added, removed or changed since its checkpoint.
+    """
+    chosen = sorted(listing) if names is None else list(names)
+    merged: dict[str, list[np.ndarray]] = {}
+    lists: dict[str, tuple[int, str]] = {}
+    for name in chosen:
+        one = skiplist.load_skips(base, bucket, shards, [name], listing=listing)
+        h = hashlib.sha1()
+        n = 0
+        for shard in sorted(one):
+            idx = np.ascontiguousarray(one[shard], dtype=np.uint32)
+            h.update(shard.encode() + b"\0" + idx.tobytes())
+            n += len(idx)
+            merged.setdefault(shard, []).append(idx)
+        if n:
+            lists[name] = (n, h.hexdigest())
+    skips = {
+        b: (a[0] if len(a) == 1 else np.unique(np.concatenate(a))).astype(np.uint32)
+        for b, a in merged.items()
+    }
+    return skips, lists
+
+
+# --- resume fingerprint ----------------------------------------------------------------------
+
+#: What ``BucketedDataset.load_state_dict`` may do when the sample space changed since the
+#: checkpoint: refuse (default), or start the checkpoint's epoch over with the current lists.
+ON_CHANGE = ("error", "restart_epoch")
+FINGERPRINT_KEY = "prx_fingerprint"
+
+
+class ResumeMismatch(planner.PlanError):
+    """The checkpoint's sample space differs from this dataset's: continuing would be wrong."""
+
+
+def fingerprint(
+    specs: Sequence[DatasetSpec],
+    sources: Sequence[Sequence[BucketSource]],
+    plan: planner.Plan,
+    *,
+    tier: int,
+    include_higher_tiers: bool,
+    bucket_spec: BucketSpec,
+) -> dict[str, Any]:
+    """What defines the epoch's sample space, as plain JSON types (no world size in it).
+
+    Datasets and weights, the skip lists in force with their size and a digest
+    of their content, the epoch size, tier and bucket spec, the data-parallel
+    global batch, replication and planning unit, and a digest of the
+    per-bucket plan. Two runs with equal fingerprints see the same epoch, on
+    any world size.
+    """
+    datasets = []
+    for spec, src in zip(specs, sources, strict=True):
+        per_list: dict[str, dict[str, Any]] = {}
+        for name in sorted({n for b in src for n in b.lists}):
+            h = hashlib.sha1()
+            n = 0
+            for b in src:
+                if name in b.lists:
+                    n += b.lists[name][0]
+                    h.update(f"{b.bucket}:{b.lists[name][1]};".encode())
+            per_list[name] = {"samples": n, "digest": h.hexdigest()[:16]}
+        datasets.append(
+            {
+                "root": spec.root,
+                "proportion": spec.proportion,
+                "repeat": spec.repeat,
+                "choose": spec.choose,
+                "samples": sum(b.samples for b in src),
+                "skip_lists": per_list,
+            }
+        )
+    buckets = json.dumps([[b.dataset, b.bucket, b.choose] for b in plan.buckets])
+    return {
+        "version": 1,
+        "tier": tier,
+        "include_higher_tiers": include_higher_tiers,
+        "bucket_spec": hashlib.sha1(repr(bucket_spec).encode()).hexdigest()[:16],
+        "batching_method": plan.batching_method,
+        # Fixed across elastic resumes (streaming's rule); a change reorders the epoch.
+        "global_batch_size": plan.global_batch_size,
+        "replication": plan.replication,
+        "unit": plan.unit,
+        "epoch_size": plan.epoch_size,
+        "datasets": datasets,
+        "plan": hashlib.sha1(buckets.encode()).hexdigest()[:16],
+    }
+
+
+def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two fingerprints (empty when they match)."""
+    out: list[str] = []
+    keys = ("tier", "include_higher_tiers", "bucket_spec", "batching_method")
+    for key in (*keys, "global_batch_size", "replication", "unit"):
+        if old.get(key) != new.get(key):
+            out.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    old_ds = {d["root"]: d for d in old.get("datasets", [])}
+    new_ds = {d["root"]: d for d in new.get("datasets", [])}
+    for root in old_ds.keys() - new_ds.keys():
+        out.append(f"dataset {root} removed")
+    for root in new_ds.keys() - old_ds.keys():
+        out.append(f"dataset {root} added")
+    for root in old_ds.keys() & new_ds.keys():
+        a, b = old_ds[root], new_ds[root]
+        for key in ("proportion", "repeat", "choose"):
+            if a.get(key) != b.get(key):
+                out.append(f"{root}: {key} {a.get(key)} -> {b.get(key)}")
+        if a.get("samples") != b.get("samples"):
+            out.append(f"{root}: {a.get('samples')} -> {b.get('samples')} samples in its shards")
+        la, lb = a.get("skip_lists", {}), b.get("skip_lists", {})
+        for name in sorted(lb.keys() - la.keys()):
+            out.append(
+                f"{root}: skip list {name!r} added since the checkpoint "
+                f"({lb[name]['samples']} samples in this tier)"
+            )
+        for name in sorted(la.keys() - lb.keys()):
+            out.append(
+                f"{root}: skip list {name!r} no longer applied ({la[name]['samples']} samples "
+                "would come back)"
+            )
+        for name in sorted(la.keys() & lb.keys()):
+            if la[name] != lb[name]:
+                out.append(
+                    f"{root}: skip list {name!r} changed ({la[name]['samples']} -> "
+                    f"{lb[name]['samples']} samples)"
+                )
+    order = [d["root"] for d in old.get("datasets", [])]
+    if not out and order != [d["root"] for d in new.get("datasets", [])]:
+        out.append("datasets reordered")
+    if old.get("epoch_size") != new.get("epoch_size"):
+        out.append(f"epoch size {old.get('epoch_size')} -> {new.get('epoch_size')}")
+    if not out and old.get("plan") != new.get("plan"):
+        out.append("the per-bucket plan differs")
     return out
 
 
@@ -316,8 +471,11 @@ class BucketedDataset(StreamingDataset):
     Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
     ``cache_limit``, ``download_retry``, ``shuffle_block_size``).
     ``num_workers`` must equal the DataLoader's: the epoch is sized for it.
-    ``small_buckets="drop"`` leaves out buckets below one planning unit instead
-    of failing. The preflight plan is available as ``self.plan``.
+    ``small_buckets="drop"`` leaves out buckets too small for one planning unit
+    (with a warning) instead of failing. The preflight plan is ``self.plan``
+    (logged on rank 0). ``state_dict`` carries a fingerprint of the sample
+    space; ``on_change`` says what a resume does when it differs (see
+    :meth:`load_state_dict`).
     """
 
     #: False: ``image`` stays the encoded bytes, for decoding on the GPU (``decode.decode_batch``).
@@ -340,8 +498,14 @@ class BucketedDataset(StreamingDataset):
         num_workers: int | None = None,
         small_buckets: str = "error",
         bucket_spec: BucketSpec = DEFAULT_SPEC,
+        on_change: str = "error",
         **streaming_kwargs: Any,
     ) -> None:
+        if on_change not in ON_CHANGE:
+            raise ValueError(f"on_change must be one of {ON_CHANGE}, got {on_change!r}")
+        self.on_change = on_change
+        #: Set by a resume that restarted its epoch: what changed and how many samples repeat.
+        self.restarted_epoch: dict[str, Any] | None = None
         specs = _specs(datasets)
         bucket_spec.shapes(tier)  # unknown tier -> clear error
         tiers = [t for t in bucket_spec.tiers if t == tier or (include_higher_tiers and t > tier)]
@@ -376,6 +540,18 @@ class BucketedDataset(StreamingDataset):
                 shuffle_block_size=streaming_kwargs.get("shuffle_block_size"),
                 small_buckets=small_buckets,
             ).check()
+            if world.rank == 0:
+                log.info("bucket plan:\n%s", self.plan.report())
+                for w in self.plan.warnings:
+                    log.warning("bucket plan: %s", w)
+            self.fingerprint = fingerprint(
+                specs,
+                sources,
+                self.plan,
+                tier=tier,
+                include_higher_tiers=include_higher_tiers,
+                bucket_spec=bucket_spec,
+            )
             streams: list[Stream] = []
             self.stream_info: list[tuple[int, str, tuple[int, int]]] = []
             plans = iter(self.plan.buckets)
@@ -442,12 +618,60 @@ class BucketedDataset(StreamingDataset):
             )
         return super().__iter__()
 
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        """Streaming's resume position plus the fingerprint of this epoch's sample space."""
+        obj = super().state_dict(num_samples, from_beginning)
+        obj[FINGERPRINT_KEY] = self.fingerprint
+        return obj
+
     def load_state_dict(self, obj: dict[str, Any]) -> None:
-        """Resume; refuses a state whose canonical node count differs from the plan's."""
+        """Resume, never silently onto a different sample space.
+
+        Refuses a canonical node count that differs from the plan's. When the
+        fingerprint differs (a skip list added, removed or changed, other
+        weights, another tier or bucket spec, another epoch size), raises
+        :class:`ResumeMismatch` naming every change, unless ``on_change`` is
+        ``"restart_epoch"``: then the checkpoint's epoch starts over on the
+        current sample space and the samples it had already trained repeat.
+        """
         ncn = obj.get("num_canonical_nodes")
         if ncn is not None and ncn != self.plan.num_canonical_nodes:
             raise planner.PlanError(
                 f"checkpoint was written with num_canonical_nodes={ncn} but this dataset was "
                 f"planned with {self.plan.num_canonical_nodes}: pass num_canonical_nodes={ncn}"
             )
+        obj = dict(obj)
+        old = obj.pop(FINGERPRINT_KEY, None)
+        done = int(obj.get("sample_in_epoch", 0))
+        if old is None:
+            log.warning(
+                "the checkpoint's data state has no fingerprint (written before prx-data "
+                "recorded one): cannot verify that skip lists and weights are unchanged"
+            )
+        elif changes := describe_changes(old, self.fingerprint):
+            listed = "\n  - ".join(changes)
+            if self.on_change == "error":
+                raise ResumeMismatch(
+                    f"the data changed since the checkpoint (epoch {obj.get('epoch')}, "
+                    f"{done} samples into it):\n  - {listed}\n"
+                    "The epoch's sample order is fixed by its sample space, so continuing would "
+                    "repeat some samples and skip others, and could train on newly skipped ones. "
+                    "Choices (docs/STREAMING.md, 'Resuming after a change'):\n"
+                    f"  - on_change='restart_epoch' (data.on_change): start epoch "
+                    f"{obj.get('epoch')} over with the current lists and weights; the {done} "
+                    "samples already trained this epoch are seen again, newly skipped ones never;\n"
+                    "  - restore the checkpoint's lists and weights to finish the epoch as planned "
+                    "(only when the change is not an opt-out that must take effect now)."
+                )
+            log.warning(
+                "the data changed since the checkpoint:\n  - %s\nrestarting epoch %s with the "
+                "current sample space (%d samples); the %d samples already trained this epoch "
+                "repeat",
+                listed,
+                obj.get("epoch"),
+                self.plan.epoch_size,
+                done,
+            )
+            obj["sample_in_epoch"] = 0
+            self.restarted_epoch = {"changes": changes, "repeated_samples": done}
         super().load_state_dict(obj)

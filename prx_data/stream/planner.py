@@ -1,4 +1,4 @@
-"""Preflight for bucketed streaming: samples, batches and dropped tails per bucket.
+"""Preflight for bucketed streaming: the mix per dataset, and samples and batches per bucket.
 
 Mosaic Streaming pads each stream's partition with repeated samples or ``-1``
 holes when a stream's epoch count does not divide evenly over canonical
@@ -13,20 +13,31 @@ streaming would crash on, before any data is read.
 For ``per_stream`` the unit is ``lcm(num_canonical_nodes, global_batch * num_workers)``;
 for ``device_per_stream`` it is
 ``lcm(num_canonical_nodes * ranks_per_node * num_workers, global_batch)``.
-Bucket counts below one unit are fatal (or dropped with ``small_buckets="drop"``).
+``tests/test_streaming_compat.py`` checks against streaming's own
+``get_partitions`` that a multiple of the unit partitions with no padding.
+
+Units are allocated per *dataset* first, so a dataset's share is right to
+within one unit however its samples spread over buckets; each dataset's
+units are then shared over its buckets by largest remainder. A bucket too
+small for a unit is left out with a warning (or refused with
+``small_buckets="error"``); docs/STREAMING.md says why.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prx_data.export import layout
 
 BATCHING_METHODS = ("per_stream", "device_per_stream")
 #: streaming's default: max(4_000_000 // num_canonical_nodes, 1 << 18).
 DEFAULT_SHUFFLE_BLOCK = 1 << 18
+#: A dataset whose realised share is further than this from the requested one is warned about.
+MIX_TOLERANCE = 0.01
 
 
 class PlanError(ValueError):
@@ -68,18 +79,42 @@ class BucketPlan:
     samples: int
     skipped: int
     kept: int
-    #: Samples this bucket would get this epoch from the weights alone.
+    #: This bucket's fair share of its dataset's target (kept-weighted), before rounding.
     target: int
-    #: Samples it gets: ``target`` rounded down to the unit (what streaming is told to choose).
+    #: Samples it gets this epoch (a multiple of the unit; what streaming is told to ``choose``).
     choose: int
     #: Global batches (per_stream) or device batches (device_per_stream) per epoch.
     batches: int
+    #: Left out of this epoch: below half a unit of its share (see docs/STREAMING.md).
     excluded: bool = False
 
     @property
+    def planned(self) -> int:
+        return self.choose
+
+    @property
     def dropped(self) -> int:
-        """Samples of the target left out by rounding to whole units (a different subset each epoch)."""
-        return self.target - self.choose
+        """Kept samples this epoch does not reach (a different subset each epoch)."""
+        return max(0, self.kept - self.choose)
+
+    @property
+    def repeated(self) -> int:
+        """Samples drawn a second time or more (the bucket is up-sampled past its kept count)."""
+        return max(0, self.choose - self.kept)
+
+
+@dataclass
+class DatasetPlan:
+    name: str
+    kept: int
+    #: Requested share of the epoch (from proportion / repeat / choose / natural size).
+    requested: float
+    #: Samples the weights ask for, before rounding to units.
+    target: float
+    planned: int = 0
+
+    def realised(self, epoch_size: int) -> float:
+        return self.planned / epoch_size if epoch_size else 0.0
 
 
 @dataclass
@@ -98,6 +133,9 @@ class Plan:
     datasets: list[str]
     buckets: list[BucketPlan] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    mix: list[DatasetPlan] = field(default_factory=list)
+    #: Non-fatal findings (left-out buckets, a mix off by more than a point); also logged.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def epoch_size(self) -> int:
@@ -118,8 +156,66 @@ class Plan:
             raise PlanError("bucket plan refused:\n  - " + "\n  - ".join(self.problems))
         return self
 
+    def to_dict(self) -> dict[str, Any]:
+        """The whole plan as plain JSON types (``python -m prx_data.planner --json``)."""
+        epoch = self.epoch_size
+        return {
+            "epoch_size": epoch,
+            "unit": self.unit,
+            "global_batch_size": self.global_batch_size,
+            "batches_per_rank": self.batches_per_rank,
+            "settings": {
+                "batching_method": self.batching_method,
+                "world_size": self.world_size,
+                "num_nodes": self.num_nodes,
+                "device_batch_size": self.device_batch_size,
+                "num_workers": self.num_workers,
+                "num_canonical_nodes": self.num_canonical_nodes,
+                "replication": self.replication,
+                "shuffle": self.shuffle,
+                "shuffle_block_size": self.shuffle_block_size,
+            },
+            "datasets": [
+                {
+                    "name": d.name,
+                    "requested": round(d.requested, 6),
+                    "realised": round(d.realised(epoch), 6),
+                    "samples": d.planned,
+                    "kept": d.kept,
+                    "buckets": [
+                        {
+                            "bucket": b.bucket,
+                            "samples": b.samples,
+                            "skipped": b.skipped,
+                            "kept": b.kept,
+                            "target": b.target,
+                            "planned": b.choose,
+                            "dropped": b.dropped,
+                            "repeated": b.repeated,
+                            "excluded": b.excluded,
+                        }
+                        for b in self.buckets
+                        if b.dataset == i
+                    ],
+                }
+                for i, d in enumerate(self.mix)
+            ],
+            "warnings": list(self.warnings),
+            "problems": list(self.problems),
+        }
+
+    def mix_report(self) -> str:
+        """Requested vs realised share per dataset, one line each."""
+        epoch = self.epoch_size
+        rows = [f"{'dataset':<24} {'requested':>9} {'realised':>9} {'samples':>9}"]
+        for d in self.mix:
+            rows.append(
+                f"{d.name[-24:]:<24} {d.requested:>9.4f} {d.realised(epoch):>9.4f} {d.planned:>9}"
+            )
+        return "\n".join(rows)
+
     def report(self) -> str:
-        """A table for humans: one row per bucket, then totals."""
+        """A table for humans: one row per bucket, the mix per dataset, then totals."""
         head = (
             f"batching={self.batching_method} world={self.world_size} nodes={self.num_nodes} "
             f"device_batch={self.device_batch_size} global_batch={self.global_batch_size} "
@@ -132,16 +228,22 @@ class Plan:
             f"{'target':>9} {'epoch':>9} {'batches':>8} {'dropped':>8}",
         ]
         for b in self.buckets:
-            note = "  (excluded: below one unit)" if b.excluded else ""
+            note = "  (left out: too small for a unit)" if b.excluded else ""
+            if b.repeated:
+                note = f"  (up-sampled: {b.repeated} repeats)"
             rows.append(
-                f"{self.datasets[b.dataset][:12]:<12} {b.bucket:<12} {b.samples:>9} {b.skipped:>8} "
-                f"{b.kept:>9} {b.target:>9} {b.choose:>9} {b.batches:>8} {b.dropped:>8}{note}"
+                f"{self.datasets[b.dataset][-12:]:<12} {b.bucket:<12} {b.samples:>9} "
+                f"{b.skipped:>8} {b.kept:>9} {b.target:>9} {b.choose:>9} {b.batches:>8} "
+                f"{b.dropped:>8}{note}"
             )
-        total_target = sum(b.target for b in self.buckets)
+        rows.append(self.mix_report())
+        kept = sum(b.kept for b in self.buckets)
         rows.append(
-            f"epoch: {self.epoch_size} samples, {self.batches_per_rank} batches per rank, "
-            f"{total_target - self.epoch_size} of {total_target} targeted samples dropped at bucket tails"
+            f"epoch: {self.epoch_size} samples, {self.batches_per_rank} batches per rank; "
+            f"{sum(b.dropped for b in self.buckets)} of {kept} kept samples not reached this "
+            f"epoch, {sum(b.repeated for b in self.buckets)} drawn again"
         )
+        rows += [f"WARNING: {w}" for w in self.warnings]
         rows += [f"PROBLEM: {p}" for p in self.problems]
         return "\n".join(rows)
 
@@ -184,6 +286,55 @@ def _targets(datasets: Sequence[DatasetCount], epoch_size: int | None) -> list[f
     return out
 
 
+def largest_remainder(total: int, quotas: Sequence[float]) -> list[int]:
+    """Whole numbers summing to ``total``, each the floor or ceiling of its quota (Hamilton)."""
+    floors = [math.floor(q) for q in quotas]
+    left = total - sum(floors)
+    order = sorted(range(len(quotas)), key=lambda i: (floors[i] - quotas[i], i))
+    for i in order[: max(0, left)]:
+        floors[i] += 1
+    return floors
+
+
+def split_units(
+    units: int, kept: Sequence[int], unit: int, *, upsample: bool
+) -> tuple[list[int], list[bool]]:
+    """Share a dataset's ``units`` over its buckets by kept count; returns (units, left out).
+
+    Largest remainder, so the dataset's total is kept whole. When the dataset
+    is not up-sampled, a bucket first gets no more whole units than it holds
+    (no sample twice in an epoch) and the rest goes where there is room. A bucket
+    whose share is below half a unit is left out rather than repeated more
+    than 2x; its units go to the dataset's other buckets.
+    """
+    total = sum(kept)
+    quota = [units * k / total if total else 0.0 for k in kept]
+    small = [0 < q < 0.5 for q in quota]
+    cap = [k // unit if not upsample else units for k in kept]
+    alloc = [min(math.floor(q), c) for q, c in zip(quota, cap, strict=True)]
+    left = units - sum(alloc)
+    # Phases: within capacity, then past it (repeats) for buckets of at least half a unit,
+    # then any bucket with samples, so the dataset's share is honoured whenever it can be.
+    phases = (
+        lambda i: alloc[i] < cap[i] and not small[i],
+        lambda i: kept[i] > 0 and not small[i],
+        lambda i: kept[i] > 0,
+    )
+    for ok in phases:
+        if left <= 0:
+            break
+        heap = [(alloc[i] - quota[i], i) for i in range(len(kept)) if ok(i)]
+        heapq.heapify(heap)
+        while left > 0 and heap:
+            _, i = heapq.heappop(heap)
+            alloc[i] += 1
+            left -= 1
+            if ok(i):
+                heapq.heappush(heap, (alloc[i] - quota[i], i))
+    excluded = [k > 0 and a == 0 for k, a in zip(kept, alloc, strict=True)]
+    return alloc, excluded
+
+
 def plan_buckets(
     datasets: Sequence[DatasetCount],
     *,
@@ -204,6 +355,12 @@ def plan_buckets(
     ``world_size`` counts ranks, ``num_nodes`` physical nodes, ``num_workers`` the
     DataLoader workers per rank (0 counts as 1). ``num_canonical_nodes`` defaults
     to ``num_nodes`` as in streaming; fix it explicitly to resume on other node counts.
+
+    Allocation is per dataset first (whole units, largest remainder over the
+    datasets when weights are proportions), then per bucket inside each dataset
+    (:func:`split_units`), so rounding never moves a dataset's share by more
+    than one unit. ``small_buckets="error"`` refuses a plan that leaves a bucket
+    out; ``"drop"`` leaves it out with a warning.
     """
     if batching_method not in BATCHING_METHODS:
         raise PlanError(
@@ -229,6 +386,7 @@ def plan_buckets(
     par_rpn = par_ranks // par_nodes
     gbs = device_batch_size * par_ranks
     problems: list[str] = []
+    warnings: list[str] = []
     if batching_method == "per_stream":
         if max(ncn, par_nodes) % min(ncn, par_nodes):
             problems.append(
@@ -244,29 +402,44 @@ def plan_buckets(
             )
         unit = math.lcm(ncn * par_rpn * workers, gbs)
     targets = _targets(datasets, epoch_size)
+    unweighted = all(
+        d.proportion is None and d.repeat is None and d.choose is None for d in datasets
+    )
+    # 1) Whole units per dataset.
+    if unweighted and not epoch_size:
+        # Each dataset once: no sample twice, so whole units within each bucket.
+        units = [sum(b.kept // unit for b in d.buckets) for d in datasets]
+    elif all(d.proportion is not None for d in datasets) or epoch_size:
+        total = sum(targets)
+        units = largest_remainder(round(total / unit), [t / unit for t in targets])
+    else:
+        units = [round(t / unit) for t in targets]
+    total_target = sum(targets) or 1.0
+    mix = [
+        DatasetPlan(d.name, d.kept, t / total_target, t)
+        for d, t in zip(datasets, targets, strict=True)
+    ]
+    # 2) Inside each dataset, units over buckets.
     buckets: list[BucketPlan] = []
-    for di, (d, tgt) in enumerate(zip(datasets, targets, strict=True)):
-        if d.kept <= 0:
+    per = gbs if batching_method == "per_stream" else device_batch_size
+    for di, (d, tgt, n) in enumerate(zip(datasets, targets, units, strict=True)):
+        kept = [max(0, b.kept) for b in d.buckets]
+        d_kept = sum(kept)
+        if d_kept <= 0:
             problems.append(f"dataset {d.name!r} has no samples left after skip lists in this tier")
-            continue
-        for b in d.buckets:
-            t = int(tgt * b.kept / d.kept)
-            choose = (t // unit) * unit if b.kept > 0 else 0
-            bp = BucketPlan(di, b.bucket, b.samples, b.skipped, b.kept, t, choose, 0)
-            if choose == 0 and t > 0:
-                if small_buckets == "drop":
-                    bp.excluded = True
-                else:
-                    problems.append(
-                        f"{d.name}:{b.bucket} has {b.kept} samples after skips ({t} this epoch), "
-                        f"fewer than one unit of {unit} (global batch {gbs} x {workers} workers, "
-                        f"canonical nodes {ncn}); streaming would crash or pad it. Lower the batch "
-                        "size, workers or num_canonical_nodes, raise this dataset's weight, or "
-                        "pass small_buckets='drop' to leave such buckets out."
-                    )
-            per = gbs if batching_method == "per_stream" else device_batch_size
-            bp.batches = choose // per
-            buckets.append(bp)
+        if unweighted and not epoch_size:
+            alloc = [k // unit for k in kept]
+            excluded = [k > 0 and a == 0 for k, a in zip(kept, alloc, strict=True)]
+        else:
+            alloc, excluded = split_units(n, kept, unit, upsample=n * unit > d_kept)
+        for b, a, ex in zip(d.buckets, alloc, excluded, strict=True):
+            t = round(tgt * b.kept / d_kept) if d_kept > 0 else 0
+            buckets.append(
+                BucketPlan(
+                    di, b.bucket, b.samples, b.skipped, b.kept, t, a * unit, a * unit // per, ex
+                )
+            )
+        mix[di].planned = sum(alloc) * unit
     plan = Plan(
         world_size=world_size,
         num_nodes=num_nodes,
@@ -282,7 +455,10 @@ def plan_buckets(
         datasets=[d.name for d in datasets],
         buckets=buckets,
         problems=problems,
+        mix=mix,
+        warnings=warnings,
     )
+    _explain(plan, small_buckets)
     if not plan.active and not problems:
         problems.append("no bucket has a full unit of samples: nothing to train on")
     if shuffle:
@@ -296,6 +472,47 @@ def plan_buckets(
                     f"streaming would fail. Pass shuffle_block_size>={need}."
                 )
     return plan
+
+
+def _explain(plan: Plan, small_buckets: str) -> None:
+    """Warnings (or, with ``small_buckets="error"``, problems) for left-out buckets and mix drift."""
+    epoch = plan.epoch_size
+    shares = ", ".join(f"{d.name} {d.realised(epoch):.4f}" for d in plan.mix)
+    empty = {i for i, d in enumerate(plan.mix) if d.planned == 0 and d.kept > 0}
+    for i in sorted(empty):
+        d = plan.mix[i]
+        msg = (
+            f"dataset {d.name!r}: its weight asks for {d.target:.0f} samples this epoch, less "
+            f"than half a unit of {plan.unit}, so all {d.kept} of its samples are left out. "
+            f"Realised shares: {shares}"
+        )
+        (plan.problems if small_buckets == "error" else plan.warnings).append(msg)
+    for b in plan.buckets:
+        if not b.excluded or b.dataset in empty:
+            continue
+        name = f"{plan.datasets[b.dataset]}:{b.bucket}"
+        if small_buckets == "error":
+            plan.problems.append(
+                f"{name} has {b.kept} samples after skips ({b.target} this epoch by weight), too "
+                f"few for one unit of {plan.unit} (global batch {plan.global_batch_size} x "
+                f"{plan.num_workers} workers, canonical nodes {plan.num_canonical_nodes}); "
+                "streaming would crash or pad it. Lower the batch size, workers or "
+                "num_canonical_nodes, raise this dataset's weight, or pass "
+                "small_buckets='drop' to leave such buckets out."
+            )
+        else:
+            plan.warnings.append(
+                f"{name}: {b.kept} samples left out of the epoch (too few for a unit of "
+                f"{plan.unit}); its dataset's share moves to its other buckets. "
+                f"Realised shares: {shares}"
+            )
+    for d in plan.mix:
+        if abs(d.realised(epoch) - d.requested) > MIX_TOLERANCE:
+            plan.warnings.append(
+                f"{d.name}: realised share {d.realised(epoch):.4f} differs from the requested "
+                f"{d.requested:.4f} by more than {MIX_TOLERANCE:.0%} (unit {plan.unit}, "
+                f"{d.kept} kept samples)"
+            )
 
 
 # --- CLI -------------------------------------------------------------------------------------

@@ -123,8 +123,13 @@ class DataConfig:
     #: "device" (the loader passes bytes; the step decodes the batch on the GPU, nvJPEG).
     decode: str = "loader"
     num_canonical_nodes: int | None = None
+    #: Consecutive ranks that see the same samples (tensor/context parallel groups); only
+    #: global_batch_size / replication samples per step are unique, and that is what is counted.
     replication: int | None = None
     epoch_size: int | None = None
+    #: Resuming onto a changed sample space (a skip list added, other weights): "error"
+    #: (default) or "restart_epoch" (start the epoch over with the current lists).
+    on_change: str = "error"
     #: Extra StreamingDataset keyword arguments (cache_limit, predownload, ...).
     streaming: dict[str, Any] = field(default_factory=dict)
     #: "module:function" building the dataset instead of prx_data.stream.dataset.BucketedDataset;
@@ -445,6 +450,13 @@ def validate(cfg: TrainConfig) -> None:
         _fail("data.decode", f"{d.decode!r} is not one of loader, device")
     if d.small_buckets not in ("error", "drop"):
         _fail("data.small_buckets", f"{d.small_buckets!r} is not one of error, drop")
+    if d.on_change not in ("error", "restart_epoch"):
+        _fail("data.on_change", f"{d.on_change!r} is not one of error, restart_epoch")
+    if d.replication is not None and (d.replication < 1 or d.global_batch_size % d.replication):
+        _fail(
+            "data.replication",
+            f"{d.replication} must be >= 1 and divide global_batch_size {d.global_batch_size}",
+        )
     if d.factory is not None and ":" not in d.factory:
         _fail("data.factory", f"{d.factory!r} must look like 'package.module:function'")
     if cfg.optimizer.name not in _OPTIMIZERS:

@@ -137,6 +137,7 @@ def build_dataset(cfg: DataConfig, batch_size: int, holdout: Any = None) -> Stre
         epoch_size=cfg.epoch_size,
         num_workers=cfg.num_workers,
         small_buckets=cfg.small_buckets,
+        on_change=cfg.on_change,
         **dict(cfg.streaming),
     )
 
@@ -179,9 +180,25 @@ def build_dataspec(
     batch = device_batch_size(cfg, world_size)
     ds = dataset if dataset is not None else build_dataset(cfg, batch, holdout=holdout)
     loader = build_dataloader(ds, cfg, batch)
+    rep = cfg.replication or 1
     return DataSpec(
         loader,
-        get_num_samples_in_batch=num_samples_in_batch,
-        get_num_tokens_in_batch=lambda b: num_tokens_in_batch(b, patch_size),
+        get_num_samples_in_batch=lambda b: unique_share(num_samples_in_batch(b), rep),
+        # Composer wants whole token counts; a device batch divisible by R keeps them exact.
+        get_num_tokens_in_batch=lambda b: round(
+            unique_share(num_tokens_in_batch(b, patch_size), rep)
+        ),
         split_batch=split_batch,
     )
+
+
+def unique_share(count: int, replication: int) -> int | float:
+    """This rank's share of the *unique* samples (or tokens) in its batch.
+
+    Composer sums every rank's count into the timestamp that it checkpoints
+    and hands to ``dataset.state_dict(num_samples)``. With ``replication`` R,
+    R ranks hold the same batch, so each counts 1/R of it: the sum is the
+    unique count and the resume position is right. Composer accepts float
+    counts whose sum over ranks is whole (world size is a multiple of R).
+    """
+    return count if replication == 1 else count / replication

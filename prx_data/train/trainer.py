@@ -298,14 +298,21 @@ def build_trainer(
             )
         )
     microbatch = t.device_train_microbatch_size or batch
+    rep = cfg.data.replication or 1
     log.info(
-        "world size %d, device batch %d, global batch %d, %s/%s",
+        "world size %d, device batch %d, global batch %d (%d unique per step, replication %d), "
+        "%s/%s",
         world,
         batch,
         cfg.data.global_batch_size,
+        cfg.data.global_batch_size // rep,
+        rep,
         place.device,
         place.precision,
     )
+    plan = getattr(dataspec.dataloader.dataset, "plan", None)
+    if plan is not None and dist.get_global_rank() == 0:
+        log.info("data plan at start:\n%s", plan.report())
     return Trainer(
         model=model,
         train_dataloader=dataspec,
