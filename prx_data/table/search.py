@@ -48,13 +48,17 @@ def _is_text(t: pa.DataType) -> bool:
 
 
 def caption_columns(table: TableLike) -> list[str]:
-    """String columns that hold captions: ``caption`` and ``caption_*``/``*_caption``."""
+    """String columns that hold captions: ``caption`` and ``caption_*``/``*_caption``.
+
+    A column job's ``*_status`` and ``*_error`` columns are not captions.
+    """
     ds = _ds(table)
     return [
         f.name
         for f in ds.schema
         if _is_text(f.type)
         and (f.name == S.CAPTION or f.name.startswith("caption_") or f.name.endswith("_caption"))
+        and not S.is_job_column(f.name)
     ]
 
 
