@@ -1,6 +1,12 @@
-"""The descriptor column job: fill ``pixel_descriptor`` for rows that lack it (resumable)."""
+"""The descriptor column job: fill ``pixel_descriptor`` for rows that lack it (resumable).
+
+A row that cannot be described keeps a null descriptor and gets its reason
+in ``pixel_descriptor_error`` (``decode_error``, ``missing_image``, ...).
+"""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pyarrow as pa
 
@@ -12,7 +18,7 @@ def error_column(column: str) -> str:
 
 
 def describe_batch(batch: pa.Table, column: str = COLUMN) -> pa.Table:
-    """(id, image) -> (id, descriptor, why it is null: ``no_image`` or the decode error)."""
+    """(id, image) -> (id, descriptor, why it is null: ``missing_image`` or the decode error)."""
     from prx_data.core.imaging import ImageError, probe
 
     images = batch["image"].to_pylist()
@@ -22,7 +28,7 @@ def describe_batch(batch: pa.Table, column: str = COLUMN) -> pa.Table:
         if ok:
             errors.append(None)
         elif data is None:
-            errors.append("no_image")
+            errors.append("missing_image")
         else:
             try:
                 probe(data)
@@ -47,6 +53,7 @@ def compute_descriptors(
     num_cpus: int | None = None,
     progress: bool = True,
     storage_options: dict | None = None,
+    errors: Counter | None = None,
 ) -> int:
     """Fill ``column`` for every row that lacks it; resumable. Returns rows written.
 
@@ -57,6 +64,7 @@ def compute_descriptors(
     vector, with the reason in ``<column>_error``; it is tried again on the
     next run. ``use_ray`` spreads the decoding over Ray Data tasks (local
     Ray or ``RAY_ADDRESS``); ``chunk_rows`` is the rows per batch.
+    ``errors``, when given, counts the rows without a descriptor by reason.
     """
     from prx_data.columns.runner import ColumnJob, Step, run_column_job
     from prx_data.table import lance_ops as T
@@ -92,4 +100,6 @@ def compute_descriptors(
             import ray
 
             ray.shutdown()
+    if errors is not None:
+        errors.update(report.reasons)
     return report.written
