@@ -133,6 +133,9 @@ def column_job(root: Path, rows: int, per_fragment: int, engine: str) -> dict:
     assert rep.rows == rows and rep.counts == {"ok": rows}, rep.summary()
     added = dir_bytes(uri) - before
     final = new_columns_bytes(uri, OUTPUTS.names)
+    import shutil
+
+    shutil.rmtree(uri, ignore_errors=True)
     return {
         "rows": rows,
         "fragments": rep.fragments,
@@ -231,6 +234,9 @@ def timed_ingest(source: str, uri: str, base_rows: int) -> float:
     rep = ingest([source], uri, progress=False)
     secs = time.perf_counter() - t0
     assert rep.rows_written and rep.rows_in_table == base_rows + rep.rows_written, rep.format()
+    import shutil
+
+    shutil.rmtree(uri, ignore_errors=True)
     return secs
 
 
