@@ -6,7 +6,7 @@ Graph (:mod:`prx_data.columns.runner`)::
       -> map_batches(prepare_images)                  tasks: decode, fit pixel budget, JPEG
       -> map_batches(CaptionActor, ActorPoolStrategy) one backend per actor (GPU)
       -> driver: each finished fragment's <column>, <column>_status, <column>_error
-         joined onto it once (by row address), committed in batches, checkpointed
+         written once (by row address), checkpointed, committed in batches
 
 A killed run keeps every committed and checkpointed fragment; a rerun
 picks up the rest. Every row ends with a status: ``ok`` (caption stored),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -209,9 +210,9 @@ class _Tally:
 _PINNED: dict[tuple, Any] = {}
 
 
-def _pinned(uri: str, version: int, storage_options: dict | None):
-    """The table as the ingest found it, opened once per worker process."""
-    key = (uri, version, json.dumps(storage_options, sort_keys=True))
+def _pinned(uri: str, version: int, storage_options: dict | None, run: str):
+    """The table as the ingest found it, opened once per worker process and run."""
+    key = (uri, version, json.dumps(storage_options, sort_keys=True), run)
     if key not in _PINNED:
         _PINNED.clear()
         _PINNED[key] = T.open_table(uri, storage_options, version)
@@ -278,7 +279,9 @@ def _load_batch(batch: pa.Table, tally, schema: pa.Schema, check: dict | None = 
                     if k and (unit.source in check["sources"] or not i.startswith(prefix))
                 ]
                 if ask:
-                    ds = _pinned(check["uri"], check["version"], check["storage_options"])
+                    ds = _pinned(
+                        check["uri"], check["version"], check["storage_options"], check["run"]
+                    )
                     found = ids_in_table(ds, ask)
                     for n, i in enumerate(ids):
                         if keep[n] and i in found:
@@ -559,6 +562,7 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
                 "uri": cfg.table_uri,
                 "version": pinned.version,
                 "storage_options": cfg.storage_options,
+                "run": uuid.uuid4().hex,  # never serve a cached copy of another table
                 "sources": sorted(sources_in_table(pinned, [u.source for u in units])),
             }
     else:

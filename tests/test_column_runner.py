@@ -266,3 +266,60 @@ def test_ray_engine_matches_local(tmp_path):
     assert values(a) == values(b)
     sizes = pc.sum(lance.dataset(b).to_table(columns=["size"])["size"]).as_py()
     assert sizes == sum(v[0] or 0 for v in values(a).values())
+
+
+def test_outputs_stored_with_the_images_are_moved_out_not_rewritten(tmp_path):
+    """A table written with the output columns in its image files keeps those files as they are."""
+    uri = str(tmp_path / "t.lance")
+    n = 12
+    done = [i % 3 == 0 for i in range(n)]
+    lance.write_dataset(
+        pa.table(
+            {
+                "id": [f"t/{i:04d}" for i in range(n)],
+                "image": pa.array(
+                    [b"" if i % 7 == 3 else f"img-{i}".encode() * 3 for i in range(n)],
+                    pa.large_binary(),
+                ),
+                "size": pa.array([7 if d else None for d in done], pa.int64()),
+                "size_status": pa.array(["ok" if d else None for d in done]),
+                "size_error": pa.nulls(n, pa.string()),
+            }
+        ),
+        uri,
+        max_rows_per_file=5,
+    )
+    before = data_files(uri)
+    images_before = image_files(uri)
+    rep = R.run_column_job(job(uri))
+    assert rep.rows == n - sum(done)
+    got = values(uri)
+    for i in range(n):
+        want = (7, "ok", None) if done[i] else expected(i)
+        assert got[f"t/{i:04d}"] == want
+    after = data_files(uri)
+    assert {k: after[k] for k in before} == before and image_files(uri) == images_before
+
+
+def test_nested_outputs_take_the_update_columns_path(tmp_path):
+    uri = make_table(str(tmp_path / "t.lance"))
+    kind = pa.struct([("size", pa.int64()), ("even", pa.bool_())])
+
+    def describe(batch):
+        sizes = [len(b) for b in batch["image"].to_pylist()]
+        return pa.table({"shape": pa.array([{"size": s, "even": s % 2 == 0} for s in sizes], kind)})
+
+    outputs = pa.schema([pa.field("shape", kind)])
+    rep = R.run_column_job(
+        job(
+            uri,
+            outputs=outputs,
+            steps=[R.Step(describe)],
+            where="shape IS NULL",
+            count_column=None,
+            reason_column=None,
+        )
+    )
+    assert rep.rows == ROWS and rep.fragments_written == ROWS // PER_FRAGMENT
+    t = lance.dataset(uri).to_table(columns=["image", "shape"]).to_pylist()
+    assert all(r["shape"] == {"size": len(r["image"]), "even": len(r["image"]) % 2 == 0} for r in t)

@@ -11,11 +11,12 @@ guarantees at any table size:
 - **Per fragment, written once.** Work is planned per fragment from one scan
   of the pending filter (``_rowaddr`` only), so rows are addressed by
   fragment id and row address, never by looking ids up. When a fragment's
-  last result arrives its new values are joined onto it by row address
-  (``LanceFragment.update_columns``): one new data file holding only the
-  output columns; the image data files are never rewritten. Fragments are
-  committed in batches as one ``Update(rewrite_columns)`` each, all against
-  the pinned version. Cost is linear in the rows processed.
+  last result arrives its new values are placed by row address into one new
+  data file holding only the output columns for all of the fragment's rows
+  (:func:`write_columns`: a direct file write, no join); the image data
+  files are never rewritten. Fragments are committed in batches, each batch
+  one ``Update(rewrite_columns)`` checked against the pinned version. Cost
+  is linear in the rows processed.
 - **Resumable.** A fragment whose new data file is written gets a
   checkpoint (``<table>/_prx_column_jobs/<name>/f<id>.json``: the fragment
   as read and as written). A killed run leaves the committed fragments done
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -215,9 +217,13 @@ def plan_units(
 _DATASETS: dict[tuple, Any] = {}
 
 
-def _pinned(uri: str, version: int, storage_options: dict | None):
-    """The pinned dataset, opened once per process (workers run many units)."""
-    key = (uri, version, json.dumps(storage_options, sort_keys=True))
+def _pinned(uri: str, version: int, storage_options: dict | None, run: str = ""):
+    """The pinned dataset, opened once per process and run (workers run many units).
+
+    ``run`` is unique per job run: a table deleted and made again at the same
+    path can reach the same version number, and must not be served from cache.
+    """
+    key = (uri, version, json.dumps(storage_options, sort_keys=True), run)
     ds = _DATASETS.get(key)
     if ds is None:
         if len(_DATASETS) > 8:
@@ -235,9 +241,10 @@ def read_unit(
     where: str | None,
     batch_size: int,
     storage_options: dict | None = None,
+    run: str = "",
 ) -> Iterator[pa.Table]:
     """The unit's rows (``columns`` + ``_rowaddr``) at the pinned version, in batches."""
-    frag = _pinned(uri, version, storage_options).get_fragment(unit.fragment)
+    frag = _pinned(uri, version, storage_options, run).get_fragment(unit.fragment)
     scanner = frag.scanner(
         columns=columns,
         filter=where,
@@ -264,6 +271,88 @@ def _meta_key(meta) -> str:
     return json.dumps({"files": d.get("files"), "deletion_file": d.get("deletion_file")})
 
 
+def _storage_version(ds) -> tuple[int, int] | None:
+    try:
+        major, minor = (int(x) for x in str(ds.data_storage_version).split(".")[:2])
+    except (ValueError, AttributeError):
+        return None
+    return (major, minor) if major >= 2 else None
+
+
+def _flat(t: pa.DataType) -> bool:
+    """One column per field in the file (no child field ids): primitives, fixed-size lists."""
+    if pa.types.is_fixed_size_list(t):
+        return _flat(t.value_type) and not pa.types.is_nested(t.value_type)
+    return not pa.types.is_nested(t)
+
+
+def write_columns(ds, frag, values: pa.Table, outputs: pa.Schema, storage_options=None):
+    """One new data file with ``outputs`` for every physical row of ``frag``.
+
+    ``values`` (``_rowaddr`` + outputs) sets the rows it names; the others
+    keep their current value (null when the fragment holds none yet). The
+    file is written directly (``LanceFileWriter``) and the fragment's
+    metadata points the output fields at it (older files holding them get
+    the field tombstoned, as ``update_columns`` does), so there is no join:
+    the cost is one pass over the fragment's output columns. Tables in the
+    legacy file format, and nested output types (structs, variable lists:
+    their child fields have ids of their own), fall back to
+    ``LanceFragment.update_columns``.
+    Returns ``(FragmentMetadata, field ids)`` for an ``Update(rewrite_columns)``.
+    """
+    from lance.file import LanceFileWriter
+    from lance.fragment import FragmentMetadata
+
+    version = _storage_version(ds)
+    if version is None or not all(_flat(f.type) for f in outputs):
+        return frag.update_columns(values, left_on=ROWADDR)
+    base = frag.metadata
+    n = base.physical_rows
+    ids = [ds.lance_schema.field(name).id() for name in outputs.names]
+    held = any(set(f.field_ids()) & set(ids) for f in base.data_files())
+    sources = []
+    index = np.full(n, -1, np.int64)
+    if held:  # rows the job does not set keep what the table has
+        cur = frag.to_table(columns=outputs.names, with_row_address=True)
+        cur_off = (np.asarray(cur[ROWADDR]) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        index[cur_off] = np.arange(cur.num_rows)
+        sources.append(cur.select(outputs.names))
+    new_off = (np.asarray(values[ROWADDR]) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    offset = sum(t.num_rows for t in sources)
+    index[new_off] = offset + np.arange(values.num_rows)
+    sources.append(values.select(outputs.names))
+    src = pa.concat_tables(sources).cast(outputs)
+    take = pa.array(index, pa.int64(), mask=index < 0)
+    table = pa.Table.from_arrays([pc.take(src[c], take) for c in outputs.names], schema=outputs)
+    name = f"{uuid.uuid4().hex}.lance"
+    path = storage.join(ds.uri, "data", name)
+    writer = LanceFileWriter(
+        path, outputs, version=f"{version[0]}.{version[1]}", storage_options=storage_options
+    )
+    writer.write_batch(table)
+    writer.close()
+    try:
+        fs, inner = storage.filesystem(path)
+        size = fs.get_file_info(inner).size
+    except Exception:  # the size is a hint to readers, not required
+        size = None
+    meta = base.to_json()
+    for f in meta["files"]:
+        f["fields"] = [-2 if i in ids else i for i in f["fields"]]
+    meta["files"].append(
+        {
+            "path": name,
+            "fields": ids,
+            "column_indices": list(range(len(ids))),
+            "file_major_version": version[0],
+            "file_minor_version": version[1],
+            "file_size_bytes": size,
+            "base_id": None,
+        }
+    )
+    return FragmentMetadata.from_json(json.dumps(meta)), ids
+
+
 class Committer:
     """Writes each finished fragment's columns once, checkpoints it, commits in batches."""
 
@@ -283,7 +372,9 @@ class Committer:
         """Join ``values`` (``_rowaddr`` + outputs) onto the fragment: one new data file."""
         frag = self.ds.get_fragment(fragment)
         base = frag.metadata
-        meta, fields = frag.update_columns(values, left_on=ROWADDR)
+        meta, fields = write_columns(
+            self.ds, frag, values, self.job.outputs, self.job.storage_options
+        )
         old = {f.path for f in base.data_files()}
         self.bytes_written += sum(
             f.file_size_bytes or 0 for f in meta.data_files() if f.path not in old
@@ -453,6 +544,7 @@ def _ray_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[pa
             "where": job.where,
             "batch_size": job.batch_size,
             "storage_options": job.storage_options,
+            "run": uuid.uuid4().hex,
         },
     )
     for step in job.steps:
