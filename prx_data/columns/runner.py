@@ -101,7 +101,8 @@ class ColumnJob:
     engine: str = "ray"
     #: Rows per read batch.
     batch_size: int = 256
-    #: Split fragments with more pending rows than this into row-range units.
+    #: Split fragments with more pending rows than this into row-range units
+    #: (with Ray, also smaller ones so that every CPU gets about four units).
     rows_per_unit: int | None = 100_000
     #: Fragments per commit; a commit also happens every ``commit_seconds``.
     commit_every: int = 16
@@ -212,6 +213,24 @@ def plan_units(
         for off in range(0, n, step):
             units.append(Unit(frag, off, min(step, n - off)))
     return units, expected
+
+
+#: Units per cluster CPU the planner aims for (so every CPU has work even when
+#: a table has few fragments), and the smallest row range worth a task.
+UNITS_PER_CPU = 4
+MIN_ROWS_PER_UNIT = 64
+
+
+def unit_rows(job: ColumnJob, pending: int) -> int | None:
+    """Rows per unit: ``job.rows_per_unit``, smaller when that leaves CPUs idle."""
+    import ray
+
+    from prx_data.core.runtime import ensure_ray
+
+    ensure_ray(job.ray_address, job.num_cpus)
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    fair = max(MIN_ROWS_PER_UNIT, -(-pending // (UNITS_PER_CPU * cpus)))
+    return min(job.rows_per_unit, fair) if job.rows_per_unit else fair
 
 
 _DATASETS: dict[tuple, Any] = {}
@@ -551,6 +570,10 @@ def _ray_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[pa
         kw: dict[str, Any] = {"batch_format": "pyarrow", "batch_size": step.batch_size}
         if step.num_cpus is not None:
             kw["num_cpus"] = step.num_cpus
+        elif not step.is_class:
+            # Same resources as the read: Ray Data fuses the read and the task steps into
+            # one task per unit, so rows do not cross the object store between them.
+            kw["num_cpus"] = job.read_cpus
         if step.num_gpus:
             kw["num_gpus"] = step.num_gpus
         if step.is_class:
@@ -614,7 +637,11 @@ def run_column_job(job: ColumnJob) -> ColumnReport:
     )
     ds = _open(job.table, job.storage_options)  # the pinned version
     report.table_version = ds.version
-    units, expected = plan_units(pending_counts(ds, job.where), job.limit, job.rows_per_unit)
+    counts_by_fragment = pending_counts(ds, job.where)
+    rows_per_unit = job.rows_per_unit
+    if job.engine == "ray":
+        rows_per_unit = unit_rows(job, sum(counts_by_fragment.values()))
+    units, expected = plan_units(counts_by_fragment, job.limit, rows_per_unit)
     total = report.pending = sum(expected.values())
     report.fragments = len(expected)
     report.units = len(units)
