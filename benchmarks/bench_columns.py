@@ -287,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
         out["column_job"] = runs
         out["column_job_cost_ratio"] = round(runs[-1]["us_per_row"] / runs[0]["us_per_row"], 3)
+        if len(runs) > 1:  # the cost of one more row, free of the job's fixed start-up cost
+            out["column_job_marginal_us_per_row"] = round(
+                (runs[-1]["seconds"] - runs[0]["seconds"])
+                / (runs[-1]["rows"] - runs[0]["rows"])
+                * 1e6,
+                3,
+            )
         out["column_job_max_bytes_ratio"] = max(r["bytes_ratio"] for r in runs)
         if args.legacy_sizes:
             out["legacy_update_column"] = [
