@@ -4,10 +4,11 @@ Measures, in one run:
 
 1. ``anchor``: the same per-row work done in one plain Python loop in the
    driver (fit each image to the pixel budget, check the output, write the
-   columns back with ``update_column``), no Ray.
+   columns back with one ``update_column`` per column at the end), no Ray.
 2. ``pipeline``: ``pipelines.caption.run_caption`` over the same table with
    :class:`ZeroCostBackend`, i.e. everything except the model: Lance read,
-   decode + downsize, the actor pool, output checks, batched write-back.
+   decode + downsize, the actor pool, output checks, the per-fragment
+   write-back of the column runner.
    The goal is >= 500 rows/s on 2 cores, so the pipeline never limits
    8 GPUs x 20 img/s.
 3. ``transformers``: the CPU transformers backend with a tiny random Qwen2-VL
@@ -86,11 +87,11 @@ def make_table(uri: str, rows: int, size: tuple[int, int], seed: int = 0) -> Non
     lance.write_dataset(tbl, uri, max_rows_per_file=1000)
 
 
-def anchor(uri: str, column: str, max_pixels: int, flush_rows: int) -> float:
+def anchor(uri: str, column: str, max_pixels: int) -> float:
     """The same work in one plain loop (no Ray): rows/s."""
-    from prx_data.columns.writeback import ColumnWriter
+    from prx_data.table.lance_ops import update_column
 
-    writer = ColumnWriter(uri, [column, f"{column}_status"], flush_rows=flush_rows)
+    done: list[pa.Table] = []
     ds = lance.dataset(uri)
     n = 0
     t0 = time.perf_counter()
@@ -101,7 +102,7 @@ def anchor(uri: str, column: str, max_pixels: int, flush_rows: int) -> float:
             st, cap = checks.check("A fixed benchmark sentence about the image.", "stop")
             caps.append(cap)
             sts.append(st)
-        writer.add(
+        done.append(
             pa.table(
                 {
                     "id": batch["id"],
@@ -111,7 +112,9 @@ def anchor(uri: str, column: str, max_pixels: int, flush_rows: int) -> float:
             )
         )
         n += batch.num_rows
-    writer.flush()
+    values = pa.concat_tables(done)
+    for col in (column, f"{column}_status"):
+        update_column(uri, col, values.select(["id", col]))
     return n / (time.perf_counter() - t0)
 
 
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             w, h = (int(x) for x in size.split("x"))
             uri = f"{tmp}/bench-{size}.lance"
             make_table(uri, args.rows, (w, h))
-            run: dict = {"anchor_rows_per_s": anchor(uri, "cap_anchor", args.max_pixels, 2000)}
+            run: dict = {"anchor_rows_per_s": anchor(uri, "cap_anchor", args.max_pixels)}
             spec = BackendSpec(ZeroCostBackend, "none", batch_size=args.batch_size, num_cpus=1)
             cfg = CaptionConfig(
                 table=uri,

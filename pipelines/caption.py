@@ -1,23 +1,23 @@
-"""VLM re-captioning as a streaming Ray Data job that writes columns back to Lance.
+"""VLM re-captioning as a column job (Ray Data) that writes columns back to Lance.
 
-Graph::
+Graph (:mod:`prx_data.columns.runner`)::
 
-    read_lance(rows whose <column>_status is null)      tasks, one per fragment
-      -> map_batches(prepare_images)                     tasks: decode, fit pixel budget, JPEG
-      -> map_batches(CaptionActor, ActorPoolStrategy)    one backend per actor (GPU)
-      -> driver: ColumnWriter -> table.update_column     <column>, then <column>_status
+    read pending rows of the pinned version           tasks, one per fragment (or row range)
+      -> map_batches(prepare_images)                  tasks: decode, fit pixel budget, JPEG
+      -> map_batches(CaptionActor, ActorPoolStrategy) one backend per actor (GPU)
+      -> driver: each finished fragment's <column>, <column>_status, <column>_error
+         written once (by row address), checkpointed, committed in batches
 
-Rows stream through; the driver writes results back in batches, so a killed
-run loses at most one unflushed batch and a rerun picks up the rest. Every
-row ends with a status: ``ok`` (caption stored), ``empty``, ``looping``,
-``truncated`` or ``error`` (caption left null, reason counted).
+A killed run keeps every committed and checkpointed fragment; a rerun
+picks up the rest. Every row ends with a status: ``ok`` (caption stored),
+``empty``, ``looping``, ``truncated`` or ``error`` (caption left null), and
+every row that is not ``ok`` has the reason in ``<column>_error`` (e.g.
+``image: empty_file``, ``image: not_an_image``, ``image: truncated``,
+``backend: http 503``, ``flagged: looping``).
 """
 
 from __future__ import annotations
 
-import time
-from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -32,17 +32,22 @@ from prx_data.columns.backends import (
 )
 from prx_data.columns.images import DEFAULT_MAX_PIXELS, fit_image
 from prx_data.columns.prompts import load_prompt
-from prx_data.columns.writeback import ColumnReport, ColumnWriter, count_into, pending_filter
+from prx_data.columns.runner import ColumnJob, Step, run_column_job
+from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
 from prx_data.core.runtime import ensure_ray
 
-#: Internal column carrying why a row was flagged (counted, not stored).
+#: Internal column carrying why a row was flagged (counted in the report).
 REASON = "__reason"
 _IMAGE_OK = "__image"
 
 
 def status_column(column: str) -> str:
     return f"{column}_status"
+
+
+def error_column(column: str) -> str:
+    return f"{column}_error"
 
 
 @dataclass
@@ -60,9 +65,13 @@ class CaptionConfig:
     backend_options: dict = field(default_factory=dict)
     replicas: int = 1
     batch_size: int | None = None
-    #: Statuses to compute again (e.g. ``("error", "truncated")``).
+    #: Statuses to compute again (e.g. ``("error", "truncated")``), on top of the
+    #: rows never captioned.
     redo: tuple[str, ...] = ()
-    flush_rows: int = 2000
+    #: With ``redo``: caption only the rows with those statuses, not the never-captioned ones.
+    only: bool = False
+    #: Fragments per commit (each finished fragment is checkpointed regardless).
+    commit_every: int = 16
     storage_options: dict | None = None
     progress: bool = True
 
@@ -78,79 +87,8 @@ class CaptionConfig:
             raise ValueError(f"max_pixels must be at least 784, got {self.max_pixels}")
         if self.limit is not None and self.limit < 0:
             raise ValueError(f"limit must be >= 0, got {self.limit}")
-
-
-# --- Ray helpers shared with pipelines.classify ------------------------------
-
-
-def read_pending(
-    uri: str, columns: list[str], where: str | None, limit: int | None, storage_options=None
-):
-    """Ray dataset of the pending rows, plus how many there are (for the progress bar)."""
-    import ray
-
-    from prx_data.table.lance_ops import open_table
-
-    ds_lance = open_table(uri, storage_options)
-    total = ds_lance.count_rows(filter=where) if where else ds_lance.count_rows()
-    if limit is not None:
-        total = min(total, limit)
-    kwargs = {"storage_options": storage_options} if storage_options else {}
-    # Pin the version that was counted; the job's own write-backs add versions as it runs.
-    ds = ray.data.read_lance(uri, version=ds_lance.version, columns=columns, filter=where, **kwargs)
-    if limit is not None:
-        ds = ds.limit(limit)
-    return ds, total
-
-
-def drive(
-    results: Iterator[pa.Table],
-    writer: ColumnWriter,
-    report: ColumnReport,
-    count_column: str,
-    total: int,
-    desc: str,
-    progress: bool = True,
-    on_batch: Callable[[pa.Table], None] | None = None,
-) -> ColumnReport:
-    """Consume result batches: write back, count, show progress; fill ``report``."""
-    from tqdm.auto import tqdm
-
-    counts: Counter = Counter()
-    reasons: Counter = Counter()
-    start = time.perf_counter()
-    bar = tqdm(total=total, desc=desc, unit="row", disable=not progress, smoothing=0.1)
-    try:
-        for batch in results:
-            if batch.num_rows == 0:
-                continue
-            if not report.first_rows:
-                report.first_result_s = time.perf_counter() - start
-                report.first_rows = batch.num_rows
-            writer.add(batch)
-            count_into(counts, batch[count_column])
-            if batch[count_column].null_count:
-                counts["error"] += batch[count_column].null_count
-            if REASON in batch.column_names:
-                count_into(reasons, batch[REASON])
-            if on_batch:
-                on_batch(batch)
-            report.rows += batch.num_rows
-            bar.update(batch.num_rows)
-            bar.set_postfix({k: v for k, v in counts.most_common(4)}, refresh=False)
-    finally:
-        # Keep what is done even when the job stops (a failing backend, Ctrl-C).
-        writer.flush()
-        bar.close()
-    report.seconds = time.perf_counter() - start
-    report.counts = dict(counts)
-    report.reasons = dict(reasons)
-    report.written = writer.written
-    return report
-
-
-def iter_results(ds) -> Iterator[pa.Table]:
-    yield from ds.iter_batches(batch_format="pyarrow", batch_size=None)
+        if self.only and not self.redo:
+            raise ValueError("only needs statuses to redo (e.g. redo=('looping',))")
 
 
 # --- the caption graph --------------------------------------------------------
@@ -171,6 +109,9 @@ def prepare_images(batch: pa.Table, max_pixels: int) -> pa.Table:
         except ImageError as e:
             images.append(None)
             reasons.append(f"image: {e.reason}")
+        except Exception as e:  # an unmapped decoder failure costs its row, not the job
+            images.append(None)
+            reasons.append(f"image: decode_error ({type(e).__name__})")
     return pa.table(
         {
             S.ID: batch[S.ID],
@@ -188,6 +129,7 @@ class CaptionActor:
         self.prompt = prompt
         self.column = column
         self.status = status_column(column)
+        self.error = error_column(column)
         self.limits = limits
         self.guard = FailureGuard()
 
@@ -211,6 +153,13 @@ class CaptionActor:
                 S.ID: batch[S.ID],
                 self.column: pa.array(captions, pa.string()),
                 self.status: pa.array(statuses, pa.string()),
+                self.error: pa.array(
+                    [
+                        None if st == checks.OK else r
+                        for st, r in zip(statuses, reasons, strict=True)
+                    ],
+                    pa.string(),
+                ),
                 REASON: pa.array(reasons, pa.string()),
             }
         )
@@ -221,32 +170,51 @@ class CaptionActor:
             backend.close()
 
 
-def build_graph(cfg: CaptionConfig, spec: BackendSpec, prompt: str, limits: checks.LoopLimits):
-    """The Ray Data graph of pending rows -> caption results, plus the row count."""
-    import ray
-
+def caption_job(
+    cfg: CaptionConfig, spec: BackendSpec, prompt: str, limits: checks.LoopLimits
+) -> ColumnJob:
+    """The column job: pending rows -> prepared images -> captions, statuses and reasons."""
     from prx_data.table.lance_ops import open_table
 
     existing = open_table(cfg.table, cfg.storage_options).schema.names
-    where = pending_filter(existing, status_column(cfg.column), cfg.column, cfg.redo)
-    ds, total = read_pending(cfg.table, [S.ID, S.IMAGE], where, cfg.limit, cfg.storage_options)
-    ds = ds.map_batches(
-        prepare_images,
-        fn_kwargs={"max_pixels": cfg.max_pixels},
-        batch_format="pyarrow",
-        batch_size=spec.batch_size,
-        zero_copy_batch=True,
+    st = status_column(cfg.column)
+    where = pending_filter(existing, st, cfg.column, cfg.redo, include_missing=not cfg.only)
+    return ColumnJob(
+        table=cfg.table,
+        outputs=pa.schema(
+            [
+                pa.field(cfg.column, pa.string()),
+                pa.field(st, pa.string()),
+                pa.field(error_column(cfg.column), pa.string()),
+            ]
+        ),
+        read_columns=[S.ID, S.IMAGE],
+        steps=[
+            Step(
+                prepare_images,
+                kwargs={"max_pixels": cfg.max_pixels},
+                batch_size=spec.batch_size,
+                zero_copy_batch=True,
+            ),
+            Step(
+                CaptionActor,
+                constructor_args=(spec, prompt, cfg.column, limits),
+                batch_size=spec.batch_size,
+                actors=spec.replicas,
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
+            ),
+        ],
+        where=where,
+        limit=cfg.limit,
+        batch_size=spec.batch_size or 256,
+        commit_every=cfg.commit_every,
+        count_column=st,
+        reason_column=REASON,
+        storage_options=cfg.storage_options,
+        progress=cfg.progress,
+        desc=f"caption {cfg.column}",
     )
-    ds = ds.map_batches(
-        CaptionActor,
-        fn_constructor_args=(spec, prompt, cfg.column, limits),
-        batch_format="pyarrow",
-        batch_size=spec.batch_size,
-        compute=ray.data.ActorPoolStrategy(size=spec.replicas),
-        num_cpus=spec.num_cpus,
-        num_gpus=spec.num_gpus,
-    )
-    return ds, total
 
 
 def run_caption(
@@ -270,12 +238,4 @@ def run_caption(
             batch_size=cfg.batch_size,
         )
     ensure_ray()
-    ds, total = build_graph(cfg, spec, prompt, limits or checks.LoopLimits())
-    st = status_column(cfg.column)
-    report = ColumnReport(cfg.table, [cfg.column, st])
-    if total == 0:
-        return report
-    writer = ColumnWriter(
-        cfg.table, [cfg.column, st], flush_rows=cfg.flush_rows, storage_options=cfg.storage_options
-    )
-    return drive(iter_results(ds), writer, report, st, total, f"caption {cfg.column}", cfg.progress)
+    return run_column_job(caption_job(cfg, spec, prompt, limits or checks.LoopLimits()))

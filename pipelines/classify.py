@@ -6,16 +6,18 @@ filter (``prx_data/prompts/classify_rules.txt``) labels the clear cases
 first; only the rest reach the model. ``rules_only`` skips the model and
 labels every unmatched row ``visual``.
 
-Graph::
+Graph (:mod:`prx_data.columns.runner`)::
 
-    read_lance(rows with a caption and no label)
+    read rows with a caption and no label              tasks, one per fragment (or row range)
       -> map_batches(rule_labels)                      tasks
       -> map_batches(ClassifyActor, ActorPoolStrategy) unless rules_only
-      -> driver: ColumnWriter -> table.update_column   <column>
+      -> driver: each finished fragment's <column> and <column>_error written once
 
 Labels: ``visual``, ``text``, ``nsfw``, or ``unknown`` when the answer
 could not be parsed (counted; recompute with ``redo=("unknown",)``). A row
-whose request failed keeps a null label, so the next run retries it.
+whose request failed keeps a null label, so the next run retries it. Both
+kinds of failure keep their reason in ``<column>_error`` (``backend: ...``,
+``model: unparseable answer``); it is null for labelled rows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from functools import lru_cache
 
 import pyarrow as pa
 
-from pipelines.caption import REASON, drive, iter_results, read_pending
+from pipelines.caption import REASON, error_column
 from prx_data.columns import labels as L
 from prx_data.columns.backends import (
     BackendSpec,
@@ -35,7 +37,8 @@ from prx_data.columns.backends import (
     make_spec,
 )
 from prx_data.columns.prompts import fill_caption, load_classify_prompt
-from prx_data.columns.writeback import ColumnReport, ColumnWriter, pending_filter
+from prx_data.columns.runner import ColumnJob, Step, run_column_job
+from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
 from prx_data.core.runtime import ensure_ray
 
@@ -62,9 +65,12 @@ class ClassifyConfig:
     backend_options: dict = field(default_factory=dict)
     replicas: int = 1
     batch_size: int | None = None
-    #: Labels to compute again (e.g. ``("unknown",)``).
+    #: Labels to compute again (e.g. ``("unknown",)``), on top of the unlabelled rows.
     redo: tuple[str, ...] = ()
-    flush_rows: int = 5000
+    #: With ``redo``: label only the rows with those labels, not the unlabelled ones.
+    only: bool = False
+    #: Fragments per commit (each finished fragment is checkpointed regardless).
+    commit_every: int = 16
     storage_options: dict | None = None
     progress: bool = True
 
@@ -78,6 +84,8 @@ class ClassifyConfig:
             raise ValueError("a backend and a model are required unless rules_only is set")
         if self.rules_only and not self.use_rules:
             raise ValueError("rules_only needs the rules")
+        if self.only and not self.redo:
+            raise ValueError("only needs labels to redo (e.g. redo=('unknown',))")
 
 
 @lru_cache(maxsize=8)
@@ -103,7 +111,22 @@ def rule_labels(
 
 
 def rules_as_labels(batch: pa.Table, column: str) -> pa.Table:
-    return pa.table({S.ID: batch[S.ID], column: batch[_RULE], REASON: batch[REASON]})
+    return pa.table(
+        {
+            S.ID: batch[S.ID],
+            column: batch[_RULE],
+            error_column(column): pa.nulls(batch.num_rows, pa.string()),
+            REASON: batch[REASON],
+        }
+    )
+
+
+def no_rules(batch: pa.Table) -> pa.Table:
+    """Without the rule filter every row goes to the model."""
+    n = batch.num_rows
+    return batch.append_column(_RULE, pa.nulls(n, pa.string())).append_column(
+        REASON, pa.nulls(n, pa.string())
+    )
 
 
 class ClassifyActor:
@@ -120,19 +143,23 @@ class ClassifyActor:
         captions = batch[self.source_column].to_pylist()
         result: list[str | None] = batch[_RULE].to_pylist()
         reasons = batch[REASON].to_pylist()
+        errors: list[str | None] = [None] * len(result)
         todo = [i for i, r in enumerate(result) if r is None]
         gens = self.backend([Request(fill_caption(self.template, captions[i])) for i in todo])
         self.guard.update(gens)
         for i, g in zip(todo, gens, strict=True):
             if g.error is not None:
-                reasons[i] = f"backend: {g.error}"[:120]
+                reasons[i] = errors[i] = f"backend: {g.error}"[:120]
                 continue  # stays null: retried on the next run
             result[i] = L.parse_label(g.text)
             reasons[i] = "model: unparseable answer" if result[i] == L.UNKNOWN else "model"
+            if result[i] == L.UNKNOWN:
+                errors[i] = reasons[i]
         return pa.table(
             {
                 S.ID: batch[S.ID],
                 self.column: pa.array(result, pa.string()),
+                error_column(self.column): pa.array(errors, pa.string()),
                 REASON: pa.array(reasons, pa.string()),
             }
         )
@@ -143,55 +170,66 @@ class ClassifyActor:
             backend.close()
 
 
-def build_graph(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | None):
-    """The Ray Data graph of pending rows -> labels, plus the row count."""
-    import ray
-
+def classify_job(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | None) -> ColumnJob:
+    """The column job: captions -> rule labels -> model labels (unless rules only)."""
     from prx_data.table.lance_ops import open_table
 
     existing = open_table(cfg.table, cfg.storage_options).schema.names
     if cfg.source_column not in existing:
         raise ValueError(f"table {cfg.table!r} has no column {cfg.source_column!r} to classify")
-    where = pending_filter(existing, cfg.column, redo=cfg.redo, require=[cfg.source_column])
-    ds, total = read_pending(
-        cfg.table, [S.ID, cfg.source_column], where, cfg.limit, cfg.storage_options
+    where = pending_filter(
+        existing,
+        cfg.column,
+        redo=cfg.redo,
+        require=[cfg.source_column],
+        include_missing=not cfg.only,
     )
     batch_size = spec.batch_size if spec else 1024
-    rules_file = cfg.rules_file if cfg.use_rules else None
     if cfg.use_rules:
-        ds = ds.map_batches(
-            rule_labels,
-            fn_kwargs={
-                "source_column": cfg.source_column,
-                "rules_file": rules_file,
-                "rules_only": cfg.rules_only,
-            },
-            batch_format="pyarrow",
-            batch_size=batch_size,
-        )
+        steps = [
+            Step(
+                rule_labels,
+                kwargs={
+                    "source_column": cfg.source_column,
+                    "rules_file": cfg.rules_file,
+                    "rules_only": cfg.rules_only,
+                },
+                batch_size=batch_size,
+            )
+        ]
     else:
-        ds = ds.map_batches(
-            lambda b: b.append_column(_RULE, pa.nulls(b.num_rows, pa.string())).append_column(
-                REASON, pa.nulls(b.num_rows, pa.string())
-            ),
-            batch_format="pyarrow",
-        )
+        steps = [Step(no_rules, batch_size=batch_size)]
     if cfg.rules_only:
-        ds = ds.map_batches(
-            rules_as_labels, fn_kwargs={"column": cfg.column}, batch_format="pyarrow"
+        steps.append(Step(rules_as_labels, kwargs={"column": cfg.column}))
+    else:
+        assert spec is not None and template is not None
+        steps.append(
+            Step(
+                ClassifyActor,
+                constructor_args=(spec, template, cfg.column, cfg.source_column),
+                batch_size=spec.batch_size,
+                actors=spec.replicas,
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
+            )
         )
-        return ds, total
-    assert spec is not None and template is not None
-    ds = ds.map_batches(
-        ClassifyActor,
-        fn_constructor_args=(spec, template, cfg.column, cfg.source_column),
-        batch_format="pyarrow",
-        batch_size=spec.batch_size,
-        compute=ray.data.ActorPoolStrategy(size=spec.replicas),
-        num_cpus=spec.num_cpus,
-        num_gpus=spec.num_gpus,
+    return ColumnJob(
+        table=cfg.table,
+        outputs=pa.schema(
+            [pa.field(cfg.column, pa.string()), pa.field(error_column(cfg.column), pa.string())]
+        ),
+        read_columns=[S.ID, cfg.source_column],
+        steps=steps,
+        where=where,
+        limit=cfg.limit,
+        batch_size=batch_size,
+        commit_every=cfg.commit_every,
+        count_column=cfg.column,
+        reason_column=REASON,
+        storage_options=cfg.storage_options,
+        progress=cfg.progress,
+        desc=f"classify {cfg.column}",
     )
-    return ds, total
 
 
 def run_classify(cfg: ClassifyConfig, spec: BackendSpec | None = None) -> ColumnReport:
@@ -212,13 +250,4 @@ def run_classify(cfg: ClassifyConfig, spec: BackendSpec | None = None) -> Column
                 text_only=True,
             )
     ensure_ray()
-    ds, total = build_graph(cfg, spec, template)
-    report = ColumnReport(cfg.table, [cfg.column])
-    if total == 0:
-        return report
-    writer = ColumnWriter(
-        cfg.table, [cfg.column], flush_rows=cfg.flush_rows, storage_options=cfg.storage_options
-    )
-    return drive(
-        iter_results(ds), writer, report, cfg.column, total, f"classify {cfg.column}", cfg.progress
-    )
+    return run_column_job(classify_job(cfg, spec, template))

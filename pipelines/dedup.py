@@ -1,31 +1,31 @@
-"""Fill the ``phash`` column of a Lance table, as a resumable Ray Data job.
+"""Fill the ``phash`` column of a Lance table as a column job, then find duplicates.
 
-Graph::
+Graph (:mod:`prx_data.columns.runner`)::
 
-    read_lance(id, image, width, height; rows whose phash and phash_error are null)
+    read id, image, width, height of rows whose phash and phash_error are null
+                                          tasks, one per fragment (or row range)
       -> map_batches(hash_batch)          tasks: reduced JPEG decode + DCT hash
-      -> driver: update_column(phash), update_column(phash_error) every ``flush_rows``
+      -> driver: each finished fragment's phash and phash_error written once
 
 Only the two small columns are written (never the image bytes). A killed
-run loses at most one unflushed chunk; a rerun reads only the rows still
-missing. Rows that cannot be decoded get ``phash`` null and a reason in
-``phash_error`` so that reruns do not retry them; ``redo_errors`` retries.
-``engine="local"`` runs the same steps in this process without Ray (for
-notebooks and small tables).
+run keeps its committed and checkpointed fragments; a rerun reads only the
+rows still missing. Rows that cannot be decoded get ``phash`` null and a
+reason in ``phash_error`` so that reruns do not retry them; ``redo_errors``
+retries. ``engine="local"`` runs the same steps in this process without Ray
+(for notebooks and small tables).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.core import schema as S
 from prx_data.core.clusters import export_skips, find_duplicates
 from prx_data.skips.dedup import (
@@ -54,8 +54,8 @@ class PhashJobConfig:
     #: Full Pillow decode, bit-identical to ``imagehash.phash`` (slower). Default: reduced JPEG decode.
     exact: bool = False
     batch_size: int = 256
-    #: Rows per write-back commit: the most a killed run can lose.
-    flush_rows: int = 20_000
+    #: Fragments per commit (each finished fragment is checkpointed regardless).
+    commit_every: int = 16
     #: Hash again the rows that failed before (their ``phash_error`` is set).
     redo_errors: bool = False
     ray_address: str | None = None
@@ -66,8 +66,8 @@ class PhashJobConfig:
     def __post_init__(self) -> None:
         if self.engine not in ("ray", "local"):
             raise ValueError(f"engine must be 'ray' or 'local', got {self.engine!r}")
-        if self.batch_size < 1 or self.flush_rows < 1:
-            raise ValueError("batch_size and flush_rows must be >= 1")
+        if self.batch_size < 1 or self.commit_every < 1:
+            raise ValueError("batch_size and commit_every must be >= 1")
 
 
 @dataclass
@@ -115,82 +115,46 @@ def pending_filter(schema_names: list[str], redo_errors: bool = False) -> str | 
     return " AND ".join(clauses) or None
 
 
-def _local_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]:
+def phash_job(cfg: PhashJobConfig) -> ColumnJob:
+    """The column job that fills ``phash`` and ``phash_error``."""
     from prx_data.table.lance_ops import open_table
 
-    ds = open_table(cfg.table, cfg.storage_options)
-    for rb in ds.to_batches(columns=_READ_COLUMNS, filter=where, batch_size=cfg.batch_size):
-        if rb.num_rows:
-            yield hash_batch(rb, cfg.exact)
-
-
-def _ray_results(cfg: PhashJobConfig, where: str | None) -> Iterator[pa.Table]:
-    import ray
-
-    from prx_data.core.runtime import ensure_ray
-
-    ensure_ray(cfg.ray_address, cfg.num_cpus)
-    kwargs = {"storage_options": cfg.storage_options} if cfg.storage_options else {}
-    ds = ray.data.read_lance(cfg.table, columns=_READ_COLUMNS, filter=where, **kwargs)
-    ds = ds.map_batches(
-        hash_batch,
-        fn_kwargs={"exact": cfg.exact},
-        batch_format="pyarrow",
+    names = open_table(cfg.table, cfg.storage_options).schema.names
+    return ColumnJob(
+        table=cfg.table,
+        outputs=pa.schema([pa.field(PHASH, pa.uint64()), pa.field(PHASH_ERROR, pa.string())]),
+        read_columns=_READ_COLUMNS,
+        steps=[
+            Step(
+                hash_batch,
+                kwargs={"exact": cfg.exact},
+                batch_size=cfg.batch_size,
+                zero_copy_batch=True,
+            )
+        ],
+        where=pending_filter(names, cfg.redo_errors),
+        engine=cfg.engine,
         batch_size=cfg.batch_size,
-        zero_copy_batch=True,
+        commit_every=cfg.commit_every,
+        reason_column=PHASH_ERROR,
+        storage_options=cfg.storage_options,
+        ray_address=cfg.ray_address,
+        num_cpus=cfg.num_cpus,
+        progress=cfg.progress,
+        desc="phash",
     )
-    yield from ds.iter_batches(batch_format="pyarrow", batch_size=None)
-
-
-def _flush(cfg: PhashJobConfig, chunks: list[pa.Table]) -> None:
-    from prx_data.table.lance_ops import update_column
-
-    if not chunks:
-        return
-    t = pa.concat_tables(chunks)
-    update_column(cfg.table, PHASH, t.select([S.ID, PHASH]), storage_options=cfg.storage_options)
-    failed = t.filter(t[PHASH_ERROR].is_valid())
-    if failed.num_rows:
-        update_column(
-            cfg.table,
-            PHASH_ERROR,
-            failed.select([S.ID, PHASH_ERROR]),
-            storage_options=cfg.storage_options,
-        )
 
 
 def compute_phash(cfg: PhashJobConfig) -> PhashJobReport:
     """Hash every row that has no ``phash`` yet and write the column back (resumable)."""
-    from tqdm.auto import tqdm
-
-    from prx_data.table.lance_ops import open_table
-
-    start = time.perf_counter()
-    ds = open_table(cfg.table, cfg.storage_options)
-    where = pending_filter(ds.schema.names, cfg.redo_errors)
-    report = PhashJobReport(rows_pending=ds.count_rows(filter=where) if where else ds.count_rows())
-    if report.rows_pending == 0:
-        return report
-    errors: Counter = Counter()
-    results = _ray_results(cfg, where) if cfg.engine == "ray" else _local_results(cfg, where)
-    pending: list[pa.Table] = []
-    n_pending = 0
-    with tqdm(total=report.rows_pending, desc="phash", unit="img", disable=not cfg.progress) as bar:
-        for t in results:
-            if isinstance(t, pa.RecordBatch):
-                t = pa.Table.from_batches([t])
-            errors.update(e for e in t[PHASH_ERROR].to_pylist() if e is not None)
-            pending.append(t)
-            n_pending += t.num_rows
-            report.rows_hashed += t[PHASH_ERROR].null_count  # rows without an error
-            bar.update(t.num_rows)
-            if n_pending >= cfg.flush_rows:
-                _flush(cfg, pending)
-                pending, n_pending = [], 0
-        _flush(cfg, pending)
-    report.errors = dict(errors)
-    report.seconds = time.perf_counter() - start
-    return report
+    rep = run_column_job(phash_job(cfg))
+    errors = dict(rep.reasons)
+    return PhashJobReport(
+        rows_pending=rep.pending,
+        rows_hashed=rep.rows - sum(errors.values()),
+        errors=errors,
+        seconds=rep.seconds,
+    )
 
 
 def run_dedup(cfg: DedupConfig) -> DedupReport:

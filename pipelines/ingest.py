@@ -1,32 +1,50 @@
-"""Ingest job graph: sources -> work units -> Ray Data load tasks -> one Lance commit.
+"""Ingest job graph: sources -> work units -> Ray Data load and write tasks -> one Lance commit.
 
 The driver plans every source into small work units (cheap listing only),
 Ray Data loads them in parallel (read bytes, probe headers, decode
-captions), and ``lance_ray.write_lance`` writes fragments from the workers
-and commits them once at the end, so a killed ingest leaves the table as it
-was. Ray 2.60's own ``Dataset.write_lance`` does not work with pylance 14.
+captions) and write tasks stage Lance fragments (``write_fragments``, not
+yet part of the table). The driver commits them **once** at the end
+(``Append``; ``Merge`` when new source columns come along; ``Overwrite``
+for ``overwrite``/``create``, with the new schema in the same commit), so a
+killed ingest leaves the table exactly as it was: staged files are never
+referenced and Lance's cleanup removes them.
 
-Ids are stable (``<source>/<key>``). A small ledger actor makes re-ingest
-idempotent: ids already in the table are skipped, and within one ingest a
-duplicate id is dropped after the first unit that claimed it (a retried
-task keeps its own claims). Everything skipped or noteworthy is counted by
-reason in the :class:`IngestReport`.
+Ids are stable (``<source>/<key>``) and de-duplication is deterministic:
+
+- **already in the table**: the job reads the version current at its start
+  (pinned). A source none of whose ids are there (one range probe on the
+  ``id`` column per source) skips the check; otherwise each load task looks
+  its unit's ids up in the pinned version (``id IN ...``, served by the
+  BTREE index on ``id`` that ingest keeps up to date) and drops those found.
+- **twice in this ingest**: every row carries its *order* (unit number in
+  plan order, position in the unit). The write tasks return each staged
+  row's id and order; the driver keeps, per duplicated id, the row with the
+  smallest order (the first in source order, whatever the scheduling) and
+  drops the others by restaging the few fragments that hold one.
+
+So the same inputs give the same table content in any scheduling order.
+Everything skipped or noteworthy is counted by reason in the
+:class:`IngestReport`.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lance
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_data.core import schema as S
+from prx_data.core import storage
 from prx_data.core.runtime import ensure_ray
 from prx_data.ingest import (
     NOTES,
@@ -48,6 +66,13 @@ DEFAULT_FRAGMENT_BYTES = 512 * 1024 * 1024
 MIN_ROWS_PER_FRAGMENT = 1024
 MAX_ROWS_PER_FRAGMENT = 1_000_000
 FALLBACK_ROW_BYTES = 100_000
+#: Ingest builds (or updates) the BTREE index on ``id`` after its commit once the
+#: table has this many rows; below it a scan is as fast as the index.
+ID_INDEX_MIN_ROWS = 100_000
+#: Ids per ``id IN (...)`` lookup in the pinned table.
+LOOKUP_CHUNK = 2048
+#: Internal columns: a row's place in the plan, and its notes (counted once written).
+ORDER = "__order"
 #: CPUs per load task: reading bytes and parsing headers is mostly I/O, so two
 #: overlap per core. The write tasks ask for a different amount, which keeps Ray
 #: Data from fusing load and write: fused, the write's row bundling hands every
@@ -72,6 +97,8 @@ class IngestConfig:
     storage_options: dict | None = None
     reader_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    #: Build or update the BTREE index on ``id`` after the commit (large tables).
+    id_index: bool = True
 
 
 @dataclass
@@ -89,7 +116,7 @@ class IngestReport:
     fragments: int = 0
     rows_per_fragment: int = 0
     seconds: float = 0.0
-    #: Work units that could not be read at all: unit, kind, path, error, message.
+    #: Units that could not be read at all: unit, kind, path, error, message.
     failures: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -122,128 +149,6 @@ class IngestReport:
             if len(self.failures) > 20:
                 lines.append(f"    ... {len(self.failures) - 20:,} more (--json lists them all)")
         return "\n".join(lines)
-
-
-# --- the ledger ---------------------------------------------------------------
-
-
-class _Ledger:
-    """Claims ids (first unit wins, retries keep their claims) and collects counts."""
-
-    def __init__(self) -> None:
-        self.owner: dict[str, int] = {}
-        self.existing: set[str] = set()
-        self.unit_counts: dict[int, dict[str, int]] = {}
-        self.unit_rows: dict[int, int] = {}
-        self.unit_failures: dict[int, dict[str, Any]] = {}
-
-    def seed(self, ids: list[str]) -> int:
-        self.existing.update(ids)
-        return len(self.existing)
-
-    def claim(self, unit: int, ids: list[str]) -> list[int]:
-        """0: keep, 1: already in the table, 2: duplicate in this ingest."""
-        out = []
-        for i in ids:
-            if i in self.existing:
-                out.append(1)
-                continue
-            owner = self.owner.setdefault(i, unit)
-            out.append(0 if owner == unit else 2)
-        return out
-
-    def report(
-        self, unit: int, counts: dict[str, int], rows: int, failure: dict | None = None
-    ) -> None:
-        self.unit_counts[unit] = counts  # a retried unit replaces its counts (and failure)
-        self.unit_rows[unit] = rows
-        if failure is None:
-            self.unit_failures.pop(unit, None)
-        else:
-            self.unit_failures[unit] = failure
-
-    def failures(self) -> list[dict[str, Any]]:
-        return [self.unit_failures[u] for u in sorted(self.unit_failures)]
-
-    def progress(self) -> tuple[int, int]:
-        return len(self.unit_rows), sum(self.unit_rows.values())
-
-    def totals(self) -> tuple[dict[str, int], int]:
-        total: Counter = Counter()
-        for c in self.unit_counts.values():
-            total.update(c)
-        return dict(total), sum(self.unit_rows.values())
-
-
-def unit_location(unit: WorkUnit) -> str:
-    """Where a work unit reads from, for error reports (file, tar, table fragment or folder)."""
-    a = unit.args
-    if "file" in a:
-        return str(a["file"])
-    if "tar" in a:
-        return str(a["tar"])
-    if "uri" in a:
-        return f"{a['uri']} fragment {a.get('fragment')} rows {a.get('offset')}+{a.get('limit')}"
-    if "shard" in a:
-        return f"{a.get('root')}/{a['shard']}"
-    items = a.get("items") or []
-    first = f", first {items[0][0]}" if items and items[0] else ""
-    return f"{a.get('root', unit.source)} ({len(items)} items{first})"
-
-
-def _load_batch(batch: pa.Table, ledger, schema: pa.Schema) -> pa.Table:
-    """Ray Data UDF: load the work units of one batch, drop claimed/existing ids."""
-    import ray
-
-    outs = []
-    for unit_json, unit_index in zip(
-        batch["unit"].to_pylist(), batch["index"].to_pylist(), strict=True
-    ):
-        counts = Counts()
-        unit = WorkUnit.from_json(unit_json)
-        failure = None
-        try:
-            table = load_unit(unit, counts)
-        except Exception as e:  # a unit that cannot be read is recorded; the error rate decides
-            counts.dropped(f"unit_failed:{type(e).__name__}")
-            failure = {
-                "unit": unit_index,
-                "kind": unit.kind,
-                "path": unit_location(unit),
-                "error": type(e).__name__,
-                "message": str(e)[:500],
-            }
-            table = schema.empty_table()
-        if table.num_rows:
-            # Within a unit the first occurrence of an id wins.
-            ids = table[S.ID].to_pylist()
-            seen: set[str] = set()
-            first = []
-            for i in ids:
-                first.append(i not in seen)
-                seen.add(i)
-            status = ray.get(ledger.claim.remote(unit_index, list(seen)))
-            by_id = dict(zip(seen, status, strict=True))
-            keep = []
-            for i, is_first in zip(ids, first, strict=True):
-                if not is_first:
-                    counts.dropped("duplicate_id")
-                    keep.append(False)
-                elif by_id[i] == 1:
-                    counts.dropped("already_in_table")
-                    keep.append(False)
-                elif by_id[i] == 2:
-                    counts.dropped("duplicate_id")
-                    keep.append(False)
-                else:
-                    keep.append(True)
-            table = table.filter(pa.array(keep, pa.bool_()))
-        if NOTES in table.column_names:
-            counts.tally_notes(table[NOTES].to_pylist())
-        table = conform(table, schema)
-        ray.get(ledger.report.remote(unit_index, dict(counts), table.num_rows, failure))
-        outs.append(table)
-    return pa.concat_tables(outs) if outs else schema.empty_table()
 
 
 # --- schema -------------------------------------------------------------------
@@ -286,8 +191,323 @@ def _rows_per_fragment(cfg: IngestConfig, approx_row_bytes: float | None) -> int
     return max(MIN_ROWS_PER_FRAGMENT, min(MAX_ROWS_PER_FRAGMENT, rows))
 
 
-def _progress_thread(ledger, total_units: int, enabled: bool):
-    """A tqdm bar on the driver, fed by polling the ledger while Ray Data runs."""
+# --- load tasks: read units, drop ids already in the table ---------------------------
+
+
+class _Tally:
+    """Counts per unit (a retried unit replaces its own) and progress; no claims."""
+
+    def __init__(self) -> None:
+        self.unit_counts: dict[int, dict[str, int]] = {}
+        self.unit_rows: dict[int, int] = {}
+        self.unit_failures: dict[int, dict[str, Any]] = {}
+
+    def report(
+        self, unit: int, counts: dict[str, int], rows: int, failure: dict | None = None
+    ) -> None:
+        self.unit_counts[unit] = counts  # a retried unit replaces its counts (and failure)
+        self.unit_rows[unit] = rows
+        if failure is None:
+            self.unit_failures.pop(unit, None)
+        else:
+            self.unit_failures[unit] = failure
+
+    def failures(self) -> list[dict[str, Any]]:
+        return [self.unit_failures[u] for u in sorted(self.unit_failures)]
+
+    def progress(self) -> tuple[int, int]:
+        return len(self.unit_rows), sum(self.unit_rows.values())
+
+    def totals(self) -> dict[str, int]:
+        total: Counter = Counter()
+        for c in self.unit_counts.values():
+            total.update(c)
+        return dict(total)
+
+
+_PINNED: dict[tuple, Any] = {}
+
+
+def _pinned(uri: str, version: int, storage_options: dict | None, run: str):
+    """The table as the ingest found it, opened once per worker process and run."""
+    key = (uri, version, json.dumps(storage_options, sort_keys=True), run)
+    if key not in _PINNED:
+        _PINNED.clear()
+        _PINNED[key] = T.open_table(uri, storage_options, version)
+    return _PINNED[key]
+
+
+def ids_in_table(ds, ids: list[str]) -> set[str]:
+    """Which of ``ids`` the table holds (chunked ``id IN`` lookups; BTREE-served when indexed)."""
+    found: set[str] = set()
+    for i in range(0, len(ids), LOOKUP_CHUNK):
+        chunk = ids[i : i + LOOKUP_CHUNK]
+        hit = ds.to_table(columns=[S.ID], filter=pc.field(S.ID).isin(chunk))
+        found.update(hit[S.ID].to_pylist())
+    return found
+
+
+def sources_in_table(ds, sources: Sequence[str]) -> set[str]:
+    """Source names with at least one id ``<source>/...`` in the table (a range probe each)."""
+    present = set()
+    for name in sorted(set(sources)):
+        prefix = f"{name}/"
+        probe = (pc.field(S.ID) >= prefix) & (pc.field(S.ID) < f"{name}0")  # "0" follows "/"
+        if ds.to_table(columns=[S.ID], filter=probe, limit=1).num_rows:
+            present.add(name)
+    return present
+
+
+def unit_location(unit: WorkUnit) -> str:
+    """Where a work unit reads from, for error reports (file, tar, table fragment or folder)."""
+    a = unit.args
+    if "file" in a:
+        return str(a["file"])
+    if "tar" in a:
+        return str(a["tar"])
+    if "uri" in a:
+        return f"{a['uri']} fragment {a.get('fragment')} rows {a.get('offset')}+{a.get('limit')}"
+    if "shard" in a:
+        return f"{a.get('root')}/{a['shard']}"
+    items = a.get("items") or []
+    first = f", first {items[0][0]}" if items and items[0] else ""
+    return f"{a.get('root', unit.source)} ({len(items)} items{first})"
+
+
+def _load_batch(batch: pa.Table, tally, schema: pa.Schema, check: dict | None = None) -> pa.Table:
+    """Ray Data UDF: load the work units of one batch; drop ids already in the table.
+
+    ``check`` (appends to a non-empty table): the pinned table and the
+    sources it already has ids of. Rows keep their notes and get their order.
+    """
+    import ray
+
+    staged = _staging_schema(schema)
+    outs = []
+    for unit_json, unit_index in zip(
+        batch["unit"].to_pylist(), batch["index"].to_pylist(), strict=True
+    ):
+        counts = Counts()
+        unit = WorkUnit.from_json(unit_json)
+        failure = None
+        try:
+            table = load_unit(unit, counts)
+        except Exception as e:  # a unit that cannot be read is recorded; the error rate decides
+            counts.dropped(f"unit_failed:{type(e).__name__}")
+            failure = {
+                "unit": unit_index,
+                "kind": unit.kind,
+                "path": unit_location(unit),
+                "error": type(e).__name__,
+                "message": str(e)[:500],
+            }
+            table = schema.empty_table()
+        order = pa.array([(unit_index << 32) + i for i in range(table.num_rows)], pa.int64())
+        table = table.append_column(ORDER, order)
+        if table.num_rows:
+            # Within a unit the first occurrence of an id wins.
+            ids = table[S.ID].to_pylist()
+            seen: set[str] = set()
+            keep = []
+            for i in ids:
+                keep.append(i not in seen)
+                seen.add(i)
+            counts.dropped("duplicate_id", keep.count(False))
+            if check is not None:
+                prefix = f"{unit.source}/"
+                ask = [
+                    i
+                    for i, k in zip(ids, keep, strict=True)
+                    if k and (unit.source in check["sources"] or not i.startswith(prefix))
+                ]
+                if ask:
+                    ds = _pinned(
+                        check["uri"], check["version"], check["storage_options"], check["run"]
+                    )
+                    found = ids_in_table(ds, ask)
+                    for n, i in enumerate(ids):
+                        if keep[n] and i in found:
+                            keep[n] = False
+                            counts.dropped("already_in_table")
+            table = table.filter(pa.array(keep, pa.bool_()))
+        table = conform(table, staged)
+        ray.get(tally.report.remote(unit_index, dict(counts), table.num_rows, failure))
+        outs.append(table)
+    return pa.concat_tables(outs) if outs else staged.empty_table()
+
+
+def _staging_schema(schema: pa.Schema) -> pa.Schema:
+    return pa.schema([*schema, pa.field(NOTES, pa.list_(pa.string())), pa.field(ORDER, pa.int64())])
+
+
+# --- write tasks: stage fragments, return their claims ------------------------------------
+
+
+def _write_batch(
+    batch: pa.Table,
+    uri: str,
+    schema: pa.Schema,
+    write_mode: str,
+    max_rows: int,
+    storage_options: dict | None,
+) -> pa.Table:
+    """Ray Data UDF: stage fragments (not committed); one row per fragment with its claims."""
+    from lance.fragment import write_fragments
+
+    out: dict[str, list] = {"fragment": [], "ids": [], "orders": [], "notes": []}
+    if batch.num_rows == 0:
+        return _claims_table(out)
+    data = batch.select(schema.names).cast(schema)
+    frags = write_fragments(
+        data,
+        uri,
+        schema=schema,
+        mode=write_mode,
+        max_rows_per_file=max_rows,
+        storage_options=storage_options,
+    )
+    ids = batch[S.ID].to_pylist()
+    orders = batch[ORDER].to_pylist()
+    notes = batch[NOTES].to_pylist()
+    off = 0
+    for frag in frags:
+        n = frag.physical_rows
+        out["fragment"].append(json.dumps(frag.to_json()))
+        out["ids"].append(ids[off : off + n])
+        out["orders"].append(orders[off : off + n])
+        out["notes"].append(
+            json.dumps({str(j): notes[off + j] for j in range(n) if notes[off + j]})
+        )
+        off += n
+    return _claims_table(out)
+
+
+def _claims_table(out: dict[str, list]) -> pa.Table:
+    return pa.table(
+        {
+            "fragment": pa.array(out["fragment"], pa.string()),
+            "ids": pa.array(out["ids"], pa.list_(pa.string())),
+            "orders": pa.array(out["orders"], pa.list_(pa.int64())),
+            "notes": pa.array(out["notes"], pa.string()),
+        }
+    )
+
+
+# --- the driver: resolve duplicates, restage, commit once --------------------------------
+
+
+def losers(claims: pa.Table) -> dict[int, list[int]]:
+    """Rows to drop, by staged fragment: for each id staged twice, all but the smallest order."""
+    if claims.num_rows == 0:
+        return {}
+    lengths = pc.list_value_length(claims["ids"]).to_numpy(zero_copy_only=False)
+    frag = np.repeat(np.arange(claims.num_rows), lengths)
+    offset = np.concatenate([np.arange(n) for n in lengths]) if len(lengths) else lengths
+    rows = pa.table(
+        {
+            S.ID: pc.list_flatten(claims["ids"]),
+            "order": pc.list_flatten(claims["orders"]),
+            "frag": pa.array(frag, pa.int64()),
+            "offset": pa.array(offset, pa.int64()),
+        }
+    )
+    if pc.count_distinct(rows[S.ID]).as_py() == rows.num_rows:
+        return {}
+    best = rows.group_by(S.ID, use_threads=False).aggregate([("order", "min")])
+    joined = rows.join(best, S.ID)
+    lost = joined.filter(pc.not_equal(joined["order"], joined["order_min"]))
+    out: dict[int, list[int]] = {}
+    for f, o in zip(lost["frag"].to_pylist(), lost["offset"].to_pylist(), strict=True):
+        out.setdefault(f, []).append(o)
+    return {f: sorted(o) for f, o in sorted(out.items())}
+
+
+def restage(
+    uri: str,
+    meta,
+    drop: list[int],
+    schema: pa.Schema,
+    write_mode: str,
+    storage_options: dict | None,
+) -> list:
+    """Write a staged fragment again without the rows at ``drop``; delete the old file."""
+    from lance.file import LanceFileReader
+    from lance.fragment import write_fragments
+
+    (data_file,) = meta.data_files()
+    path = storage.join(uri, "data", data_file.path)
+    table = LanceFileReader(path, storage_options=storage_options).read_all().to_table()
+    keep = np.ones(table.num_rows, bool)
+    keep[drop] = False
+    table = table.filter(pa.array(keep)).cast(schema)
+    new = []
+    if table.num_rows:
+        new = write_fragments(
+            table,
+            uri,
+            schema=schema,
+            mode=write_mode,
+            max_rows_per_file=max(table.num_rows, 1),
+            storage_options=storage_options,
+        )
+    storage.delete(path)
+    return new
+
+
+def commit_ingest(
+    uri: str,
+    kind: str,
+    fragments: list,
+    schema: pa.Schema,
+    read_version: int | None,
+    storage_options: dict | None,
+) -> int:
+    """The ingest's one commit: ``append``, ``merge`` (new columns) or ``overwrite``."""
+    from lance.schema import LanceSchema
+
+    if kind == "append":
+        op = lance.LanceOperation.Append(fragments)
+    elif kind == "merge":
+        old = T.open_table(uri, storage_options, read_version)
+        existing = [f.metadata for f in old.get_fragments()]
+        op = lance.LanceOperation.Merge(existing + fragments, LanceSchema.from_pyarrow(schema))
+    else:
+        op = lance.LanceOperation.Overwrite(schema, fragments)
+    ds = lance.LanceDataset.commit(
+        uri, op, read_version=read_version, storage_options=storage_options
+    )
+    return ds.version
+
+
+def update_id_index(uri: str, storage_options: dict | None = None) -> str | None:
+    """Create the BTREE index on ``id`` for a large table, or fold new fragments into it."""
+    ds = T.open_table(uri, storage_options)
+    if ds.count_rows() < ID_INDEX_MIN_ROWS:
+        return None
+    names = [i["name"] for i in ds.list_indices() if i["fields"] == [S.ID]]
+    if not names:
+        ds.create_scalar_index(S.ID, "BTREE")
+        return "created"
+    ds.optimize.optimize_indices(index_names=names[:1])
+    return "updated"
+
+
+def _fresh_ids(ds) -> bool:
+    """True when ``LanceSchema.from_pyarrow`` numbers the table's fields as the table does.
+
+    Then new columns can be added by the ingest's own commit (``Merge``);
+    otherwise (columns were dropped in the past, say) they are added first.
+    """
+    from lance.schema import LanceSchema
+
+    try:
+        return LanceSchema.from_pyarrow(ds.schema) == ds.lance_schema
+    except Exception:
+        return False
+
+
+def _progress_thread(tally, total_units: int, enabled: bool):
+    """A tqdm bar on the driver, fed by polling the tally while Ray Data runs."""
     import threading
 
     import ray
@@ -300,7 +520,7 @@ def _progress_thread(ledger, total_units: int, enabled: bool):
         done = 0
         while True:
             try:
-                units, rows = ray.get(ledger.progress.remote(), timeout=10)
+                units, rows = ray.get(tally.progress.remote(), timeout=10)
             except Exception:
                 units, rows = done, None
             bar.update(units - done)
@@ -316,14 +536,18 @@ def _progress_thread(ledger, total_units: int, enabled: bool):
     return stop, t
 
 
+def _schedule(items: list[dict]) -> list[dict]:
+    """The order units are handed to Ray Data (plan order; tests permute it)."""
+    return items
+
+
 # --- the job -------------------------------------------------------------------
 
 
 def run_ingest(cfg: IngestConfig) -> IngestReport:
-    """Plan the sources, load them with Ray Data, write and commit once, report."""
+    """Plan the sources, load and stage them with Ray Data, de-duplicate, commit once, report."""
     import ray
     import ray.data
-    from lance_ray import write_lance
 
     if cfg.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
@@ -357,78 +581,115 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
     approx = sum(n * b for n, b in sizes) / sum(n for n, _ in sizes) if sizes else None
     rows_per_fragment = _rows_per_fragment(cfg, approx)
 
-    existing_schema = None
-    existing_ids: pa.Array | None = None
+    # The table as found (pinned), the schema to write and how to commit.
+    pinned = None
+    check = None
     if appending:
-        ds = T.open_table(cfg.table_uri, cfg.storage_options)
-        missing = [f for f in extra if f.name not in ds.schema.names]
-        output_schema(extra, ds.schema)  # type check before anything changes
-        if missing:
-            ds.add_columns([pa.field(f.name, f.type, nullable=True) for f in missing])
-            ds = T.open_table(cfg.table_uri, cfg.storage_options)
-        existing_schema = ds.schema
-        existing_ids = ds.to_table(columns=[S.ID])[S.ID].combine_chunks()
-    schema = output_schema(extra, existing_schema)
+        pinned = T.open_table(cfg.table_uri, cfg.storage_options)
+        output_schema(extra, pinned.schema)  # type check before anything changes
+        missing = [
+            pa.field(f.name, f.type, nullable=True)
+            for f in extra
+            if f.name not in pinned.schema.names
+        ]
+        if missing and not _fresh_ids(pinned):
+            # Field ids this table numbers its own way: add the (all-null) columns first.
+            pinned.add_columns(missing)
+            pinned = T.open_table(cfg.table_uri, cfg.storage_options)
+            missing = []
+        schema = pa.schema([*pinned.schema, *missing])
+        kind, write_mode = ("merge", "overwrite") if missing else ("append", "append")
+        if pinned.count_rows():
+            check = {
+                "uri": cfg.table_uri,
+                "version": pinned.version,
+                "storage_options": cfg.storage_options,
+                "run": uuid.uuid4().hex,  # never serve a cached copy of another table
+                "sources": sorted(sources_in_table(pinned, [u.source for u in units])),
+            }
+    else:
+        schema = output_schema(extra, None)
+        kind, write_mode = "overwrite", "overwrite"
+        if exists:
+            pinned = T.open_table(cfg.table_uri, cfg.storage_options)
+    read_version = pinned.version if pinned is not None else None
 
-    if cfg.mode == "overwrite" and exists and units:
-        old = T.open_table(cfg.table_uri, cfg.storage_options).schema
-        if not old.equals(schema, check_metadata=False):
-            # lance_ray writes fragments against the existing schema, so a new schema
-            # first gets an empty version of its own. The old rows stay reachable in
-            # the previous version until old versions are cleaned up.
-            lance.write_dataset(
-                schema.empty_table(),
-                cfg.table_uri,
-                mode="overwrite",
-                storage_options=cfg.storage_options,
-            )
     started = not ray.is_initialized()
     ensure_ray(num_cpus=cfg.num_cpus)
+    claims = _claims_table({"fragment": [], "ids": [], "orders": [], "notes": []})
     try:
-        ledger = ray.remote(num_cpus=0)(_Ledger).remote()
-        if existing_ids is not None and len(existing_ids):
-            ray.get(ledger.seed.remote(existing_ids.to_pylist()))
+        tally = ray.remote(num_cpus=0)(_Tally).remote()
         if units:
-            items = [{"unit": u.to_json(), "index": i} for i, u in enumerate(units)]
+            items = _schedule([{"unit": u.to_json(), "index": i} for i, u in enumerate(units)])
             ds = ray.data.from_items(items, override_num_blocks=len(items))
             ds = ds.map_batches(
                 _load_batch,
                 batch_size=1,
                 batch_format="pyarrow",
                 num_cpus=LOAD_TASK_CPUS,
-                fn_kwargs={"ledger": ledger, "schema": schema},
+                fn_kwargs={"tally": tally, "schema": schema, "check": check},
             )
-            stop, poller = _progress_thread(ledger, len(units), cfg.progress)
+            ds = ds.map_batches(
+                _write_batch,
+                batch_size=rows_per_fragment,
+                batch_format="pyarrow",
+                num_cpus=WRITE_TASK_CPUS,  # not fused with loading
+                fn_kwargs={
+                    "uri": cfg.table_uri,
+                    "schema": schema,
+                    "write_mode": write_mode,
+                    "max_rows": rows_per_fragment,
+                    "storage_options": cfg.storage_options,
+                },
+            )
+            stop, poller = _progress_thread(tally, len(units), cfg.progress)
             try:
-                write_lance(
-                    ds,
-                    cfg.table_uri,
-                    schema=schema,
-                    mode="append" if appending else ("create" if not exists else "overwrite"),
-                    min_rows_per_file=rows_per_fragment,
-                    max_rows_per_file=rows_per_fragment,  # a cap: --rows-per-fragment N means <= N
-                    storage_options=cfg.storage_options,
-                    ray_remote_args={"num_cpus": WRITE_TASK_CPUS},  # not fused with loading
-                )
+                parts = [b for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
             finally:
                 stop.set()
                 poller.join()
-        counts, rows_written = ray.get(ledger.totals.remote())
-        failures = ray.get(ledger.failures.remote())
-        ray.kill(ledger)
+            if parts:
+                claims = pa.concat_tables(parts)
+        counts = ray.get(tally.totals.remote())
+        failures = ray.get(tally.failures.remote())
+        ray.kill(tally)
     finally:
         if started:
             ray.shutdown()
 
-    if rows_written == 0 and not appending:
-        # Nothing to write still leaves a (possibly empty) table with the schema.
-        mode = "overwrite" if exists else "create"
-        if cfg.mode == "overwrite" or not T.table_exists(cfg.table_uri, cfg.storage_options):
-            lance.write_dataset(
-                schema.empty_table(), cfg.table_uri, mode=mode, storage_options=cfg.storage_options
-            )
+    # Resolve duplicates across units (smallest order wins), then commit once.
+    from lance.fragment import FragmentMetadata
+
     all_counts = Counter(plan_counts)
     all_counts.update(counts)
+    drop = losers(claims)
+    fragments = []
+    rows_written = 0
+    for k, (text, notes) in enumerate(
+        zip(claims["fragment"].to_pylist(), claims["notes"].to_pylist(), strict=True)
+    ):
+        meta = FragmentMetadata.from_json(text)
+        gone = set(drop.get(k, ()))
+        for off, row_notes in json.loads(notes).items():
+            if int(off) not in gone:
+                for reason in row_notes:
+                    all_counts[f"kept:{reason}"] += 1
+        if gone:
+            all_counts["dropped:duplicate_id"] += len(gone)
+            fragments.extend(
+                restage(cfg.table_uri, meta, sorted(gone), schema, write_mode, cfg.storage_options)
+            )
+        else:
+            fragments.append(meta)
+        rows_written += meta.physical_rows - len(gone)
+    if fragments or not appending:
+        commit_ingest(cfg.table_uri, kind, fragments, schema, read_version, cfg.storage_options)
+    if cfg.id_index and fragments:
+        try:
+            update_id_index(cfg.table_uri, cfg.storage_options)
+        except Exception as e:  # the rows are committed; the index only speeds up lookups
+            warnings.warn(f"could not update the id index of {cfg.table_uri}: {e}", stacklevel=2)
+
     for finalize in finalizers:
         finalize(all_counts)
     kept = {k.split(":", 1)[1]: v for k, v in all_counts.items() if k.startswith("kept:") and v}

@@ -13,7 +13,7 @@ from prx_data.cli.columns import (
     add_backend_args,
     backend_options_from_args,
     generation_from_args,
-    parse_list,
+    redo_args,
     run_column_job,
 )
 from prx_data.columns import checks
@@ -27,9 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Caption the rows of a Lance table that lack COLUMN with a vision-language model, as a "
             "streaming Ray Data job. Each image is decoded and downsized to the model's pixel "
             "budget, captioned, checked (empty, looping and truncated generations are flagged, "
-            "never stored as captions) and written back in batches: COLUMN holds the caption and "
-            "COLUMN_status one of ok|empty|looping|truncated|error. Rerunning fills only the rows "
-            "still missing, so a killed run can simply be restarted."
+            "never stored as captions) and written back once per fragment: COLUMN holds the caption, "
+            "COLUMN_status one of ok|empty|looping|truncated|error and COLUMN_error why a row is "
+            "not ok (e.g. 'image: empty_file', 'image: not_an_image', 'image: truncated'). "
+            "Rerunning fills only the rows still missing, so a killed run can simply be restarted."
         ),
     )
     p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...)")
@@ -55,11 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--limit", type=int, default=None, help="caption at most this many rows (a trial run)"
     )
-    p.add_argument(
+    redo = p.add_mutually_exclusive_group()
+    redo.add_argument(
         "--redo",
         default="",
-        help=f"comma-separated statuses to caption again, from {','.join(checks.STATUSES[:-1])} "
-        "(default: none; rows that already have a caption are never redone)",
+        help=f"comma-separated statuses to caption again, from {','.join(checks.STATUSES[:-1])}, "
+        "in addition to the rows never captioned (default: none; rows that already have a "
+        "caption are never redone). Use --only to leave the never-captioned rows alone",
+    )
+    redo.add_argument(
+        "--only",
+        default="",
+        help="comma-separated statuses to caption again, and nothing else: e.g. --only looping "
+        "retries the looping rows without captioning rows that were never captioned",
     )
     add_backend_args(
         p,
@@ -87,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             backend_options=backend_options_from_args(args),
             replicas=args.replicas,
             batch_size=args.batch_size,
-            redo=parse_list(args.redo),
-            flush_rows=args.flush_rows,
+            redo=redo_args(args)[0],
+            only=redo_args(args)[1],
+            commit_every=args.commit_every,
             progress=not args.no_progress,
         ),
         run_caption,

@@ -13,7 +13,7 @@ from prx_data.cli.columns import (
     add_backend_args,
     backend_options_from_args,
     generation_from_args,
-    parse_list,
+    redo_args,
     run_column_job,
 )
 from prx_data.columns.backends import GenerationConfig
@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Answers that name no single label become 'unknown' and are counted. A rule-based "
             "pre-filter (keywords/regex in prx_data/columns/prompts_txt/classify_rules.txt) labels clear "
             "cases first, or alone with --rules-only. Only rows with a caption and no label are "
-            "processed, so reruns resume. Turn labels into skip lists with "
-            "`python -m prx_data.skips` and a query such as \"label IN ('text','nsfw')\"."
+            "processed, so reruns resume; failures keep their reason in COLUMN_error. Turn "
+            "labels into skip lists with `python -m prx_data.skips` and a query such as \"label IN ('text','nsfw')\"."
         ),
     )
     p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...)")
@@ -63,10 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--limit", type=int, default=None, help="label at most this many rows (a trial run)"
     )
-    p.add_argument(
+    redo = p.add_mutually_exclusive_group()
+    redo.add_argument(
         "--redo",
         default="",
-        help="comma-separated labels to compute again, e.g. 'unknown' (default: none)",
+        help="comma-separated labels to compute again, e.g. 'unknown', in addition to the rows "
+        "without a label (default: none)",
+    )
+    redo.add_argument(
+        "--only",
+        default="",
+        help="comma-separated labels to compute again, and nothing else: e.g. --only unknown "
+        "leaves rows that were never labelled alone",
     )
     add_backend_args(
         p,
@@ -101,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             backend_options=backend_options_from_args(args) if args.backend else {},
             replicas=args.replicas,
             batch_size=args.batch_size,
-            redo=parse_list(args.redo),
-            flush_rows=args.flush_rows,
+            redo=redo_args(args)[0],
+            only=redo_args(args)[1],
+            commit_every=args.commit_every,
             progress=not args.no_progress,
         ),
         run_classify,

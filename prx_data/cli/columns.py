@@ -121,10 +121,11 @@ def add_backend_args(
         help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)",
     )
     r.add_argument(
-        "--flush-rows",
+        "--commit-every",
         type=int,
-        default=2000,
-        help="rows buffered before each write-back to the table (default: %(default)s)",
+        default=16,
+        help="fragments per commit to the table; each finished fragment is also checkpointed, "
+        "so a killed run never recomputes it (default: %(default)s)",
     )
     r.add_argument(
         "--report-json", default=None, help="also write the final report to this JSON file"
@@ -184,6 +185,13 @@ def backend_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_list(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def redo_args(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
+    """(statuses to redo, only those) from ``--redo`` / ``--only``."""
+    if args.only:
+        return parse_list(args.only), True
+    return parse_list(args.redo), False
 
 
 def write_report(path: str | None, report: dict) -> None:

@@ -10,14 +10,37 @@ from collections import Counter
 
 import pyarrow as pa
 
-from prx_data.core.descriptor import COLUMN, describe_many
+from prx_data.core.descriptor import COLUMN, VECTOR_TYPE, describe_many
 
 
-def _describe_batch(batch, column: str) -> pa.Table:
-    reasons: list[str | None] = []
-    vectors = describe_many(batch["image"].to_pylist(), reasons)
+def error_column(column: str) -> str:
+    return f"{column}_error"
+
+
+def describe_batch(batch: pa.Table, column: str = COLUMN) -> pa.Table:
+    """(id, image) -> (id, descriptor, why it is null: ``missing_image`` or the decode error)."""
+    from prx_data.core.imaging import ImageError, probe
+
+    images = batch["image"].to_pylist()
+    vectors = describe_many(images)
+    errors: list[str | None] = []
+    for data, ok in zip(images, vectors.is_valid().to_pylist(), strict=True):
+        if ok:
+            errors.append(None)
+        elif data is None:
+            errors.append("missing_image")
+        else:
+            try:
+                probe(data)
+                errors.append("decode_error")
+            except ImageError as e:
+                errors.append(e.reason)
     return pa.table(
-        {"id": batch["id"], column: vectors, f"{column}_error": pa.array(reasons, pa.string())}
+        {
+            "id": batch["id"],
+            column: vectors,
+            error_column(column): pa.array(errors, pa.string()),
+        }
     )
 
 
@@ -34,74 +57,49 @@ def compute_descriptors(
 ) -> int:
     """Fill ``column`` for every row that lacks it; resumable. Returns rows written.
 
-    Rows that cannot be described stay null and get their reason in
-    ``<column>_error``; ``errors``, when given, counts them by reason.
-
-    Rows are read with :func:`prx_data.table.lance_ops.rows_missing` and written in
-    chunks with :func:`prx_data.table.lance_ops.update_column` (image files untouched),
-    so an interrupted run continues where it stopped. ``use_ray`` spreads the
-    decoding over a Ray Data pipeline (local Ray or ``RAY_ADDRESS``).
+    A column job (:mod:`prx_data.columns.runner`): each fragment's rows
+    whose ``column`` is null are described and the fragment's new values are
+    written once (image files untouched), so an interrupted run continues
+    where it stopped. A row whose image cannot be described keeps a null
+    vector, with the reason in ``<column>_error``; it is tried again on the
+    next run. ``use_ray`` spreads the decoding over Ray Data tasks (local
+    Ray or ``RAY_ADDRESS``); ``chunk_rows`` is the rows per batch.
+    ``errors``, when given, counts the rows without a descriptor by reason.
     """
-    from tqdm import tqdm
-
+    from prx_data.columns.runner import ColumnJob, Step, run_column_job
     from prx_data.table import lance_ops as T
 
     ds = T.open_table(uri, storage_options)
-    if column in ds.schema.names:
-        todo = ds.count_rows(f"{T.quote(column)} IS NULL")
-    else:
-        todo = ds.count_rows()
-    if todo == 0:
-        return 0
-    written = 0
-    bar = tqdm(total=todo, desc=f"descriptors -> {column}", unit="img", disable=not progress)
+    where = f"{T.quote(column)} IS NULL" if column in ds.schema.names else None
+    started = False
     if use_ray:
-        batches = _ray_batches(uri, column, chunk_rows, num_cpus, storage_options)
-    else:
-        batches = (
-            _describe_batch(b, column)
-            for b in T.rows_missing(
-                uri, column, ["id", "image"], batch_size=chunk_rows, storage_options=storage_options
-            )
-        )
-    err_col = f"{column}_error"
-    has_err_col = err_col in ds.schema.names
-    for chunk in batches:
-        written += T.update_column(
-            uri, column, chunk.select(["id", column]), storage_options=storage_options
-        )
-        failed = chunk[err_col].drop_null()
-        if len(failed) or has_err_col:  # also clears the reason of a row that now succeeded
-            T.update_column(
-                uri, err_col, chunk.select(["id", err_col]), storage_options=storage_options
-            )
-            has_err_col = True
-        if errors is not None:
-            errors.update(failed.to_pylist())
-        bar.update(chunk.num_rows)
-    bar.close()
-    return written
+        import ray
 
-
-def _ray_batches(uri, column, chunk_rows, num_cpus, storage_options):
-    import ray
-    from lance_ray import read_lance
-
-    from prx_data.core.runtime import ensure_ray
-    from prx_data.table import lance_ops as T
-
-    started = not ray.is_initialized()
-    ensure_ray(num_cpus=num_cpus)
+        started = not ray.is_initialized()
     try:
-        ds = T.open_table(uri, storage_options)
-        where = f"{T.quote(column)} IS NULL" if column in ds.schema.names else None
-        rd = read_lance(uri, columns=["id", "image"], filter=where, storage_options=storage_options)
-
-        def fn(batch: pa.Table) -> pa.Table:
-            return _describe_batch(batch, column)
-
-        rd = rd.map_batches(fn, batch_format="pyarrow", batch_size=256)
-        yield from rd.iter_batches(batch_size=chunk_rows, batch_format="pyarrow")
+        report = run_column_job(
+            ColumnJob(
+                table=uri,
+                outputs=pa.schema(
+                    [pa.field(column, VECTOR_TYPE), pa.field(error_column(column), pa.string())]
+                ),
+                read_columns=["id", "image"],
+                steps=[Step(describe_batch, kwargs={"column": column}, batch_size=256)],
+                where=where,
+                engine="ray" if use_ray else "local",
+                batch_size=min(chunk_rows, 256) if use_ray else chunk_rows,
+                reason_column=error_column(column),
+                storage_options=storage_options,
+                num_cpus=num_cpus,
+                progress=progress,
+                desc=f"descriptors -> {column}",
+            )
+        )
     finally:
         if started:
+            import ray
+
             ray.shutdown()
+    if errors is not None:
+        errors.update(report.reasons)
+    return report.written

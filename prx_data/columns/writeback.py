@@ -1,22 +1,18 @@
-"""Row selection, batched write-back and the run report shared by the column jobs.
+"""Row selection and the run report shared by the column jobs.
 
 The jobs are resumable because each row gets a status (or a label) that is
-written back in batches: a rerun selects only rows whose status is still
-null, plus any statuses named in ``redo``. Within a batch the value columns
-are written before the status column, so a crash between the two writes
-leaves the row selected for the next run rather than half-done.
+written back with its value, by fragment (:mod:`prx_data.columns.runner`):
+a rerun selects only rows whose status is still null, plus any statuses
+named in ``redo`` (or only those, with ``include_missing=False``).
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-
-from prx_data.core import schema as S
 
 
 def sql_string(value: str) -> str:
@@ -29,22 +25,30 @@ def pending_filter(
     value_column: str | None = None,
     redo: Sequence[str] = (),
     require: Sequence[str] = (),
+    include_missing: bool = True,
 ) -> str | None:
     """Lance SQL selecting rows still to do, given the table's ``existing`` columns.
 
     A row is pending when its ``status_column`` is null or in ``redo``, and
     (when given) its ``value_column`` is null, so values written by other
-    means are never overwritten. ``require`` columns must be non-null.
+    means are never overwritten. ``require`` columns must be non-null. With
+    ``include_missing=False`` only the rows whose status is in ``redo`` are
+    selected (never-processed rows are left for a normal run).
     """
     from prx_data.table.lance_ops import quote
 
+    if not include_missing and not redo:
+        raise ValueError("include_missing=False needs statuses to redo")
     clauses = []
     if value_column and value_column != status_column and value_column in existing:
         clauses.append(f"{quote(value_column)} IS NULL")
-    if status_column in existing:
+    redo_sql = f"{quote(status_column)} IN ({', '.join(sql_string(r) for r in redo)})"
+    if not include_missing:
+        clauses.append(redo_sql if status_column in existing else "false")
+    elif status_column in existing:
         st = f"{quote(status_column)} IS NULL"
         if redo:
-            st = f"({st} OR {quote(status_column)} IN ({', '.join(sql_string(r) for r in redo)}))"
+            st = f"({st} OR {redo_sql})"
         clauses.append(st)
     for col in require:
         clauses.append(f"{quote(col)} IS NOT NULL")
@@ -57,6 +61,8 @@ class ColumnReport:
 
     table: str
     columns: list[str]
+    #: Rows the job planned (pending at the pinned version, within the limit) and processed.
+    pending: int = 0
     rows: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     #: Why rows failed (error details, truncated), for the summary.
@@ -66,6 +72,19 @@ class ColumnReport:
     #: Seconds until the first results arrived (actor start-up, model load).
     first_result_s: float = 0.0
     first_rows: int = 0
+    #: The table version the job read (pinned), and the one it left.
+    table_version: int = 0
+    final_version: int = 0
+    #: Fragments with pending rows, work units, fragments written and commits.
+    fragments: int = 0
+    units: int = 0
+    fragments_written: int = 0
+    commits: int = 0
+    #: Bytes of the new data files (the output columns only).
+    bytes_written: int = 0
+    #: Fragments a killed run had finished, committed at start without recomputing.
+    recovered_fragments: int = 0
+    recovered_rows: int = 0
 
     @property
     def rows_per_s(self) -> float:
@@ -89,12 +108,23 @@ class ColumnReport:
         ]
         for reason, n in sorted(self.reasons.items(), key=lambda kv: -kv[1])[:10]:
             lines.append(f"  {n:,} x {reason}")
+        if self.recovered_fragments:
+            lines.append(
+                f"  {self.recovered_fragments:,} fragment(s) ({self.recovered_rows:,} rows) "
+                "finished by an earlier run were committed without recomputing"
+            )
+        if self.fragments_written:
+            lines.append(
+                f"  read version {self.table_version}: {self.fragments_written:,} fragment(s) "
+                f"written in {self.commits:,} commit(s), {self.bytes_written / 1e6:,.1f} MB"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {
             "table": self.table,
             "columns": self.columns,
+            "pending": self.pending,
             "rows": self.rows,
             "counts": self.counts,
             "reasons": self.reasons,
@@ -102,63 +132,17 @@ class ColumnReport:
             "rows_per_s": round(self.rows_per_s, 2),
             "steady_rows_per_s": round(self.steady_rows_per_s, 2),
             "first_result_s": round(self.first_result_s, 3),
+            "written": self.written,
+            "table_version": self.table_version,
+            "final_version": self.final_version,
+            "fragments": self.fragments,
+            "units": self.units,
+            "fragments_written": self.fragments_written,
+            "commits": self.commits,
+            "bytes_written": self.bytes_written,
+            "recovered_fragments": self.recovered_fragments,
+            "recovered_rows": self.recovered_rows,
         }
-
-
-class ColumnWriter:
-    """Buffers result batches and writes them back with ``table.update_column``.
-
-    ``columns`` are written in order (put the status column last). Each
-    flush rewrites only those columns' data files; larger flushes amortise
-    the per-commit cost (``update_column`` scans the key column once).
-    """
-
-    def __init__(
-        self,
-        uri: str,
-        columns: Sequence[str],
-        *,
-        key: str = S.ID,
-        flush_rows: int = 2000,
-        flush_seconds: float = 120.0,
-        storage_options: dict | None = None,
-    ):
-        self.uri = uri
-        self.columns = list(columns)
-        self.key = key
-        self.flush_rows = flush_rows
-        self.flush_seconds = flush_seconds
-        self.storage_options = storage_options
-        self._pending: list[pa.Table] = []
-        self._n = 0
-        self._last = time.monotonic()
-        self.written = 0
-
-    def add(self, batch: pa.Table) -> None:
-        if batch.num_rows == 0:
-            return
-        self._pending.append(batch.select([self.key, *self.columns]))
-        self._n += batch.num_rows
-        if self._n >= self.flush_rows or time.monotonic() - self._last >= self.flush_seconds:
-            self.flush()
-
-    def flush(self) -> None:
-        from prx_data.table.lance_ops import update_column
-
-        self._last = time.monotonic()
-        if not self._pending:
-            return
-        values = pa.concat_tables(self._pending)
-        self._pending, self._n = [], 0
-        for col in self.columns:
-            update_column(
-                self.uri,
-                col,
-                values.select([self.key, col]),
-                key=self.key,
-                storage_options=self.storage_options,
-            )
-        self.written += values.num_rows
 
 
 def count_into(counter: Counter, values: pa.Array | pa.ChunkedArray) -> None:

@@ -21,6 +21,17 @@ CAPTION = "caption"  # the original caption; more caption columns may exist
 PROBE_ERROR = "probe_error"  # null when the header could be read, else a reason
 EMBEDDING = "embedding"  # optional fixed-size float32 vector
 
+#: Suffixes of the bookkeeping columns a column job writes next to its value
+#: column (``caption_vlm_status``, ``caption_vlm_error``, ``phash_error``):
+#: statuses and failure reasons, never captions or features.
+JOB_COLUMN_SUFFIXES = ("_status", "_error")
+
+
+def is_job_column(name: str) -> bool:
+    """True for a column job's status or failure-reason column."""
+    return name.endswith(JOB_COLUMN_SUFFIXES)
+
+
 TABLE_SCHEMA = pa.schema(
     [
         pa.field(ID, pa.string(), nullable=False),

@@ -30,7 +30,7 @@ from prx_data.core.buckets import DEFAULT_TIERS, BucketSpec, assign_bucket
 from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, ImageError, prepare_with
 from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
-from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME
+from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME, is_job_column
 from prx_data.export.layout import (
     CONFIG_NAME,
     DROPPED_DIR,
@@ -66,7 +66,8 @@ class ExportConfig:
     table: str
     out: str
     tiers: tuple[int, ...] = DEFAULT_TIERS
-    #: Caption columns to carry; None = every ``caption*`` string column except ``*_status``.
+    #: Caption columns to carry; None = every ``caption*`` string column except a column
+    #: job's ``*_status`` / ``*_error``.
     caption_columns: tuple[str, ...] | None = None
     image_format: str = "jpeg"
     quality: int = DEFAULT_JPEG_QUALITY
@@ -213,7 +214,7 @@ def resolve_caption_columns(schema: pa.Schema, wanted: tuple[str, ...] | None) -
             n
             for n in schema.names
             if n.startswith("caption")
-            and not n.endswith("_status")
+            and not is_job_column(n)
             and pa.types.is_string(schema.field(n).type)
             | pa.types.is_large_string(schema.field(n).type)
         )

@@ -48,12 +48,11 @@ def _is_text(t: pa.DataType) -> bool:
 
 
 #: Suffixes of bookkeeping columns that column jobs write next to a caption column.
-NOT_CAPTION_SUFFIXES = ("_status", "_error")
 
 
 def is_caption_column(name: str) -> bool:
     """``caption`` and ``caption_*``/``*_caption``, but not ``*_status``/``*_error`` bookkeeping."""
-    if name.endswith(NOT_CAPTION_SUFFIXES):
+    if S.is_job_column(name):
         return False
     return name == S.CAPTION or name.startswith("caption_") or name.endswith("_caption")
 
