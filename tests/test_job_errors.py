@@ -99,7 +99,8 @@ def test_caption_cli_fails_past_the_rate(tmp_path, ray_local, capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert (
-        "column job (cap3, cap3_status): 2 of 3 rows failed (66.7% > --max-error-rate 0.2)" in err
+        "column job (cap3, cap3_status, cap3_error): 2 of 3 rows failed (66.7% > --max-error-rate 0.2)"
+        in err
     )
     assert f"and in {out}" in err
     assert json.loads(out.read_text())["counts"]["error"] == 2
