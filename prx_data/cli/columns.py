@@ -9,7 +9,7 @@ from typing import Any
 
 from prx_data.columns.backends import BACKENDS, GenerationConfig
 from prx_data.columns.checks import ERROR
-from prx_data.core.errors import ErrorRateExceeded, add_max_error_rate, check_error_rate
+from prx_data.core.errors import add_max_error_rate, error_rate_status
 
 
 def add_backend_args(
@@ -219,18 +219,13 @@ def run_column_job(args: argparse.Namespace, make_config: Callable[[], Any], run
         return 2
     print(report.summary())
     write_report(args.report_json, report.to_dict())
-    try:
-        check_error_rate(
-            f"column job ({', '.join(report.columns)})",
-            report.counts.get(ERROR, 0),
-            report.rows,
-            args.max_error_rate,
-            "the reasons above"
-            + (f" and in {args.report_json}" if args.report_json else "")
-            + f"; rows with status '{ERROR}' in {', '.join(report.columns)} of {report.table}",
-            "rows",
-        )
-    except ErrorRateExceeded as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return error_rate_status(
+        f"column job ({', '.join(report.columns)})",
+        report.counts.get(ERROR, 0),
+        report.rows,
+        args.max_error_rate,
+        "the reasons above"
+        + (f" and in {args.report_json}" if args.report_json else "")
+        + f"; rows with status '{ERROR}' in {', '.join(report.columns)} of {report.table}",
+        "rows",
+    )

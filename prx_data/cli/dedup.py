@@ -7,7 +7,7 @@ import sys
 
 from pipelines.dedup import PHASH_ERROR, run_dedup
 from prx_data.core.buckets import DEFAULT_TIERS
-from prx_data.core.errors import ErrorRateExceeded, add_max_error_rate, check_error_rate
+from prx_data.core.errors import add_max_error_rate, error_rate_status
 from prx_data.skips.dedup import (
     DEFAULT_REPORT,
     DEFAULT_SKIP_NAME,
@@ -126,19 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {cfg.report}")
     # "not_hashed": never tried (--no-compute); every other reason is a failed hash.
     failed = sum(n for reason, n in report.unhashed.items() if reason != "not_hashed")
-    try:
-        check_error_rate(
-            "dedup",
-            failed,
-            report.rows,
-            args.max_error_rate,
-            f"the 'not hashed' reasons above and the {PHASH_ERROR} column of {args.table}",
-            "rows",
-        )
-    except ErrorRateExceeded as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return error_rate_status(
+        "dedup",
+        failed,
+        report.rows,
+        args.max_error_rate,
+        f"the 'not hashed' reasons above and the {PHASH_ERROR} column of {args.table}",
+        "rows",
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pipelines.ingest import (
     IngestReport,
     ingest,
 )
-from prx_data.core.errors import ErrorRateExceeded, add_max_error_rate, check_error_rate
+from prx_data.core.errors import add_max_error_rate, error_rate_status
 from prx_data.ingest import FORMATS
 
 __all__ = ["IngestReport", "ingest", "main"]
@@ -126,19 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         **reader_options,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
-    try:
-        check_error_rate(
-            "ingest",
-            len(report.failures),
-            report.units,
-            args.max_error_rate,
-            "the failed units above" + ("" if args.json else " (all of them with --json)"),
-            "work units",
-        )
-    except ErrorRateExceeded as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return error_rate_status(
+        "ingest",
+        len(report.failures),
+        report.units,
+        args.max_error_rate,
+        "the failed units above" + ("" if args.json else " (all of them with --json)"),
+        "work units",
+    )
 
 
 if __name__ == "__main__":

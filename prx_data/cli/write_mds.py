@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from prx_data.core.buckets import DEFAULT_TIERS, DROP_ASPECT_RATIO, DROP_TOO_SMALL
-from prx_data.core.errors import ErrorRateExceeded, add_max_error_rate, check_error_rate
+from prx_data.core.errors import add_max_error_rate, error_rate_status
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig, ExportError
 
 EPILOG = """\
@@ -194,19 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     where = f"{args.out.rstrip('/')}/report.json"
     print(f"\nreport: {where}")
     failed = sum(n for reason, n in report.dropped.items() if reason not in POLICY_DROPS)
-    try:
-        check_error_rate(
-            "write_mds",
-            failed,
-            report.rows_read,
-            args.max_error_rate,
-            f"the dropped counts by reason in {where}",
-            "rows",
-        )
-    except ErrorRateExceeded as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return error_rate_status(
+        "write_mds",
+        failed,
+        report.rows_read,
+        args.max_error_rate,
+        f"the dropped counts by reason in {where}",
+        "rows",
+    )
 
 
 if __name__ == "__main__":

@@ -47,3 +47,17 @@ def check_error_rate(
             f"{job}: {failed:,} of {total:,} {what} failed ({failed / total:.1%} > "
             f"--max-error-rate {max_rate:g}); details: {details}"
         )
+
+
+def error_rate_status(
+    job: str, failed: int, total: int, max_rate: float, details: str, what: str = "items"
+) -> int:
+    """A CLI's exit status: 0, or 1 after printing why when the error rate is passed."""
+    import sys
+
+    try:
+        check_error_rate(job, failed, total, max_rate, details, what)
+    except ErrorRateExceeded as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
