@@ -1,12 +1,44 @@
-"""Export throughput against two anchors, in one run on the same photo-like images.
+"""Export throughput and fidelity on real photos, every ratio measured in one run.
 
-  floor        plain loop: Pillow draft(>= 1.5x) + Lanczos cover-crop + JPEG q92
-  img2dataset  plain loop: OpenCV full decode + Lanczos4 + imencode q92
-  write_mds    the real job (Lance -> Ray Data -> MDS) on 1 and on 2 Ray CPUs,
-               and on 1 CPU with --codec vips (libvips thumbnail)
+Corpus: ``benchmarks/photo_corpus.py`` (Debian wallpaper packages: JPEG
+photos and WebP wallpapers, 2-24 MP, 320 images with distinct crops, flips and
+re-encodes). It is built on first use under ``build/photo_corpus``.
 
-Targets: write_mds(1 CPU) >= 0.9x floor, >= 1.8x img2dataset; 2 CPUs >= 1.8x 1 CPU.
-Run on an otherwise idle machine:  python benchmarks/bench_export.py --images 48
+Three parts (``--only step,frontier,pipeline``; all by default):
+
+  step      the per-image step of ``write_mds`` (``imaging.prepare_with``, bytes
+            in memory, one core) against an img2dataset-style loop with
+            img2dataset's own defaults: OpenCV full decode, INTER_AREA to
+            shrink (INTER_LANCZOS4 to enlarge), cover to the bucket shape,
+            integer centre crop, ``imencode`` q92.
+            Target: step >= 1.0x img2dataset at equal or better fidelity.
+  frontier  speed and fidelity of the resize/encode paths the project could
+            use (Pillow draft + Lanczos before and after this change, other
+            Pillow filters with the same exact crop box, larger/smaller draft
+            margins, libvips ``thumbnail``).
+  pipeline  ``write_mds`` end to end (Lance -> Ray Data -> MDS) on 1 and on 2
+            Ray CPUs against the plain loop of its own per-image step.
+            Targets: 1 CPU >= 0.9x the loop; 2 CPUs >= 1.8x 1 CPU.
+
+Speed: every image goes through every contender in turn (the order rotates
+from image to image), so the load swings of a shared machine hit all of them
+alike; each ratio is taken within a round and the median over rounds is
+reported, with every round's figures. The per-image loops are timed in CPU seconds of this
+process (``time.process_time``: a shared machine's other jobs do not count)
+and in wall seconds; the pipeline in wall seconds (it spans processes).
+
+Fidelity: PSNR (RGB, 8-bit peak) of each path's decoded output against a
+float reference: Pillow full decode, then Lanczos in 32-bit float per channel
+over the exact cover-crop box. Reported as min and median over the images,
+and over the "detailed" quarter (highest mean absolute Laplacian of the
+reference), after the q92 encode and (where the path exposes its pixels)
+before it. A path that crops on whole pixels after rounding the resize
+(img2dataset, libvips ``thumbnail``) is shifted by a fraction of a pixel and
+pays for it in PSNR; the project's paths keep the crop box exact.
+
+  python benchmarks/bench_export.py                         # everything, 320 images, tiers 512,1024
+  python benchmarks/bench_export.py --only step --rounds 5
+  python benchmarks/bench_export.py --json artifacts/bench_export.json
 """
 
 from __future__ import annotations
@@ -14,179 +46,369 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import os
+import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import cv2
 import numpy as np
 from PIL import Image
 
-from prx_data.core.buckets import BucketSpec, assign_bucket
-from prx_data.core.sample_data import photo_like
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
-SIZES = [
-    (2000, 1500),
-    (3000, 2000),
-    (4000, 3000),
-    (1600, 1200),
-    (2400, 1600),
-    (3264, 2448),
-    (1500, 2250),
-]
+import photo_corpus  # noqa: E402  (benchmarks/ is this script's own folder)
+
+from prx_data.core import imaging  # noqa: E402
+from prx_data.core.buckets import BucketSpec, assign_bucket  # noqa: E402
+
+Path = Callable[[bytes, int, int, tuple[int, int]], tuple[bytes, "np.ndarray | None"]]
 
 
-def make_images(n: int) -> list[bytes]:
-    out = []
-    for i in range(n):
-        w, h = SIZES[i % len(SIZES)]
-        buf = io.BytesIO()
-        photo_like(w, h, 1000 + i)[0].save(buf, "JPEG", quality=95)
-        out.append(buf.getvalue())
-    return out
+# --- the contenders ----------------------------------------------------------------
 
 
-def floor_loop(images: list[bytes], spec: BucketSpec) -> float:
-    t0 = time.perf_counter()
-    for data in images:
-        im = Image.open(io.BytesIO(data))
-        w, h = im.size
-        b = assign_bucket(w, h, spec).bucket
-        scale = max(b.width / w, b.height / h)
-        im.draft("RGB", (math.ceil(w * scale * 1.5), math.ceil(h * scale * 1.5)))
-        im = im.convert("RGB")
-        cw, ch = b.width / scale, b.height / scale
-        box = ((w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2)
-        sx, sy = im.size[0] / w, im.size[1] / h
-        box = (
-            max(0, box[0] * sx),
-            max(0, box[1] * sy),
-            min(im.size[0], box[2] * sx),
-            min(im.size[1], box[3] * sy),
+def img2dataset_style(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+    """img2dataset's resizer defaults: full decode, INTER_AREA down / LANCZOS4 up, integer crop."""
+    arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    h, w = arr.shape[:2]
+    scale = max(bw / w, bh / h)
+    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    interp = cv2.INTER_AREA if scale < 1 else cv2.INTER_LANCZOS4
+    res = cv2.resize(arr, (rw, rh), interpolation=interp)
+    x0, y0 = (rw - bw) // 2, (rh - bh) // 2
+    crop = res[y0 : y0 + bh, x0 : x0 + bw]
+    ok, enc = cv2.imencode(".jpg", crop, [cv2.IMWRITE_JPEG_QUALITY, 92])
+    assert ok
+    return enc.tobytes(), cv2.cvtColor(crop, cv2.COLOR_BGR2RGB)
+
+
+def step(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+    """What write_mds runs per image (default codec and settings)."""
+    return imaging.prepare_with("pillow", data, bw, bh, src_size=size).data, None
+
+
+def pillow_path(resample: str = "lanczos", margin: float = imaging.DRAFT_MARGIN) -> Path:
+    """The default path with another filter or draft margin; returns its pixels too."""
+
+    def run(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+        im, k = imaging.decode_scaled(data, draft_to=imaging.draft_size(*size, bw, bh, margin))
+        out, _ = imaging.cover_resize(
+            im, bw, bh, full_size=size, reducing_gap=margin, resample=resample, shrink=k
         )
-        out = im.resize((b.width, b.height), Image.Resampling.LANCZOS, box=box)
-        buf = io.BytesIO()
-        out.save(buf, "JPEG", quality=92)
-    return len(images) / (time.perf_counter() - t0)
+        return imaging.encode(out), np.asarray(out)
+
+    return run
 
 
-def img2dataset_loop(images: list[bytes], spec: BucketSpec) -> float:
-    cv2.setNumThreads(1)
+def pillow_before(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+    """The path before this change: Pillow's WebP decoder, no whole-factor reduce, box
+    mapped by the drafted size."""
+    im = imaging.open_image(data)
+    if im.format == "JPEG":
+        im.draft("RGB", imaging.draft_size(*size, bw, bh))
+    im.load()
+    im = imaging._to_rgb(im)
+    out, _ = imaging.cover_resize(im, bw, bh, full_size=size)
+    return imaging.encode(out), np.asarray(out)
+
+
+def vips(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+    return imaging.prepare_with("vips", data, bw, bh, src_size=size).data, None
+
+
+STEP = {"img2dataset": img2dataset_style, "step": step}
+FRONTIER = {
+    "img2dataset (OpenCV full decode, INTER_AREA, integer crop)": img2dataset_style,
+    "Pillow draft 1.5x + Lanczos (before)": pillow_before,
+    "Pillow draft 1.5x + reduce + Lanczos, libwebp RGB (default)": pillow_path("lanczos"),
+    "same, draft/reduce 1.25x + Lanczos": pillow_path("lanczos", 1.25),
+    "same, draft/reduce 1.0x + Lanczos": pillow_path("lanczos", 1.0),
+    "same, Bicubic": pillow_path("bicubic"),
+    "same, Hamming": pillow_path("hamming"),
+    "same, Bilinear": pillow_path("bilinear"),
+    "same, Box (area)": pillow_path("box"),
+    "libvips thumbnail (--codec vips)": vips,
+}
+
+
+# --- corpus and fidelity -------------------------------------------------------------
+
+
+def load_items(corpus: str, n: int, spec: BucketSpec) -> tuple[list, list]:
+    """(id, bytes, caption) rows for the table, and the bucketable ones with their shape."""
+    if not os.path.exists(os.path.join(corpus, "manifest.jsonl")):
+        print(f"building the photo corpus in {corpus} ...", file=sys.stderr)
+        photo_corpus.build(corpus, images=max(n, 320))
+    rows = photo_corpus.load(corpus)[:n]
+    work = []
+    for rid, data, _ in rows:
+        info = imaging.probe(data)
+        b = assign_bucket(info.width, info.height, spec).bucket
+        if b is not None:
+            work.append((rid, data, b.width, b.height, (info.width, info.height)))
+    return rows, work
+
+
+def reference(data: bytes, bw: int, bh: int, size: tuple[int, int]) -> np.ndarray:
+    im = imaging.decode(data)
+    box = imaging.cover_box(*size, bw, bh)
+    chans = [
+        np.asarray(c.convert("F").resize((bw, bh), Image.Resampling.LANCZOS, box=box))
+        for c in im.split()
+    ]
+    return np.stack(chans, -1)
+
+
+def psnr(ref: np.ndarray, out: np.ndarray) -> float:
+    mse = float(np.mean((ref.astype(np.float64) - out.astype(np.float64)) ** 2))
+    return 99.0 if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def detail(ref: np.ndarray) -> float:
+    y = ref @ np.array([0.299, 0.587, 0.114], np.float32)
+    lap = 4 * y[1:-1, 1:-1] - y[:-2, 1:-1] - y[2:, 1:-1] - y[1:-1, :-2] - y[1:-1, 2:]
+    return float(np.abs(lap).mean())
+
+
+def fidelity(paths: dict[str, Path], work: list, every: int) -> dict:
+    """PSNR of each path against the float Lanczos reference, over every ``every``-th image."""
+    sample = work[::every]
+    scores: dict[str, list[tuple[float, float | None]]] = {k: [] for k in paths}
+    details = []
+    names = [rid for rid, *_ in sample]
+    for _, data, bw, bh, size in sample:
+        ref = reference(data, bw, bh, size)
+        details.append(detail(ref))
+        for name, fn in paths.items():
+            enc, pix = fn(data, bw, bh, size)
+            dec = np.asarray(Image.open(io.BytesIO(enc)).convert("RGB"))
+            scores[name].append((psnr(ref, dec), None if pix is None else psnr(ref, pix)))
+    cut = sorted(details)[len(details) * 3 // 4] if details else 0.0
+    detailed = [i for i, d in enumerate(details) if d >= cut]
+    out = {}
+    for name, vals in scores.items():
+        after = [v[0] for v in vals]
+        before = [v[1] for v in vals if v[1] is not None]
+        row = {
+            "psnr_min": round(min(after), 2),
+            "psnr_median": round(statistics.median(after), 2),
+            "detailed_psnr_min": round(min(after[i] for i in detailed), 2),
+            "detailed_psnr_median": round(statistics.median(after[i] for i in detailed), 2),
+            "worst": names[min(range(len(after)), key=after.__getitem__)],
+        }
+        if before:
+            row["before_encode_psnr_min"] = round(min(before), 2)
+            row["before_encode_psnr_median"] = round(statistics.median(before), 2)
+        out[name] = row
+    return {"images": len(sample), "detailed_images": len(detailed), "paths": out}
+
+
+# --- speed ---------------------------------------------------------------------------
+
+
+def time_loop(fn: Path, work: list) -> tuple[float, float]:
+    c0, w0 = time.process_time(), time.perf_counter()
+    for _, data, bw, bh, size in work:
+        fn(data, bw, bh, size)
+    return time.process_time() - c0, time.perf_counter() - w0
+
+
+def race(paths: dict[str, Path], work: list, rounds: int, anchor: str) -> dict:
+    """Per-image interleaving: each image goes through every path in turn (the order
+    rotates), so a shared machine's load swings hit all paths alike. Per round:
+    img/s per path (CPU and wall) and ratios to ``anchor``; reported: medians."""
+    names = list(paths)
+    for name in names:  # warm-up: imports, codec tables, page cache
+        for _, data, bw, bh, size in work[:2]:
+            paths[name](data, bw, bh, size)
+    per_round = []
+    for r in range(rounds):
+        cpu = dict.fromkeys(names, 0.0)
+        wall = dict.fromkeys(names, 0.0)
+        for i, (_, data, bw, bh, size) in enumerate(work):
+            k = (i + r) % len(names)
+            for name in names[k:] + names[:k]:
+                c0, w0 = time.process_time(), time.perf_counter()
+                paths[name](data, bw, bh, size)
+                cpu[name] += time.process_time() - c0
+                wall[name] += time.perf_counter() - w0
+        res = {
+            n: {"cpu_img_s": len(work) / cpu[n], "wall_img_s": len(work) / wall[n]} for n in names
+        }
+        per_round.append(res)
+        print(
+            f"  round {r + 1}: "
+            + ", ".join(f"{n} {res[n]['cpu_img_s']:.2f} img/cpu-s" for n in names),
+            file=sys.stderr,
+        )
+    out = {}
+    for name in names:
+        cpu_r = [pr[name]["cpu_img_s"] for pr in per_round]
+        wall_r = [pr[name]["wall_img_s"] for pr in per_round]
+        ratio_cpu = [pr[name]["cpu_img_s"] / pr[anchor]["cpu_img_s"] for pr in per_round]
+        ratio_wall = [pr[name]["wall_img_s"] / pr[anchor]["wall_img_s"] for pr in per_round]
+        out[name] = {
+            "cpu_img_per_s": round(statistics.median(cpu_r), 2),
+            "wall_img_per_s": round(statistics.median(wall_r), 2),
+            f"ratio_cpu_vs_{anchor}": round(statistics.median(ratio_cpu), 3),
+            f"ratio_wall_vs_{anchor}": round(statistics.median(ratio_wall), 3),
+            "ratio_cpu_per_round": [round(x, 3) for x in ratio_cpu],
+            "ratio_wall_per_round": [round(x, 3) for x in ratio_wall],
+        }
+    return {"images": len(work), "rounds": rounds, "anchor": anchor, "paths": out}
+
+
+# --- the pipeline ----------------------------------------------------------------------
+
+
+def export_once(table: str, workdir: str, tag: str, tiers: tuple[int, ...], **cfg) -> dict:
+    from pipelines.write_mds import run_export
+    from prx_data.export.unit import ExportConfig
+
+    out = os.path.join(workdir, f"out-{tag}")
     t0 = time.perf_counter()
-    for data in images:
-        arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
-        h, w = arr.shape[:2]
-        b = assign_bucket(w, h, spec).bucket
-        scale = max(b.width / w, b.height / h)
-        rw, rh = max(b.width, round(w * scale)), max(b.height, round(h * scale))
-        res = cv2.resize(arr, (rw, rh), interpolation=cv2.INTER_LANCZOS4)
-        x0, y0 = (rw - b.width) // 2, (rh - b.height) // 2
-        crop = res[y0 : y0 + b.height, x0 : x0 + b.width]
-        ok, _ = cv2.imencode(".jpg", crop, [cv2.IMWRITE_JPEG_QUALITY, 92])
-        assert ok
-    return len(images) / (time.perf_counter() - t0)
+    report = run_export(ExportConfig(table=table, out=out, tiers=tiers, **cfg), progress=False)
+    wall = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    return {"samples": report.samples_written, "units": report.units, "seconds": wall}
 
 
-def export_rate(
-    table: str,
-    workdir: str,
-    num_cpus: int,
-    tiers: tuple[int, ...],
-    rows_per_task: int,
-    codec: str = "pillow",
+def pipeline(
+    table: str, warm: str, workdir: str, work: list, tiers: tuple[int, ...], rounds: int
 ) -> dict:
     import ray
 
-    from pipelines.write_mds import run_export
     from prx_data.core.runtime import ensure_ray
-    from prx_data.export.unit import ExportConfig
 
-    if ray.is_initialized():
+    spec_loop = STEP["step"]
+    per_round = []
+    for r in range(rounds):
+        res = {}
+        order = ["loop", 1, 2] if r % 2 == 0 else [2, 1, "loop"]
+        for who in order:
+            if who == "loop":
+                cpu, wall = time_loop(spec_loop, work)
+                res["loop"] = {"img_s": len(work) / wall, "cpu_img_s": len(work) / cpu}
+                continue
+            if ray.is_initialized():
+                ray.shutdown()
+            ensure_ray(num_cpus=who)
+            # Warm-up on a 2-row table: worker processes started, codec stack imported.
+            export_once(warm, workdir, f"warm{who}", tiers)
+            e = export_once(table, workdir, f"{who}cpu-{r}", tiers)
+            res[f"{who}cpu"] = {"img_s": e["samples"] / e["seconds"], **e}
         ray.shutdown()
-    ensure_ray(num_cpus=num_cpus)
-    # Warm-up: start the worker processes and import the codec stack once.
-    run_export(
-        ExportConfig(
-            table=table,
-            out=os.path.join(workdir, f"warm{num_cpus}{codec}"),
-            tiers=tiers,
-            codec=codec,
-            rows_per_task=rows_per_task,
-            filter="id < 'img/0002'",
-        ),
-        progress=False,
-    )
-    out = os.path.join(workdir, f"out{num_cpus}{codec}")
-    t0 = time.perf_counter()
-    report = run_export(
-        ExportConfig(table=table, out=out, tiers=tiers, rows_per_task=rows_per_task, codec=codec),
-        progress=False,
-    )
-    wall = time.perf_counter() - t0
-    ray.shutdown()
+        per_round.append(res)
+        print(
+            f"  round {r + 1}: loop {res['loop']['img_s']:.2f} img/s, "
+            f"1 cpu {res['1cpu']['img_s']:.2f} ({res['1cpu']['units']} units), "
+            f"2 cpu {res['2cpu']['img_s']:.2f} ({res['2cpu']['units']} units)",
+            file=sys.stderr,
+        )
+    one_vs_loop = [pr["1cpu"]["img_s"] / pr["loop"]["img_s"] for pr in per_round]
+    two_vs_one = [pr["2cpu"]["img_s"] / pr["1cpu"]["img_s"] for pr in per_round]
     return {
-        "cpus": num_cpus,
-        "samples": report.samples_written,
-        "seconds": wall,
-        "img_per_s": report.samples_written / wall,
+        "images": len(work),
+        "rounds": rounds,
+        "loop_img_per_s": round(statistics.median(pr["loop"]["img_s"] for pr in per_round), 2),
+        "write_mds_1cpu_img_per_s": round(
+            statistics.median(pr["1cpu"]["img_s"] for pr in per_round), 2
+        ),
+        "write_mds_2cpu_img_per_s": round(
+            statistics.median(pr["2cpu"]["img_s"] for pr in per_round), 2
+        ),
+        "ratio_1cpu_vs_loop": round(statistics.median(one_vs_loop), 3),
+        "ratio_2cpu_vs_1cpu": round(statistics.median(two_vs_one), 3),
+        "ratio_1cpu_vs_loop_per_round": [round(x, 3) for x in one_vs_loop],
+        "ratio_2cpu_vs_1cpu_per_round": [round(x, 3) for x in two_vs_one],
+        "units": {k: per_round[0][k]["units"] for k in ("1cpu", "2cpu")},
     }
 
 
-def main() -> None:
+def machine() -> dict:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "loadavg_at_start": load,
+        "pillow": Image.__version__,
+        "opencv": cv2.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--corpus", default=photo_corpus.DEFAULT_OUT, help="Photo corpus folder.")
+    p.add_argument("--images", type=int, default=320, help="Images to use (default 320).")
     p.add_argument(
-        "--images", type=int, default=48, help="Photo-like 2-12 MP JPEGs to generate (default 48)."
+        "--tiers", default="512,1024", help="Export tiers (default 512,1024: most land in 1024)."
+    )
+    p.add_argument("--only", default="step,frontier,pipeline", help="Parts to run.")
+    p.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (default 3).")
+    p.add_argument(
+        "--frontier-rounds", type=int, default=1, help="Rounds for the frontier (default 1)."
     )
     p.add_argument(
-        "--tiers", default="512,1024", help="Tiers (default 512,1024: every image lands in 1024)."
+        "--fidelity-every",
+        type=int,
+        default=4,
+        help="PSNR on every k-th image (default 4; the reference is a slow float resample).",
     )
-    p.add_argument("--rows-per-task", type=int, default=4)
     p.add_argument("--json", default=None, help="Also write the results to this JSON file.")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    cv2.setNumThreads(1)
     tiers = tuple(int(t) for t in args.tiers.split(","))
     spec = BucketSpec(tiers=tiers)
-    workdir = tempfile.mkdtemp(prefix="bench_export_")
-    try:
-        images = make_images(args.images)
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parts = set(args.only.split(","))
+    rows, work = load_items(args.corpus, args.images, spec)
+    res: dict = {
+        "machine": machine(),
+        "corpus": {"rows": len(rows), "bucketable": len(work), "tiers": list(tiers)},
+    }
+    print(json.dumps(res), file=sys.stderr)
+    if "step" in parts:
+        print("step vs img2dataset-style loop ...", file=sys.stderr)
+        res["step"] = race(STEP, work, args.rounds, anchor="img2dataset")
+        res["step"]["fidelity"] = fidelity(STEP, work, args.fidelity_every)
+        print(json.dumps(res["step"], indent=1), file=sys.stderr)
+    if "frontier" in parts:
+        print("frontier ...", file=sys.stderr)
+        anchor = next(iter(FRONTIER))
+        res["frontier"] = race(FRONTIER, work, args.frontier_rounds, anchor=anchor)
+        res["frontier"]["fidelity"] = fidelity(FRONTIER, work, args.fidelity_every)
+        print(json.dumps(res["frontier"], indent=1), file=sys.stderr)
+    if "pipeline" in parts:
+        print("write_mds pipeline ...", file=sys.stderr)
         from tests.tablekit import make_table
 
-        table = os.path.join(workdir, "t.lance")
-        make_table(
-            table,
-            [(f"img/{i:04d}", d, f"image {i}") for i, d in enumerate(images)],
-            max_rows_per_file=16,
-        )
-        floor = floor_loop(images, spec)
-        i2d = img2dataset_loop(images, spec)
-        one = export_rate(table, workdir, 1, tiers, args.rows_per_task)
-        two = export_rate(table, workdir, 2, tiers, args.rows_per_task)
-        vips = export_rate(table, workdir, 1, tiers, args.rows_per_task, codec="vips")
-        res = {
-            "images": args.images,
-            "floor_img_per_s": round(floor, 2),
-            "img2dataset_img_per_s": round(i2d, 2),
-            "write_mds_1cpu_img_per_s": round(one["img_per_s"], 2),
-            "write_mds_2cpu_img_per_s": round(two["img_per_s"], 2),
-            "ratio_vs_floor": round(one["img_per_s"] / floor, 3),
-            "ratio_vs_img2dataset": round(one["img_per_s"] / i2d, 3),
-            "scaling_1_to_2": round(two["img_per_s"] / one["img_per_s"], 3),
-            "write_mds_vips_1cpu_img_per_s": round(vips["img_per_s"], 2),
-            "vips_ratio_vs_floor": round(vips["img_per_s"] / floor, 3),
-            "vips_ratio_vs_img2dataset": round(vips["img_per_s"] / i2d, 3),
-        }
-        print(json.dumps(res, indent=2))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        workdir = tempfile.mkdtemp(prefix="bench_export_")
+        try:
+            table, warm = os.path.join(workdir, "t.lance"), os.path.join(workdir, "warm.lance")
+            make_table(table, rows, max_rows_per_file=1024)
+            make_table(warm, [(w[0], w[1], "warm") for w in work[:2]])
+            res["pipeline"] = pipeline(table, warm, workdir, work, tiers, args.rounds)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(json.dumps(res["pipeline"], indent=1), file=sys.stderr)
+    res["machine"]["loadavg_at_end"] = os.getloadavg()
+    print(json.dumps(res, indent=2))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,11 @@
 
 One task per work unit (a row range of a Lance fragment); each task opens the
 table itself, so rows never travel through the object store. Tasks run in
-parallel on every CPU Ray offers, locally or across a cluster.
+parallel on every CPU Ray offers, locally or across a cluster. Unless told
+otherwise (``min_units``), a fresh export plans at least
+:data:`UNITS_PER_CPU` units per CPU of the cluster, so a table of a few
+hundred rows still uses every core; the count is pinned in the export's
+config, so ``--resume`` plans the same units on any cluster.
 """
 
 from __future__ import annotations
@@ -11,17 +15,19 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from tqdm.auto import tqdm
 
 from prx_data.core import storage
+from prx_data.core.imaging import check_codec
 from prx_data.core.runtime import ensure_ray
 from prx_data.core.storage import storage_env
 from prx_data.export.layout import remove_stale_parts
 from prx_data.export.lock import ExportLock
 from prx_data.export.unit import (
     ExportConfig,
+    ExportError,
     ExportReport,
     UnitResult,
     WorkUnit,
@@ -32,6 +38,19 @@ from prx_data.export.unit import (
     plan_units,
     prepare_output,
 )
+
+#: Work units per cluster CPU when ``min_units`` is not given: enough that cores
+#: finishing early (small images, drops) pick up more work, few enough that
+#: parts stay large (at 2 CPUs and 320 rows, 8 units of 40 rows).
+UNITS_PER_CPU = 4
+
+
+def auto_min_units(ray_address: str | None = None, num_cpus: int | None = None) -> int:
+    """``UNITS_PER_CPU`` x the CPUs of the Ray cluster (started or joined here)."""
+    ensure_ray(ray_address, num_cpus)
+    import ray
+
+    return UNITS_PER_CPU * max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 class _ExportTask:
@@ -60,7 +79,13 @@ def run_export(
     The whole run holds the output's lock (:mod:`prx_data.export.lock`): a
     second run or a ``--resume`` on the same ``--out`` is refused meanwhile.
     """
+    try:
+        check_codec(cfg.codec, cfg.resample)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     check_out_location(cfg.out)
+    if cfg.min_units is None and not resume:  # a resume keeps the count it started with
+        cfg = replace(cfg, min_units=auto_min_units(ray_address, num_cpus))
     created = not storage.is_remote(cfg.out) and not os.path.exists(cfg.out)
     try:
         with ExportLock(cfg.out) as lock:

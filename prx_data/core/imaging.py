@@ -28,6 +28,17 @@ DRAFT_MARGIN = 1.5
 DEFAULT_JPEG_QUALITY = 92
 BACKGROUND = (255, 255, 255)
 
+#: Resampling filters for the cover-resize, best first (Pillow's, all with an
+#: exact crop box). Lanczos is the default; the others trade fidelity for speed
+#: (see the Codecs section of docs/ARCHITECTURE.md for the measured frontier).
+RESAMPLE = {
+    "lanczos": Image.Resampling.LANCZOS,
+    "bicubic": Image.Resampling.BICUBIC,
+    "hamming": Image.Resampling.HAMMING,
+    "bilinear": Image.Resampling.BILINEAR,
+    "box": Image.Resampling.BOX,
+}
+
 # Orientation tags that swap width and height.
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 
@@ -144,26 +155,95 @@ def decode_errors() -> Iterator[None]:
         raise ImageError("decode_error", str(e)) from None
 
 
+def _decode_still_webp(
+    data: bytes, size: tuple[int, int], draft_to: tuple[int, int] | None
+) -> tuple[Image.Image, int] | None:
+    """An opaque still WebP through libwebp's plain RGB decoder (OpenCV's); None: use Pillow.
+
+    The pixels are the ones Pillow decodes (both are libwebp; checked equal on
+    the benchmark corpus), at about 0.7x the cost on large images: Pillow 11
+    decodes every WebP through the animation API into an RGBA canvas first.
+    With ``draft_to`` the image is then box-reduced by the largest whole factor
+    that keeps it at least that size (WebP has no DCT draft); returns the image
+    and that factor. Failures fall back to Pillow, which raises the usual
+    :class:`ImageError`.
+    """
+    try:
+        import cv2
+    except ImportError:  # pragma: no cover - opencv is a dependency
+        return None
+    rgb = getattr(cv2, "IMREAD_COLOR_RGB", None)  # OpenCV >= 4.11
+    arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR if rgb is None else rgb)
+    if arr is None or arr.ndim != 3 or arr.shape[2] != 3 or (arr.shape[1], arr.shape[0]) != size:
+        return None
+    if rgb is None:
+        arr = cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
+    k = 1
+    if draft_to is not None:
+        k = max(1, min(size[0] // max(1, draft_to[0]), size[1] // max(1, draft_to[1])))
+        if k > 1:
+            arr = _box_reduce(arr, k)
+    return Image.fromarray(arr), k
+
+
+def _box_reduce(arr: np.ndarray, k: int) -> np.ndarray:
+    """Mean of every k x k block (Pillow's ``reduce``), partial edge blocks over what they hold."""
+    import cv2
+
+    h, w = arr.shape[:2]
+    h0, w0 = h - h % k, w - w % k
+    # Whole blocks: OpenCV's area resize by an integer factor is the exact block mean.
+    core = cv2.resize(arr[:h0, :w0], (w0 // k, h0 // k), interpolation=cv2.INTER_AREA)
+    if (h0, w0) == (h, w):
+        return core
+    out = np.empty(((h + k - 1) // k, (w + k - 1) // k, 3), np.uint8)
+    out[: h0 // k, : w0 // k] = core
+    if w0 < w:
+        col = arr[:h0, w0:].reshape(h0 // k, k, w - w0, 3).mean(axis=(1, 2))
+        out[: h0 // k, -1] = np.rint(col)
+    if h0 < h:
+        row = arr[h0:, :w0].reshape(h - h0, w0 // k, k, 3).mean(axis=(0, 2))
+        out[-1, : w0 // k] = np.rint(row)
+    if w0 < w and h0 < h:
+        out[-1, -1] = np.rint(arr[h0:, w0:].reshape(-1, 3).mean(axis=0))
+    return out
+
+
 def decode(data: bytes, draft_to: tuple[int, int] | None = None) -> Image.Image:
     """Decode to an oriented 8-bit RGB image.
 
     ``draft_to`` is a minimum size in the *oriented* frame; JPEGs may be
-    DCT-downscaled to no less than it (see :data:`DRAFT_MARGIN`).
+    DCT-downscaled and opaque still WebPs box-reduced to no less than it (see
+    :data:`DRAFT_MARGIN`).
     """
+    return decode_scaled(data, draft_to)[0]
+
+
+def decode_scaled(data: bytes, draft_to: tuple[int, int] | None = None) -> tuple[Image.Image, int]:
+    """:func:`decode`, and the whole factor it shrank by: pixel i covers source [i*k, (i+1)*k)."""
     im = open_image(data)
     with decode_errors():
-        if getattr(im, "n_frames", 1) > 1:
+        frames = getattr(im, "n_frames", 1)
+        if frames > 1:
             im.seek(0)
         orientation = _orientation(im)
+        if im.format == "WEBP" and im.mode == "RGB" and frames == 1 and orientation == 1:
+            fast = _decode_still_webp(data, im.size, draft_to)
+            if fast is not None:
+                return fast
+        k = 1
         if draft_to is not None and im.format == "JPEG":
             dw, dh = draft_to
             if orientation in _TRANSPOSING_ORIENTATIONS:
                 dw, dh = dh, dw
-            im.draft("RGB", (max(1, dw), max(1, dh)))
+            width = im.size[0]
+            drafted = im.draft("RGB", (max(1, dw), max(1, dh)))
+            if drafted is not None:  # (mode, (0, 0, width / k, height / k))
+                k = round(width / drafted[1][2])
         im.load()
         if orientation != 1:
             im = ImageOps.exif_transpose(im)
-        return _to_rgb(im)
+        return _to_rgb(im), k
 
 
 def cover_box(src_w: int, src_h: int, dst_w: int, dst_h: int) -> tuple[float, float, float, float]:
@@ -184,16 +264,31 @@ def draft_size(
 
 
 def cover_resize(
-    im: Image.Image, dst_w: int, dst_h: int, full_size: tuple[int, int] | None = None
+    im: Image.Image,
+    dst_w: int,
+    dst_h: int,
+    full_size: tuple[int, int] | None = None,
+    reducing_gap: float | None = None,
+    resample: str = "lanczos",
+    shrink: int | None = None,
 ) -> tuple[Image.Image, tuple[float, float, float, float]]:
-    """Lanczos cover-resize + centre crop to (dst_w, dst_h) in one resample.
+    """Cover-resize + centre crop to (dst_w, dst_h) in one resample (Lanczos by default).
 
     ``full_size`` is the oriented size before any draft downscale; the
-    returned crop box is expressed in that frame.
+    returned crop box is expressed in that frame. ``shrink`` is the draft's
+    whole factor (:func:`decode_scaled`), which maps the box exactly; without
+    it the scale is taken from the sizes, which is off by up to one drafted
+    pixel at the far edge when a side does not divide by the factor.
+    ``reducing_gap`` lets Pillow first box-reduce by a whole factor, leaving
+    at least that multiple of the target for the Lanczos pass (the same rule
+    as drafts, for formats that have none); the crop box stays exact.
     """
     fw, fh = full_size or im.size
     box = cover_box(fw, fh, dst_w, dst_h)
-    sx, sy = im.size[0] / fw, im.size[1] / fh
+    if shrink:
+        sx = sy = 1.0 / shrink
+    else:
+        sx, sy = im.size[0] / fw, im.size[1] / fh
     iw, ih = im.size
     scaled = (
         max(0.0, box[0] * sx),
@@ -201,8 +296,15 @@ def cover_resize(
         min(float(iw), box[2] * sx),
         min(float(ih), box[3] * sy),
     )
-    out = im.resize((dst_w, dst_h), Image.Resampling.LANCZOS, box=scaled)
+    out = im.resize((dst_w, dst_h), _filter(resample), box=scaled, reducing_gap=reducing_gap)
     return out, box
+
+
+def _filter(resample: str) -> Image.Resampling:
+    try:
+        return RESAMPLE[resample]
+    except KeyError:
+        raise ValueError(f"unknown resample {resample!r}; choose from {list(RESAMPLE)}") from None
 
 
 def encode(
@@ -234,19 +336,32 @@ def prepare(
     quality: int = DEFAULT_JPEG_QUALITY,
     use_draft: bool = True,
     subsampling: int | str = -1,
+    resample: str = "lanczos",
+    draft_margin: float = DRAFT_MARGIN,
 ) -> Prepared:
-    """Decode -> cover-resize (Lanczos) -> centre crop -> encode, for one bucket shape."""
+    """Decode -> cover-resize (Lanczos) -> centre crop -> encode, for one bucket shape.
+
+    With ``use_draft`` the resample starts from no less than ``draft_margin``
+    x the target: JPEGs are DCT-downscaled while decoding, other formats are
+    box-reduced by a whole factor first. Without it, the full image is resampled.
+    """
+    _filter(resample)  # fail before decoding
     if src_size is None:
         info = probe(data)
         src_size = (info.width, info.height)
-    draft_to = draft_size(*src_size, dst_w, dst_h) if use_draft else None
-    im = decode(data, draft_to=draft_to)
+    draft_to = draft_size(*src_size, dst_w, dst_h, draft_margin) if use_draft else None
+    im, k = decode_scaled(data, draft_to=draft_to)
     # The header size can disagree with the decoded frame (rare, broken files):
     # then trust the pixels. A draft keeps the aspect ratio, so compare ratios.
     full = src_size
     if abs(im.size[0] / im.size[1] - full[0] / full[1]) > 0.02 * (full[0] / full[1]):
-        full = im.size
-    out, box = cover_resize(im, dst_w, dst_h, full_size=full)
+        full, k = im.size, 1
+    elif any(-(-f // k) != s for f, s in zip(full, im.size, strict=True)):
+        k = 0  # the header's size is not the decoded one: map by the sizes
+    gap = draft_margin if use_draft else None
+    out, box = cover_resize(
+        im, dst_w, dst_h, full_size=full, reducing_gap=gap, resample=resample, shrink=k
+    )
     return Prepared(encode(out, fmt, quality, subsampling), dst_w, dst_h, box)
 
 
@@ -325,11 +440,20 @@ def prepare_vips(
     return Prepared(out, dst_w, dst_h, cover_box(*src_size, dst_w, dst_h))
 
 
+def check_codec(codec: str, resample: str = "lanczos") -> None:
+    """Raise ValueError for an unknown codec or filter, or a filter the codec cannot use."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose from {CODECS}")
+    _filter(resample)
+    if codec == "vips" and resample != "lanczos":
+        raise ValueError(f"the vips codec resamples with Lanczos3 only, not {resample!r}")
+
+
 def prepare_with(codec: str, data: bytes, dst_w: int, dst_h: int, **kwargs) -> Prepared:
     """Dispatch to the chosen codec path (``pillow`` or ``vips``)."""
+    check_codec(codec, kwargs.get("resample", "lanczos"))
     if codec == "pillow":
         return prepare(data, dst_w, dst_h, **kwargs)
-    if codec == "vips":
-        kwargs.pop("use_draft", None)
-        return prepare_vips(data, dst_w, dst_h, **kwargs)
-    raise ValueError(f"unknown codec {codec!r}; choose from {CODECS}")
+    kwargs.pop("use_draft", None)
+    kwargs.pop("resample", None)
+    return prepare_vips(data, dst_w, dst_h, **kwargs)

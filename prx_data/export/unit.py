@@ -74,12 +74,19 @@ class ExportConfig:
     #: JPEG chroma subsampling: -1 = Pillow default (4:2:0), 0 = 4:4:4, 2 = 4:2:0.
     subsampling: int = -1
     use_draft: bool = True
-    #: Resize/encode path: "pillow" (draft >= 1.5x + Lanczos) or "vips" (libvips thumbnail).
+    #: Resize/encode path: "pillow" (draft + Lanczos) or "vips" (libvips thumbnail).
     codec: str = "pillow"
+    #: Resampling filter of the pillow codec (``core.imaging.RESAMPLE``): lanczos, or a
+    #: faster, softer one (bicubic, hamming, bilinear, box); see docs/ARCHITECTURE.md.
+    resample: str = "lanczos"
     compression: str | None = None
     hashes: tuple[str, ...] = DEFAULT_HASHES
     size_limit: int = 1 << 26
     rows_per_task: int = 1000
+    #: Plan at least this many work units, so that a small table still keeps every core
+    #: busy (None: ``rows_per_task`` alone). ``pipelines.write_mds`` sets it from the
+    #: cluster's CPUs when the export starts, and the pinned config keeps it for resumes.
+    min_units: int | None = None
     #: Optional Lance SQL filter applied before bucketing (e.g. ``label = 'visual'``).
     filter: str | None = None
     max_caption_chars: int = 20000
@@ -225,13 +232,28 @@ def resolve_caption_columns(schema: pa.Schema, wanted: tuple[str, ...] | None) -
 
 
 def plan_units(cfg: ExportConfig) -> list[WorkUnit]:
-    """Split every fragment into row ranges of at most ``rows_per_task`` rows."""
+    """Cut every fragment into equal row ranges, from fragment metadata alone.
+
+    A unit holds at most ``rows_per_task`` rows and at most ``ceil(rows /
+    min_units)``, so a table of a few hundred rows still makes ``min_units``
+    units. Only the manifest is read (``count_rows`` of a fragment is its
+    physical rows less its deletions): no data file, no image bytes, so a
+    10^8-row table plans in the time it takes to list its fragments. The plan
+    depends only on the pinned table version and the settings, so reruns and
+    resumes make the same units with the same part names.
+    """
     ds = open_table(cfg.table, cfg.table_version)
+    sizes = [(frag.fragment_id, frag.count_rows()) for frag in ds.get_fragments()]
+    per_unit = max(1, cfg.rows_per_task)
+    total = sum(n for _, n in sizes)
+    if (cfg.min_units or 0) > 0 and total:
+        per_unit = min(per_unit, -(-total // cfg.min_units))
     units = []
-    for frag in ds.get_fragments():
-        n = frag.count_rows()
-        for start in range(0, n, cfg.rows_per_task):
-            units.append(WorkUnit(frag.fragment_id, start, min(cfg.rows_per_task, n - start)))
+    for fragment_id, n in sizes:
+        k = -(-n // per_unit)
+        for i in range(k):
+            start, end = i * n // k, (i + 1) * n // k
+            units.append(WorkUnit(fragment_id, start, end - start))
     return units
 
 
@@ -286,7 +308,13 @@ def prepare_output(
         caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
         now = _normalise(
             ExportConfig(
-                **{**asdict(cfg), "table_version": previous.table_version, "caption_columns": caps}
+                **{
+                    **asdict(cfg),
+                    "table_version": previous.table_version,
+                    "caption_columns": caps,
+                    # an automatic unit count (None) stays the one the run started with
+                    "min_units": previous.min_units if cfg.min_units is None else cfg.min_units,
+                }
             )
         )
         if now.fingerprint() != previous.fingerprint():
@@ -438,6 +466,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                         quality=cfg.quality,
                         use_draft=cfg.use_draft,
                         subsampling=cfg.subsampling,
+                        resample=cfg.resample,
                     )
                 except ImageError as e:
                     drop(row, e.reason, e.detail)
