@@ -84,8 +84,6 @@ def run_export(
     except ValueError as e:
         raise ExportError(str(e)) from None
     check_out_location(cfg.out)
-    if cfg.min_units is None and not resume:  # a resume keeps the count it started with
-        cfg = replace(cfg, min_units=auto_min_units(ray_address, num_cpus))
     created = not storage.is_remote(cfg.out) and not os.path.exists(cfg.out)
     try:
         with ExportLock(cfg.out) as lock:
@@ -110,6 +108,9 @@ def _run_locked(
     progress: bool,
     t0: float,
 ) -> ExportReport:
+    # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
+    if cfg.min_units is None and not resume:  # a resume keeps the count it started with
+        cfg = replace(cfg, min_units=auto_min_units(ray_address, num_cpus))
     cfg = prepare_output(cfg, overwrite=overwrite, resume=resume)
     units = plan_units(cfg)
     finished = done_parts(cfg.out) if resume else {}
