@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from prx_data.core import storage
 from prx_data.core.imaging import check_codec
-from prx_data.core.runtime import ensure_ray
+from prx_data.core.runtime import ensure_ray, unit_dataset
 from prx_data.core.storage import storage_env
 from prx_data.export.layout import remove_stale_parts
 from prx_data.export.lock import ExportLock
@@ -39,10 +39,13 @@ from prx_data.export.unit import (
     prepare_output,
 )
 
-#: Work units per cluster CPU when ``min_units`` is not given: enough that cores
-#: finishing early (small images, drops) pick up more work, few enough that
-#: parts stay large (at 2 CPUs and 320 rows, 8 units of 40 rows).
-UNITS_PER_CPU = 4
+#: Work units per cluster CPU when ``min_units`` is not given. Units cost the same
+#: in rows, not in time (image sizes vary), so the last one ends late while other
+#: cores idle; that tail is about half a unit, so more units shrink it. The cost
+#: per unit (open the table, one part folder) did not show in the benchmark at 8
+#: or 16 per CPU on 318 photos; 8 keeps parts of a small table at tens of rows.
+#: Tables above ``rows_per_task`` x units are cut by ``rows_per_task`` anyway.
+UNITS_PER_CPU = 8
 
 
 def auto_min_units(ray_address: str | None = None, num_cpus: int | None = None) -> int:
@@ -120,9 +123,7 @@ def _run_locked(
     results: dict[str, UnitResult] = {p: r for p, r in finished.items()}
     if todo:
         ensure_ray(ray_address, num_cpus)
-        import ray.data
-
-        ds = ray.data.from_items([asdict(u) for u in todo], override_num_blocks=len(todo))
+        ds = unit_dataset([asdict(u) for u in todo])
         remote_args: dict = {"num_cpus": 1}
         env = storage_env()
         if env:  # workers started before these were set would not see them

@@ -191,7 +191,9 @@ def _cli(*args: str) -> list[str]:
 
 def test_kill_and_resume_gives_complete_valid_output(photo_table, tmp_path, ray_local):
     ref = str(tmp_path / "ref")
-    run_export(ExportConfig(table=photo_table, out=ref, rows_per_task=2), progress=False)
+    run_export(
+        ExportConfig(table=photo_table, out=ref, rows_per_task=2, min_units=1), progress=False
+    )
     out = str(tmp_path / "killed")
     env = {**os.environ, "PYTHONPATH": REPO}
     args = [
@@ -201,6 +203,8 @@ def test_kill_and_resume_gives_complete_valid_output(photo_table, tmp_path, ray_
         out,
         "--rows-per-task",
         "2",
+        "--min-units",  # the plan must not depend on the CPUs (the reference ran on 2)
+        "1",
         "--num-cpus",
         "1",
         "--no-progress",
@@ -261,7 +265,7 @@ cluster.add_node(num_cpus=1)
 ray.init(address=cluster.address)
 from pipelines.write_mds import run_export
 from prx_data.export.unit import ExportConfig
-report = run_export(ExportConfig(table=sys.argv[1], out=sys.argv[2], rows_per_task=2), progress=False)
+report = run_export(ExportConfig(table=sys.argv[1], out=sys.argv[2], rows_per_task=2, min_units=1), progress=False)
 nodes = [n for n in ray.nodes() if n["Alive"]]
 print(json.dumps({"nodes": len(nodes), "written": report.samples_written, "rows": report.rows_read}))
 ray.shutdown()

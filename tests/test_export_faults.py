@@ -52,7 +52,9 @@ def photo_table(tmp_path_factory):
 @pytest.fixture(scope="module")
 def photo_ref(photo_table, tmp_path_factory, ray_local):
     out = str(tmp_path_factory.mktemp("ref") / "ref")
-    run_export(ExportConfig(table=photo_table, out=out, rows_per_task=2), progress=False)
+    run_export(
+        ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1), progress=False
+    )
     return out
 
 
@@ -99,7 +101,9 @@ def test_caption_problems_are_warned_and_reported(tmp_path, ray_local):
 
 def test_resume_removes_temp_files_and_finishes(photo_table, photo_ref, tmp_path, ray_local):
     out = str(tmp_path / "o")
-    run_export(ExportConfig(table=photo_table, out=out, rows_per_task=2), progress=False)
+    run_export(
+        ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1), progress=False
+    )
     # Make it look like a run killed at its end: no report, one unit unfinished, temp files.
     os.remove(os.path.join(out, "report.json"))
     last = sorted(layout.list_markers(out))[-1]
@@ -115,7 +119,9 @@ def test_resume_removes_temp_files_and_finishes(photo_table, photo_ref, tmp_path
     for t in temps:
         open(t, "wb").write(b"half")
     run_export(
-        ExportConfig(table=photo_table, out=out, rows_per_task=2), resume=True, progress=False
+        ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1),
+        resume=True,
+        progress=False,
     )
     assert [t for t in temps if os.path.exists(t)] == []
     assert is_complete(out) and content_digest(out) == content_digest(photo_ref)
@@ -135,7 +141,18 @@ def test_kill_at_random_point_then_resume_and_concurrent_runs(
 ):
     out = str(tmp_path / "killed")
     env = {**os.environ, "PYTHONPATH": REPO}
-    args = ["--table", photo_table, "--out", out, "--rows-per-task", "2", "--num-cpus", "1"]
+    args = [
+        "--table",
+        photo_table,
+        "--out",
+        out,
+        "--rows-per-task",
+        "2",
+        "--min-units",
+        "1",
+        "--num-cpus",
+        "1",
+    ]
     args.append("--no-progress")
     proc = subprocess.Popen(
         _cli(*args),
@@ -273,7 +290,9 @@ def test_object_storage_faults_are_absorbed_by_retries(
         monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{proxy.server_address[1]}")
         monkeypatch.setenv("S3_READ_TIMEOUT_S", "4")  # the stalled request times out and is retried
         out = f"s3://{s3_bucket}/faulty"
-        run_export(ExportConfig(table=photo_table, out=out, rows_per_task=2), progress=False)
+        run_export(
+            ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1), progress=False
+        )
     finally:
         proxy.shutdown()
         proxy.server_close()

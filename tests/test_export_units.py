@@ -128,3 +128,20 @@ def test_bad_codec_settings_fail_before_any_work(small_table, tmp_path):
     with pytest.raises(ExportError, match="Lanczos3 only"):
         run_export(cfg, progress=False)
     assert not out.exists()
+
+
+@pytest.mark.ray
+def test_unit_dataset_is_one_task_per_unit_without_reservation(ray_local):
+    """A one-operator graph over work units does not reserve half the cluster (which
+    starts the second core a resource poll late); other datasets keep Ray's default."""
+    from ray.data import DataContext
+
+    from prx_data.core.runtime import unit_dataset
+
+    ds = unit_dataset([{"i": i} for i in range(3)])
+    assert ds.context.op_resource_reservation_enabled is False
+    assert DataContext.get_current().op_resource_reservation_enabled is True
+    multi = unit_dataset([{"i": 0}], single_operator=False)
+    assert multi.context.op_resource_reservation_enabled is True
+    assert ds.materialize().num_blocks() == 3
+    assert sorted(r["i"] for r in ds.iter_rows()) == [0, 1, 2]

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="Plan at least this many work units, so that small tables use every core "
-        "(default: 4 per CPU of the Ray cluster, recorded so that --resume plans the same "
+        "(default: 8 per CPU of the Ray cluster, recorded so that --resume plans the same "
         "units; give a number for an export whose parts do not depend on the cluster).",
     )
     p.add_argument(

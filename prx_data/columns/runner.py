@@ -546,11 +546,15 @@ class _ActorStage:
 def _ray_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[pa.Table]:
     import ray
 
-    from prx_data.core.runtime import ensure_ray
+    from prx_data.core.runtime import ensure_ray, unit_dataset
 
     ensure_ray(job.ray_address, job.num_cpus)
     items = [{"unit": json.dumps(u.__dict__)} for u in units]
-    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    # Task steps on the read's resources fuse with it into one operator.
+    fused = all(
+        not s.is_class and not s.num_gpus and s.num_cpus in (None, job.read_cpus) for s in job.steps
+    )
+    ds = unit_dataset(items, single_operator=fused)
     ds = ds.map_batches(
         _read_batch,
         batch_size=1,

@@ -38,6 +38,25 @@ def ensure_ray(
     quiet_ray_data()
 
 
+def unit_dataset(items: list[dict], *, single_operator: bool = True):
+    """A Ray Dataset of work units, one block (so one task) per unit.
+
+    ``single_operator``: the graph built on it fuses into one operator (task
+    stages only, same resources). Ray Data then reserves half the cluster for
+    that operator and lends the rest out only after its next resource poll,
+    about a second later: on 2 CPUs the second core idles for that second and
+    the last unit ends a second behind the others. With one operator there is
+    no one to reserve for, so the reservation is turned off for this dataset
+    alone (the process-wide ``DataContext`` is left as it is).
+    """
+    import ray.data
+
+    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
+    if single_operator:
+        ds.context.op_resource_reservation_enabled = False
+    return ds
+
+
 def quiet_ray_data() -> None:
     """Keep job output readable: Ray Data's per-operator logging stays at WARNING."""
     logging.getLogger("ray.data").setLevel(logging.WARNING)
