@@ -91,6 +91,26 @@ def test_export_with_foreign_files_inside_is_refused(tmp_path, table):
     assert os.path.exists(os.path.join(root, layout.MARKER_NAME))
 
 
+def test_wide_part_names_are_ours_and_unknown_shard_suffixes_are_not(tmp_path):
+    """Fragment ids past 999,999 widen the part name (part_name pads, never truncates); the
+    overwrite guard and verify must both still recognise it. A shard file with a suffix
+    that streaming never writes is somebody else's file."""
+    from prx_data.export import verify
+
+    root = str(tmp_path / "exp")
+    make_export(root, {B: 4})
+    wide = layout.part_name(1_234_567, 10**10)
+    assert wide == "f1234567-10000000000"
+    pdir = os.path.join(root, B, wide)
+    os.makedirs(pdir)
+    for f in ("shard.00000.mds", "shard.00001.mds.zstd", "index.json", "shard.00000.mds.d.skip"):
+        open(os.path.join(pdir, f), "wb").close()
+    assert layout.foreign_entries(root) == []
+    assert verify.SHARD_RE.match(f"{wide}/shard.00000.mds")
+    open(os.path.join(pdir, "shard.00002.mds.exe"), "wb").close()
+    assert layout.foreign_entries(root) == [f"{B}/{wide}/shard.00002.mds.exe"]
+
+
 def test_out_that_is_a_file_and_table_without_images_are_clean_errors(tmp_path, table):
     f = tmp_path / "file.bin"
     f.write_bytes(b"x")

@@ -177,12 +177,10 @@ _EXPORT_ENTRIES_EXTRA = {
     LEASE_NAME,
 }
 
-#: Work-unit part directories: ``f<fragment:06d>-<start:09d>`` (:func:`part_name`).
-_PART_RE = re.compile(r"^f\d{6}-\d{9}$")
-
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
+#: (Part directories themselves match ``_PART_RE``, the pattern :func:`part_name` makes.)
 _PART_FILE_RE = re.compile(
-    r"^(shard\.\d{5}\.mds(\.[a-z0-9]+)?(\.[a-z0-9][a-z0-9._-]{0,63}\.skip)?|index\.json"
+    rf"^({SHARD_FILE_PATTERN}(\.[a-z0-9][a-z0-9._-]{{0,63}}\.skip)?|index\.json"
     r"|ids\.parquet)(\.tmp-[0-9a-f]+)?$"
 )
 

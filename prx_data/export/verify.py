@@ -33,6 +33,7 @@ from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export.layout import (
     _AR_RE,
     _PART_RE,
+    _SHARD_RE,
     _TIER_RE,
     INDEX_NAME,
     PROGRESS_DIR,
@@ -43,8 +44,8 @@ from prx_data.export.layout import (
     rel_join,
 )
 
-#: A shard basename as the merged index records it.
-SHARD_RE = re.compile(r"^f\d{6}-\d{9}/shard\.\d{5}\.mds(\.[a-z0-9]+)?$")
+#: A shard basename as the merged index records it (``<part>/shard.NNNNN.mds[.ext]``).
+SHARD_RE = _SHARD_RE
 SIDECAR_SUFFIX = ".skip"
 
 #: ``check_sidecar(path, data, shard, name) -> problems`` (messages, empty when fine).
