@@ -10,6 +10,8 @@ rank of a multi-rank job in this process.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 from prx_data.export.sample import SampleExport, make_sample_export
@@ -109,3 +111,24 @@ def run_rank(
             gc.collect()
     clean_stale_shared_memory()
     return run
+
+
+def pinned_cli_args(table: str, out: str) -> list[str]:
+    """``write_mds`` flags for a one-CPU run that cuts the same units as
+    ``ExportConfig(rows_per_task=2, min_units=1)`` on any cluster, so its bytes can be
+    compared with a reference exported in-process on another number of CPUs."""
+    return [
+        *("--table", table, "--out", out),
+        *("--rows-per-task", "2", "--min-units", "1", "--num-cpus", "1", "--no-progress"),
+    ]
+
+
+def spawn_cli(argv: list[str], env: dict) -> subprocess.Popen:
+    """Start a job in its own process group (so a test can SIGKILL all of it), output discarded."""
+    return subprocess.Popen(
+        [sys.executable, "-m", *argv],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )

@@ -22,6 +22,7 @@ from prx_data.core.sample_data import make_sample_collection
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.unit import ExportConfig, ExportError
 from tests import badinputs
+from tests.exportkit import pinned_cli_args, spawn_cli
 from tests.tablekit import folder_items, make_table
 
 pytestmark = pytest.mark.ray
@@ -196,26 +197,8 @@ def test_kill_and_resume_gives_complete_valid_output(photo_table, tmp_path, ray_
     )
     out = str(tmp_path / "killed")
     env = {**os.environ, "PYTHONPATH": REPO}
-    args = [
-        "--table",
-        photo_table,
-        "--out",
-        out,
-        "--rows-per-task",
-        "2",
-        "--min-units",  # the plan must not depend on the CPUs (the reference ran on 2)
-        "1",
-        "--num-cpus",
-        "1",
-        "--no-progress",
-    ]
-    proc = subprocess.Popen(
-        _cli(*args),
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    args = pinned_cli_args(photo_table, out)
+    proc = spawn_cli(["prx_data.write_mds", *args], env)
     progress = os.path.join(out, "_progress")
     deadline = time.time() + 240
     while time.time() < deadline:

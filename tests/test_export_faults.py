@@ -26,6 +26,7 @@ from prx_data.export import layout
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.unit import ExportConfig
 from tests import badinputs
+from tests.exportkit import pinned_cli_args, spawn_cli
 from tests.tablekit import folder_items, make_table
 
 pytestmark = pytest.mark.ray
@@ -141,26 +142,8 @@ def test_kill_at_random_point_then_resume_and_concurrent_runs(
 ):
     out = str(tmp_path / "killed")
     env = {**os.environ, "PYTHONPATH": REPO}
-    args = [
-        "--table",
-        photo_table,
-        "--out",
-        out,
-        "--rows-per-task",
-        "2",
-        "--min-units",
-        "1",
-        "--num-cpus",
-        "1",
-    ]
-    args.append("--no-progress")
-    proc = subprocess.Popen(
-        _cli(*args),
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    args = pinned_cli_args(photo_table, out)
+    proc = spawn_cli(["prx_data.write_mds", *args], env)
     try:
         deadline = time.time() + 240
         while not os.path.exists(os.path.join(out, layout.CONFIG_NAME)):
