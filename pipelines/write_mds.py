@@ -83,7 +83,7 @@ def run_export(
     second run or a ``--resume`` on the same ``--out`` is refused meanwhile.
     """
     try:
-        check_codec(cfg.codec, cfg.resample)
+        check_codec(cfg.codec, cfg.resample, cfg.draft_margin)
     except ValueError as e:
         raise ExportError(str(e)) from None
     check_out_location(cfg.out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
@@ -128,6 +129,10 @@ def test_bad_codec_settings_fail_before_any_work(small_table, tmp_path):
     with pytest.raises(ExportError, match="Lanczos3 only"):
         run_export(cfg, progress=False)
     assert not out.exists()
+    cfg = ExportConfig(table=small_table, out=str(out), draft_margin=0.5)
+    with pytest.raises(ExportError, match="below 1.0"):
+        run_export(cfg, progress=False)
+    assert not out.exists()
 
 
 @pytest.mark.ray
@@ -145,3 +150,30 @@ def test_unit_dataset_is_one_task_per_unit_without_reservation(ray_local):
     assert multi.context.op_resource_reservation_enabled is True
     assert ds.materialize().num_blocks() == 3
     assert sorted(r["i"] for r in ds.iter_rows()) == [0, 1, 2]
+
+
+def test_draft_margin_reaches_the_export_and_its_resume_check(tmp_path):
+    """--draft-margin changes the exported pixels, and a resume with another margin is a
+    different export (refused), like any other setting that changes the bytes."""
+    from prx_data.core.sample_data import photo_like
+    from prx_data.export.unit import export_unit, finalize
+
+    buf = io.BytesIO()
+    photo_like(1600, 1200, 7)[0].save(buf, "JPEG", quality=95)  # 2x draft at 1.0, none at 1.5
+    table = str(tmp_path / "t.lance")
+    make_table(table, [("big", buf.getvalue(), "a big photo")])
+    images = {}
+    for margin in (1.0, 1.5):
+        cfg = ExportConfig(
+            table=table, out=str(tmp_path / f"m{margin}"), tiers=(512,), draft_margin=margin
+        )
+        cfg = prepare_output(cfg)
+        results = {u.part: export_unit(cfg, u) for u in plan_units(cfg)}
+        assert finalize(cfg, results, 0.0).samples_written == 1
+        (shard,) = glob.glob(os.path.join(cfg.out, "512", "*", "*", "shard.*.mds"))
+        images[margin] = open(shard, "rb").read()
+    assert images[1.0] != images[1.5]
+    started = str(tmp_path / "started")
+    prepare_output(ExportConfig(table=table, out=started, tiers=(512,), draft_margin=1.0))
+    with pytest.raises(ExportError, match="draft_margin"):
+        prepare_output(ExportConfig(table=table, out=started, tiers=(512,)), resume=True)

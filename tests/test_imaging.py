@@ -147,3 +147,33 @@ def test_vips_codec_matches_pillow_contract():
         prepare_with("vips", good, 576, 448, subsampling=1)
     with pytest.raises(ValueError):
         prepare_with("nope", good, 576, 448)
+
+
+def test_draft_margin_trades_decode_size_for_fidelity():
+    """--draft-margin 1.0 lets libjpeg scale by 1/8 where 1.5 stops at 1/4; the result is
+    still close to a full decode, and closer at the default margin."""
+    from prx_data.core.imaging import DRAFT_MARGIN, check_codec, decode_scaled
+    from prx_data.core.sample_data import photo_like
+
+    src = photo_like(4096, 3072, 42)[0]
+    buf = io.BytesIO()
+    src.save(buf, "JPEG", quality=95)
+    data = buf.getvalue()
+    assert decode_scaled(data, draft_size(4096, 3072, 512, 384, 1.0))[1] == 8
+    assert decode_scaled(data, draft_size(4096, 3072, 512, 384, DRAFT_MARGIN))[1] == 4
+    full = np.asarray(
+        Image.open(io.BytesIO(prepare(data, 512, 384, use_draft=False, fmt="png").data))
+    )
+    psnr = {
+        m: _psnr(
+            np.asarray(
+                Image.open(io.BytesIO(prepare(data, 512, 384, fmt="png", draft_margin=m).data))
+            ),
+            full,
+        )
+        for m in (1.0, DRAFT_MARGIN)
+    }
+    assert psnr[1.0] > 40 and psnr[DRAFT_MARGIN] > psnr[1.0]
+    for codec, margin in (("pillow", 0.9), ("pillow", float("nan")), ("vips", 1.0)):
+        with pytest.raises(ValueError, match="margin"):
+            check_codec(codec, "lanczos", margin)

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from prx_data.core import storage
 from prx_data.core.buckets import DEFAULT_TIERS, BucketSpec, assign_bucket
-from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, ImageError, prepare_with
+from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, DRAFT_MARGIN, ImageError, prepare_with
 from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
 from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME, is_job_column
@@ -74,6 +74,12 @@ class ExportConfig:
     #: JPEG chroma subsampling: -1 = Pillow default (4:2:0), 0 = 4:4:4, 2 = 4:2:0.
     subsampling: int = -1
     use_draft: bool = True
+    #: JPEGs are DCT-downscaled while decoding, other formats box-reduced, to no less than
+    #: this multiple of the bucket before the Lanczos pass. On the real-photo benchmark,
+    #: 1.0 runs at 1.01x an img2dataset-style loop against 0.78x for 1.5, and scores
+    #: 30.9 dB on the worst detailed photo against 33.3 (the loop: 20.5); see
+    #: docs/ARCHITECTURE.md, Codecs.
+    draft_margin: float = DRAFT_MARGIN
     #: Resize/encode path: "pillow" (draft + Lanczos) or "vips" (libvips thumbnail).
     codec: str = "pillow"
     #: Resampling filter of the pillow codec (``core.imaging.RESAMPLE``): lanczos, or a
@@ -465,6 +471,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                         fmt=cfg.image_format,
                         quality=cfg.quality,
                         use_draft=cfg.use_draft,
+                        draft_margin=cfg.draft_margin,
                         subsampling=cfg.subsampling,
                         resample=cfg.resample,
                     )
