@@ -15,6 +15,31 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module")
+def bad_table(tmp_path_factory):
+    """Every hostile input of ``tests/badinputs.py`` in one table: (uri, cases)."""
+    from tests import badinputs
+    from tests.tablekit import make_table
+
+    d = tmp_path_factory.mktemp("bad")
+    cases = badinputs.all_cases()
+    make_table(str(d / "t.lance"), [(i, b, c) for i, b, c, _ in cases], max_rows_per_file=7)
+    return str(d / "t.lance"), cases
+
+
+@pytest.fixture(scope="module")
+def photo_table(tmp_path_factory):
+    """The project's sample photo collection as a table over several fragments."""
+    from prx_data.core.sample_data import make_sample_collection
+    from tests.tablekit import folder_items, make_table
+
+    d = tmp_path_factory.mktemp("photos")
+    items = make_sample_collection(str(d / "src"), repeats=1)
+    uri = str(d / "t.lance")
+    make_table(uri, folder_items(items), max_rows_per_file=6)
+    return uri
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray runtime shared by the whole session."""

@@ -18,12 +18,10 @@ from streaming import LocalDataset, StreamingDataset
 
 from pipelines.write_mds import run_export
 from prx_data.core.buckets import parse_bucket_name
-from prx_data.core.sample_data import make_sample_collection
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.unit import ExportConfig, ExportError
 from tests import badinputs
 from tests.exportkit import pinned_cli_args, spawn_cli
-from tests.tablekit import folder_items, make_table
 
 pytestmark = pytest.mark.ray
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,14 +48,6 @@ def _all_buckets(root: str) -> list[str]:
                 if os.path.exists(os.path.join(root, tier, ar, "index.json")):
                     out.append(f"{tier}/{ar}")
     return out
-
-
-@pytest.fixture(scope="module")
-def bad_table(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bad")
-    cases = badinputs.all_cases()
-    make_table(str(d / "t.lance"), [(i, b, c) for i, b, c, _ in cases], max_rows_per_file=7)
-    return str(d / "t.lance"), cases
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +144,6 @@ def test_png_option_is_lossless_format(bad_table, tmp_path, ray_local):
     assert Image.open(io.BytesIO(s["image"])).format == "PNG"
     report = json.load(open(os.path.join(out, "report.json")))
     assert report["dropped"]["filtered"] == len(badinputs.all_cases()) - 1
-
-
-@pytest.fixture(scope="module")
-def photo_table(tmp_path_factory):
-    d = tmp_path_factory.mktemp("photos")
-    items = make_sample_collection(str(d / "src"), repeats=1)
-    uri = str(d / "t.lance")
-    make_table(uri, folder_items(items), max_rows_per_file=6)
-    return uri
 
 
 def test_rerun_gives_identical_bytes_and_output_guard(photo_table, tmp_path, ray_local):

@@ -3,7 +3,6 @@ kill -9 at random points, concurrent runs, bit flips, and object-storage faults 
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import random
@@ -21,33 +20,15 @@ import pytest
 
 from pipelines.write_mds import run_export
 from prx_data.cli import verify as verify_cli
-from prx_data.core.sample_data import make_sample_collection
 from prx_data.export import layout
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.unit import ExportConfig
 from tests import badinputs
 from tests.exportkit import pinned_cli_args, spawn_cli
-from tests.tablekit import folder_items, make_table
+from tests.s3proxy import relay, send_error
 
 pytestmark = pytest.mark.ray
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def bad_table(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bad")
-    cases = badinputs.all_cases()
-    make_table(str(d / "t.lance"), [(i, b, c) for i, b, c, _ in cases], max_rows_per_file=7)
-    return str(d / "t.lance"), cases
-
-
-@pytest.fixture(scope="module")
-def photo_table(tmp_path_factory):
-    d = tmp_path_factory.mktemp("photos")
-    items = make_sample_collection(str(d / "src"), repeats=1)
-    uri = str(d / "t.lance")
-    make_table(uri, folder_items(items), max_rows_per_file=6)
-    return uri
 
 
 @pytest.fixture(scope="module")
@@ -237,26 +218,9 @@ class _FaultHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if fault == "5xx":
-            err = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
-            self.send_response(500)
-            self.send_header("Content-Length", str(len(err)))
-            self.end_headers()
-            self.wfile.write(err)
+            send_error(self, 500, "InternalError")
             return
-        conn = http.client.HTTPConnection("127.0.0.1", srv.upstream, timeout=30)
-        headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
-        conn.request(self.command, self.path, body=body, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()
-        self.send_response(resp.status)
-        for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(k, v)
-        length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
-        self.send_header("Content-Length", length or "0")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        relay(self, srv.upstream, body)
 
     do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 

@@ -7,7 +7,6 @@ GET of every shard fails with 503, and GETs of sidecars are counted.
 from __future__ import annotations
 
 import collections
-import http.client
 import logging
 import os
 import threading
@@ -20,6 +19,7 @@ from prx_data.core import storage
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import DatasetSpec, fetch_catalog
 from tests.exportkit import make_export, run_rank, upload_tree
+from tests.s3proxy import relay, send_error
 
 pytestmark = pytest.mark.remote
 logging.getLogger("streaming").setLevel(logging.ERROR)
@@ -55,30 +55,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if flaky:
                     srv.failed.add(path)
             if flaky:
-                body = b"<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
-                self.send_response(503)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_error(self, 503, "ServiceUnavailable")
                 return
         n = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(n) if n else None
-        conn = http.client.HTTPConnection("127.0.0.1", srv.upstream, timeout=30)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
-        conn.request(self.command, self.path, body=body, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()
-        self.send_response(resp.status)
-        for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(k, v)
-        # A HEAD answer carries the object's length without a body.
-        length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
-        self.send_header("Content-Length", length or "0")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        conn.close()
+        relay(self, srv.upstream, self.rfile.read(n) if n else None)
 
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
