@@ -132,27 +132,9 @@ def test_killed_two_rank_run_resumes_exactly_once_on_one_and_two_ranks(tmp_path)
 
     # 1) Two ranks, killed (SIGKILL, no clean shutdown) mid-epoch after a checkpoint.
     first = tmp_path / "first"
-    (first / "logs").mkdir(parents=True)
-    proc = subprocess.Popen(
-        _command(2, first, encoder, str(tmp_path / "export")),
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    done = _kill_after(
+        _command(2, first, encoder, str(tmp_path / "export")), first, KILL_AFTER_BATCH
     )
-    try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and proc.poll() is None:
-            if max(_logged_batches(first / "ids"), default=-1) >= KILL_AFTER_BATCH:
-                break
-            time.sleep(0.1)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run ended on its own before it could be killed"
-    done = _logged_batches(first / "ids")
     assert KILL_AFTER_BATCH <= max(done) < BATCHES_PER_EPOCH - 1, done
     assert (first / "ckpt" / "latest-rank0.pt").exists()
     _clean_shm()  # the killed ranks could not release streaming's shared memory
