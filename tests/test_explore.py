@@ -420,16 +420,23 @@ def test_thumbnail_timeout_is_an_http_error(plain_table, monkeypatch, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_thumbnail_queue_is_bounded(plain_table):
+def test_thumbnail_queue_is_bounded(plain_table, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    real = explore._thumb_bytes
+    monkeypatch.setattr(explore, "_thumb_bytes", lambda d, n: (release.wait(30), real(d, n))[1])
     app = explore.Explorer(explore.ExploreConfig(table=plain_table, thumb_queue=3))
     try:
-        with app._lock:  # hold the lock so nothing queued can finish while we look
-            app._queue_locked([f"t/red{i}" for i in range(4)] + ["t/blue0"], 64)
-            assert len(app._pending) == 3
+        app.prefetch([f"t/red{i}" for i in range(4)] + ["t/blue0"], 64)
         app.prefetch(["t/green0", "t/green1"], 64)  # best effort: skipped while full
         with app._lock:
-            assert len(app._pending) <= 3
+            assert sorted(k[0] for k in app._pending) == ["t/red0", "t/red1", "t/red2"]
+        with pytest.raises(explore.RequestError, match="queue is full") as e:
+            app.thumbnail("t/green3", 64)
+        assert e.value.status == 503
     finally:
+        release.set()
         app.close()
 
 
