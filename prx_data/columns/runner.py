@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -648,7 +649,15 @@ def run_column_job(job: ColumnJob) -> ColumnReport:
     try:
         return _run_pinned(job, ds, report, start)
     finally:  # a killed job leaves it; its next run moves it and removes it
-        unpin(ds, tag)
+        try:
+            unpin(ds, tag)
+        except OSError as e:  # never hide the job's own outcome behind this
+            warnings.warn(
+                f"could not remove tag {tag} from {job.table} ({e}); remove it with "
+                f"`python -m prx_data.table untag {job.table} {tag}`",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> ColumnReport:

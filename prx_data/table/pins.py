@@ -56,6 +56,8 @@ def pin(ds, name: str, version: int, **metadata: str) -> None:
             ds.tags.create(name, version)
         except ValueError:  # created meanwhile by the same job's other run: move it below
             current = ds.tags.list().get(name)
+            if current is None:
+                raise
     if current is not None and (current.get("version"), current.get("branch")) != (version, None):
         ds.tags.update(name, version)
     meta = {"since": datetime.now(timezone.utc).isoformat(timespec="seconds"), **metadata}
