@@ -49,6 +49,7 @@ from prx_data.export.layout import (
     write_export_marker,
     write_manifest,
 )
+from prx_data.table.pins import export_pin, pin, unpin
 
 #: Table columns the exporter cannot do without.
 REQUIRED_COLUMNS = ("id", "image", "width", "height")
@@ -309,7 +310,8 @@ def prepare_output(
         previous = _normalise(
             ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out})
         )
-        ds = open_table(cfg.table, previous.table_version)
+        ds = _open_pinned(cfg, previous.table_version)
+        pin_table_version(cfg, ds)
         check_table_columns(cfg.table, ds.schema)
         caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
         now = _normalise(
@@ -349,10 +351,51 @@ def prepare_output(
         storage.delete(storage.join(cfg.out, e))
     pinned = ExportConfig(**{**asdict(cfg), "table_version": ds.version, "caption_columns": caps})
     pinned = _normalise(pinned)
+    pin_table_version(pinned, ds)
     write_export_marker(cfg.out)
     storage.write_bytes_atomic(config_path, json.dumps(asdict(pinned), sort_keys=True).encode())
     _warn(caption_warnings(cfg.table, caps))
     return pinned
+
+
+def _open_pinned(cfg: ExportConfig, version: int | None):
+    """The table at the version an interrupted export read, or why it cannot be resumed."""
+    try:
+        return open_table(cfg.table, version)
+    except ExportError:
+        open_table(cfg.table)  # no table at all: that error
+        raise ExportError(
+            f"cannot resume {cfg.out}: version {version} of {cfg.table}, which it was "
+            "exporting, no longer exists (old versions were cleaned up while it was paused "
+            "and untagged); start again with --overwrite"
+        ) from None
+
+
+def pin_table_version(cfg: ExportConfig, ds) -> None:
+    """Tag the version the export reads, so that ``table compact --cleanup`` keeps it.
+
+    The tag is named after ``cfg.out`` (:func:`prx_data.table.pins.export_pin`):
+    a resume or an ``--overwrite`` of the same output reuses it, and
+    :func:`release_table_version` removes it once the report is written.
+    """
+    try:
+        pin(ds, export_pin(cfg.out), ds.version, job="export", out=cfg.out)
+    except OSError as e:  # e.g. read-only access to the table: export anyway, and say so
+        _warn(
+            [
+                f"could not tag version {ds.version} of {cfg.table} ({e}); a `python -m "
+                "prx_data.table compact --cleanup` before this export finishes would make "
+                "it impossible to --resume"
+            ]
+        )
+
+
+def release_table_version(cfg: ExportConfig) -> None:
+    """Remove the export's tag (the export is complete; its version may be cleaned up)."""
+    try:
+        unpin(open_table(cfg.table), export_pin(cfg.out))
+    except (ExportError, OSError) as e:  # the export is done; a left tag only keeps old files
+        _warn([f"could not remove tag {export_pin(cfg.out)} from {cfg.table}: {e}"])
 
 
 def _warn(messages: list[str]) -> None:
