@@ -22,7 +22,8 @@ if not streaming.__version__.startswith(SUPPORTED):
     raise ImportError(
         f"prx-data was checked against mosaicml-streaming {', '.join(v + 'x' for v in SUPPORTED)}, "
         f"found {streaming.__version__}. Check that MDSReader's constructor and get_item, "
-        "Stream.get_shards, World.detect, maybe_init_dist, decompress, reader_from_json and "
+        "Stream.get_shards, Stream.prepare_shard, Reader.evict/set_up_local/get_max_size "
+        "(pinned local shards), World.detect, maybe_init_dist, decompress, reader_from_json and "
         "get_partitions "
         "behave as before (tests/test_streaming_compat.py), then add the version to "
         "prx_data.core.streaming_compat.SUPPORTED; or pin mosaicml-streaming==0.13.0."

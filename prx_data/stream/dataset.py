@@ -50,6 +50,7 @@ from prx_data.core.streaming_compat import World, maybe_init_dist
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader  # noqa: F401 (re-exported)
+from prx_data.stream import cache as shard_cache
 from prx_data.stream import planner
 from prx_data.stream.decode import decode_to
 from prx_data.stream.holdout import Holdout, merge_skips
@@ -204,11 +205,12 @@ def _node_barrier() -> None:
 def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     names = spec.skip_lists
     buckets = discover_buckets(spec.root, tiers)
-    report = storage.join(spec.root, REPORT_NAME)
-    if storage.exists(report):  # the loader's completeness check reads the cached copy
-        storage.write_bytes_atomic(os.path.join(local, REPORT_NAME), storage.read_bytes(report))
-    elif os.path.exists(os.path.join(local, REPORT_NAME)):
-        os.remove(os.path.join(local, REPORT_NAME))
+    report_uri = storage.join(spec.root, REPORT_NAME)
+    report = storage.read_bytes(report_uri) if storage.exists(report_uri) else None
+    # A cached shard is reused only if it belongs to the current index entry (stream/cache.py).
+    tracked = shard_cache.is_tracked(local)
+    cached_report = os.path.join(local, REPORT_NAME)
+    same_report = report is not None and _read_local(cached_report) == report
     found: set[str] = set()
     orphans: list[skiplist.SidecarProblem] = []
     for bucket in buckets:
@@ -221,6 +223,8 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
         except ValueError as e:
             raise layout.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
         entries = layout.check_index_entries(index_uri, obj)
+        cached = shard_cache.read_cached_index(local_b, layout.INDEX_NAME) if tracked else None
+        shard_cache.drop_stale_shards(local_b, cached, entries, same_report=same_report)
         # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.
         storage.write_bytes_atomic(os.path.join(local_b, layout.INDEX_NAME), index)
         shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
@@ -238,9 +242,23 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
             storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
 
         layout.map_io(get, sorted(want), True)
+    # Last: the cached report dates the cached shards of an index without hashes.
+    if report is not None:  # the loader's completeness check reads the cached copy
+        storage.write_bytes_atomic(cached_report, report)
+    elif os.path.exists(cached_report):
+        os.remove(cached_report)
+    shard_cache.mark_tracked(local)
     _check_orphans(spec.root, orphans, names)
     _check_names(spec.root, found, names)
     return buckets
+
+
+def _read_local(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def load_sources(
@@ -395,8 +413,21 @@ def fingerprint(
     }
 
 
-def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two fingerprints (empty when they match)."""
+#: How :func:`describe_changes` words a list in force on one side only: since a checkpoint.
+SINCE_CHECKPOINT = (
+    "{root}: skip list {name!r} added since the checkpoint ({n} samples in this tier)",
+    "{root}: skip list {name!r} no longer applied ({n} samples would come back)",
+)
+
+
+def describe_changes(
+    old: dict[str, Any], new: dict[str, Any], wording: tuple[str, str] = SINCE_CHECKPOINT
+) -> list[str]:
+    """Human-readable differences between two fingerprints (empty when they match).
+
+    ``wording``: format strings (``root``, ``name``, ``n``) for a skip list
+    in force only in ``new``, then only in ``old``.
+    """
     out: list[str] = []
     keys = ("tier", "include_higher_tiers", "bucket_spec", "batching_method")
     for key in (*keys, "global_batch_size", "replication", "unit"):
@@ -417,15 +448,9 @@ def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             out.append(f"{root}: {a.get('samples')} -> {b.get('samples')} samples in its shards")
         la, lb = a.get("skip_lists", {}), b.get("skip_lists", {})
         for name in sorted(lb.keys() - la.keys()):
-            out.append(
-                f"{root}: skip list {name!r} added since the checkpoint "
-                f"({lb[name]['samples']} samples in this tier)"
-            )
+            out.append(wording[0].format(root=root, name=name, n=lb[name]["samples"]))
         for name in sorted(la.keys() - lb.keys()):
-            out.append(
-                f"{root}: skip list {name!r} no longer applied ({la[name]['samples']} samples "
-                "would come back)"
-            )
+            out.append(wording[1].format(root=root, name=name, n=la[name]["samples"]))
         for name in sorted(la.keys() & lb.keys()):
             if la[name] != lb[name]:
                 out.append(
@@ -440,6 +465,71 @@ def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     if not out and old.get("plan") != new.get("plan"):
         out.append("the per-bucket plan differs")
     return out
+
+
+class RankMismatch(planner.PlanError):
+    """Ranks planned different sample spaces (e.g. a skip list changed while the job started)."""
+
+
+def check_ranks_agree(fp: dict[str, Any]) -> None:
+    """Raise :class:`RankMismatch` on every rank unless all ranks computed the same fingerprint.
+
+    Each rank (local roots) or node (remote roots) reads the skip lists on its
+    own, so a list changed during start-up can split the job into different
+    sample spaces: duplicates, misses, or a hang at the first collective. One
+    all-gather of a 20-byte digest when they agree; on a mismatch every rank
+    gathers every fingerprint and raises the same message. A no-op without an
+    initialised process group. JSON over tensors, no pickle.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t)
+        return [x.cpu() for x in out]
+
+    def as_tensor(data: bytes, size: int) -> torch.Tensor:
+        buf = np.zeros(size, np.uint8)
+        buf[: len(data)] = np.frombuffer(data, np.uint8)
+        return torch.from_numpy(buf).to(device)
+
+    text = json.dumps(fp, sort_keys=True).encode()
+    digests = gather(as_tensor(hashlib.sha1(text).digest(), 20))
+    if all(torch.equal(d, digests[0]) for d in digests):
+        return
+    sizes = [int(n) for n in gather(torch.tensor([len(text)], dtype=torch.int64, device=device))]
+    texts = gather(as_tensor(text, max(sizes)))
+    fps = [json.loads(t.numpy()[:n].tobytes()) for t, n in zip(texts, sizes, strict=True)]
+    raise RankMismatch(describe_rank_mismatch(fps))
+
+
+def describe_rank_mismatch(fps: Sequence[dict[str, Any]]) -> str:
+    """One message naming, per group of ranks that differ from rank 0, what differs."""
+    groups: dict[str, list[int]] = {}
+    for rank, fp in enumerate(fps):
+        if rank and fp != fps[0]:
+            groups.setdefault(json.dumps(fp, sort_keys=True), []).append(rank)
+    lines = []
+    for ranks in groups.values():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        wording = (
+            "{root}: skip list {name!r} applied on " + who + ", not on rank 0 ({n} samples)",
+            "{root}: skip list {name!r} applied on rank 0, not on " + who + " ({n} samples)",
+        )
+        changes = describe_changes(fps[0], fps[ranks[0]], wording) or ["the plans differ"]
+        lines += [f"{who} vs rank 0: {c}" for c in changes]
+    return (
+        f"the {len(fps)} ranks do not agree on the data, so they would not stream one epoch "
+        "together:\n  - " + "\n  - ".join(lines) + "\nEach rank (or node, for remote roots) "
+        "reads the export and its skip lists at start-up: change skip lists only while no job "
+        "is starting, give every rank the same datasets and settings, then start again."
+    )
 
 
 # --- the dataset -----------------------------------------------------------------------------
@@ -552,6 +642,7 @@ class BucketedDataset(StreamingDataset):
                 include_higher_tiers=include_higher_tiers,
                 bucket_spec=bucket_spec,
             )
+            check_ranks_agree(self.fingerprint)  # before streaming's first collective
             streams: list[Stream] = []
             self.stream_info: list[tuple[int, str, tuple[int, int]]] = []
             plans = iter(self.plan.buckets)

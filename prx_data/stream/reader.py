@@ -1,4 +1,12 @@
-"""A Mosaic ``Stream`` over one bucket whose shard readers apply the bucket's skip lists."""
+"""A Mosaic ``Stream`` over one bucket whose shard readers apply the bucket's skip lists.
+
+A stream with no remote reads the export's own shard files. Streaming's
+``cache_limit`` eviction picks the coldest shard across *all* streams and
+unlinks it (``StreamingDataset._evict_coldest_shard`` -> ``Reader.evict``;
+mosaicml/streaming#988), so mixing a remote root with a local one would delete
+the local export. Such shards are pinned here: they never count towards the
+cache limit and evicting them removes nothing.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,7 @@ from typing import Any
 import numpy as np
 from streaming import Stream
 
-from prx_data.core.streaming_compat import MDSReader, World
+from prx_data.core.streaming_compat import MDSReader, World, mds_reader_args
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
@@ -48,4 +56,41 @@ class SkipStream(Stream):
             wrapped = SkipMDSReader.wrap(reader, skipped)
             if wrapped.samples:
                 out.append(wrapped)
+        if self.remote is None:  # the files are the export itself, not a cache
+            out = [_pin(r, self.local) for r in out]
         return out
+
+    def prepare_shard(self, shard: Any) -> int:
+        delta = super().prepare_shard(shard)
+        # A pinned shard (e.g. decompressed inside the export) is outside the cache's accounting.
+        return 0 if self.remote is None else delta
+
+
+class _Pinned:
+    """A shard reader over an export's own files: outside the cache, never evicted."""
+
+    def evict(self) -> int:
+        return 0
+
+    def set_up_local(self, listing: set[str], safe_keep_zip: bool) -> int:
+        return 0  # not cache usage (and streaming's clean-up never touches the export)
+
+    def get_max_size(self) -> int:
+        return 0  # needs no room in the cache
+
+
+class PinnedMDSReader(_Pinned, MDSReader):
+    """An ``MDSReader`` over a shard of a local export (module level, so workers unpickle it)."""
+
+
+class PinnedSkipMDSReader(_Pinned, SkipMDSReader):
+    """A ``SkipMDSReader`` over a shard of a local export."""
+
+
+def _pin(reader: Any, local: str) -> MDSReader:
+    if isinstance(reader, SkipMDSReader):
+        args = {**mds_reader_args(reader), "samples": reader.raw_samples}
+        return PinnedSkipMDSReader(skipped=reader.skipped, **args)
+    if isinstance(reader, MDSReader):
+        return PinnedMDSReader(**mds_reader_args(reader))
+    raise TypeError(f"{local}: a local export needs MDS shards, got {type(reader).__name__}")

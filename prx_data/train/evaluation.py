@@ -12,7 +12,9 @@ high t: composition).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -128,11 +130,22 @@ def per_sample_band_losses(model: Any, batch: Mapping[str, Any]) -> torch.Tensor
     return torch.stack(cols, dim=1)
 
 
+#: The eval stream's cache of a remote root: a subdirectory of the dataset's ``local``.
+EVAL_CACHE = "eval"
+
+
 def eval_datasets(cfg: TrainConfig) -> list[DatasetConfig]:
-    """Export trees the eval stream reads: the training ones (slice) or ``eval.datasets``."""
-    if cfg.eval.source == "export":
-        return list(cfg.eval.datasets)
-    return list(cfg.data.datasets)
+    """Export trees the eval stream reads: the training ones (slice) or ``eval.datasets``.
+
+    Each cache moves to ``<local>/eval``: streaming refuses a second dataset on
+    a local directory that a live one caches a remote into ("Reused local
+    directory"), and the training stream lives as long as the eval one.
+    """
+    chosen = cfg.eval.datasets if cfg.eval.source == "export" else cfg.data.datasets
+    return [
+        d if d.local is None else dataclasses.replace(d, local=os.path.join(d.local, EVAL_CACHE))
+        for d in chosen
+    ]
 
 
 def holdout_for(cfg: TrainConfig, keep: str):

@@ -1,0 +1,105 @@
+"""Keep a node's cache of a remote export bound to the export it came from.
+
+Streaming 0.13 treats a cached shard as present by its file name alone
+(``Stream._prepare_shard_part`` checks ``os.path.isfile``; ``validate_hash``
+runs only right after a download). Part and shard names are deterministic, so
+after a re-export at the same remote root the old files would be streamed
+under the new index, and a new skip list would hide the wrong samples.
+
+The invariant kept here: every shard file in a tracked cache belongs to the
+cached ``index.json`` entry of its bucket. Before the node's fetching rank
+replaces a bucket's cached index, it drops each cached shard whose new entry
+differs from the cached one (size, sample count, hashes, any other field) or
+whose entry has no hash and whose export report changed. Checking costs one
+stat per shard; nothing is rehashed. A cache written before tracking (no
+:data:`TRACKED_NAME`) is not trusted: its shard files are dropped once and
+fetched again on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prx_data.core import storage
+
+#: Written at the cache root once the cache follows the invariant above.
+TRACKED_NAME = "_prx_cache.v1"
+
+
+def is_tracked(local: str) -> bool:
+    """Whether the cache's shard files are known to match their cached indexes."""
+    return os.path.isfile(os.path.join(local, TRACKED_NAME))
+
+
+def mark_tracked(local: str) -> None:
+    storage.write_bytes_atomic(
+        os.path.join(local, TRACKED_NAME),
+        b"shard files here match their bucket's index.json (prx_data.stream.cache)\n",
+    )
+
+
+def read_cached_index(local_b: str, index_name: str) -> dict[str, Mapping[str, Any]] | None:
+    """The cached index's entries by raw basename, or None when absent or unreadable."""
+    try:
+        with open(os.path.join(local_b, index_name), "rb") as f:
+            shards = json.loads(f.read())["shards"]
+        return {e["raw_data"]["basename"]: e for e in shards}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _files(entry: Mapping[str, Any]) -> list[str]:
+    out = []
+    for key in ("raw_data", "zip_data"):
+        info = entry.get(key)
+        if isinstance(info, Mapping) and info.get("basename"):
+            out.append(str(info["basename"]))
+    return out
+
+
+def _hashed(entry: Mapping[str, Any]) -> bool:
+    """Every file of the entry records a content hash (the default ``xxh64``)."""
+    return all(
+        bool((entry.get(key) or {}).get("hashes"))
+        for key in ("raw_data", "zip_data")
+        if entry.get(key)
+    )
+
+
+def drop_stale_shards(
+    local_b: str,
+    cached: Mapping[str, Mapping[str, Any]] | None,
+    entries: Sequence[Mapping[str, Any]],
+    *,
+    same_report: bool,
+) -> int:
+    """Remove cached shard files that may not hold the bytes of ``entries``; returns how many.
+
+    ``cached`` is the bucket's cached index (None: untrusted, drop every cached
+    shard the indexes name). A shard is kept when its cached entry equals the
+    new one and either records a hash or the export's report is unchanged
+    (``same_report``), which tells a re-export of an unhashed index apart.
+    Only files the old or new index names are touched, inside ``local_b``.
+    """
+    drop: set[str] = set()
+    new_names = set()
+    for e in entries:
+        name = e["raw_data"]["basename"]
+        new_names.add(name)
+        old = None if cached is None else cached.get(name)
+        if old is None or old != e or not (same_report or _hashed(e)):
+            drop.update(_files(e))
+    for name, old in (cached or {}).items():
+        if name not in new_names:
+            drop.update(_files(old))
+    base = os.path.normpath(local_b) + os.sep
+    n = 0
+    for rel in sorted(drop):
+        path = os.path.normpath(os.path.join(local_b, *rel.split("/")))
+        if path.startswith(base) and os.path.isfile(path):
+            os.remove(path)
+            n += 1
+    return n
