@@ -202,6 +202,8 @@ def test_download_does_not_rewrite_images_the_table_holds(tmp_path):
         # Put the "ingested" images in: a one-time setup write (not the job under test).
         ds = lance.dataset(uri)
         t = ds.to_table().set_column(1, "image", pa.array(big, pa.large_binary()))
+        probe = [None if b else "missing_image" for b in big]
+        t = t.set_column(t.schema.get_field_index("probe_error"), "probe_error", pa.array(probe))
         ds = lance.write_dataset(t, uri, mode="overwrite", max_rows_per_file=20)
         held = {f.fragment_id: [d.path for d in f.data_files()] for f in ds.get_fragments()}
         held_bytes = sum(len(b) for b in big if b)
@@ -211,12 +213,20 @@ def test_download_does_not_rewrite_images_the_table_holds(tmp_path):
     for frag in after.get_fragments():
         if frag.fragment_id in held:
             assert [d.path for d in frag.data_files()] == held[frag.fragment_id]
-    rows = rows_by_id(uri, ["id", "image"])
+    rows = rows_by_id(uri, ["id", "image", "probe_error", "download_status"])
     assert all(rows[f"laion/{i:05d}"]["image"] == big[i] for i in range(0, n, 2))
+    assert all(rows[f"laion/{i:05d}"]["download_status"] is None for i in range(0, n, 2))
     assert all(rows[f"laion/{i:05d}"]["image"] == photo(i) for i in range(1, n, 2))
     # Written: the fetched images plus the other columns of their rows, not the held ones.
     assert report.image_bytes <= report.bytes_written < report.image_bytes + 20_000
     assert report.bytes_written < held_bytes / 2
+
+
+def test_pending_rows_are_found_without_reading_images():
+    from prx_data.download.job import pending_filter
+
+    for only in ((), ("failed",), ("http_5*",)):
+        assert "image" not in pending_filter("url", only).replace("missing_image", "")
 
 
 def test_only_failed_and_only_reason_retry_just_those_rows(tmp_path):
