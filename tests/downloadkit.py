@@ -53,6 +53,9 @@ class ImageServer:
         self.stall_s = stall_s
         self.redirect_port = redirect_port
         self.stop = threading.Event()
+        self.inflight = 0
+        self.max_inflight = 0
+        self._lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,6 +82,14 @@ class ImageServer:
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def use_tls(self, cert: str, key: str) -> None:
+        """Serve HTTPS with this certificate (call before entering)."""
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
 
     def __enter__(self) -> ImageServer:
         self.thread.start()
@@ -118,7 +129,12 @@ class ImageServer:
         elif kind == "octet":
             self.send(h, 200, photo(seed), "application/octet-stream")
         elif kind == "slow":
+            with self._lock:
+                self.inflight += 1
+                self.max_inflight = max(self.max_inflight, self.inflight)
             time.sleep(0.3)
+            with self._lock:
+                self.inflight -= 1
             self.send(h, 200, photo(seed))
         elif kind == "stall":  # headers and half a body, then nothing
             body = photo(seed)
@@ -186,6 +202,44 @@ class ImageServer:
             self.send(h, 200, photo(seed), X_Robots_Tag="googlebot: noai")
         else:
             self.send(h, 404, b"?", "text/plain")
+
+
+def self_signed(folder, hostname: str) -> tuple[str, str]:
+    """(cert.pem, key.pem) of a self-signed CA certificate for ``hostname``."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(hostname)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = str(folder / "cert.pem"), str(folder / "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+    return cert_path, key_path
 
 
 def url_table(uri: str, urls: list[str | None], rows_per_file: int = 1024, extra=None):

@@ -82,6 +82,26 @@ def test_fetcher_refuses_hosts_that_resolve_to_private_addresses_without_connect
     assert f._vet("http://mixed.test/a.jpg")[-1] == "93.184.216.34"
 
 
+def test_https_to_the_vetted_address_still_verifies_the_name(tmp_path):
+    """The connection goes to the checked IP; TLS still checks the certificate's host name."""
+    from tests.downloadkit import self_signed
+
+    cert, key = self_signed(tmp_path, "images.test")
+    names = {"images.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]}
+    with ImageServer() as srv:
+        srv.use_tls(cert, key)
+        kw = dict(allow=srv.allow, retries=0, ca_bundle=cert)
+        f = F.Fetcher(F.FetchConfig(**kw), resolver=lambda h, p: names[h])
+        ok = f.fetch(f"https://images.test:{srv.port}/img/4")
+        assert (ok.status, ok.data) == (F.OK, photo(4))
+        wrong = f.fetch(f"https://other.test:{srv.port}/img/4")
+        assert (wrong.status, wrong.reason) == (F.PERMANENT, "tls_error")
+        untrusted = F.Fetcher(
+            F.FetchConfig(allow=srv.allow, retries=0), resolver=lambda h, p: names[h]
+        )
+        assert untrusted.fetch(f"https://images.test:{srv.port}/img/4").reason == "tls_error"
+
+
 def test_x_robots_tag_parsing():
     ua = "prx-data-download/1"
     assert F.robots_opt_out(["noai"], F.DEFAULT_OPT_OUT, ua) == "noai"
@@ -140,6 +160,22 @@ def test_fetcher_outcomes_against_a_hostile_server():
         # The refused hop was never requested, and the cap held while streaming.
         assert sum(other.hits.values()) == 0
         assert by_path["/bigstream/1"].received <= 200_000 + 65536
+
+
+def test_per_host_concurrency_and_rate_limits_hold():
+    with ImageServer() as srv:
+        f = F.Fetcher(F.FetchConfig(allow=srv.allow, threads=8, per_host=2, **FAST))
+        results = f.fetch_many([srv.url(f"/slow/{i}") for i in range(8)])
+        assert all(r.status == F.OK for r in results)
+        assert srv.max_inflight == 2
+        f.close()
+        paced = F.Fetcher(F.FetchConfig(allow=srv.allow, threads=8, per_host_rate=20, **FAST))
+        assert all(
+            r.status == F.OK for r in paced.fetch_many([srv.url(f"/img/{i}") for i in range(6)])
+        )
+        starts = sorted(t[0] for p, t in srv.times.items() if p.startswith("/img/"))
+        assert starts[-1] - starts[0] >= 0.2  # 6 starts at 20/s: 0.25 s apart (unpaced: ms)
+        paced.close()
 
 
 # --- the job -------------------------------------------------------------------------------

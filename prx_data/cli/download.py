@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="fetch images whose server sends X-Robots-Tag noai/noimageai (honoured by default)",
     )
     s.add_argument(
+        "--ca-bundle",
+        default=None,
+        help="PEM file of certificate authorities to trust instead of the system's",
+    )
+    s.add_argument(
         "--insecure",
         action="store_true",
         help="do not verify TLS certificates",
@@ -180,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             allow=tuple(args.allow_private),
             opt_out=() if args.ignore_x_robots_tag else F.DEFAULT_OPT_OUT,
             verify_tls=not args.insecure,
+            ca_bundle=args.ca_bundle,
         )
         cfg = DownloadConfig(
             table=args.table,

@@ -189,6 +189,8 @@ class FetchConfig:
     #: ``X-Robots-Tag`` directives that mean "do not use" (empty: ignore the header).
     opt_out: tuple[str, ...] = DEFAULT_OPT_OUT
     verify_tls: bool = True
+    #: PEM file of CAs to trust instead of the system's (private mirrors, tests).
+    ca_bundle: str | None = None
 
     def __post_init__(self) -> None:
         AddressPolicy(self.allow)
@@ -332,6 +334,7 @@ class Fetcher:
                         server_hostname=host,
                         assert_hostname=host if self.config.verify_tls else False,
                         cert_reqs="CERT_REQUIRED" if self.config.verify_tls else "CERT_NONE",
+                        ca_certs=self.config.ca_bundle,
                         **kw,
                     )
                 else:
