@@ -345,3 +345,18 @@ def test_download_on_ray_and_cli(tmp_path, ray_local, capsys):
     assert main(["--table", uri, "--url-column", "nope"]) == 2
     assert "'nope' is not in the table" in capsys.readouterr().err
     assert main(["--table", uri, "--allow-private", "localhost"]) == 2
+
+
+def test_explorer_filters_rows_by_download_status_and_error(tmp_path):
+    from prx_data.explore.app import ExploreConfig, Explorer
+
+    uri = str(tmp_path / "t.lance")
+    with ImageServer() as srv:
+        url_table(uri, [srv.url(p) for p in ("/img/1", "/status/404", "/img/2", "/noai/3")])
+        run_download(cfg_for(uri, srv))
+    app = Explorer(ExploreConfig(uri, descriptors="no", build_indexes=False))
+    labels = app.meta()["labels"]
+    assert labels["download_status"] == ["ok", "opted_out", "permanent"]
+    assert "http_404" in labels["download_error"]
+    hits = app.search({"label.download_status": "permanent"})
+    assert [r["id"] for r in hits["results"]] == ["laion/00001"]

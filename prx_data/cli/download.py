@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.threads,
         help="requests in flight per fetch task; the global figure is this times the "
-        "tasks (one per Ray CPU) (default: %(default)s)",
+        "tasks running (Ray CPUs / --task-cpus) (default: %(default)s)",
     )
     g.add_argument(
         "--per-host",
@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray runtime")
     r.add_argument(
+        "--task-cpus",
+        type=float,
+        default=DownloadConfig.task_cpus,
+        help="Ray CPUs per fetch task: 0.5 runs two per CPU so that one's slow rows overlap "
+        "another's work (default: %(default)s)",
+    )
+    r.add_argument(
         "--batch-size",
         type=int,
         default=DownloadConfig.batch_size,
@@ -195,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             fetch=fetch,
             engine=args.engine,
             num_cpus=args.num_cpus,
+            task_cpus=args.task_cpus,
             batch_size=args.batch_size,
             commit_rows=args.commit_rows,
             commit_bytes=max(1, int(args.commit_mb * 2**20)),

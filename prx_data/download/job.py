@@ -78,6 +78,9 @@ class DownloadConfig:
     #: times ``threads``: the other threads keep fetching meanwhile.
     batch_size: int = 1024
     rows_per_unit: int = 4096
+    #: Ray CPUs per fetch task: 0.5 runs two tasks per CPU, so one task's slowest
+    #: rows overlap another's work. Requests in flight: threads x CPUs / task_cpus.
+    task_cpus: float = 0.5
     #: A commit happens after this many rows, bytes or seconds, whichever comes first.
     commit_rows: int = 8192
     commit_bytes: int = 256 * 1024 * 1024
@@ -95,6 +98,8 @@ class DownloadConfig:
         for name in ("batch_size", "rows_per_unit", "commit_rows", "commit_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.task_cpus <= 0:
+            raise ValueError("task_cpus must be > 0")
 
 
 @dataclass
@@ -534,6 +539,7 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
         storage_options=cfg.storage_options,
         ray_address=cfg.ray_address,
         num_cpus=cfg.num_cpus,
+        read_cpus=cfg.task_cpus,
         progress=False,
     )
     counts = R.pending_counts(ds, where)
