@@ -119,7 +119,7 @@ class ImageServer:
         h.wfile.write(body)
 
     def route(self, h, path: str, hit: int) -> None:
-        parts = path.strip("/").split("/")
+        parts = path.split("?", 1)[0].strip("/").split("/")
         kind, arg = parts[0], parts[1] if len(parts) > 1 else "0"
         seed = int("".join(c for c in arg if c.isdigit()) or 0)
         if kind == "img":

@@ -15,6 +15,9 @@ from prx_data.download import fetch as F
 from prx_data.download.job import DownloadConfig, run_download
 from tests.downloadkit import ImageServer, photo, url_table
 
+#: Nothing here may hang: a stuck fetch fails the test instead of blocking the suite.
+pytestmark = pytest.mark.timeout(180)
+
 FAST = dict(read_timeout=0.4, connect_timeout=1.0, total_timeout=3.0, retries=1, backoff=0.01)
 
 
@@ -100,6 +103,18 @@ def test_https_to_the_vetted_address_still_verifies_the_name(tmp_path):
             F.FetchConfig(allow=srv.allow, retries=0), resolver=lambda h, p: names[h]
         )
         assert untrusted.fetch(f"https://images.test:{srv.port}/img/4").reason == "tls_error"
+
+
+def test_urls_with_spaces_unicode_and_international_names():
+    names = {"xn--bcher-kva.test": ["127.0.0.1"]}
+    with ImageServer() as srv:
+        f = F.Fetcher(F.FetchConfig(allow=srv.allow, **FAST), resolver=lambda h, p: names[h])
+        r = f.fetch(srv.url("/img/7?q=a b&c=é"))
+        assert (r.status, r.data) == (F.OK, photo(7))
+        assert "/img/7?q=a%20b&c=%C3%A9" in srv.hits
+        idn = f.fetch(f"http://bücher.test:{srv.port}/img/8")
+        assert (idn.status, idn.data) == (F.OK, photo(8))
+        f.close()
 
 
 def test_x_robots_tag_parsing():
@@ -282,6 +297,7 @@ def test_only_failed_and_only_reason_retry_just_those_rows(tmp_path):
         assert srv.hits["/img/1"] == 1 and srv.hits["/img/2"] == 1
 
 
+@pytest.mark.faults
 def test_killed_download_resumes_to_the_same_table_without_refetching(tmp_path):
     """A kill -9 after the first commit; the resume equals an uninterrupted run."""
     paths = [f"/img/{i}" for i in range(24)] + ["/status/404", "/img/3", "/noai/1"]

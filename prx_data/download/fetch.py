@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 #: Row statuses: the image is in the row; retries were exhausted; the server
 #: (or the bytes) said no for good; our address/URL policy said no; the
@@ -146,6 +146,8 @@ class AddressPolicy:
 
 
 Resolver = Callable[[str, int], Sequence[str]]
+#: Characters kept as they are when a URL's path and query are percent-encoded.
+_SAFE = "/%:@!$&'()*+,;=?~-._"
 
 
 def system_resolver(host: str, port: int) -> list[str]:
@@ -359,6 +361,11 @@ class Fetcher:
         host = parts.hostname
         if not host:
             raise _Fail(PERMANENT, "bad_url")
+        if not host.isascii():
+            try:  # internationalised names go on the wire (DNS, Host, SNI) as IDNA
+                host = host.encode("idna").decode("ascii")
+            except UnicodeError:
+                raise _Fail(PERMANENT, "bad_url") from None
         if parts.username or parts.password:
             raise _Fail(REFUSED, "credentials_in_url")
         port = port or (443 if scheme == "https" else 80)
@@ -374,9 +381,10 @@ class Fetcher:
         allowed = [a for a in addresses if self.policy.permits(a, port)]
         if not allowed:
             raise _Fail(REFUSED, "refused_address")
-        path = parts.path or "/"
+        # Spaces and non-ASCII (common in URL lists) are percent-encoded; escapes stay.
+        path = quote(parts.path or "/", safe=_SAFE)
         if parts.query:
-            path += "?" + parts.query
+            path += "?" + quote(parts.query, safe=_SAFE)
         return scheme, host, port, path, allowed[0]
 
     # -- one URL
