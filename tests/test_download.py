@@ -361,6 +361,10 @@ def test_download_on_ray_and_cli(tmp_path, ray_local, capsys):
     assert main(["--table", uri, "--url-column", "nope"]) == 2
     assert "'nope' is not in the table" in capsys.readouterr().err
     assert main(["--table", uri, "--allow-private", "localhost"]) == 2
+    bare = str(tmp_path / "bare.lance")
+    lance.write_dataset(pa.table({"id": ["a"], "url": ["http://127.0.0.1:9/x"]}), bare)
+    assert main(["--table", bare, "--engine", "local"]) == 2
+    assert "prx_data.ingest" in capsys.readouterr().err
 
 
 def test_explorer_filters_rows_by_download_status_and_error(tmp_path):

@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"download: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # the table changed under the run: what is committed stays
+        print(f"download: {e}", file=sys.stderr)
+        return 1
     print(report.text())
     if args.report_json:
         with open(args.report_json, "w", encoding="utf-8") as f:

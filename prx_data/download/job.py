@@ -509,6 +509,14 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
     report = DownloadReport(cfg.table)
     ds = open_table(cfg.table, cfg.storage_options)
     url = report.url_column = url_column(ds.schema.names, cfg.url_column)
+    missing = [
+        c for c in (S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT, S.PROBE_ERROR) if c not in ds.schema.names
+    ]
+    if missing:
+        raise ValueError(
+            f"{cfg.table!r} lacks the table columns {missing}: make it with "
+            "`python -m prx_data.ingest` (rows without bytes get probe_error = missing_image)"
+        )
     R.ensure_columns(cfg.table, OUTPUTS, cfg.storage_options)
     ds = open_table(cfg.table, cfg.storage_options)  # the pinned version
     report.table_version = ds.version
