@@ -153,7 +153,11 @@ def main() -> int:
         build(uri, args.rows)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    server = serve(ExploreConfig(table=uri, port=0, page_size=args.page_size, descriptors="no"))
+    server = serve(
+        ExploreConfig(
+            table=uri, port=0, page_size=args.page_size, descriptors="no", build_indexes=True
+        )
+    )
     start_s = time.perf_counter() - t0
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -37,6 +37,7 @@ from prx_data.export.unit import (
     finalize,
     plan_units,
     prepare_output,
+    release_table_version,
 )
 
 #: Work units per cluster CPU when ``min_units`` is not given. Units cost the same
@@ -149,4 +150,6 @@ def _run_locked(
     if missing:
         raise RuntimeError(f"{len(missing)} work units did not report back: {sorted(missing)[:5]}")
     lock.check()
-    return finalize(cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0)
+    report = finalize(cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0)
+    release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
+    return report

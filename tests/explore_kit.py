@@ -44,6 +44,20 @@ def make_explore_table(uri: str, extra: list | None = None) -> None:
     make_table(uri, items + list(extra or []), max_rows_per_file=6)
 
 
+def big_png(w: int, h: int) -> bytes:
+    """A real, decodable PNG of w x h pixels that is a few kB (1-bit, all black)."""
+    buf = io.BytesIO()
+    Image.new("1", (w, h)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def big_jpeg(w: int, h: int) -> bytes:
+    """A flat grey JPEG of w x h pixels (small on disk; its DCT draft decodes at 1/8 per side)."""
+    buf = io.BytesIO()
+    Image.new("L", (w, h), 128).save(buf, "JPEG", quality=50)
+    return buf.getvalue()
+
+
 def blank_overlay_png(w: int = 96, h: int = 64) -> bytes:
     """A fully transparent overlay: the export flattens it to pure white."""
     buf = io.BytesIO()

@@ -332,8 +332,13 @@ def test_killed_download_resumes_to_the_same_table_without_refetching(tmp_path):
             .to_pylist()
         }
         assert 0 < len(done) < len(paths)
+        # The killed run's tag still pins the version it read; the resume removes it.
+        from prx_data.table.pins import column_pin
+
+        assert column_pin("download_status") in lance.dataset(killed).tags.list()
         first_hits = dict(srv.hits)
         run_download(cfg_for(killed, srv, commit_rows=4))
+        assert not lance.dataset(killed).tags.list()
         # Rows the killed run committed were not fetched again.
         url_of = {f"laion/{i:05d}": p for i, p in enumerate(paths)}
         for row_id in done:

@@ -1,4 +1,4 @@
-"""Explorer HTTP API: search, similar, thumbnails, filters, escaping and binding."""
+"""Explorer HTTP API: search, similar, thumbnails, filters, escaping, binding and hardening."""
 
 from __future__ import annotations
 
@@ -11,14 +11,21 @@ import pytest
 
 from prx_data.cli import explore as explore_cli
 from prx_data.explore import app as explore
-from tests.explore_kit import XSS_CAPTION, make_enriched_table, make_explore_table, running_server
+from tests.explore_kit import (
+    XSS_CAPTION,
+    big_jpeg,
+    big_png,
+    make_enriched_table,
+    make_explore_table,
+    running_server,
+)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     uri = str(tmp_path_factory.mktemp("explore") / "t.lance")
     make_explore_table(uri)
-    with running_server(uri) as (url, srv):
+    with running_server(uri, build_indexes=True) as (url, srv):
         yield url, srv
 
 
@@ -99,8 +106,17 @@ def test_help_lists_options(capsys):
     with pytest.raises(SystemExit):
         explore_cli.main(["--help"])
     out = capsys.readouterr().out
-    for opt in ("--table", "--host", "--port", "--descriptors", "--no-index", "127.0.0.1"):
+    for opt in (
+        "--table",
+        "--host",
+        "--port",
+        "--descriptors",
+        "--build-indexes",
+        "--allow-host",
+        "127.0.0.1",
+    ):
         assert opt in out
+    assert "--no-index" not in out  # deprecated: still accepted, no longer offered
 
 
 def test_explorer_follows_new_columns(tmp_path):
@@ -123,7 +139,9 @@ def test_explorer_follows_new_columns(tmp_path):
 
 def test_cards_carry_captions_labels_duplicates_and_quality(tmp_path):
     app = explore.Explorer(
-        explore.ExploreConfig(table=make_enriched_table(str(tmp_path / "rich.lance")))
+        explore.ExploreConfig(
+            table=make_enriched_table(str(tmp_path / "rich.lance")), build_indexes=True
+        )
     )
     try:
         meta = app.meta()
@@ -185,7 +203,7 @@ def test_id_search_and_paging(server):
 def test_thumbnails_are_made_ahead_off_the_request_path(tmp_path):
     uri = str(tmp_path / "t.lance")
     make_explore_table(uri)
-    app = explore.Explorer(explore.ExploreConfig(table=uri))
+    app = explore.Explorer(explore.ExploreConfig(table=uri, build_indexes=True))
     try:
         app.search({"q": "green"})  # returns at once; the page's thumbnails are queued
         with app._lock:
@@ -209,8 +227,282 @@ def test_client_disconnects_are_quiet(server, capfd):
     for _ in range(5):
         s = socket.create_connection((host, int(port)))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        s.sendall(b"GET /api/search?k=200 HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"GET /api/search?k=200 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         s.close()  # linger 0: a reset while the server writes
     assert api(url, "/api/meta")["rows"] == 14
     err = capfd.readouterr().err
     assert "Traceback" not in err and "BrokenPipe" not in err and "ConnectionReset" not in err
+
+
+# --- hardening: Host allow-list, bounded paging, bounded pool, bombs, timeouts, start-up ----
+
+
+@pytest.fixture(scope="module")
+def plain_table(tmp_path_factory):
+    """The explore table plus oversized images, with no indexes; nothing here may change it."""
+    uri = str(tmp_path_factory.mktemp("plain") / "t.lance")
+    make_explore_table(
+        uri,
+        extra=[
+            # 48 MP: under Pillow's own bomb limit (179 MP), over the thumbnail limit.
+            ("t/bomb", big_png(8000, 6000), "a png that decodes to 48 MP"),
+            # 200 MP: Pillow refuses to even open it.
+            ("t/hugebomb", big_png(20000, 10000), "a png that decodes to 200 MP"),
+            # 41 MP, but a JPEG: its DCT draft decodes 0.6 MP, so it is shown.
+            ("t/bigjpeg", big_jpeg(6400, 6400), "a large jpeg"),
+        ],
+    )
+    return uri
+
+
+def raw_get(url: str, path: str, host: str | None) -> tuple[int, bytes]:
+    """GET with exactly this Host header (None: none at all)."""
+    import http.client
+
+    netloc = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(netloc.hostname, netloc.port, timeout=30)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        if host is not None:
+            conn.putheader("Host", host)
+        conn.endheaders()
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_foreign_host_is_refused_and_loopback_served(server):
+    url, srv = server
+    port = srv.server_address[1]
+    for host in (
+        "rebind.example",
+        f"rebind.example:{port}",
+        f"127.0.0.1.rebind.example:{port}",
+        "localhost.rebind.example",
+        f"127.0.0.1:{port}@rebind.example",
+        "127.0.0.2",
+        "",
+    ):
+        for path in ("/", "/api/search?q=green", "/api/thumb?id=t%2Fgreen0", "/static/app.js"):
+            status, body = raw_get(url, path, host)
+            assert status == 421, (host, path, status)
+            assert b"not served here" in body and b"t/green" not in body
+    for host in (
+        f"127.0.0.1:{port}",
+        "127.0.0.1",
+        f"LOCALHOST:{port}",
+        "localhost:9000",  # a forwarded port (ssh -L 9000:localhost:PORT) is fine
+        "[::1]",
+        f"[::1]:{port}",
+    ):
+        status, body = raw_get(url, "/api/search?q=green", host)
+        assert status == 200, (host, body)
+        assert b"t/green0" in body
+    assert raw_get(url, "/api/meta", None)[0] == 400  # no Host at all
+
+
+def test_allowed_host_names():
+    cfg = explore.ExploreConfig(table="x", host="10.1.2.3", allowed_hosts=("Explorer.LAN",))
+    assert explore.allowed_host_names(cfg) == {
+        "127.0.0.1",
+        "localhost",
+        "[::1]",
+        "10.1.2.3",
+        "explorer.lan",
+    }
+    wildcard = explore.allowed_host_names(explore.ExploreConfig(table="x", host="0.0.0.0"))
+    assert wildcard == {"127.0.0.1", "localhost", "[::1]"}
+    with pytest.raises(ValueError, match="allowed host"):
+        explore.ExploreConfig(table="x", allowed_hosts=("evil.example/path",))
+
+
+def test_offset_and_page_size_are_bounded(server):
+    url, _ = server
+    status, _, body = get(f"{url}/api/search?offset={10**15}&tier=too_small")
+    assert status == 400 and b"offset" in body  # O(offset) with a filter: refused up front
+    for query, name in (
+        ("offset=1000000000000000", "offset"),
+        ("offset=1000000000000000&tier=too_small", "offset"),
+        (f"offset={explore.MAX_OFFSET + 1}", "offset"),
+        ("offset=-1", "offset"),
+        ("offset=%D9%A5", "offset"),  # a non-ASCII digit
+        (f"k={explore.MAX_PAGE + 1}", "k"),
+        ("k=0", "k"),
+    ):
+        status, _, body = get(f"{url}/api/search?{query}")
+        assert status == 400, (query, status)
+        assert name in json.loads(body)["error"], body
+    status, _, body = get(f"{url}/api/similar?id=t%2Fred0&k=1000000000")
+    assert status == 400 and b"k" in body
+    status, _, body = get(f"{url}/api/thumb?id=t%2Fred0&size=100000")
+    assert status == 400 and b"size" in body
+    deepest = api(url, "/api/search", offset=explore.MAX_OFFSET, k=explore.MAX_PAGE)
+    assert deepest["results"] == [] and deepest["next_offset"] is None
+    with pytest.raises(ValueError, match="page size"):
+        explore.ExploreConfig(table="x", page_size=explore.MAX_PAGE + 1)
+
+
+def test_saturated_pool_answers_503_rather_than_starting_threads(plain_table):
+    import threading
+
+    with running_server(plain_table, workers=1, queue=0) as (url, srv):
+        assert api(url, "/api/meta")["rows"] == 17
+        entered, release = threading.Event(), threading.Event()
+        real_meta = srv.app.meta
+
+        def slow_meta():
+            entered.set()
+            release.wait(30)
+            return real_meta()
+
+        srv.app.meta = slow_meta
+        holder = threading.Thread(target=get, args=(url + "/api/meta",))
+        holder.start()
+        try:
+            assert entered.wait(30)  # the only worker is now taken
+            threads = threading.active_count()
+            replies = [get(url + "/api/search") for _ in range(6)]
+            assert [r[0] for r in replies] == [503] * 6
+            assert replies[0][1]["Retry-After"] == "1"
+            assert b"busy" in replies[0][2]
+            assert threading.active_count() == threads  # no thread per request
+        finally:
+            release.set()
+            holder.join(30)
+        srv.app.meta = real_meta
+        assert api(url, "/api/search")["mode"] == "browse"  # served again once free
+
+
+def test_bomb_thumbnails_are_refused_and_the_server_lives(plain_table):
+    with running_server(plain_table) as (url, _):
+        for row_id, why in (("t/bomb", b"8000x6000"), ("t/hugebomb", b"decompression bomb")):
+            for _ in range(2):  # the refusal is cached like a thumbnail
+                status, headers, body = get(f"{url}/api/thumb?id={urllib.parse.quote(row_id)}")
+                assert status == 422, (row_id, status)
+                assert headers["Content-Type"].startswith("application/json")
+                assert why in body, body
+        status, headers, body = get(f"{url}/api/thumb?id=t%2Fbigjpeg")
+        assert status == 200 and headers["Content-Type"] == "image/jpeg"
+        import io
+
+        from PIL import Image
+
+        assert max(Image.open(io.BytesIO(body)).size) == explore.THUMB_SIZE
+        assert api(url, "/api/meta")["rows"] == 17
+
+
+def test_thumbnail_timeout_is_an_http_error(plain_table, monkeypatch, capfd):
+    import threading
+
+    release = threading.Event()
+    real = explore._thumb_bytes
+
+    def stuck(data, size):
+        release.wait(30)
+        return real(data, size)
+
+    monkeypatch.setattr(explore, "_thumb_bytes", stuck)
+    with running_server(plain_table, thumb_timeout_s=0.05) as (url, srv):
+        try:
+            status, _, body = get(f"{url}/api/thumb?id=t%2Fred0&size=80")
+            assert status == 504, status
+            assert b"not ready" in body
+            assert api(url, "/api/meta")["rows"] == 17  # the worker was given back
+            with srv.app._lock:
+                fut = srv.app._pending.get(("t/red0", 80))
+        finally:
+            release.set()
+        if fut is not None:
+            fut.result(timeout=30)
+        status, headers, _ = get(f"{url}/api/thumb?id=t%2Fred0&size=80")
+        assert status == 200 and headers["Content-Type"] == "image/jpeg"
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_thumbnail_queue_is_bounded(plain_table, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    real = explore._thumb_bytes
+    monkeypatch.setattr(explore, "_thumb_bytes", lambda d, n: (release.wait(30), real(d, n))[1])
+    app = explore.Explorer(explore.ExploreConfig(table=plain_table, thumb_queue=3))
+    try:
+        app.prefetch([f"t/red{i}" for i in range(4)] + ["t/blue0"], 64)
+        app.prefetch(["t/green0", "t/green1"], 64)  # best effort: skipped while full
+        with app._lock:
+            assert sorted(k[0] for k in app._pending) == ["t/red0", "t/red1", "t/red2"]
+        with pytest.raises(explore.RequestError, match="queue is full") as e:
+            app.thumbnail("t/green3", 64)
+        assert e.value.status == 503
+    finally:
+        release.set()
+        app.close()
+
+
+def test_startup_leaves_the_table_unchanged_unless_asked(tmp_path, capsys):
+    import lance
+
+    uri = str(tmp_path / "t.lance")
+    make_explore_table(uri)
+    before = lance.dataset(uri).version
+    app = explore.Explorer(explore.ExploreConfig(table=uri))
+    try:
+        out = capsys.readouterr().out
+        assert lance.dataset(uri).version == before
+        would = [line for line in out.splitlines() if line.startswith("would ")]
+        assert would == [
+            "would compute pixel descriptors for 14 rows (until then: no similar images)",
+            "would build an INVERTED index on caption (full-text search; until then the "
+            "search box matches ids only)",
+            "would build a BTREE index on id (fast id lookups)",
+        ]
+        assert "--build-indexes" in out
+        # It runs with what exists: no text index, no vectors, but browse and ids work.
+        meta = app.meta()
+        assert meta["text_columns"] == [] and meta["vector_column"] is None
+        assert [r["id"] for r in app.search({"q": "t/green1"})["results"]] == ["t/green1"]
+        assert len(app.search({})["results"]) == 14
+    finally:
+        app.close()
+    app = explore.Explorer(explore.ExploreConfig(table=uri, build_indexes=True))
+    app.close()
+    built = lance.dataset(uri).version
+    assert built > before
+    capsys.readouterr()
+    app = explore.Explorer(explore.ExploreConfig(table=uri))
+    try:
+        assert "would" not in capsys.readouterr().out  # nothing left to build
+        assert lance.dataset(uri).version == built
+        assert app.meta()["text_columns"] == ["caption"]
+    finally:
+        app.close()
+
+
+def test_cli_build_indexes_is_opt_in_and_no_index_is_a_no_op(monkeypatch, capsys):
+    made: list[explore.ExploreConfig] = []
+
+    class Stub:
+        server_address = ("127.0.0.1", 1)
+
+        def serve_forever(self):
+            raise KeyboardInterrupt
+
+        def server_close(self):
+            pass
+
+    def fake_serve(cfg):
+        made.append(cfg)
+        return Stub()
+
+    monkeypatch.setattr(explore_cli, "serve", fake_serve)
+    assert explore_cli.main(["--table", "t.lance"]) == 0
+    assert made[-1].build_indexes is False
+    assert explore_cli.main(["--table", "t.lance", "--no-index"]) == 0
+    assert made[-1].build_indexes is False
+    assert "deprecated" in capsys.readouterr().err
+    assert explore_cli.main(["--table", "t", "--build-indexes", "--allow-host", "box.lan"]) == 0
+    assert made[-1].build_indexes is True and made[-1].allowed_hosts == ("box.lan",)
+    with pytest.raises(SystemExit):
+        explore_cli.main(["--table", "t", "--page-size", "1000"])
+    assert "page size" in capsys.readouterr().err

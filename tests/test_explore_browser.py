@@ -1,4 +1,4 @@
-"""The explorer end to end in headless Chromium: search, click, neighbours, no XSS.
+"""The explorer end to end in headless Chromium: search, click, neighbours, no XSS, no rebinding.
 
 Needs Debian's chromium at /usr/bin/chromium (``apt-get install -y chromium``)
 and the PyPI ``playwright`` package; no browser download. The screenshot is
@@ -16,6 +16,8 @@ import pytest
 from tests.explore_kit import XSS_CAPTION, make_enriched_table, make_explore_table, running_server
 
 CHROMIUM = "/usr/bin/chromium"
+#: A foreign name the browser resolves to loopback, as a DNS-rebinding attack makes it do.
+REBIND_HOST = "rebind.test"
 ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "artifacts")
 
 pytestmark = [
@@ -38,6 +40,8 @@ def _launch(p):
             "--disable-component-update",
             "--disable-sync",
             "--no-first-run",
+            "--no-proxy-server",
+            f"--host-resolver-rules=MAP {REBIND_HOST} 127.0.0.1",
         ],
     )
 
@@ -46,7 +50,7 @@ def test_search_click_neighbours_and_no_xss(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
     uri = str(tmp_path / "t.lance")
     make_explore_table(uri)
-    with running_server(uri) as (url, _), sync_api.sync_playwright() as p:
+    with running_server(uri, build_indexes=True) as (url, _), sync_api.sync_playwright() as p:
         browser = _launch(p)
         try:
             # The page's CSP forbids eval, so this part sticks to selectors and attributes.
@@ -128,6 +132,18 @@ def test_search_click_neighbours_and_no_xss(tmp_path):
             loose.wait_for_load_state("networkidle")
             assert loose.evaluate("window.__xss") is None
             assert loose.title() != "pwned"
+
+            # DNS rebinding: a foreign name that resolves to 127.0.0.1 gets a 421, never data.
+            port = urlparse(url).port
+            evil = browser.new_page()
+            for path in ("/", "/api/search?q=green", "/api/thumb?id=t%2Fgreen0"):
+                resp = evil.goto(f"http://{REBIND_HOST}:{port}{path}")
+                assert resp is not None and resp.status == 421, path
+                body = resp.text()
+                assert "not served here" in body and "t/green" not in body
+            # The same browser on a loopback name is served.
+            resp = evil.goto(f"http://localhost:{port}/api/search?q=green")
+            assert resp is not None and resp.status == 200 and "t/green0" in resp.text()
         finally:
             browser.close()
 
@@ -135,7 +151,10 @@ def test_search_click_neighbours_and_no_xss(tmp_path):
 def test_cards_id_search_duplicates_and_paging(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
     uri = make_enriched_table(str(tmp_path / "rich.lance"))
-    with running_server(uri, page_size=6) as (url, _), sync_api.sync_playwright() as p:
+    with (
+        running_server(uri, page_size=6, build_indexes=True) as (url, _),
+        sync_api.sync_playwright() as p,
+    ):
         browser = _launch(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})

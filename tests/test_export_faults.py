@@ -247,3 +247,59 @@ def test_object_storage_faults_are_absorbed_by_retries(
     monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)
     assert is_complete(out) and content_digest(out) == content_digest(photo_ref)
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
+
+
+def _jpeg(size: tuple[int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, (40, 90, 160)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+@pytest.mark.faults
+def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
+    tmp_path, monkeypatch, ray_local
+):
+    """A Ray worker dies mid-unit; Ray runs the unit again, and the retry meets what the
+    first attempt left: shards and part indexes with no manifest yet in one unit, every
+    file of its parts but no marker in another. The export still finishes, byte-identical
+    to an undisturbed run of the same plan."""
+    from pipelines import write_mds
+    from prx_data.export.unit import export_unit, finalize, plan_units, prepare_output
+    from tests.tablekit import make_table
+
+    table = str(tmp_path / "t.lance")
+    sizes = [(600, 600), (1200, 600), (600, 600), (600, 1200)]
+    make_table(table, [(f"s/{i}", _jpeg(s), f"cap {i}") for i, s in enumerate(sizes)])
+    ref = prepare_output(ExportConfig(table=table, out=str(tmp_path / "ref"), rows_per_task=2))
+    finalize(ref, {u.part: export_unit(ref, u) for u in plan_units(ref)}, 0.0)  # undisturbed
+    first, second = sorted(u.part for u in plan_units(ref))
+    crashes = {first: "write_manifest", second: "marker_path"}
+    flags = str(tmp_path / "died")
+    os.makedirs(flags)
+
+    class DieOnce(write_mds._ExportTask):  # local class: cloudpickle ships it by value
+        def __call__(self, row: dict) -> dict:
+            from prx_data.export import unit as U
+
+            part = layout.part_name(int(row["fragment_id"]), int(row["start"]))
+            point = crashes.get(part)
+            if point:
+                try:
+                    os.close(os.open(os.path.join(flags, part), os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    point = None  # the retry: run as usual
+            if point:
+                setattr(U, point, lambda *a, **k: os._exit(1))  # the worker dies right there
+            return super().__call__(row)
+
+    monkeypatch.setattr(write_mds, "_ExportTask", DieOnce)
+    out = str(tmp_path / "o")
+    run_export(ExportConfig(table=table, out=out, rows_per_task=2, min_units=1), progress=False)
+    assert sorted(os.listdir(flags)) == sorted(crashes)  # both workers did die
+    assert is_complete(out) and content_digest(out) == content_digest(ref.out)
+    assert not os.path.exists(os.path.join(out, layout.WRITING_DIR))
+    assert verify_cli.main([out, "--deep", "--no-progress"]) == 0

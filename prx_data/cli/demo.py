@@ -61,7 +61,7 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
     print(
         "\nnext:\n"
         f"  python -m prx_data.stats --table {table} --out {workdir}/stats\n"
-        f"  python -m prx_data.explore --table {table}\n"
+        f"  python -m prx_data.explore --table {table} --build-indexes\n"
         f"  python -m prx_data.skips stats {out}\n"
         "  python -m prx_data.train configs/train/smoke_cpu.yaml"
     )

@@ -9,6 +9,7 @@ from prx_data.explore.app import (
     AUTO_DESCRIPTOR_ROWS,
     DEFAULT_HOST,
     DEFAULT_PORT,
+    MAX_PAGE,
     ExploreConfig,
     serve,
 )
@@ -19,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m prx_data.explore",
         description="Browse a Lance image table in the browser: live caption search, a "
         "thumbnail grid, click an image for visually similar ones, and filters for tier, "
-        "aspect-ratio bucket and label columns. Builds missing search indexes at start.",
+        "aspect-ratio bucket and label columns. The table is left unchanged unless "
+        "--build-indexes is given; without it the explorer lists what it would build.",
     )
     p.add_argument("--table", required=True, help="Lance table URI")
     p.add_argument(
@@ -32,32 +34,69 @@ def main(argv: list[str] | None = None) -> int:
         "--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free)"
     )
     p.add_argument(
-        "--page-size", type=int, default=48, help="thumbnails per query (default: %(default)s)"
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also serve requests whose Host header is NAME (with any port), e.g. this "
+        "machine's name when binding 0.0.0.0; repeatable. Loopback names (127.0.0.1, "
+        "localhost, [::1]) and --host are always served; any other Host gets 421, so a "
+        "DNS-rebinding page cannot read the table",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=48,
+        help=f"thumbnails per query, 1 to {MAX_PAGE} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--build-indexes",
+        action="store_true",
+        help="change the table at start if it lacks them: build the full-text (captions), "
+        "BTREE (id) and vector indexes, and compute pixel descriptors (see --descriptors). "
+        "Each adds a table version; without this flag the table is unchanged and each "
+        "missing piece is printed as a 'would ...' line",
     )
     p.add_argument(
         "--descriptors",
         choices=("auto", "yes", "no"),
         default="auto",
-        help="compute pixel descriptors for similar-image search when the table has no vector "
-        f"column: auto = only if at most {AUTO_DESCRIPTOR_ROWS:,} rows (default), yes, no",
+        help="pixel descriptors for similar-image search when the table has no vector "
+        f"column: auto = with --build-indexes, if at most {AUTO_DESCRIPTOR_ROWS:,} rows "
+        "(default); yes = compute them now (changes the table); no = never",
     )
-    p.add_argument(
-        "--no-index",
-        action="store_true",
-        help="do not build missing full-text/vector indexes at start (leaves the table unchanged)",
-    )
+    # Deprecated: leaving the table unchanged is now the default.
+    p.add_argument("--no-index", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    cfg = ExploreConfig(
-        table=args.table,
-        host=args.host,
-        port=args.port,
-        page_size=args.page_size,
-        descriptors=args.descriptors,
-        build_indexes=not args.no_index,
-    )
+    if args.no_index:
+        print(
+            "note: --no-index is deprecated and does nothing: the table is left unchanged "
+            "unless --build-indexes is given",
+            file=sys.stderr,
+        )
+        if args.build_indexes:
+            p.error("--no-index and --build-indexes contradict each other; drop --no-index")
+    try:
+        cfg = ExploreConfig(
+            table=args.table,
+            host=args.host,
+            port=args.port,
+            page_size=args.page_size,
+            descriptors=args.descriptors,
+            build_indexes=args.build_indexes,
+            allowed_hosts=tuple(args.allow_host),
+        )
+    except ValueError as e:
+        p.error(str(e))
     server = serve(cfg)
     host, port = server.server_address[:2]
     print(f"exploring {cfg.table} at http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
+    if host in ("0.0.0.0", "::") and not cfg.allowed_hosts:
+        print(
+            f"note: bound to {host}, but only loopback Host names are served; add "
+            "--allow-host NAME for the name other machines use to reach this one",
+            flush=True,
+        )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ from pipelines.ingest import (
     ingest,
 )
 from prx_data.core.errors import add_max_error_rate, error_rate_status
+from prx_data.core.runtime import RayStartError
 from prx_data.ingest import FORMATS
 
 __all__ = ["IngestReport", "ingest", "main"]
@@ -113,18 +114,22 @@ def main(argv: list[str] | None = None) -> int:
         }.items()
         if v is not None
     }
-    report = ingest(
-        args.sources,
-        args.table,
-        mode=args.mode,
-        fmt=args.fmt,
-        rows_per_fragment=args.rows_per_fragment,
-        fragment_bytes=args.fragment_mb * 1024 * 1024,
-        items_per_unit=args.items_per_unit,
-        num_cpus=args.num_cpus,
-        progress=not args.no_progress,
-        **reader_options,
-    )
+    try:
+        report = ingest(
+            args.sources,
+            args.table,
+            mode=args.mode,
+            fmt=args.fmt,
+            rows_per_fragment=args.rows_per_fragment,
+            fragment_bytes=args.fragment_mb * 1024 * 1024,
+            items_per_unit=args.items_per_unit,
+            num_cpus=args.num_cpus,
+            progress=not args.no_progress,
+            **reader_options,
+        )
+    except RayStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return error_rate_status(
         "ingest",

@@ -8,6 +8,7 @@ import sys
 from prx_data.core.buckets import DEFAULT_TIERS, DROP_ASPECT_RATIO, DROP_TOO_SMALL
 from prx_data.core.errors import add_max_error_rate, error_rate_status
 from prx_data.core.imaging import DRAFT_MARGIN
+from prx_data.core.runtime import RayStartError
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig, ExportError
 
 EPILOG = """\
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             num_cpus=args.num_cpus,
             progress=args.progress,
         )
-    except ExportError as e:
+    except (ExportError, RayStartError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table_text())

@@ -17,6 +17,10 @@ guarantees at any table size:
   files are never rewritten. Fragments are committed in batches, each batch
   one ``Update(rewrite_columns)`` checked against the pinned version. Cost
   is linear in the rows processed.
+- **Pinned, also against cleanup.** While the job runs, its version
+  carries a tag (``prx-col-<name>-...``, :mod:`prx_data.table.pins`), so
+  ``table compact --cleanup`` keeps it; the job removes the tag when it
+  ends, and a killed job's tag is moved and removed by its next run.
 - **Resumable.** A fragment whose new data file is written gets a
   checkpoint (``<table>/_prx_column_jobs/<name>/f<id>.json``: the fragment
   as read and as written). A killed run leaves the committed fragments done
@@ -43,6 +47,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -54,6 +59,7 @@ import pyarrow.compute as pc
 
 from prx_data.columns.writeback import ColumnReport, count_into
 from prx_data.core import storage
+from prx_data.table.pins import column_pin, pin, unpin
 
 ROWADDR = "_rowaddr"
 #: Where a table keeps the checkpoints of unfinished column jobs.
@@ -641,8 +647,6 @@ def iter_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[pa
 
 def run_column_job(job: ColumnJob) -> ColumnReport:
     """Run ``job`` (see the module docstring); returns the report (rows, counts, reasons)."""
-    from tqdm.auto import tqdm
-
     start = time.perf_counter()
     name = job.job_name
     report = ColumnReport(job.table, list(job.outputs.names))
@@ -651,6 +655,27 @@ def run_column_job(job: ColumnJob) -> ColumnReport:
         job.table, name, job.storage_options
     )
     ds = _open(job.table, job.storage_options)  # the pinned version
+    tag = column_pin(name)
+    pin(ds, tag, ds.version, job="column job", column=name)
+    try:
+        return _run_pinned(job, ds, report, start)
+    finally:  # a killed job leaves it; its next run moves it and removes it
+        try:
+            unpin(ds, tag)
+        except OSError as e:  # never hide the job's own outcome behind this
+            warnings.warn(
+                f"could not remove tag {tag} from {job.table} ({e}); remove it with "
+                f"`python -m prx_data.table untag {job.table} {tag}`",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> ColumnReport:
+    """The job at its pinned version ``ds`` (tagged, so a cleanup meanwhile keeps it)."""
+    from tqdm.auto import tqdm
+
+    name = job.job_name
     report.table_version = ds.version
     counts_by_fragment = pending_counts(ds, job.where)
     rows_per_unit = job.rows_per_unit

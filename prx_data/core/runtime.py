@@ -1,23 +1,112 @@
-"""Starting or joining Ray for a job: local embedded Ray by default, a cluster via RAY_ADDRESS."""
+"""Starting or joining Ray for a job: local embedded Ray by default, a cluster via RAY_ADDRESS.
+
+Ray itself retries a dead address for many minutes: with no address given it
+joins the cluster named in its record of the last ``ray start`` on this host
+(``<tmp>/ray/ray_current_cluster``, left behind when that head dies), and an
+explicit dead address is retried the same way. So before ``ray.init`` the
+address is probed with a plain TCP connect: a stale record is bypassed for a
+local Ray (with a warning naming it), and an address that was given fails
+after ``PRX_RAY_CONNECT_TIMEOUT_S`` seconds with one line saying what to do.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
+import warnings
+
+#: Seconds a job waits for the GCS port of the Ray cluster it was given to accept a
+#: connection (a head that is still starting) before it gives up.
+CONNECT_TIMEOUT_ENV = "PRX_RAY_CONNECT_TIMEOUT_S"
+DEFAULT_CONNECT_TIMEOUT_S = 20.0
+#: One connect attempt at a recorded (not given) address: a head that died refuses at once.
+RECORD_PROBE_S = 2.0
+
+
+class RayStartError(RuntimeError):
+    """Ray could not be joined or started; the message is one line that says what to do."""
+
+
+def ray_record_path() -> str:
+    """Ray's record of the cluster the last ``ray start`` on this host made."""
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        return get_ray_address_file(None)
+    except (ImportError, AttributeError):  # Ray's own rule, should the helper move
+        base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        return os.path.join(base, "ray", "ray_current_cluster")
+
+
+def connect_timeout_s(value: float | None = None) -> float:
+    """``value``, else ``$PRX_RAY_CONNECT_TIMEOUT_S``, else the default."""
+    raw = value if value is not None else os.environ.get(CONNECT_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_CONNECT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise RayStartError(f"{CONNECT_TIMEOUT_ENV}={raw!r} is not a number of seconds (e.g. 20)")
+    return seconds
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``host:port`` or ``ray://host:port``; None for ``auto`` and the like."""
+    rest = address.split("://", 1)[-1].split("/", 1)[0]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _answers(host: str, port: int, timeout_s: float, *, retry: bool) -> bool:
+    """Whether ``host:port`` accepts a TCP connection (with ``retry``, until ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(left, 2.0))):
+                return True
+        except OSError:
+            if not retry or time.monotonic() + 0.25 >= deadline:
+                return False
+            time.sleep(0.25)
+
+
+def _read_record(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def ensure_ray(
-    address: str | None = None, num_cpus: int | None = None, object_store_memory: int | None = None
+    address: str | None = None,
+    num_cpus: int | None = None,
+    object_store_memory: int | None = None,
+    *,
+    connect_timeout: float | None = None,
 ) -> None:
     """Join ``address`` (or ``$RAY_ADDRESS``), else start a local Ray runtime.
 
     Reuses an already-initialised runtime (notebooks, tests). Each worker is
     told to use one Lance thread so that Ray, not Lance, decides parallelism.
+    A given address where nothing answers within ``connect_timeout`` seconds
+    (default ``$PRX_RAY_CONNECT_TIMEOUT_S`` or 20) raises :class:`RayStartError`;
+    with no address, a stale record of a dead ``ray start`` cluster is skipped
+    with a warning and a local Ray is started.
     """
     import ray
 
     if ray.is_initialized():
         return
+    timeout = connect_timeout_s(connect_timeout)
+    source = "--ray-address" if address else "RAY_ADDRESS"
     address = address or os.environ.get("RAY_ADDRESS") or None
     runtime_env = {"env_vars": {"LANCE_CPU_THREADS": os.environ.get("LANCE_CPU_THREADS", "1")}}
     kwargs: dict = {
@@ -26,16 +115,52 @@ def ensure_ray(
         "logging_level": logging.WARNING,
         "include_dashboard": False,
     }
-    if address:
+    if address and address != "local":
+        _check_address(address, source, timeout)
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, **kwargs)
+        if address is None and _stale_record():
+            address = "local"  # Ray would retry the recorded one for many minutes
+        ray.init(
+            address=address, num_cpus=num_cpus, object_store_memory=object_store_memory, **kwargs
+        )
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the jobs draw one bar of their own
     ctx.print_on_execution_start = False
     quiet_ray_data()
+
+
+def _check_address(address: str, source: str, timeout: float) -> None:
+    """Raise :class:`RayStartError` unless the GCS at ``address`` accepts connections."""
+    target = _read_record(ray_record_path()) if address == "auto" else address
+    hp = _host_port(target) if target else None
+    if hp is None or _answers(*hp, timeout, retry=True):
+        return  # nothing to probe ("auto" with no record: Ray looks for one itself)
+    unset = "unset RAY_ADDRESS" if source == "RAY_ADDRESS" else f"drop {source}"
+    raise RayStartError(
+        f"no Ray cluster answers at {target} (from {source}) after {timeout:g} s: start its "
+        f"head there (`ray start --head --port {hp[1]}`), or {unset} to run on a local Ray; "
+        f"`ray stop` clears what a stopped cluster left ({CONNECT_TIMEOUT_ENV} sets the wait)"
+    )
+
+
+def _stale_record() -> bool:
+    """True, after a warning, when Ray's cluster record names an address where nothing answers."""
+    path = ray_record_path()
+    recorded = _read_record(path)
+    hp = _host_port(recorded) if recorded else None
+    if hp is None or _answers(*hp, RECORD_PROBE_S, retry=False):
+        return False
+    warnings.warn(
+        f"{path} names a Ray cluster at {recorded}, where nothing answers (its head has "
+        f"stopped): starting a local Ray instead. Clear the stale record with `ray stop` or "
+        f"by deleting {path}; set RAY_ADDRESS to join a cluster.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 def unit_dataset(items: list[dict], *, single_operator: bool = True):

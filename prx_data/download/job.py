@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -500,10 +501,9 @@ def fill_duplicates(
 
 def run_download(cfg: DownloadConfig) -> DownloadReport:
     """Fetch every pending row's URL into the table (see the module docstring)."""
-    from tqdm.auto import tqdm
-
     from prx_data.columns import runner as R
     from prx_data.table.lance_ops import open_table
+    from prx_data.table.pins import column_pin, pin, unpin
 
     start = time.perf_counter()
     report = DownloadReport(cfg.table)
@@ -518,13 +518,36 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
             "`python -m prx_data.ingest` (rows without bytes get probe_error = missing_image)"
         )
     R.ensure_columns(cfg.table, OUTPUTS, cfg.storage_options)
-    ds = open_table(cfg.table, cfg.storage_options)  # the pinned version
+    # Duplicates a killed run marked but did not fill.
+    early = Mover(cfg, open_table(cfg.table, cfg.storage_options))
+    report.duplicates_filled = fill_duplicates(cfg, url, early).total()
+    report.commits, report.bytes_written = early.commits, early.bytes_written
+    ds = early.ds
+    # Tag the version the fetch tasks read, so a cleanup meanwhile keeps its files (the
+    # fragments this run empties leave the latest version while tasks still read them).
+    tag = column_pin(STATUS)
+    pin(ds, tag, ds.version, job="download", column=STATUS)
+    try:
+        return _run_pinned(cfg, ds, report, url, start)
+    finally:  # a killed run leaves it; its next run moves it and removes it
+        try:
+            unpin(ds, tag)
+        except OSError as e:  # never hide the job's own outcome behind this
+            warnings.warn(
+                f"could not remove tag {tag} from {cfg.table} ({e}); remove it with "
+                f"`python -m prx_data.table untag {cfg.table} {tag}`",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start: float):
+    from tqdm.auto import tqdm
+
+    from prx_data.columns import runner as R
+
     report.table_version = ds.version
     mover = Mover(cfg, ds)
-    # Duplicates a killed run marked but did not fill.
-    early = fill_duplicates(cfg, url, mover)
-    report.duplicates_filled = early.total()
-    ds = mover.ds
     where = pending_filter(url, cfg.only)
     duplicates = plan_duplicates(ds, url, where, cfg.limit)
     report.duplicates_marked = len(duplicates)
@@ -594,8 +617,8 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
         report.statuses = dict(statuses)
         report.reasons = dict(reasons)
         report.failing_hosts = dict(_desc(dict(hosts))[:20])
-        report.commits = mover.commits
-        report.bytes_written = mover.bytes_written
+        report.commits += mover.commits
+        report.bytes_written += mover.bytes_written
         report.final_version = mover.ds.version
         report.seconds = time.perf_counter() - start
     return report

@@ -16,21 +16,37 @@ A small stdlib HTTP server with a JSON API and static files; it binds to
 127.0.0.1 unless told otherwise. The page never puts table text into HTML:
 captions are inserted with ``textContent``, and a Content-Security-Policy
 forbids inline scripts, so a caption such as ``<script>`` stays text.
+
+Hardened against other sites and exhaustion: only requests whose ``Host``
+names a loopback name, the bound host or an allowed name are served (421
+otherwise: DNS rebinding cannot turn "binds 127.0.0.1" into remote access);
+``offset`` and page sizes are bounded (400 beyond); a fixed pool of HTTP
+workers with a bounded queue answers 503 when full instead of starting a
+thread per request; the thumbnail queue is bounded and images that would
+decode to more than :data:`THUMB_MAX_PIXELS` are refused (422); a thumbnail
+not ready in time is a 504. The table is never changed at start-up unless
+asked (``build_indexes`` / ``--build-indexes``, ``descriptors="yes"``);
+otherwise the explorer prints what it would build and runs with what exists.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import mimetypes
 import os
+import queue
+import re
+import socket
+import sys
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -43,7 +59,7 @@ from prx_data.core import descriptor
 from prx_data.core import quality as Q
 from prx_data.core import schema as S
 from prx_data.core.buckets import DEFAULT_SPEC
-from prx_data.core.imaging import ImageError, decode
+from prx_data.core.imaging import ImageError, decode, open_image
 from prx_data.table import lance_ops as T
 from prx_data.table import search
 
@@ -56,7 +72,26 @@ THUMB_SIZE = 256
 THUMB_CACHE = 4000
 #: Background threads making thumbnails ahead of the browser asking for them.
 THUMB_WORKERS = 2
-MAX_PAGE = 500
+#: Thumbnails waiting for (or being made by) that pool; a page's prefetch beyond it is skipped.
+THUMB_QUEUE = 512
+#: Bytes the thumbnail LRU may hold (large sizes are up to a few hundred kB each).
+THUMB_CACHE_BYTES = 256 << 20
+#: An image whose decode (after the JPEG DCT draft) has more pixels is refused: ~120 MB of RGB.
+THUMB_MAX_PIXELS = 40_000_000
+#: Seconds a thumbnail request waits for the pool before it is answered 504.
+THUMB_TIMEOUT_S = 30.0
+MIN_THUMB, MAX_THUMB = 32, 1024
+#: Largest page (``k``) a request may ask for; more is a 400.
+MAX_PAGE = 200
+#: Deepest ``offset`` a request may ask for (a filtered page costs O(offset)); more is a 400.
+MAX_OFFSET = 1_000_000
+#: HTTP worker threads, and connections that may wait for one; beyond both: 503.
+HTTP_WORKERS = 8
+HTTP_QUEUE = 32
+#: Seconds a client may take to send its request before the worker drops it.
+REQUEST_TIMEOUT_S = 20.0
+#: Host header names always served (with any port): loopback only.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 #: Deepest full-text result a page can reach (BM25 top-k is computed up to here).
 MAX_RANKED = 10_000
 #: The dedup job's column: the keeper's id on duplicates, null elsewhere.
@@ -77,15 +112,54 @@ QUALITY_FILTERS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExploreConfig:
+    """What to serve and how. The table is only changed when ``build_indexes`` or
+    ``descriptors="yes"`` asks for it."""
+
     table: str
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     page_size: int = 48
-    descriptors: str = "auto"  # auto | yes | no
-    build_indexes: bool = True
+    #: auto: compute with ``build_indexes`` on tables up to AUTO_DESCRIPTOR_ROWS | yes | no
+    descriptors: str = "auto"
+    build_indexes: bool = False
     storage_options: dict | None = None
+    #: Host header names served besides the loopback names and ``host``.
+    allowed_hosts: tuple[str, ...] = ()
+    workers: int = HTTP_WORKERS
+    queue: int = HTTP_QUEUE
+    thumb_queue: int = THUMB_QUEUE
+    thumb_timeout_s: float = THUMB_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.page_size <= MAX_PAGE:
+            raise ValueError(f"page size {self.page_size} is out of range: use 1 to {MAX_PAGE}")
+        if self.descriptors not in ("auto", "yes", "no"):
+            raise ValueError(f"descriptors must be auto, yes or no, not {self.descriptors!r}")
+        if self.workers < 1 or self.queue < 0 or self.thumb_queue < 1:
+            raise ValueError("workers and thumb_queue must be at least 1, queue at least 0")
+        if not self.thumb_timeout_s > 0:
+            raise ValueError(f"thumb_timeout_s must be positive, not {self.thumb_timeout_s}")
+        for name in self.allowed_hosts:
+            if _host_name(name) is None:
+                raise ValueError(f"allowed host {name!r} is not a host name or IP address")
+
+
+class RequestError(Exception):
+    """A request the server answers with ``status`` and a one-line ``message``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A thumbnail that will not be made (cached like one that was): why, for the 422."""
+
+    reason: str
 
 
 class Explorer:
@@ -95,7 +169,8 @@ class Explorer:
         self.cfg = cfg
         self.uri = cfg.table
         self._lock = threading.Lock()
-        self._thumbs: OrderedDict[tuple[str, int], bytes | None] = OrderedDict()
+        self._thumbs: OrderedDict[tuple[str, int], bytes | Refused | None] = OrderedDict()
+        self._cache_bytes = 0
         self._pending: dict[tuple[str, int], Future] = {}
         self._ranked_cache: OrderedDict[tuple, tuple[pa.Table, bool]] = OrderedDict()
         self._pool = ThreadPoolExecutor(THUMB_WORKERS, thread_name_prefix="thumbs")
@@ -103,30 +178,62 @@ class Explorer:
 
     # -- set-up --------------------------------------------------------------------
     def prepare(self) -> None:
-        """Compute missing descriptors and indexes as configured, then open the table."""
+        """Open the table; compute descriptors and build indexes only if configured to.
+
+        Without ``build_indexes`` nothing is written: each missing piece is
+        printed as one ``would ...`` line and the explorer runs with what exists.
+        """
         ds = T.open_table(self.uri, self.cfg.storage_options)
-        if search.vector_column(ds) is None and self.cfg.descriptors != "no":
-            missing = ds.count_rows()
-            if self.cfg.descriptors == "yes" or missing <= AUTO_DESCRIPTOR_ROWS:
-                print(f"computing pixel descriptors for {missing:,} rows (for similar images)")
+        would: list[str] = []
+        vec = search.vector_column(ds)
+        vectors = ds.count_rows(f"{T.quote(vec)} IS NOT NULL") if vec else 0
+        if vec is None and self.cfg.descriptors != "no":
+            rows = ds.count_rows()
+            if self.cfg.descriptors == "yes" or (
+                self.cfg.build_indexes and rows <= AUTO_DESCRIPTOR_ROWS
+            ):
+                print(f"computing pixel descriptors for {rows:,} rows (for similar images)")
                 descriptors.compute_descriptors(self.uri, storage_options=self.cfg.storage_options)
-            else:
+                ds = T.open_table(self.uri, self.cfg.storage_options)
+                vec = search.vector_column(ds)
+                vectors = ds.count_rows(f"{T.quote(vec)} IS NOT NULL") if vec else 0
+            elif rows > AUTO_DESCRIPTOR_ROWS:
                 print(
-                    f"{missing:,} rows have no vector; similar images are off. Run with "
-                    "--descriptors yes (or prx_data.core.descriptors.compute_descriptors) to enable them."
+                    f"{rows:,} rows have no vector; similar images are off. Run with "
+                    "--descriptors yes (or prx_data.columns.descriptors.compute_descriptors) "
+                    "to enable them."
                 )
-        ds = T.open_table(self.uri, self.cfg.storage_options)
-        if self.cfg.build_indexes:
-            have = {f for i in ds.list_indices() for f in i["fields"]}
-            want = set(search.caption_columns(ds)) | {S.ID}
-            vec = search.vector_column(ds)
-            if vec and ds.count_rows() >= search.MIN_ROWS_FOR_ANN:
-                want.add(vec)
-            if not want <= have:
-                print("building search indexes:", ", ".join(sorted(want - have)))
-                search.build_indexes(self.uri, storage_options=self.cfg.storage_options)
-        self._load(T.open_table(self.uri, self.cfg.storage_options))
+            else:
+                would.append(
+                    f"compute pixel descriptors for {rows:,} rows (until then: no similar images)"
+                )
+                vec, vectors = descriptor.COLUMN, rows
+        missing = self._missing_indexes(ds, vec, vectors)
+        if missing and self.cfg.build_indexes:
+            print("building search indexes:", ", ".join(sorted(missing)))
+            search.build_indexes(self.uri, storage_options=self.cfg.storage_options)
+            ds = T.open_table(self.uri, self.cfg.storage_options)
+        else:
+            would += [
+                f"build {kind} index on {col} ({why})" for col, (kind, why) in missing.items()
+            ]
+        for line in would:
+            print("would", line)
+        if would:
+            print("the table is unchanged: start with --build-indexes to build the above")
+        self._load(ds)
         self._checked = time.monotonic()
+
+    @staticmethod
+    def _missing_indexes(ds, vec: str | None, vectors: int) -> dict[str, tuple[str, str]]:
+        """{column: (index kind, what it gives)} that :func:`search.build_indexes` would add."""
+        have = set(search.indexed_columns(ds))
+        text = "full-text search; until then the search box matches ids only"
+        want = {c: ("an INVERTED", text) for c in search.caption_columns(ds)}
+        want[S.ID] = ("a BTREE", "fast id lookups")
+        if vec is not None and vectors >= search.MIN_ROWS_FOR_ANN:
+            want[vec] = (f"an {search.DEFAULT_VECTOR_INDEX}", "fast similar-image search")
+        return {c: v for c, v in want.items() if c not in have}
 
     def _load(self, ds) -> None:
         """Derive everything the queries need from one table version."""
@@ -249,6 +356,7 @@ class Explorer:
             with self._lock:
                 self._load(latest)
                 self._thumbs.clear()
+                self._cache_bytes = 0
 
     def search(self, params: dict[str, str]) -> dict[str, Any]:
         """One page of results: text search when ``q`` is given, else browse; both filtered.
@@ -258,8 +366,8 @@ class Explorer:
         """
         self.refresh()
         q = (params.get("q") or "").strip()
-        k = max(1, min(int(params.get("k") or self.cfg.page_size), MAX_PAGE))
-        offset = max(0, int(params.get("offset") or 0))
+        k = int_param(params, "k", self.cfg.page_size, 1, MAX_PAGE)
+        offset = int_param(params, "offset", 0, 0, MAX_OFFSET)
         where = self._filter(params)
         cols = self._columns()
         page: dict[str, Any] = {"query": q, "offset": offset, "k": k}
@@ -312,7 +420,7 @@ class Explorer:
 
     def similar(self, params: dict[str, str]) -> dict[str, Any]:
         row_id = params.get("id") or ""
-        k = min(int(params.get("k") or 24), 200)
+        k = int_param(params, "k", 24, 1, MAX_PAGE)
         if self.vector is None:
             return {"id": row_id, "results": [], "error": "no vector column"}
         try:
@@ -341,16 +449,22 @@ class Explorer:
         }
 
     def prefetch(self, ids: list[str], size: int = THUMB_SIZE) -> None:
-        """Queue thumbnails for ``ids`` on the background pool (one read for the whole page)."""
+        """Queue thumbnails for ``ids`` on the background pool (one read for the whole page).
+
+        Best effort: ids beyond the bounded queue are left for their own request.
+        """
         with self._lock:
-            todo = [
-                i for i in ids if (i, size) not in self._thumbs and (i, size) not in self._pending
-            ]
-            if not todo:
-                return
+            self._queue_locked(ids, size)
+
+    def _queue_locked(self, ids: list[str], size: int) -> int:
+        """Queue what fits of ``ids`` (caller holds the lock); returns how many were queued."""
+        todo = [i for i in ids if (i, size) not in self._thumbs and (i, size) not in self._pending]
+        todo = todo[: max(0, self.cfg.thumb_queue - len(self._pending))]
+        if todo:
             fut = self._pool.submit(self._make_thumbs, todo, size)
             for i in todo:
                 self._pending[(i, size)] = fut
+        return len(todo)
 
     def _make_thumbs(self, ids: list[str], size: int) -> None:
         try:
@@ -361,10 +475,14 @@ class Explorer:
             for i in ids:
                 data = _thumb_bytes(found.get(i), size)
                 with self._lock:
+                    old = self._thumbs.pop((i, size), None)
+                    self._cache_bytes -= len(old) if isinstance(old, bytes) else 0
                     self._thumbs[(i, size)] = data
+                    self._cache_bytes += len(data) if isinstance(data, bytes) else 0
                     self._pending.pop((i, size), None)
-                    while len(self._thumbs) > THUMB_CACHE:
-                        self._thumbs.popitem(last=False)
+                    while len(self._thumbs) > THUMB_CACHE or self._cache_bytes > THUMB_CACHE_BYTES:
+                        _, gone = self._thumbs.popitem(last=False)
+                        self._cache_bytes -= len(gone) if isinstance(gone, bytes) else 0
         finally:
             with self._lock:
                 for i in ids:
@@ -375,30 +493,80 @@ class Explorer:
 
         Served from the cache the page's prefetch filled; a row not prefetched
         (another size, or an evicted entry) is made on the pool all the same.
+        Raises :class:`RequestError`: 422 for an image too large to decode, 503
+        when the thumbnail queue is full, 504 when it is not ready in time.
         """
         key = (row_id, size)
         for _ in range(2):
             with self._lock:
                 if key in self._thumbs:
                     self._thumbs.move_to_end(key)
-                    return self._thumbs[key]
+                    return _served(self._thumbs[key])
                 fut = self._pending.get(key)
-            if fut is None:
-                self.prefetch([row_id], size)
-                with self._lock:
+                if fut is None and self._queue_locked([row_id], size):
                     fut = self._pending.get(key)
-            if fut is not None:
-                fut.result(timeout=60)
+            if fut is None:
+                raise RequestError(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    f"the thumbnail queue is full ({self.cfg.thumb_queue} images); retry shortly",
+                )
+            try:
+                fut.result(timeout=self.cfg.thumb_timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise RequestError(
+                    HTTPStatus.GATEWAY_TIMEOUT,
+                    f"thumbnail not ready within {self.cfg.thumb_timeout_s:g} s "
+                    "(the server is busy); retry shortly",
+                ) from None
         with self._lock:
-            return self._thumbs.get(key)
+            return _served(self._thumbs.get(key))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _thumb_bytes(data: bytes | None, size: int) -> bytes | None:
+def int_param(params: dict[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    """A whole-number query parameter in [lo, hi]; anything else is a ValueError (a 400)."""
+    raw = (params.get(name) or "").strip()
+    if not raw:
+        return default
+    if not (raw.isascii() and raw.isdigit()):
+        raise ValueError(f"{name} must be a whole number from {lo} to {hi:,}, not {raw[:40]!r}")
+    if len(raw) > len(str(hi)) or not lo <= int(raw) <= hi:
+        raise ValueError(f"{name}={raw[:40]} is out of range: use {lo} to {hi:,}")
+    return int(raw)
+
+
+def _served(entry: bytes | Refused | None) -> bytes | None:
+    if isinstance(entry, Refused):
+        raise RequestError(HTTPStatus.UNPROCESSABLE_ENTITY, entry.reason)
+    return entry
+
+
+def _thumb_bytes(data: bytes | None, size: int) -> bytes | Refused | None:
+    """The thumbnail JPEG; None if undecodable; :class:`Refused` if the decode is too large.
+
+    The size is read from the header first: a JPEG is decoded through its DCT
+    draft (at most 1/8 per side), so only what would really be decoded counts.
+    """
     if not data:
         return None
+    try:
+        im = open_image(data)
+        if im.format == "JPEG":
+            im.draft("RGB", (size, size))
+        w, h = im.size
+    except ImageError as e:
+        if e.reason == "decompression_bomb":
+            return Refused(f"image refused: a decompression bomb ({e.detail})")
+        return None
+    except (OSError, ValueError, SyntaxError):  # a header Pillow opens but cannot draft
+        return None
+    if w * h > THUMB_MAX_PIXELS:
+        return Refused(
+            f"image refused: it decodes to {w}x{h} pixels, over the thumbnail limit of "
+            f"{THUMB_MAX_PIXELS:,}"
+        )
     try:
         im = decode(data, draft_to=(size, size))
     except ImageError:
@@ -407,6 +575,27 @@ def _thumb_bytes(data: bytes | None, size: int) -> bytes | None:
     buf = io.BytesIO()
     im.save(buf, "JPEG", quality=85)
     return buf.getvalue()
+
+
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9._-]+)(?::[0-9]{1,5})?", re.ASCII)
+
+
+def _host_name(value: str) -> str | None:
+    """The name part of a Host header (lower case, IPv6 in brackets), None if malformed."""
+    value = value.strip().lower()
+    if ":" in value and not value.startswith("[") and value.count(":") > 1:
+        value = f"[{value}]"  # a bare IPv6 address (as --host takes it)
+    m = _HOST.fullmatch(value)
+    return m.group(1) if m else None
+
+
+def allowed_host_names(cfg: ExploreConfig) -> frozenset[str]:
+    """The Host names served: loopback, the bound host and ``cfg.allowed_hosts``."""
+    names = {*LOOPBACK_HOSTS, *(n for n in map(_host_name, cfg.allowed_hosts) if n)}
+    bound = _host_name(cfg.host) if cfg.host else None
+    if bound and bound not in ("0.0.0.0", "[::]"):
+        names.add(bound)
+    return frozenset(names)
 
 
 # --- HTTP ---------------------------------------------------------------------------------
@@ -434,27 +623,110 @@ def _static(name: str) -> bytes | None:
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
-class ExploreServer(ThreadingHTTPServer):
-    daemon_threads = True
+def _busy_reply(workers: int, waiting: int) -> bytes:
+    body = json.dumps(
+        {
+            "error": f"the explorer is busy ({workers} workers and {waiting} waiting "
+            "connections are taken); retry shortly"
+        }
+    ).encode()
+    head = (
+        "HTTP/1.0 503 Service Unavailable\r\n"
+        "Content-Type: application/json; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nCache-Control: no-store\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class ExploreServer(HTTPServer):
+    """An HTTP server with a fixed pool of worker threads, never a thread per request.
+
+    At most ``workers`` requests run and ``queue`` more wait; a connection
+    beyond that is answered 503 by one refusal thread (which reads its request
+    head for at most a second, so the client sees the reply rather than a
+    reset) and closed. Refusals beyond its own small queue are just closed.
+    """
+
+    #: Connections waiting for the refusal thread; beyond it they are closed unanswered.
+    REFUSAL_QUEUE = 64
+
+    def __init__(
+        self, address, handler, *, workers: int = HTTP_WORKERS, queue_size: int = HTTP_QUEUE
+    ):
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(workers + queue_size)
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="explore-http")
+        self._busy = _busy_reply(workers, queue_size)
+        self._refusals: queue.Queue[socket.socket | None] = queue.Queue(self.REFUSAL_QUEUE)
+        self._refuser = threading.Thread(
+            target=self._refuse_loop, name="explore-http-refuse", daemon=True
+        )
+        self._refuser.start()
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                self._refusals.put_nowait(request)
+            except queue.Full:
+                self.shutdown_request(request)
+            return
+        try:
+            self._workers.submit(self._work, request, client_address)
+        except RuntimeError:  # shutting down
+            self._slots.release()
+            self.shutdown_request(request)
+
+    def _work(self, request, client_address) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def _refuse_loop(self) -> None:
+        while (request := self._refusals.get()) is not None:
+            try:
+                request.settimeout(1.0)
+                head = b""
+                while b"\r\n\r\n" not in head and len(head) < 65536:
+                    chunk = request.recv(4096)
+                    if not chunk:
+                        break
+                    head += chunk
+                request.sendall(self._busy)
+            except OSError:
+                pass
+            finally:
+                self.shutdown_request(request)
 
     def handle_error(self, request, client_address) -> None:
         """Client disconnects are routine: no traceback for them; anything else is reported."""
-        import sys
-
         if isinstance(sys.exc_info()[1], CLIENT_GONE):
             return
         super().handle_error(request, client_address)
 
     def server_close(self) -> None:
         super().server_close()
+        try:
+            self._refusals.put_nowait(None)
+        except queue.Full:  # the refusal thread is a daemon: it ends with the process
+            pass
+        self._workers.shutdown(wait=False, cancel_futures=True)
         app = getattr(self, "app", None)
         if app is not None:
             app.close()
 
 
 def make_handler(app: Explorer) -> type[BaseHTTPRequestHandler]:
+    hosts = allowed_host_names(app.cfg)
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "prx-explore"
+        #: A client that sends nothing holds a worker no longer than this.
+        timeout = REQUEST_TIMEOUT_S
 
         def handle(self) -> None:
             try:
@@ -466,7 +738,22 @@ def make_handler(app: Explorer) -> type[BaseHTTPRequestHandler]:
             if os.environ.get("PRX_EXPLORE_LOG"):
                 super().log_message(fmt, *args)
 
-        def _send(self, status: int, body: bytes, ctype: str, cache: bool = False) -> None:
+        def _send(
+            self,
+            status: int,
+            body: bytes,
+            ctype: str,
+            cache: bool = False,
+            headers: dict[str, str] | None = None,
+        ) -> None:
+            try:
+                self._write(status, body, ctype, cache, headers)
+            except TimeoutError:  # the socket timeout: a client that stopped reading
+                raise ConnectionAbortedError("the client did not read the reply in time") from None
+
+        def _write(
+            self, status: int, body: bytes, ctype: str, cache: bool, headers: dict[str, str] | None
+        ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -474,55 +761,92 @@ def make_handler(app: Explorer) -> type[BaseHTTPRequestHandler]:
             self.send_header("X-Content-Type-Options", "nosniff")
             self.send_header("Referrer-Policy", "no-referrer")
             self.send_header("Cache-Control", "max-age=3600" if cache else "no-store")
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(body)
 
-        def _json(self, obj: Any, status: int = 200) -> None:
-            self._send(status, json.dumps(obj).encode(), "application/json; charset=utf-8")
+        def _json(self, obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> None:
+            body = json.dumps(obj).encode()
+            self._send(status, body, "application/json; charset=utf-8", headers=headers)
+
+        def _host_ok(self) -> bool:
+            """Serve only Host names on the allow-list: DNS rebinding gets a 421, no data."""
+            host = self.headers.get("Host")
+            if host is None:
+                self._json({"error": "missing Host header"}, int(HTTPStatus.BAD_REQUEST))
+                return False
+            if _host_name(host) in hosts:
+                return True
+            self.close_connection = True
+            example = f"http://127.0.0.1:{self.server.server_address[1]}/"
+            self._json(
+                {
+                    "error": f"Host {host[:100]!r} is not served here (a guard against DNS "
+                    f"rebinding); open {example} or start the explorer with --allow-host NAME"
+                },
+                int(HTTPStatus.MISDIRECTED_REQUEST),
+            )
+            return False
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if not self._host_ok():
+                return
             url = urlparse(self.path)
             params = {k: v[-1] for k, v in parse_qs(url.query).items()}
             try:
-                if url.path in ("/", "/index.html"):
-                    self._send(200, _static("index.html") or b"", "text/html; charset=utf-8")
-                elif url.path.startswith("/static/"):
-                    name = url.path[len("/static/") :]
-                    body = _static(name)
-                    if body is None:
-                        self._json({"error": "not found"}, 404)
-                    else:
-                        ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
-                        self._send(200, body, ctype)
-                elif url.path == "/api/meta":
-                    self._json(app.meta())
-                elif url.path == "/api/search":
-                    self._json(app.search(params))
-                elif url.path == "/api/similar":
-                    self._json(app.similar(params))
-                elif url.path == "/api/row":
-                    row = app.row(params.get("id", ""))
-                    self._json(
-                        row if row is not None else {"error": "not found"}, 200 if row else 404
-                    )
-                elif url.path == "/api/thumb":
-                    size = max(32, min(1024, int(params.get("size") or THUMB_SIZE)))
-                    data = app.thumbnail(params.get("id", ""), size)
-                    if data is None:
-                        self._send(200, _placeholder(), "image/png")
-                    else:
-                        self._send(200, data, "image/jpeg", cache=True)
-                else:
-                    self._json({"error": "not found"}, 404)
-            except ValueError as e:  # bad filter values and the like
+                self._route(url.path, params)
+            except RequestError as e:
+                retry = {"Retry-After": "1"} if e.status == HTTPStatus.SERVICE_UNAVAILABLE else None
+                self._json({"error": e.message}, int(e.status), retry)
+            except ValueError as e:  # bad filter values, out-of-range offsets and the like
                 self._json({"error": str(e)}, int(HTTPStatus.BAD_REQUEST))
+            except TimeoutError as e:
+                self._json({"error": f"timed out: {e}"}, int(HTTPStatus.GATEWAY_TIMEOUT))
+            except CLIENT_GONE:
+                raise
+            except Exception as e:  # a bug: answer, then let the server report the traceback
+                self._json({"error": f"internal error: {type(e).__name__}"}, 500)
+                raise
+
+        def _route(self, path: str, params: dict[str, str]) -> None:
+            if path in ("/", "/index.html"):
+                self._send(200, _static("index.html") or b"", "text/html; charset=utf-8")
+            elif path.startswith("/static/"):
+                name = path[len("/static/") :]
+                body = _static(name)
+                if body is None:
+                    self._json({"error": "not found"}, 404)
+                else:
+                    ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
+                    self._send(200, body, ctype)
+            elif path == "/api/meta":
+                self._json(app.meta())
+            elif path == "/api/search":
+                self._json(app.search(params))
+            elif path == "/api/similar":
+                self._json(app.similar(params))
+            elif path == "/api/row":
+                row = app.row(params.get("id", ""))
+                self._json(row if row is not None else {"error": "not found"}, 200 if row else 404)
+            elif path == "/api/thumb":
+                size = int_param(params, "size", THUMB_SIZE, MIN_THUMB, MAX_THUMB)
+                data = app.thumbnail(params.get("id", ""), size)
+                if data is None:
+                    self._send(200, _placeholder(), "image/png")
+                else:
+                    self._send(200, data, "image/jpeg", cache=True)
+            else:
+                self._json({"error": "not found"}, 404)
 
     return Handler
 
 
-def serve(cfg: ExploreConfig) -> ThreadingHTTPServer:
+def serve(cfg: ExploreConfig) -> ExploreServer:
     """Build the app and an HTTP server bound to ``cfg.host:cfg.port`` (port 0: any free one)."""
     app = Explorer(cfg)
-    server = ExploreServer((cfg.host, cfg.port), make_handler(app))
+    server = ExploreServer(
+        (cfg.host, cfg.port), make_handler(app), workers=cfg.workers, queue_size=cfg.queue
+    )
     server.app = app  # type: ignore[attr-defined]
     return server

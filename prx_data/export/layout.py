@@ -12,6 +12,8 @@ the loader and the tests all read and write the same thing.
       _progress/config                 the pinned export config (JSON text, not *.json)
       _progress/dropped/<part>.parquet a unit's dropped rows, merged into dropped.parquet
       _progress/<part>.done            one marker per finished work unit
+      _progress/writing/<part>.<hex>/  a unit's parts while it writes them (local): renamed
+                                       into the buckets once fsynced, then the marker
       <tier>/<ar>/index.json           merged bucket index, written atomically
       <tier>/<ar>/<part>/index.json    the part's own MDSWriter index
       <tier>/<ar>/<part>/shard.NNNNN.mds[.zstd]
@@ -34,6 +36,7 @@ import json
 import os
 import posixpath
 import re
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -166,6 +169,8 @@ LEASE_NAME = ".prx-export.lease"
 
 DROPPED_NAME = "dropped.parquet"
 DROPPED_DIR = "_progress/dropped"
+#: Where a work unit stages its parts on a local --out (one folder per attempt).
+WRITING_DIR = "_progress/writing"
 
 #: Top-level files an export may contain besides tier directories.
 _EXPORT_ENTRIES_EXTRA = {
@@ -234,6 +239,7 @@ def foreign_entries(out: str) -> list[str]:
             if not _allowed_bucket_path(bits):
                 found.append(rel)
         return found
+    found += _symlinks(out)
     for top in sorted(os.listdir(out)):
         path = os.path.join(out, top)
         if top in _EXPORT_ENTRIES_EXTRA:
@@ -262,6 +268,17 @@ def foreign_entries(out: str) -> list[str]:
     return found
 
 
+def _symlinks(out: str) -> list[str]:
+    """Links anywhere in a local tree: the exporter writes none, and a delete must not follow one."""
+    found = []
+    for dirpath, dirs, files in os.walk(out):  # os.walk does not descend into linked dirs
+        for name in dirs + files:
+            if os.path.islink(os.path.join(dirpath, name)):
+                rel = os.path.relpath(os.path.join(dirpath, name), out).replace(os.sep, "/")
+                found.append(f"{rel} (a symbolic link)")
+    return found
+
+
 def _allowed_bucket_path(bits: list[str]) -> bool:
     if len(bits) < 3 or not (_TIER_RE.match(bits[0]) and _AR_RE.match(bits[1])):
         return False
@@ -279,9 +296,13 @@ def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
     """Delete what an interrupted run left: unfinished parts, merged indexes, temp files.
 
     Only names the exporter writes are touched (part directories, ``index.json``
-    and its ``.tmp-*`` files); the caller has checked the tree with
-    :func:`foreign_entries` first.
+    and its ``.tmp-*`` files, staged parts); the caller has checked the tree with
+    :func:`foreign_entries` first. The report goes first, so a kill part-way
+    leaves a tree the loader and ``verify`` see as unfinished. A symbolic link
+    is never followed: a linked tier, bucket or part is left alone, and so is its target.
     """
+    for name in (REPORT_NAME, "report.txt"):
+        storage.delete(storage.join(out, name))
     removed = 0
     if storage.is_remote(out):
         stale = set()
@@ -297,25 +318,44 @@ def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
             storage.delete(storage.join(out, p))
             removed += 1
         return removed
+    remove_tree(os.path.join(out, *WRITING_DIR.split("/")))
     _remove_temp_files(os.path.join(out, PROGRESS_DIR))
     for tier in os.listdir(out):
         tdir = os.path.join(out, tier)
         if not (_TIER_RE.match(tier) and os.path.isdir(tdir)):
             continue
+        if os.path.islink(tdir):
+            continue
         for ar in os.listdir(tdir):
             bdir = os.path.join(tdir, ar)
             if not (_AR_RE.match(ar) and os.path.isdir(bdir)):
                 continue
+            if os.path.islink(bdir):
+                continue
             for part in os.listdir(bdir):
                 ppath = os.path.join(bdir, part)
+                if os.path.islink(ppath):
+                    continue
                 if os.path.isdir(ppath) and _PART_RE.match(part) and part not in keep:
-                    storage.delete(ppath)
+                    remove_tree(ppath)
                     removed += 1
                 elif os.path.isdir(ppath):
                     _remove_temp_files(ppath)
                 elif part == INDEX_NAME or part.startswith(f"{INDEX_NAME}.tmp-"):
                     os.remove(ppath)  # a merge from an earlier attempt; redone at the end
     return removed
+
+
+def remove_tree(path: str) -> None:
+    """Delete a local file or directory tree without following any symbolic link.
+
+    A link is unlinked, never its target; ``shutil.rmtree`` unlinks links
+    inside the tree rather than descending into them.
+    """
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
 
 
 def _remove_temp_files(directory: str) -> None:

@@ -8,7 +8,9 @@ deterministic, so a rerun reproduces the same bytes, and a killed run is
 finished with ``resume=True``: finished units are kept, half-written parts
 are deleted and redone. A bucket's merged ``index.json`` is written
 atomically only after every unit is done, and ``report.json`` last of all,
-so an export never looks complete before it is.
+so an export never looks complete before it is. A unit's data is fsynced before
+its marker, and a unit that Ray retries after its worker died replaces what its
+first attempt left (:func:`export_unit`).
 
 The Ray Data graph that schedules the units lives in ``pipelines.write_mds``.
 """
@@ -19,6 +21,7 @@ import io
 import json
 import os
 import time
+import uuid
 import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -37,7 +40,9 @@ from prx_data.export.layout import (
     DROPPED_NAME,
     LEASE_NAME,
     LOCK_NAME,
+    MARKER_NAME,
     PROGRESS_DIR,
+    WRITING_DIR,
     ExportError,
     describe_foreign,
     foreign_entries,
@@ -46,9 +51,11 @@ from prx_data.export.layout import (
     marker_path,
     merge_bucket,
     part_name,
+    remove_tree,
     write_export_marker,
     write_manifest,
 )
+from prx_data.table.pins import export_pin, pin, unpin
 
 #: Table columns the exporter cannot do without.
 REQUIRED_COLUMNS = ("id", "image", "width", "height")
@@ -309,7 +316,8 @@ def prepare_output(
         previous = _normalise(
             ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out})
         )
-        ds = open_table(cfg.table, previous.table_version)
+        ds = _open_pinned(cfg, previous.table_version)
+        pin_table_version(cfg, ds)
         check_table_columns(cfg.table, ds.schema)
         caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
         now = _normalise(
@@ -345,14 +353,84 @@ def prepare_output(
     ds = open_table(cfg.table, cfg.table_version)
     check_table_columns(cfg.table, ds.schema)
     caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
-    for e in entries:  # only after every check: a refused run deletes nothing
-        storage.delete(storage.join(cfg.out, e))
+    if entries:  # only after every check: a refused run deletes nothing
+        _clear_export(cfg.out, entries)
     pinned = ExportConfig(**{**asdict(cfg), "table_version": ds.version, "caption_columns": caps})
     pinned = _normalise(pinned)
+    pin_table_version(pinned, ds)
     write_export_marker(cfg.out)
     storage.write_bytes_atomic(config_path, json.dumps(asdict(pinned), sort_keys=True).encode())
     _warn(caption_warnings(cfg.table, caps))
     return pinned
+
+
+def _open_pinned(cfg: ExportConfig, version: int | None):
+    """The table at the version an interrupted export read, or why it cannot be resumed."""
+    try:
+        return open_table(cfg.table, version)
+    except ExportError:
+        open_table(cfg.table)  # no table at all: that error
+        raise ExportError(
+            f"cannot resume {cfg.out}: version {version} of {cfg.table}, which it was "
+            "exporting, no longer exists (old versions were cleaned up while it was paused "
+            "and untagged); start again with --overwrite"
+        ) from None
+
+
+def pin_table_version(cfg: ExportConfig, ds) -> None:
+    """Tag the version the export reads, so that ``table compact --cleanup`` keeps it.
+
+    The tag is named after ``cfg.out`` (:func:`prx_data.table.pins.export_pin`):
+    a resume or an ``--overwrite`` of the same output reuses it, and
+    :func:`release_table_version` removes it once the report is written.
+    """
+    try:
+        pin(ds, export_pin(cfg.out), ds.version, job="export", out=cfg.out)
+    except OSError as e:  # e.g. read-only access to the table: export anyway, and say so
+        _warn(
+            [
+                f"could not tag version {ds.version} of {cfg.table} ({e}); a `python -m "
+                "prx_data.table compact --cleanup` before this export finishes would make "
+                "it impossible to --resume"
+            ]
+        )
+
+
+def release_table_version(cfg: ExportConfig) -> None:
+    """Remove the export's tag (the export is complete; its version may be cleaned up)."""
+    try:
+        unpin(open_table(cfg.table), export_pin(cfg.out))
+    except (ExportError, OSError) as e:  # the export is done; a left tag only keeps old files
+        _warn([f"could not remove tag {export_pin(cfg.out)} from {cfg.table}: {e}"])
+
+
+def _clear_export(out: str, entries: list[str]) -> None:
+    """Delete an export of ours for ``--overwrite``, so that a kill part-way never looks complete.
+
+    The report goes first, then ``_progress`` (config and unit markers) except
+    the export marker, then everything else: an interrupted overwrite leaves a
+    tree that the loader and ``verify`` call unfinished, that ``--resume``
+    refuses (no config), and that a second ``--overwrite`` still recognises.
+    On object storage ``_progress`` goes as one prefix and the marker is
+    written again at once (a kill inside that one PUT leaves a tree
+    ``--overwrite`` refuses as unproven, never a complete-looking one).
+    """
+    first = [e for e in (REPORT_NAME, "report.txt") if e in entries]
+    for e in first:
+        storage.delete(storage.join(out, e))
+    if PROGRESS_DIR in entries:
+        progress = storage.join(out, PROGRESS_DIR)
+        if storage.is_remote(out):
+            storage.delete(progress)
+            write_export_marker(out)
+        else:
+            keep = MARKER_NAME.split("/")[-1]
+            for name in sorted(os.listdir(progress)):
+                if name != keep:
+                    storage.delete(os.path.join(progress, name))
+    for e in entries:
+        if e not in first and e != PROGRESS_DIR:
+            storage.delete(storage.join(out, e))
 
 
 def _warn(messages: list[str]) -> None:
@@ -405,7 +483,15 @@ def _clean_caption(value, limit: int, notes: Counter, column: str) -> str:
 
 
 def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
-    """Process one work unit end to end; idempotent given the same config."""
+    """Process one work unit end to end; idempotent given the same config.
+
+    A retried unit (Ray reruns it when its worker dies) meets what its first
+    attempt left and must still succeed. On a local ``--out`` each attempt
+    writes its parts into its own folder under ``_progress/writing``, fsyncs
+    them and renames them into the buckets; on object storage (no rename) it
+    clears its own part before writing it. Either way the marker comes last,
+    after everything it vouches for is durable.
+    """
     from streaming import MDSWriter
 
     t0 = time.perf_counter()
@@ -429,6 +515,8 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     writers: dict[str, MDSWriter] = {}
     ids: dict[str, list[str]] = {}
     columns = _columns(cfg)
+    local = not storage.is_remote(cfg.out)
+    stage = _stage_dir(cfg.out, unit.part) if local else cfg.out
 
     projection = {c: c for c in read_cols}
     if cfg.filter:
@@ -494,8 +582,10 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                     sample[c] = _clean_caption(row.get(c), cfg.max_caption_chars, notes, c)
                 writer = writers.get(b.name)
                 if writer is None:
+                    if not local:  # an earlier attempt's shards, index or manifest
+                        storage.delete(storage.join(cfg.out, b.name, unit.part))
                     writer = MDSWriter(
-                        out=storage.join(cfg.out, b.name, unit.part),
+                        out=storage.join(stage, b.name, unit.part),
                         columns=columns,
                         compression=cfg.compression,
                         hashes=list(cfg.hashes) or None,
@@ -513,17 +603,65 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
         for writer in writers.values():
             writer.finish()
     for name, id_list in ids.items():
-        write_manifest(storage.join(cfg.out, name), unit.part, id_list)
+        write_manifest(storage.join(stage, name), unit.part, id_list)
         result.buckets[name] = len(id_list)
+    if local and ids:
+        _publish_parts(cfg.out, stage, unit.part, sorted(ids))
     result.dropped = dict(dropped)
     result.notes = dict(notes)
     if listed:
-        _write_dropped_rows(
-            storage.join(cfg.out, *DROPPED_DIR.split("/"), f"{unit.part}.parquet"), listed
-        )
+        path = storage.join(cfg.out, *DROPPED_DIR.split("/"), f"{unit.part}.parquet")
+        _write_dropped_rows(path, listed)
+        if local:
+            _fsync(os.path.dirname(path))
     result.seconds = time.perf_counter() - t0
     storage.write_bytes_atomic(marker_path(cfg.out, unit.part), result.to_json().encode())
     return result
+
+
+# --- staging and durability (local --out) ------------------------------------------
+
+
+def _stage_dir(out: str, part: str) -> str:
+    """A fresh folder for this attempt's parts; earlier attempts' folders are removed."""
+    root = os.path.join(out, *WRITING_DIR.split("/"))
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith(f"{part}."):
+                remove_tree(os.path.join(root, name))
+    return os.path.join(root, f"{part}.{uuid.uuid4().hex[:8]}")
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's data, or a directory's names (a create or rename is not durable until then)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish_parts(out: str, stage: str, part: str, buckets: list[str]) -> None:
+    """fsync each staged part (files, then folder), rename it into its bucket, fsync the buckets.
+
+    A part already at the target was left by an earlier attempt of this unit
+    (the marker is written only after this step) and is replaced.
+    """
+    dirs = {out}
+    for name in buckets:
+        src = os.path.join(stage, *name.split("/"), part)
+        for f in sorted(os.listdir(src)):
+            _fsync(os.path.join(src, f))
+        _fsync(src)
+        bdir = os.path.join(out, *name.split("/"))
+        os.makedirs(bdir, exist_ok=True)
+        dst = os.path.join(bdir, part)
+        remove_tree(dst)
+        os.rename(src, dst)
+        dirs |= {bdir, os.path.dirname(bdir)}  # the tier and bucket may be new
+    for d in sorted(dirs, reverse=True):
+        _fsync(d)
+    remove_tree(stage)
 
 
 # --- merge and report ---------------------------------------------------------
@@ -595,6 +733,10 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
             raise ExportError(
                 f"bucket {name}: merged index has {merged} samples, expected {counts[name]}"
             )
+        if not storage.is_remote(cfg.out):  # the index is durable before the report names it
+            _fsync(storage.join(cfg.out, name))
+    if not storage.is_remote(cfg.out):
+        remove_tree(os.path.join(cfg.out, *WRITING_DIR.split("/")))
     tiers: Counter = Counter()
     for name, n in counts.items():
         tiers[name.split("/")[0]] += n

@@ -174,6 +174,24 @@ def _readers(root: str, bucket: str, tmp: str):
         yield entry, reader_from_json(_materialize(root, bucket, entry, tmp), None, entry)
 
 
+def _check_empty_destination(out: str) -> None:
+    """Refuse any ``out`` with something in it: a rewrite never deletes, and a report or
+    index left there would make a rewrite killed part-way look like a complete export."""
+    import pyarrow.fs as pafs
+
+    fs, p = storage.filesystem(out)
+    kind = fs.get_file_info(p).type
+    if kind == pafs.FileType.NotFound:
+        return
+    if kind != pafs.FileType.Directory:
+        raise FileExistsError(f"{out} is a file; choose an empty destination directory")
+    found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
+    if found:
+        names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
+        what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
+        raise FileExistsError(f"{out} is not empty (it holds {what}); choose an empty destination")
+
+
 def rewrite_export(
     root: str,
     out: str,
@@ -193,8 +211,7 @@ def rewrite_export(
     """
     from streaming import MDSWriter
 
-    if storage.exists(storage.join(out, *layout.list_buckets(root)[:1], layout.INDEX_NAME)):
-        raise FileExistsError(f"{out} already holds an export; choose an empty destination")
+    _check_empty_destination(out)
     t0 = time.monotonic()
     buckets = layout.list_buckets(root)
     total = skipped = 0

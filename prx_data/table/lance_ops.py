@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_data.core import schema as S
+from prx_data.table.pins import list_tags
 
 #: Compaction target: the PRX team saw slow scans with thousands of 100k-row
 #: fragments and fixed them by compacting to about 1M rows per fragment.
@@ -252,7 +253,10 @@ def compact(
 
     Compaction rewrites the data files of the fragments it merges (that is
     its job). With ``cleanup`` the files of older versions are deleted
-    afterwards, which frees space but removes time travel to them.
+    afterwards, which frees space but removes time travel to them. Tagged
+    versions are kept: a paused export or a running column job tags the
+    version it reads (:mod:`prx_data.table.pins`). ``kept_tags`` names the
+    tags that held an older version back.
     """
     ds = open_table(uri, storage_options)
     before = len(ds.get_fragments())
@@ -268,9 +272,12 @@ def compact(
         "version": ds.version,
     }
     if cleanup:
-        stats = ds.cleanup_old_versions(older_than=timedelta(0))
+        stats = ds.cleanup_old_versions(older_than=timedelta(0), error_if_tagged_old_versions=False)
         out["old_versions_removed"] = stats.old_versions
         out["bytes_removed"] = stats.bytes_removed
+        out["kept_tags"] = {
+            t["name"]: t["version"] for t in list_tags(ds) if t["version"] != ds.version
+        }
     return out
 
 
