@@ -32,7 +32,6 @@ then filled from that row (also on a later run, when it was killed first).
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections import Counter
@@ -628,10 +627,3 @@ def _count(counter: Counter, values) -> None:
     from prx_data.columns.writeback import count_into
 
     count_into(counter, values)
-
-
-def config_json(cfg: DownloadConfig) -> str:
-    """The run's settings as JSON (for logs and the benchmark)."""
-    d = asdict(cfg)
-    d.pop("on_commit", None)
-    return json.dumps(d, sort_keys=True, default=str)
