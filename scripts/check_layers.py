@@ -7,7 +7,7 @@ itself; two units on the same layer may not import each other)::
     core
     table
     ingest, columns
-    explore, export
+    explore, export, download
     skips
     stream
     train
@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("core",),
     ("table",),
     ("ingest", "columns"),
-    ("explore", "export"),
+    ("explore", "export", "download"),
     ("skips",),
     ("stream",),
     ("train",),
@@ -54,7 +54,7 @@ class Violation:
         return (
             f"{self.path}:{self.line}: {self.importer} (layer {LEVEL[self.importer]}) imports "
             f"{self.imported} (layer {LEVEL[self.imported]}): dependencies must point down "
-            "core -> table -> ingest/columns -> explore/export -> skips -> stream -> train "
+            "core -> table -> ingest/columns -> explore/export/download -> skips -> stream -> train "
             "-> pipelines -> cli -> shims"
         )
 

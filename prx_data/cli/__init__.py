@@ -7,6 +7,7 @@ import sys
 
 JOBS = {
     "ingest": "load sources (folders, parquet, WebDataset, twin tars, Lance) into a Lance table",
+    "download": "fetch the images of URL-only rows (LAION-style parquet) into the table",
     "table": "table maintenance: stats (rows, fragments), compact, the tags that pin versions in use",
     "search": "full-text, vector and hybrid search over a table; builds the indexes",
     "stats": "resolution / aspect-ratio / tier distribution of a table, with plots",

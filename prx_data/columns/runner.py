@@ -631,6 +631,17 @@ def _local_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[
                 close()
 
 
+def iter_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[pa.Table]:
+    """The last step's batches for ``units`` at the pinned ``version``, written nowhere.
+
+    For jobs that place their rows themselves (the download job moves the rows
+    it fills into new fragments instead of rewriting a fragment's column).
+    """
+    if job.engine == "ray":
+        return _ray_results(job, units, version)
+    return _local_results(job, units, version)
+
+
 # --- the job -------------------------------------------------------------------------------
 
 

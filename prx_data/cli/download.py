@@ -1,0 +1,230 @@
+"""``python -m prx_data.download``: argument parsing over :mod:`prx_data.download.job`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prx_data.download import fetch as F
+from prx_data.download.job import FAILED, DownloadConfig, run_download
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = F.FetchConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.download",
+        description="Fetch the images of rows that have a URL and no image (LAION-style "
+        "parquet ingested with `python -m prx_data.ingest`) into the table: image, width, "
+        "height, format and probe_error are filled as ingest fills them, and "
+        "download_status / download_error say what happened per row. Resumable: a rerun "
+        "fetches only rows without a status; each URL is fetched once per table. Private, "
+        "loopback, link-local and metadata addresses are refused unless --allow-private "
+        "names them; X-Robots-Tag noai/noimageai is honoured.",
+    )
+    p.add_argument("--table", required=True, help="Lance table URI")
+    p.add_argument(
+        "--url-column",
+        default=None,
+        help="column holding the URL (default: the first of url, URL, image_url, img_url)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="SELECTOR",
+        help=f"redo rows fetched before instead of new ones: '{FAILED}' (transient and "
+        "permanent failures), a status (transient, permanent, refused, opted_out), or a "
+        "reason such as http_503 or timeout ('*' matches any text: 'http_5*'); repeatable",
+    )
+    p.add_argument("--limit", type=int, default=None, help="fetch at most this many rows")
+    g = p.add_argument_group("politeness and limits")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="requests in flight per fetch task; the global figure is this times the "
+        "tasks running (Ray CPUs / --task-cpus) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--per-host",
+        type=int,
+        default=d.per_host,
+        help="requests in flight per host and task (default: %(default)s)",
+    )
+    g.add_argument(
+        "--per-host-rate",
+        type=float,
+        default=d.per_host_rate,
+        help="requests started per second per host and task, 0 for no limit (default: %(default)s)",
+    )
+    g.add_argument(
+        "--user-agent", default=d.user_agent, help="User-Agent header (default: %(default)s)"
+    )
+    g.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=d.connect_timeout,
+        help="seconds to connect (default: %(default)s)",
+    )
+    g.add_argument(
+        "--read-timeout",
+        type=float,
+        default=d.read_timeout,
+        help="seconds one read may wait: a stalled body fails after this (default: %(default)s)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=d.total_timeout,
+        help="seconds for one attempt overall, headers and body (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-mb",
+        type=float,
+        default=d.max_bytes / 2**20,
+        help="largest body in MiB, enforced while streaming (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-redirects",
+        type=int,
+        default=d.max_redirects,
+        help="redirects followed, each hop checked (default: %(default)s)",
+    )
+    g.add_argument(
+        "--retries",
+        type=int,
+        default=d.retries,
+        help="attempts after the first for timeouts, resets, 429 and 5xx (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backoff",
+        type=float,
+        default=d.backoff,
+        help="first retry wait in seconds, doubled each time, with jitter (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-retry-after",
+        type=float,
+        default=d.max_retry_after,
+        help="longest Retry-After honoured; longer ends the row's retries (default: %(default)s)",
+    )
+    s = p.add_argument_group("safety")
+    s.add_argument(
+        "--allow-private",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="allow an otherwise refused address: IP, IP:PORT or network "
+        "(127.0.0.1:8080, 10.0.0.0/8); for local mirrors and tests; repeatable",
+    )
+    s.add_argument(
+        "--ignore-x-robots-tag",
+        action="store_true",
+        help="fetch images whose server sends X-Robots-Tag noai/noimageai (honoured by default)",
+    )
+    s.add_argument(
+        "--ca-bundle",
+        default=None,
+        help="PEM file of certificate authorities to trust instead of the system's",
+    )
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="do not verify TLS certificates",
+    )
+    r = p.add_argument_group("run")
+    r.add_argument(
+        "--engine",
+        choices=("ray", "local"),
+        default="ray",
+        help="ray: Ray Data tasks (local Ray or RAY_ADDRESS); local: this process "
+        "(default: %(default)s)",
+    )
+    r.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray runtime")
+    r.add_argument(
+        "--task-cpus",
+        type=float,
+        default=DownloadConfig.task_cpus,
+        help="Ray CPUs per fetch task: 0.5 runs two per CPU so that one's slow rows overlap "
+        "another's work (default: %(default)s)",
+    )
+    r.add_argument(
+        "--batch-size",
+        type=int,
+        default=DownloadConfig.batch_size,
+        help="rows per fetch call; a call ends with its slowest row, so keep it many times "
+        "--threads (default: %(default)s)",
+    )
+    r.add_argument(
+        "--commit-rows",
+        type=int,
+        default=DownloadConfig.commit_rows,
+        help="rows per commit; a killed run refetches at most these (default: %(default)s)",
+    )
+    r.add_argument(
+        "--commit-mb",
+        type=float,
+        default=DownloadConfig.commit_bytes / 2**20,
+        help="MiB buffered before a commit (default: %(default)s)",
+    )
+    r.add_argument("--report-json", default=None, help="also write the report here as JSON")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        fetch = F.FetchConfig(
+            user_agent=args.user_agent,
+            connect_timeout=args.connect_timeout,
+            read_timeout=args.read_timeout,
+            total_timeout=args.timeout,
+            max_bytes=int(args.max_mb * 2**20),
+            max_redirects=args.max_redirects,
+            retries=args.retries,
+            backoff=args.backoff,
+            max_retry_after=args.max_retry_after,
+            threads=args.threads,
+            per_host=args.per_host,
+            per_host_rate=args.per_host_rate,
+            allow=tuple(args.allow_private),
+            opt_out=() if args.ignore_x_robots_tag else F.DEFAULT_OPT_OUT,
+            verify_tls=not args.insecure,
+            ca_bundle=args.ca_bundle,
+        )
+        cfg = DownloadConfig(
+            table=args.table,
+            url_column=args.url_column,
+            only=tuple(args.only),
+            limit=args.limit,
+            fetch=fetch,
+            engine=args.engine,
+            num_cpus=args.num_cpus,
+            task_cpus=args.task_cpus,
+            batch_size=args.batch_size,
+            commit_rows=args.commit_rows,
+            commit_bytes=max(1, int(args.commit_mb * 2**20)),
+            progress=not args.no_progress,
+        )
+        from prx_data.table.lance_ops import table_exists
+
+        if not table_exists(args.table):
+            raise ValueError(f"no Lance table at {args.table!r}: ingest the URL list first")
+        report = run_download(cfg)
+    except ValueError as e:
+        print(f"download: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # the table changed under the run: what is committed stays
+        print(f"download: {e}", file=sys.stderr)
+        return 1
+    print(report.text())
+    if args.report_json:
+        with open(args.report_json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,553 @@
+"""Fetch one image URL from the open web: address policy, limits, retries, checks.
+
+The open web is hostile, so every fetch goes through the same gate:
+
+- **Address policy** (:class:`AddressPolicy`). Each hop's host is resolved
+  here and every address is checked; private, loopback, link-local (the
+  cloud metadata service at 169.254.169.254 included), multicast, reserved
+  and unspecified addresses are refused unless the policy allows them by
+  address, ``address:port`` or network. The connection goes to the vetted
+  address itself (``Host`` and TLS SNI carry the name), so DNS cannot answer
+  differently between the check and the connect. Redirects are followed by
+  hand, each hop checked the same way, at most ``max_redirects`` of them.
+- **Body limits.** ``Content-Length`` over ``max_bytes`` is refused before
+  reading; the cap holds while streaming (also for a body without a length,
+  and after gzip decoding); a body slower than ``total_timeout`` overall is
+  cut (the read timeout catches a stalled one).
+- **Checks.** The content type must be an image (or a generic binary type),
+  the first bytes must be an image's magic, and the header is probed with
+  the decompression-bomb guard on (:func:`prx_data.core.imaging.probe`).
+- **Opt-out.** ``X-Robots-Tag`` directives ``noai`` / ``noimageai`` (for
+  every agent or one naming ours) skip the image, as img2dataset does.
+- **Retries.** Timeouts, connection resets, 408, 429 and 5xx are transient:
+  retried with exponential backoff and jitter, waiting ``Retry-After`` when
+  the server gives one (up to ``max_retry_after``). Everything else is
+  permanent and returned at once with its reason.
+- **Politeness.** Connections are pooled per (host, address) and reused; at
+  most ``per_host`` requests run at once per host, started no faster than
+  ``per_host_rate`` per second. These limits hold per :class:`Fetcher` (one
+  per fetch task): the cluster-wide figure is that times the tasks running.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import ipaddress
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from urllib.parse import quote, urljoin, urlsplit
+
+#: Row statuses: the image is in the row; retries were exhausted; the server
+#: (or the bytes) said no for good; our address/URL policy said no; the
+#: server opted out; another row with the same URL holds (or will hold) it.
+OK = "ok"
+TRANSIENT = "transient"
+PERMANENT = "permanent"
+REFUSED = "refused"
+OPTED_OUT = "opted_out"
+DUPLICATE = "duplicate"
+STATUSES = (OK, TRANSIENT, PERMANENT, REFUSED, OPTED_OUT, DUPLICATE)
+
+DEFAULT_USER_AGENT = "prx-data-download/1 (+https://github.com/; image-text dataset builder)"
+#: Content types accepted besides ``image/*`` (many CDNs serve images as these).
+GENERIC_TYPES = ("application/octet-stream", "binary/octet-stream", "application/binary")
+DEFAULT_OPT_OUT = ("noai", "noimageai")
+TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504, 520, 521, 522, 523, 524})
+_MAGIC: tuple[tuple[int, bytes], ...] = (
+    (0, b"\xff\xd8\xff"),  # JPEG
+    (0, b"\x89PNG\r\n\x1a\n"),
+    (0, b"GIF87a"),
+    (0, b"GIF89a"),
+    (0, b"BM"),
+    (0, b"II*\x00"),  # TIFF
+    (0, b"MM\x00*"),
+    (0, b"\x00\x00\x01\x00"),  # ICO
+    (0, b"\xff\x0a"),  # JPEG XL codestream
+    (0, b"\x00\x00\x00\x0cJXL \r\n\x87\n"),
+)
+
+
+def looks_like_image(head: bytes) -> bool:
+    """Magic-byte check: JPEG, PNG, GIF, WebP, BMP, TIFF, ICO, JPEG XL, AVIF/HEIF."""
+    if any(head[o : o + len(m)] == m for o, m in _MAGIC):
+        return True
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return True
+    return head[4:8] == b"ftyp" and head[8:12] in (b"avif", b"avis", b"heic", b"heix", b"mif1")
+
+
+# --- address policy ---------------------------------------------------------------------
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    ip = ipaddress.ip_address(text.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """A globally routable unicast address (not private, loopback, link-local, metadata...)."""
+    return ip.is_global and not (
+        ip.is_multicast or ip.is_reserved or ip.is_unspecified or ip.is_link_local
+    )
+
+
+@dataclass(frozen=True)
+class AddressPolicy:
+    """Which resolved addresses may be connected to.
+
+    ``allow`` entries make exceptions to the public-only rule: an address
+    (``127.0.0.1``, any port), ``address:port`` (``127.0.0.1:8080``,
+    ``[::1]:8080``) or a network (``10.0.0.0/8``). Nothing is allowed by
+    default; tests and private mirrors name what they need.
+    """
+
+    allow: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for entry in self.allow:
+            self._parse(entry)
+
+    @staticmethod
+    def _parse(entry: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None]:
+        text, port = entry.strip(), None
+        try:
+            if "/" in text:
+                return ipaddress.ip_network(text, strict=False), None
+            if text.startswith("["):
+                host, _, rest = text[1:].partition("]")
+                text, port = host, int(rest[1:]) if rest.startswith(":") else None
+            elif text.count(":") == 1:
+                text, p = text.split(":")
+                port = int(p)
+            ip = _ip(text)
+            return ipaddress.ip_network(ip), port
+        except ValueError:
+            raise ValueError(
+                f"allowed address {entry!r} is not an IP, IP:port or network "
+                "(e.g. 127.0.0.1, 127.0.0.1:8080, 10.0.0.0/8)"
+            ) from None
+
+    def permits(self, address: str, port: int) -> bool:
+        ip = _ip(address)
+        if is_public(ip):
+            return True
+        for entry in self.allow:
+            net, p = self._parse(entry)
+            if ip.version == net.version and ip in net and (p is None or p == port):
+                return True
+        return False
+
+
+Resolver = Callable[[str, int], Sequence[str]]
+#: Characters kept as they are when a URL's path and query are percent-encoded.
+_SAFE = "/%:@!$&'()*+,;=?~-._"
+
+
+def system_resolver(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (TCP), in the resolver's order."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    seen: list[str] = []
+    for info in infos:
+        addr = str(info[4][0])
+        if addr not in seen:
+            seen.append(addr)
+    return seen
+
+
+# --- configuration and results -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How one fetcher behaves (see the module docstring)."""
+
+    user_agent: str = DEFAULT_USER_AGENT
+    connect_timeout: float = 10.0
+    #: Seconds one socket read may wait (a stalled body fails after this).
+    read_timeout: float = 20.0
+    #: Seconds for one attempt overall, headers and body (a trickling body fails after this).
+    total_timeout: float = 60.0
+    max_bytes: int = 32 * 1024 * 1024
+    max_redirects: int = 5
+    #: Attempts after the first for transient failures.
+    retries: int = 2
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+    #: Longest ``Retry-After`` honoured; a longer one ends the retries (the row stays retryable).
+    max_retry_after: float = 60.0
+    #: Requests in flight per fetcher (threads), and per host.
+    threads: int = 64
+    per_host: int = 8
+    #: Requests started per second per host (0: no limit).
+    per_host_rate: float = 0.0
+    allow: tuple[str, ...] = ()
+    #: ``X-Robots-Tag`` directives that mean "do not use" (empty: ignore the header).
+    opt_out: tuple[str, ...] = DEFAULT_OPT_OUT
+    verify_tls: bool = True
+    #: PEM file of CAs to trust instead of the system's (private mirrors, tests).
+    ca_bundle: str | None = None
+
+    def __post_init__(self) -> None:
+        AddressPolicy(self.allow)
+        for name in ("connect_timeout", "read_timeout", "total_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_bytes < 1 or self.threads < 1 or self.per_host < 1:
+            raise ValueError("max_bytes, threads and per_host must be >= 1")
+        if self.retries < 0 or self.max_redirects < 0 or self.per_host_rate < 0:
+            raise ValueError("retries, max_redirects and per_host_rate must be >= 0")
+
+
+@dataclass
+class FetchResult:
+    """What became of one URL: ``status`` (see :data:`STATUSES`), ``reason`` when not ok."""
+
+    url: str
+    status: str
+    reason: str | None = None
+    data: bytes | None = None
+    width: int | None = None
+    height: int | None = None
+    format: str | None = None
+    http_status: int | None = None
+    attempts: int = 0
+    #: Body bytes received over all attempts (also of failed ones).
+    received: int = 0
+    host: str | None = None
+    retry_after: float | None = field(default=None, repr=False)
+
+
+class _Fail(Exception):
+    def __init__(self, status: str, reason: str, http: int | None = None, retry_after=None):
+        super().__init__(reason)
+        self.status, self.reason, self.http, self.retry_after = status, reason, http, retry_after
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def robots_opt_out(values: Sequence[str], directives: Sequence[str], agent: str) -> str | None:
+    """The first opt-out directive in ``X-Robots-Tag`` values that applies to us, or None.
+
+    ``X-Robots-Tag: noai`` applies to every agent; ``X-Robots-Tag: otherbot:
+    noai`` only to the agent it names (our user agent's first word counts).
+    """
+    if not directives:
+        return None
+    ours = agent.split("/", 1)[0].strip().lower()
+    wanted = {d.lower() for d in directives}
+    for value in values:
+        scope, _, rest = value.partition(":")
+        tokens = value
+        if rest and scope.strip() and " " not in scope.strip() and "," not in scope:
+            if scope.strip().lower() not in (ours, "*"):
+                continue
+            tokens = rest
+        for tok in tokens.split(","):
+            if tok.strip().lower() in wanted:
+                return tok.strip().lower()
+    return None
+
+
+class _HostGate:
+    """Per-host concurrency (a semaphore) and start rate (a minimum interval)."""
+
+    def __init__(self, per_host: int, rate: float):
+        self.sem = threading.BoundedSemaphore(per_host)
+        self.interval = 1.0 / rate if rate > 0 else 0.0
+        self.lock = threading.Lock()
+        self.next_start = 0.0
+
+    def __enter__(self):
+        self.sem.acquire()
+        if self.interval:
+            with self.lock:
+                now = time.monotonic()
+                wait = self.next_start - now
+                self.next_start = max(now, self.next_start) + self.interval
+            if wait > 0:
+                time.sleep(wait)
+        return self
+
+    def __exit__(self, *exc):
+        self.sem.release()
+
+
+class Fetcher:
+    """Fetches URLs under one :class:`FetchConfig`; thread-safe, pools connections."""
+
+    def __init__(self, config: FetchConfig, resolver: Resolver | None = None):
+        import urllib3
+
+        self.config = config
+        self.policy = AddressPolicy(config.allow)
+        self.resolver = resolver or system_resolver
+        self._urllib3 = urllib3
+        self._pools: dict[tuple, object] = {}
+        self._gates: dict[str, _HostGate] = {}
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    # -- plumbing
+    def _gate(self, host: str) -> _HostGate:
+        with self._lock:
+            gate = self._gates.get(host)
+            if gate is None:
+                gate = self._gates[host] = _HostGate(
+                    self.config.per_host, self.config.per_host_rate
+                )
+            return gate
+
+    def _pool(self, scheme: str, address: str, port: int, host: str):
+        key = (scheme, address, port, host)
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                u = self._urllib3
+                kw = dict(
+                    maxsize=self.config.per_host,
+                    block=False,
+                    retries=False,
+                    timeout=u.Timeout(
+                        connect=self.config.connect_timeout, read=self.config.read_timeout
+                    ),
+                )
+                if scheme == "https":
+                    pool = u.HTTPSConnectionPool(
+                        address,
+                        port,
+                        server_hostname=host,
+                        assert_hostname=host if self.config.verify_tls else False,
+                        cert_reqs="CERT_REQUIRED" if self.config.verify_tls else "CERT_NONE",
+                        ca_certs=self.config.ca_bundle,
+                        **kw,
+                    )
+                else:
+                    pool = u.HTTPConnectionPool(address, port, **kw)
+                if len(self._pools) > 4096:  # a long tail of hosts: drop idle pools
+                    for old in self._pools.values():
+                        old.close()
+                    self._pools.clear()
+                self._pools[key] = pool
+            return pool
+
+    def _vet(self, url: str) -> tuple[str, str, int, str, str]:
+        """(scheme, host, port, path, address) of ``url``, or raises ``_Fail``."""
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError:
+            raise _Fail(PERMANENT, "bad_url") from None
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https"):
+            raise _Fail(REFUSED, "bad_scheme")
+        host = parts.hostname
+        if not host:
+            raise _Fail(PERMANENT, "bad_url")
+        if not host.isascii():
+            try:  # internationalised names go on the wire (DNS, Host, SNI) as IDNA
+                host = host.encode("idna").decode("ascii")
+            except UnicodeError:
+                raise _Fail(PERMANENT, "bad_url") from None
+        if parts.username or parts.password:
+            raise _Fail(REFUSED, "credentials_in_url")
+        port = port or (443 if scheme == "https" else 80)
+        try:
+            addresses = [host] if _is_ip(host) else list(self.resolver(host, port))
+        except socket.gaierror as e:
+            transient = e.errno in (socket.EAI_AGAIN,)
+            raise _Fail(TRANSIENT if transient else PERMANENT, "dns_error") from None
+        except OSError:
+            raise _Fail(TRANSIENT, "dns_error") from None
+        if not addresses:
+            raise _Fail(PERMANENT, "dns_error")
+        allowed = [a for a in addresses if self.policy.permits(a, port)]
+        if not allowed:
+            raise _Fail(REFUSED, "refused_address")
+        # Spaces and non-ASCII (common in URL lists) are percent-encoded; escapes stay.
+        path = quote(parts.path or "/", safe=_SAFE)
+        if parts.query:
+            path += "?" + quote(parts.query, safe=_SAFE)
+        return scheme, host, port, path, allowed[0]
+
+    # -- one URL
+    def fetch(self, url: str) -> FetchResult:
+        """Fetch ``url`` with retries; never raises (failures come back with a reason)."""
+        cfg = self.config
+        result = FetchResult(url=url, status=TRANSIENT)
+        try:
+            result.host = (urlsplit(url).hostname or "").lower() or None
+        except ValueError:
+            result.host = None
+        for attempt in range(cfg.retries + 1):
+            result.attempts = attempt + 1
+            try:
+                self._attempt(url, result)
+                return result
+            except _Fail as f:
+                result.status, result.reason, result.http_status = f.status, f.reason, f.http
+                if f.status != TRANSIENT or attempt == cfg.retries:
+                    return result
+                wait = min(cfg.max_backoff, cfg.backoff * 2**attempt) * random.uniform(0.5, 1.5)
+                if f.retry_after is not None:
+                    if f.retry_after > cfg.max_retry_after:
+                        return result
+                    wait = max(wait, f.retry_after)
+                time.sleep(wait)
+            except Exception as e:  # a bug in a parser must not stop the job
+                result.status, result.reason = PERMANENT, f"fetch_failed:{type(e).__name__}"
+                return result
+        return result
+
+    def _attempt(self, url: str, result: FetchResult) -> None:
+        cfg = self.config
+        u = self._urllib3
+        deadline = time.monotonic() + cfg.total_timeout
+        seen: set[str] = set()
+        for _hop in range(cfg.max_redirects + 1):
+            if url in seen:
+                raise _Fail(PERMANENT, "redirect_loop")
+            seen.add(url)
+            scheme, host, port, path, address = self._vet(url)
+            default_port = port == (443 if scheme == "https" else 80)
+            headers = {
+                "Host": host if default_port else f"{host}:{port}",
+                "User-Agent": cfg.user_agent,
+                "Accept": "image/avif,image/webp,image/*;q=0.9,*/*;q=0.5",
+                "Accept-Encoding": "gzip, deflate",
+            }
+            pool = self._pool(scheme, address, port, host)
+            with self._gate(host):
+                try:
+                    r = pool.urlopen(
+                        "GET",
+                        path,
+                        headers=headers,
+                        redirect=False,
+                        retries=False,
+                        preload_content=False,
+                        decode_content=True,
+                        assert_same_host=False,
+                    )
+                except u.exceptions.TimeoutError:
+                    raise _Fail(TRANSIENT, "timeout") from None
+                except u.exceptions.SSLError:
+                    raise _Fail(PERMANENT, "tls_error") from None
+                except (u.exceptions.HTTPError, OSError):
+                    raise _Fail(TRANSIENT, "connection_error") from None
+                try:
+                    if 300 <= r.status < 400 and r.status != 304:
+                        location = r.headers.get("Location")
+                        if not location:
+                            raise _Fail(PERMANENT, f"http_{r.status}", r.status)
+                        url = urljoin(url, location.strip())
+                        continue
+                    self._body(r, result, deadline)
+                    return
+                finally:
+                    r.release_conn() if r.status == 200 and result.status == OK else r.close()
+        raise _Fail(PERMANENT, "too_many_redirects")
+
+    def _body(self, r, result: FetchResult, deadline: float) -> None:
+        cfg = self.config
+        u = self._urllib3
+        result.http_status = r.status
+        if r.status != 200:
+            if r.status in TRANSIENT_HTTP:
+                raise _Fail(
+                    TRANSIENT,
+                    f"http_{r.status}",
+                    r.status,
+                    _retry_after(r.headers.get("Retry-After")),
+                )
+            raise _Fail(PERMANENT, f"http_{r.status}", r.status)
+        directive = robots_opt_out(r.headers.getlist("X-Robots-Tag"), cfg.opt_out, cfg.user_agent)
+        if directive:
+            raise _Fail(OPTED_OUT, f"x_robots_tag:{directive}", 200)
+        ctype = (r.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if ctype and not ctype.startswith("image/") and ctype not in GENERIC_TYPES:
+            raise _Fail(PERMANENT, "wrong_content_type", 200)
+        length = r.headers.get("Content-Length")
+        if length and length.strip().isdigit() and int(length) > cfg.max_bytes:
+            raise _Fail(PERMANENT, "too_large", 200)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                chunk = r.read(64 * 1024)
+                if not chunk:
+                    break
+                size += len(chunk)
+                result.received += len(chunk)
+                if size > cfg.max_bytes:
+                    raise _Fail(PERMANENT, "too_large", 200)
+                if time.monotonic() > deadline:
+                    raise _Fail(TRANSIENT, "timeout", 200)
+                if not chunks and not looks_like_image(chunk[:16]) and len(chunk) >= 16:
+                    raise _Fail(PERMANENT, "not_an_image", 200)
+                chunks.append(chunk)
+        except u.exceptions.TimeoutError:
+            raise _Fail(TRANSIENT, "timeout", 200) from None
+        except u.exceptions.DecodeError:
+            raise _Fail(PERMANENT, "bad_encoding", 200) from None
+        except (u.exceptions.HTTPError, OSError):
+            raise _Fail(TRANSIENT, "connection_error", 200) from None
+        data = b"".join(chunks)
+        if not data:
+            raise _Fail(PERMANENT, "empty_file", 200)
+        if not looks_like_image(data[:16]):
+            raise _Fail(PERMANENT, "not_an_image", 200)
+        from prx_data.core.imaging import ImageError, probe
+
+        try:
+            info = probe(data)
+        except ImageError as e:
+            raise _Fail(PERMANENT, e.reason, 200) from None
+        result.status, result.reason = OK, None
+        result.data, result.width, result.height, result.format = (
+            data,
+            info.width,
+            info.height,
+            info.format,
+        )
+
+    # -- many URLs
+    def fetch_many(self, urls: Sequence[str]) -> list[FetchResult]:
+        """Fetch ``urls`` on ``threads`` threads; results in input order."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.config.threads, thread_name_prefix="fetch")
+        return list(self._executor.map(self.fetch, urls))
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        _ip(host)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,629 @@
+"""The download job: fill image bytes for rows that have a URL and no image.
+
+Rows that ingest kept with only a URL (``probe_error = missing_image``)
+become ordinary rows: ``image``, ``width``, ``height``, ``format`` and
+``probe_error`` are filled as ingest would have filled them, and two job
+columns say what happened, for the explorer and for later runs:
+``download_status`` (one of :data:`prx_data.download.fetch.STATUSES`) and
+``download_error`` (the reason: ``http_404``, ``timeout``, ``too_large``,
+``x_robots_tag:noai``, ``refused_address``...).
+
+How rows are placed: a Lance fragment keeps each column in one data file for
+all its rows, so setting the image of *some* rows of a fragment means either
+rewriting that fragment's whole image column (the column-job runner's
+write, which copies the images the fragment already holds) or moving the
+filled rows. This job moves them: each commit writes the rows it filled as
+new fragments (every column, written once) and deletes them from their old
+fragments with deletion vectors, in one ``Update`` checked against the
+version it read. No image a fragment already holds is read or written
+again, so a retry of the 2 % that failed costs 2 %, and the report measures
+bytes written against bytes downloaded. Planning, work units, the pinned
+version and the Ray Data stages are the column-job runner's
+(:func:`prx_data.columns.runner.iter_results`).
+
+Exactly once: a row is pending while its status is null, and it leaves that
+state only in the commit that writes its result, so a killed run loses at
+most the rows since its last commit (``commit_rows`` / ``commit_bytes`` /
+``commit_seconds``) and the next run fetches only what is still pending.
+Each URL is fetched once per table: rows whose URL already has an ``ok`` row,
+or appears earlier among the pending rows, are marked ``duplicate`` and
+then filled from that row (also on a later run, when it was killed first).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prx_data.core import schema as S
+from prx_data.download import fetch as F
+
+STATUS = "download_status"
+ERROR = "download_error"
+OUTPUTS = pa.schema([pa.field(STATUS, pa.string()), pa.field(ERROR, pa.string())])
+#: URL column names tried in order when none is given (LAION, COYO, DataComp, CC12M: ``url``).
+URL_NAMES = ("url", "URL", "image_url", "img_url", "src_url")
+#: ``only`` selector for every failure worth retrying (transient and permanent).
+FAILED = "failed"
+ROWADDR = "_rowaddr"
+#: Per-row bookkeeping the fetch step adds for the report; never written.
+_HOST, _RECEIVED, _FETCHED = "_dl_host", "_dl_received", "_dl_fetched"
+
+
+@dataclass(frozen=True)
+class DownloadConfig:
+    """One download run over ``table`` (see the module docstring)."""
+
+    table: str
+    url_column: str | None = None
+    #: Redo rows by status or reason instead of new rows: ``failed`` (transient and
+    #: permanent), a status (``transient``, ``opted_out``...), or a reason
+    #: (``http_503``, ``timeout``; ``*`` matches any text: ``http_5*``).
+    only: tuple[str, ...] = ()
+    limit: int | None = None
+    fetch: F.FetchConfig = field(default_factory=F.FetchConfig)
+    engine: str = "ray"
+    num_cpus: int | None = None
+    ray_address: str | None = None
+    #: Rows handed to one fetch call (fetched on ``fetch.threads`` threads). A batch ends
+    #: with its slowest row (a stalled body: timeout x attempts), so it should be many
+    #: times ``threads``: the other threads keep fetching meanwhile.
+    batch_size: int = 1024
+    rows_per_unit: int = 4096
+    #: Ray CPUs per fetch task: 0.5 runs two tasks per CPU, so one task's slowest
+    #: rows overlap another's work. Requests in flight: threads x CPUs / task_cpus.
+    task_cpus: float = 0.5
+    #: A commit happens after this many rows, bytes or seconds, whichever comes first.
+    commit_rows: int = 8192
+    commit_bytes: int = 256 * 1024 * 1024
+    commit_seconds: float = 60.0
+    storage_options: dict | None = None
+    progress: bool = True
+    #: Called with the number of commits so far after each commit (progress hooks; tests).
+    on_commit: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("ray", "local"):
+            raise ValueError(f"engine must be 'ray' or 'local', got {self.engine!r}")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError("limit must be >= 0")
+        for name in ("batch_size", "rows_per_unit", "commit_rows", "commit_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.task_cpus <= 0:
+            raise ValueError("task_cpus must be > 0")
+
+
+@dataclass
+class DownloadReport:
+    """What a download run did: statuses, reasons, failing hosts, speed, bytes."""
+
+    table: str
+    url_column: str = ""
+    pending: int = 0
+    rows: int = 0
+    #: Rows fetched over the network (pending rows less the duplicates), and those that got an image.
+    fetched: int = 0
+    fetched_ok: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, int] = field(default_factory=dict)
+    #: Failed fetches per host, most first (the top 20).
+    failing_hosts: dict[str, int] = field(default_factory=dict)
+    #: Bytes received from servers (all attempts), and bytes of the images kept.
+    bytes_downloaded: int = 0
+    image_bytes: int = 0
+    #: Bytes of the data files the run wrote (moved rows, every column).
+    bytes_written: int = 0
+    duplicates_marked: int = 0
+    duplicates_filled: int = 0
+    commits: int = 0
+    seconds: float = 0.0
+    fetch_seconds: float = 0.0
+    table_version: int = 0
+    final_version: int = 0
+
+    @property
+    def ok(self) -> int:
+        return self.statuses.get(F.OK, 0)
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Rows without an image by status (duplicates still waiting excluded)."""
+        return {k: v for k, v in self.statuses.items() if k not in (F.OK, F.DUPLICATE)}
+
+    @property
+    def images_per_s(self) -> float:
+        """Images fetched per second (rows filled from a duplicate not counted)."""
+        return self.fetched_ok / self.fetch_seconds if self.fetch_seconds > 0 else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes_downloaded / self.fetch_seconds if self.fetch_seconds > 0 else 0.0
+
+    @property
+    def success_rate(self) -> float:
+        """Share of the fetched URLs that gave an image."""
+        return self.fetched_ok / self.fetched if self.fetched else 0.0
+
+    def text(self) -> str:
+        lines = [
+            f"{self.rows:,} of {self.pending:,} pending rows of {self.table} ({self.url_column}): "
+            f"{self.fetched:,} fetched, {self.fetched_ok:,} ok ({self.success_rate:.1%}) in "
+            f"{self.fetch_seconds:.1f} s: {self.images_per_s:,.1f} images/s, "
+            f"{self.bytes_per_s / 1e6:,.2f} MB/s",
+            "  status: "
+            + (", ".join(f"{k} {v:,}" for k, v in _desc(self.statuses)) or "nothing to do"),
+        ]
+        for reason, n in _desc(self.reasons)[:15]:
+            lines.append(f"  {n:,} x {reason}")
+        if self.failing_hosts:
+            top = ", ".join(f"{h} {n:,}" for h, n in _desc(self.failing_hosts)[:5])
+            lines.append(f"  top failing hosts: {top}")
+        if self.duplicates_marked or self.duplicates_filled:
+            lines.append(
+                f"  duplicate URLs: {self.duplicates_marked:,} rows marked, "
+                f"{self.duplicates_filled:,} filled from the row that was fetched"
+            )
+        lines.append(
+            f"  downloaded {self.bytes_downloaded / 1e6:,.1f} MB, kept {self.image_bytes / 1e6:,.1f} "
+            f"MB of images, wrote {self.bytes_written / 1e6:,.1f} MB in {self.commits:,} "
+            f"commit(s) (version {self.table_version} -> {self.final_version})"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            ok=self.ok,
+            failures=self.failures,
+            images_per_s=round(self.images_per_s, 2),
+            bytes_per_s=round(self.bytes_per_s, 1),
+            success_rate=round(self.success_rate, 4),
+            seconds=round(self.seconds, 3),
+            fetch_seconds=round(self.fetch_seconds, 3),
+        )
+        return d
+
+
+def _desc(d: dict[str, int]) -> list[tuple[str, int]]:
+    return sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+# --- selection ----------------------------------------------------------------------------
+
+
+def url_column(names: Sequence[str], given: str | None = None) -> str:
+    """The table's URL column: ``given``, else the first of :data:`URL_NAMES`."""
+    if given is not None:
+        if given not in names:
+            raise ValueError(f"column {given!r} is not in the table; it has {list(names)}")
+        return given
+    for name in URL_NAMES:
+        if name in names:
+            return name
+    raise ValueError(
+        f"the table has no URL column (looked for {', '.join(URL_NAMES)}); "
+        "name it with --url-column"
+    )
+
+
+#: The probe error of a row without image bytes (ingest's, kept by failed downloads).
+MISSING = "missing_image"
+
+
+def pending_filter(url: str, only: Sequence[str] = ()) -> str:
+    """Lance SQL for the rows to fetch: a URL, no image, and a null status (or one in ``only``).
+
+    "No image" is ``probe_error = 'missing_image'``, never ``image IS NULL``:
+    Lance evaluates that by reading the image column, every held image of the
+    table (600 MB read to count 3,000 rows here), for a small string column.
+    """
+    from prx_data.columns.writeback import sql_string
+    from prx_data.table.lance_ops import quote
+
+    base = f"{quote(url)} IS NOT NULL AND {quote(S.PROBE_ERROR)} = '{MISSING}'"
+    if not only:
+        return f"{base} AND {quote(STATUS)} IS NULL"
+    clauses = []
+    for sel in only:
+        if sel == FAILED:
+            clauses.append(f"{quote(STATUS)} IN ('{F.TRANSIENT}', '{F.PERMANENT}')")
+        elif sel in F.STATUSES:
+            clauses.append(f"{quote(STATUS)} = {sql_string(sel)}")
+        elif "*" in sel:
+            pattern = sel.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            clauses.append(f"{quote(ERROR)} LIKE {sql_string(pattern.replace('*', '%'))}")
+        else:
+            clauses.append(f"{quote(ERROR)} = {sql_string(sel)}")
+    return f"{base} AND ({' OR '.join(clauses)})"
+
+
+def plan_duplicates(ds, url: str, where: str, limit: int | None = None) -> np.ndarray:
+    """Row addresses (sorted uint64) of pending rows whose URL another row fetches.
+
+    A pending row is a duplicate when its URL already has an ``ok`` row, or
+    appears at a smaller row address among the pending rows. Reads the URL
+    column of the pending rows (the first ``limit`` of them, which are the rows
+    the run plans) and of ``ok`` rows in batches: Arrow sorts and hash
+    lookups, nothing per row in Python. Memory is about the pending URLs'
+    size, so very large tables are downloaded in ``limit`` slices.
+    """
+    from prx_data.table.lance_ops import quote
+
+    scanner = ds.scanner(
+        columns=[url], filter=where, with_row_address=True, batch_size=1 << 16, limit=limit
+    )
+    parts = [pa.Table.from_batches([b]) for b in scanner.to_batches() if b.num_rows]
+    if not parts:
+        return np.zeros(0, np.uint64)
+    pend = pa.concat_tables(parts).combine_chunks()
+    order = pc.sort_indices(pend, sort_keys=[(url, "ascending"), (ROWADDR, "ascending")])
+    urls = pc.take(pend[url], order)
+    addrs = np.asarray(pc.take(pend[ROWADDR], order))
+    dup = np.zeros(len(addrs), bool)
+    if len(addrs) > 1:
+        dup[1:] = np.asarray(pc.equal(urls[1:], urls[:-1]).fill_null(False))
+    if STATUS in ds.schema.names:
+        for batch in ds.scanner(
+            columns=[url], filter=f"{quote(STATUS)} = '{F.OK}'", batch_size=1 << 16
+        ).to_batches():
+            if batch.num_rows:
+                dup |= np.asarray(pc.is_in(urls, value_set=batch.column(0)).fill_null(False))
+    return np.sort(addrs[dup]).astype(np.uint64)
+
+
+# --- the fetch step (runs in Ray tasks or in this process) ------------------------------
+
+_FETCHERS: dict[F.FetchConfig, F.Fetcher] = {}
+
+
+def _fetcher(config: F.FetchConfig) -> F.Fetcher:
+    """One fetcher per process and config: its pools and host gates outlive a batch."""
+    fetcher = _FETCHERS.get(config)
+    if fetcher is None:
+        fetcher = _FETCHERS[config] = F.Fetcher(config)
+    return fetcher
+
+
+def fetch_batch(
+    batch: pa.Table, *, url: str, fetch: F.FetchConfig, duplicates: np.ndarray
+) -> pa.Table:
+    """Rows in, the same rows out with image, probe and download columns filled.
+
+    Rows in ``duplicates`` are not fetched: they get status ``duplicate``.
+    """
+    addrs = np.asarray(batch[ROWADDR])
+    is_dup = np.isin(addrs, duplicates) if len(duplicates) else np.zeros(len(addrs), bool)
+    urls = batch[url].to_pylist()
+    todo = [i for i in range(len(urls)) if not is_dup[i]]
+    results = dict(zip(todo, _fetcher(fetch).fetch_many([urls[i] for i in todo]), strict=True))
+    n = batch.num_rows
+    image: list = [None] * n
+    width: list = [None] * n
+    height: list = [None] * n
+    fmt: list = [None] * n
+    probe: list = [MISSING] * n
+    status: list = [F.DUPLICATE] * n
+    error: list = [None] * n
+    host: list = [None] * n
+    received = [0] * n
+    for i, r in results.items():
+        status[i], error[i], host[i], received[i] = r.status, r.reason, r.host, r.received
+        if r.status == F.OK:
+            image[i], width[i], height[i], fmt[i], probe[i] = (
+                r.data,
+                r.width,
+                r.height,
+                r.format,
+                None,
+            )
+    types = batch.schema
+    out = batch
+    for name, values in (
+        (S.IMAGE, image),
+        (S.WIDTH, width),
+        (S.HEIGHT, height),
+        (S.FORMAT, fmt),
+        (S.PROBE_ERROR, probe),
+        (STATUS, status),
+        (ERROR, error),
+    ):
+        out = out.set_column(
+            types.get_field_index(name), name, pa.array(values, types.field(name).type)
+        )
+    out = out.append_column(_HOST, pa.array(host, pa.string()))
+    out = out.append_column(_RECEIVED, pa.array(received, pa.int64()))
+    return out.append_column(_FETCHED, pa.array(~is_dup))
+
+
+# --- placing rows: move into new fragments, delete from the old ones --------------------
+
+
+class Mover:
+    """Buffers filled rows and commits them: new fragments + deletion vectors, one Update."""
+
+    def __init__(self, cfg: DownloadConfig, ds):
+        self.cfg = cfg
+        self.ds = ds
+        self.schema = ds.schema
+        self.buffer: list[pa.Table] = []
+        self.rows = 0
+        self.nbytes = 0
+        self.last = time.monotonic()
+        self.commits = 0
+        self.bytes_written = 0
+
+    def add(self, rows: pa.Table) -> None:
+        self.buffer.append(rows)
+        self.rows += rows.num_rows
+        self.nbytes += rows.nbytes
+        cfg = self.cfg
+        if (
+            self.rows >= cfg.commit_rows
+            or self.nbytes >= cfg.commit_bytes
+            or time.monotonic() - self.last >= cfg.commit_seconds
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        import lance
+
+        self.last = time.monotonic()
+        if not self.buffer:
+            return
+        rows = pa.concat_tables(self.buffer)
+        self.buffer, self.rows, self.nbytes = [], 0, 0
+        addrs = np.asarray(rows[ROWADDR]).astype(np.uint64)
+        data = rows.select(self.schema.names).cast(self.schema)
+        new = lance.fragment.write_fragments(
+            data,
+            self.cfg.table,
+            schema=self.schema,
+            max_rows_per_file=max(1, data.num_rows),
+            storage_options=self.cfg.storage_options,
+        )
+        self.bytes_written += sum(f.file_size_bytes or 0 for m in new for f in m.data_files())
+        removed, updated = [], []
+        frags = addrs >> np.uint64(32)
+        for fid in np.unique(frags).tolist():
+            mine = addrs[frags == fid]
+            frag = self.ds.get_fragment(int(fid))
+            if frag is None:
+                raise RuntimeError(
+                    f"fragment {fid} of {self.cfg.table!r} went away while the download ran "
+                    "(compaction?): rerun, it continues from what is committed"
+                )
+            meta = frag.delete(f"_rowaddr IN ({', '.join(str(int(a)) for a in mine)})")
+            (removed.append(int(fid)) if meta is None else updated.append(meta))
+        op = lance.LanceOperation.Update(
+            removed_fragment_ids=removed, updated_fragments=updated, new_fragments=new
+        )
+        try:
+            self.ds = lance.LanceDataset.commit(
+                self.cfg.table,
+                op,
+                read_version=self.ds.version,
+                storage_options=self.cfg.storage_options,
+            )
+        except Exception as e:
+            if "conflict" in str(e).lower():
+                raise RuntimeError(
+                    f"{self.cfg.table!r} changed while the download ran (compaction, deletion "
+                    f"or another download): {str(e).splitlines()[0]}. Rerun: it continues "
+                    "from what is committed."
+                ) from e
+            raise
+        self.commits += 1
+        if self.cfg.on_commit is not None:
+            self.cfg.on_commit(self.commits)
+
+
+# --- duplicates -------------------------------------------------------------------------
+
+
+def fill_duplicates(
+    cfg: DownloadConfig, url: str, mover: Mover, reasons: Counter | None = None
+) -> Counter:
+    """Give every ``duplicate`` row the result of a row with its URL that has one.
+
+    Copies image and probe columns (and, for failures, status and reason) from
+    a row with the same URL whose status is final; rows whose URL has none yet
+    stay ``duplicate`` for a later run. Returns the rows filled by the status
+    they got (and adds their reasons to ``reasons``).
+    """
+    from prx_data.table.lance_ops import quote
+
+    ds = mover.ds
+    dup_where = f"{quote(STATUS)} = '{F.DUPLICATE}'"
+    filled: Counter = Counter()
+    if not ds.count_rows(dup_where):
+        return filled
+    dup_urls = pc.unique(
+        pa.concat_arrays(
+            [b.column(0) for b in ds.scanner(columns=[url], filter=dup_where).to_batches()]
+        )
+    )
+    # One scan for a row per duplicated URL that has its result (ok first).
+    final = (
+        f"{quote(url)} IS NOT NULL AND {quote(STATUS)} IS NOT NULL "
+        f"AND {quote(STATUS)} <> '{F.DUPLICATE}'"
+    )
+    best: dict[str, tuple[int, int]] = {}
+    for batch in ds.scanner(
+        columns=[url, STATUS], filter=final, with_row_address=True, batch_size=1 << 16
+    ).to_batches():
+        hit = pc.is_in(batch.column(0), value_set=dup_urls).fill_null(False)
+        if not pc.any(hit).as_py():
+            continue
+        part = pa.Table.from_batches([batch]).filter(hit)
+        for u, st, a in zip(
+            part[url].to_pylist(), part[STATUS].to_pylist(), part[ROWADDR].to_pylist(), strict=True
+        ):
+            rank = 0 if st == F.OK else 1
+            if u not in best or rank < best[u][0]:
+                best[u] = (rank, a)
+    if not best:
+        return filled
+    copied = [S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT, S.PROBE_ERROR, STATUS, ERROR]
+    for batch in ds.scanner(filter=dup_where, with_row_address=True, batch_size=256).to_batches():
+        rows = pa.Table.from_batches([batch])
+        urls = rows[url].to_pylist()
+        keep = [i for i, u in enumerate(urls) if u in best]
+        if not keep:
+            continue
+        rows = rows.take(keep)
+        src = ds._take_rows([best[urls[i]][1] for i in keep], columns=copied)
+        for name in copied:
+            rows = rows.set_column(
+                rows.schema.get_field_index(name),
+                name,
+                src[name].cast(rows.schema.field(name).type),
+            )
+        mover.add(rows)
+        _count(filled, rows[STATUS])
+        if reasons is not None:
+            _count(reasons, rows[ERROR])
+    mover.flush()
+    return filled
+
+
+# --- the job ------------------------------------------------------------------------------
+
+
+def run_download(cfg: DownloadConfig) -> DownloadReport:
+    """Fetch every pending row's URL into the table (see the module docstring)."""
+    from prx_data.columns import runner as R
+    from prx_data.table.lance_ops import open_table
+    from prx_data.table.pins import column_pin, pin, unpin
+
+    start = time.perf_counter()
+    report = DownloadReport(cfg.table)
+    ds = open_table(cfg.table, cfg.storage_options)
+    url = report.url_column = url_column(ds.schema.names, cfg.url_column)
+    missing = [
+        c for c in (S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT, S.PROBE_ERROR) if c not in ds.schema.names
+    ]
+    if missing:
+        raise ValueError(
+            f"{cfg.table!r} lacks the table columns {missing}: make it with "
+            "`python -m prx_data.ingest` (rows without bytes get probe_error = missing_image)"
+        )
+    R.ensure_columns(cfg.table, OUTPUTS, cfg.storage_options)
+    # Duplicates a killed run marked but did not fill.
+    early = Mover(cfg, open_table(cfg.table, cfg.storage_options))
+    report.duplicates_filled = fill_duplicates(cfg, url, early).total()
+    report.commits, report.bytes_written = early.commits, early.bytes_written
+    ds = early.ds
+    # Tag the version the fetch tasks read, so a cleanup meanwhile keeps its files (the
+    # fragments this run empties leave the latest version while tasks still read them).
+    tag = column_pin(STATUS)
+    pin(ds, tag, ds.version, job="download", column=STATUS)
+    try:
+        return _run_pinned(cfg, ds, report, url, start)
+    finally:  # a killed run leaves it; its next run moves it and removes it
+        try:
+            unpin(ds, tag)
+        except OSError as e:  # never hide the job's own outcome behind this
+            warnings.warn(
+                f"could not remove tag {tag} from {cfg.table} ({e}); remove it with "
+                f"`python -m prx_data.table untag {cfg.table} {tag}`",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start: float):
+    from tqdm.auto import tqdm
+
+    from prx_data.columns import runner as R
+
+    report.table_version = ds.version
+    mover = Mover(cfg, ds)
+    where = pending_filter(url, cfg.only)
+    duplicates = plan_duplicates(ds, url, where, cfg.limit)
+    report.duplicates_marked = len(duplicates)
+    job = R.ColumnJob(
+        table=cfg.table,
+        outputs=OUTPUTS,
+        read_columns=list(ds.schema.names),
+        steps=[
+            R.Step(
+                fetch_batch,
+                kwargs={"url": url, "fetch": cfg.fetch, "duplicates": duplicates},
+                batch_size=cfg.batch_size,
+            )
+        ],
+        where=where,
+        limit=cfg.limit,
+        engine=cfg.engine,
+        batch_size=cfg.batch_size,
+        rows_per_unit=cfg.rows_per_unit,
+        storage_options=cfg.storage_options,
+        ray_address=cfg.ray_address,
+        num_cpus=cfg.num_cpus,
+        read_cpus=cfg.task_cpus,
+        progress=False,
+    )
+    counts = R.pending_counts(ds, where)
+    rows_per_unit = cfg.rows_per_unit
+    if cfg.engine == "ray" and counts:
+        rows_per_unit = R.unit_rows(job, sum(counts.values()))
+    units, expected = R.plan_units(counts, cfg.limit, rows_per_unit)
+    report.pending = sum(expected.values())
+    statuses: Counter = Counter()
+    reasons: Counter = Counter()
+    hosts: Counter = Counter()
+    t0 = time.perf_counter()
+    bar = tqdm(total=report.pending, desc="download", unit="row", disable=not cfg.progress)
+    try:
+        for batch in R.iter_results(job, units, ds.version) if units else ():
+            if not batch.num_rows:
+                continue
+            fetched = batch[_FETCHED]
+            st = batch[STATUS]
+            _count(statuses, st)
+            _count(reasons, batch[ERROR])
+            failed = pc.and_(fetched, pc.not_equal(st, F.OK)).fill_null(False)
+            _count(hosts, batch[_HOST].filter(failed))
+            report.rows += batch.num_rows
+            report.fetched += int(pc.sum(fetched).as_py() or 0)
+            report.fetched_ok += int(pc.sum(pc.and_(fetched, pc.equal(st, F.OK))).as_py() or 0)
+            report.bytes_downloaded += int(pc.sum(batch[_RECEIVED]).as_py() or 0)
+            report.image_bytes += int(pc.sum(pc.binary_length(batch[S.IMAGE])).as_py() or 0)
+            mover.add(batch.drop_columns([_HOST, _RECEIVED, _FETCHED]))
+            bar.update(batch.num_rows)
+            bar.set_postfix(
+                ok=statuses[F.OK], failed=report.fetched - statuses[F.OK], refresh=False
+            )
+        mover.flush()
+        report.fetch_seconds = time.perf_counter() - t0
+        late = fill_duplicates(cfg, url, mover, reasons)
+        report.duplicates_filled += late.total()
+        # Rows marked duplicate in this run and filled now count under the status they got.
+        statuses[F.DUPLICATE] -= min(statuses[F.DUPLICATE], late.total())
+        statuses.update(late)
+        statuses += Counter()  # drops zero counts
+    finally:
+        bar.close()
+        report.statuses = dict(statuses)
+        report.reasons = dict(reasons)
+        report.failing_hosts = dict(_desc(dict(hosts))[:20])
+        report.commits += mover.commits
+        report.bytes_written += mover.bytes_written
+        report.final_version = mover.ds.version
+        report.seconds = time.perf_counter() - start
+    return report
+
+
+def _count(counter: Counter, values) -> None:
+    from prx_data.columns.writeback import count_into
+
+    count_into(counter, values)
