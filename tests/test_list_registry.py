@@ -205,12 +205,12 @@ def test_concurrent_adds_all_land(where, tmp_path, request):
     # One shard holds samples 0-7: every update rewrites the same sidecar.
     ex = make_export(str(tmp_path / "out"), {B: 16}, samples_per_part=8)
     registry_table = str(tmp_path / "t.lance")
-    L.write_ref(ex.root, L.Registry.for_table(registry_table))  # as write_mds leaves it
     root = ex.root
-    if where == "s3":
+    if where == "s3":  # the export and the table's registry both on the S3 test server
         bucket = request.getfixturevalue("s3_bucket")
-        root = f"s3://{bucket}/exports/out"
+        root, registry_table = f"s3://{bucket}/exports/out", f"s3://{bucket}/t.lance"
         upload_tree(ex.root, root)
+    L.write_ref(root, L.Registry.for_table(registry_table))  # as write_mds leaves it
     first = _ids_file(tmp_path, "c0", [f"ds/{B}/0"])
     assert skips_cli.main(["add", root, "optout", "--ids", first]) == 0
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -261,3 +261,15 @@ def test_verify_and_the_overwrite_guard_know_the_list_store(tmp_path, capsys):
     assert layout.foreign_entries(ex.root) == ["_lists/notes.txt"]
     assert verify_cli.main([ex.root, "--no-progress"]) == 1
     assert "notes.txt: not a file of the skip-list store" in capsys.readouterr().out
+
+
+def test_sync_gives_another_export_of_the_table_its_lists(tmp_path, capsys):
+    reg = L.Registry.for_table(str(tmp_path / "t.lance"))
+    a = make_export(str(tmp_path / "a"), {B: 8}, samples_per_part=8)
+    b = make_export(str(tmp_path / "b"), {B: 8}, samples_per_part=4)
+    for ex in (a, b):
+        L.write_ref(ex.root, reg)  # two exports of one table, as write_mds leaves them
+    _optout(a.root, _ids_file(tmp_path, "o", [f"ds/{B}/2", f"ds/{B}/5"]))
+    assert skips_cli.main(["sync", b.root]) == 0
+    assert "optout: 2 ids, 2 samples skipped" in capsys.readouterr().out
+    assert _streamed(b.root) == b.all_ids() - {f"ds/{B}/2", f"ds/{B}/5"}

@@ -155,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 export_only=args.export_only,
             )
             print(
-                f"{r.name}: {r.ids_in_list} ids; {r.samples_listed} samples in "
-                f"{r.shards_written} shard sidecars"
+                f"{r.name}: {r.samples_listed} samples in {r.shards_written} shard sidecars; "
+                f"{r.ids_in_list} ids in the list"
                 + (
                     f"; {r.ids_not_in_export} ids not found in the export (kept in the list)"
                     if r.ids_not_in_export

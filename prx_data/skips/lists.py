@@ -665,6 +665,7 @@ def bind(
     union = pc.unique(pa.concat_arrays([lists[n].cast(pa.string()) for n in names]))
     member = {n: pc.is_in(union, value_set=lists[n]).to_numpy(zero_copy_only=False) for n in names}
     found = np.zeros(len(union), bool)
+    pieces: dict[str, dict[tuple[str, str], list[np.ndarray]]] = {}
     if len(union):
         for bucket in layout.list_buckets(root):
             shards = layout.read_index(root, bucket)
@@ -676,18 +677,23 @@ def bind(
                 sel = batch.filter(hit)
                 codes = code.filter(hit).to_numpy(zero_copy_only=False).astype(np.int64)
                 found[codes] = True
-                shard_col = sel["shard"].to_numpy(zero_copy_only=False)
+                enc = pc.dictionary_encode(sel["shard"].combine_chunks())
+                shard_names = enc.dictionary.to_pylist()
+                shard_code = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
                 index_col = sel["index"].to_numpy(zero_copy_only=False).astype(np.int64)
                 for n in names:
                     m = member[n][codes]
                     if not m.any():
                         continue
-                    b = out[n]
-                    for shard in np.unique(shard_col[m]):
-                        idx = index_col[m][shard_col[m] == shard]
-                        key = (bucket, str(shard))
-                        old = b.positions.get(key)
-                        b.positions[key] = idx if old is None else np.concatenate([old, idx])
+                    sc, ix = shard_code[m], index_col[m]
+                    order = np.argsort(sc, kind="stable")
+                    sc, ix = sc[order], ix[order]
+                    cuts = np.flatnonzero(np.diff(sc)) + 1
+                    for chunk in np.split(np.arange(len(sc)), cuts):
+                        key = (bucket, shard_names[int(sc[chunk[0]])])
+                        pieces.setdefault(n, {}).setdefault(key, []).append(ix[chunk])
+    for n, per_key in pieces.items():
+        out[n].positions = {k: np.concatenate(v) for k, v in per_key.items()}
     for n in names:
         b = out[n]
         b.positions = {k: np.unique(v) for k, v in sorted(b.positions.items())}

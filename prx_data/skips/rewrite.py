@@ -116,6 +116,11 @@ class RewriteResult:
             lines += idlists.lists_text(self.lists_carried)
         if self.lists_dropped:
             lines.append(f"skip lists left behind: {', '.join(self.lists_dropped)}")
+        if self.registry is None and self.table:
+            lines.append(
+                f"the list registry of {self.table} was not found from here: only the "
+                "export's own lists were carried (run `skips sync` on the new export later)"
+            )
         lines.append("verified sample by sample" if self.verified else "not verified")
         return "\n".join(lines) + "\n"
 
@@ -222,9 +227,9 @@ def rewrite_export(
     carried = idlists.collect(root, drop=drop_lists)
     source_table = idlists.table_of(root)
     try:
-        reg = idlists.registry_for(root, source_table)
+        reg = idlists.registry_for(root)
     except idlists.ListError:
-        reg = None  # the table moved: carry the export's own lists
+        reg = None  # the table is not found from here: carry the export's own lists
     registered = reg.effective() if reg is not None else {}
     known = set(carried) | set(registered)
     total = skipped = 0

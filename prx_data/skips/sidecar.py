@@ -359,7 +359,7 @@ def add_skips(
     by_bucket: dict[str, dict[str, list]] = {}
     for (bucket, shard), idx in skips.items():
         by_bucket.setdefault(bucket, {}).setdefault(shard, []).append(
-            np.asarray(list(idx), np.int64)
+            np.asarray(idx if isinstance(idx, np.ndarray) else list(idx), np.int64)
         )
     remote = storage.is_remote(export_root)
     # Validate everything first, so bad input writes nothing.
