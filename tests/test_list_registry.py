@@ -68,7 +68,8 @@ def _ids_file(tmp_path, name: str, ids) -> str:
 
 
 def _optout(export: str, ids_path: str, name: str = "optout") -> None:
-    assert optout_cli.main(["--export", export, "--name", name, "--ids", ids_path]) == 0
+    args = ["--export", export, "--name", name, "--ids", ids_path]
+    assert optout_cli.main([*args, "--unmatched", f"{ids_path}.unmatched.txt"]) == 0
 
 
 def _verify_clean(root: str, capsys) -> None:
