@@ -230,7 +230,11 @@ def run_dedup(cfg: DedupConfig) -> DedupReport:
         codes, names = bucket_codes(man["bucket"])
         codes = codes[occ]
         skip_info = replace_skip_list(
-            cfg.export, cfg.skip_name, man.take(pa.array(occ[removed_occ]))
+            cfg.export,
+            cfg.skip_name,
+            man.take(pa.array(occ[removed_occ])),
+            table=cfg.table,
+            reason=f"pHash radius {cfg.radius}",
         )
         skip_info["ids_not_in_table"] = int((row_of < 0).sum())
         grouped_by = "export"

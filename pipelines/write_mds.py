@@ -7,6 +7,12 @@ otherwise (``min_units``), a fresh export plans at least
 :data:`UNITS_PER_CPU` units per CPU of the cluster, so a table of a few
 hundred rows still uses every core; the count is pinned in the export's
 config, so ``--resume`` plans the same units on any cluster.
+
+Skip lists (:mod:`prx_data.skips.lists`) survive every export of a table:
+``--overwrite`` first records the old tree's lists in the table's registry
+(refusing, before anything is deleted, a list whose ids cannot be recovered
+unless ``drop_lists`` names it), and every export, fresh or not, binds every
+registered list to its new shards by row id before its report is written.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from prx_data.core import storage
 from prx_data.core.imaging import check_codec
 from prx_data.core.runtime import ensure_ray, unit_dataset
 from prx_data.core.storage import storage_env
-from prx_data.export.layout import remove_stale_parts
+from prx_data.export.layout import foreign_entries, list_top, remove_stale_parts
 from prx_data.export.lock import ExportLock
 from prx_data.export.unit import (
     ExportConfig,
@@ -77,11 +83,14 @@ def run_export(
     ray_address: str | None = None,
     num_cpus: int | None = None,
     progress: bool = True,
+    drop_lists: tuple[str, ...] = (),
 ) -> ExportReport:
     """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report.
 
     The whole run holds the output's lock (:mod:`prx_data.export.lock`): a
     second run or a ``--resume`` on the same ``--out`` is refused meanwhile.
+    ``drop_lists`` names skip lists of the tree being overwritten that may be
+    left behind because their ids cannot be recovered (any other list is kept).
     """
     try:
         check_codec(cfg.codec, cfg.resample, cfg.draft_margin)
@@ -94,7 +103,15 @@ def run_export(
             if lock.took_over:
                 warnings.warn(f"{cfg.out}: took over {lock.took_over}", UserWarning, stacklevel=2)
             return _run_locked(
-                cfg, lock, overwrite, resume, ray_address, num_cpus, progress, time.perf_counter()
+                cfg,
+                lock,
+                overwrite,
+                resume,
+                ray_address,
+                num_cpus,
+                progress,
+                time.perf_counter(),
+                tuple(drop_lists),
             )
     except BaseException:
         if created and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
@@ -111,7 +128,18 @@ def _run_locked(
     num_cpus: int | None,
     progress: bool,
     t0: float,
+    drop_lists: tuple[str, ...] = (),
 ) -> ExportReport:
+    from prx_data.skips import lists as idlists
+
+    registry = idlists.Registry.for_table(cfg.table)
+    if overwrite and list_top(cfg.out) and not foreign_entries(cfg.out):
+        # Before anything is deleted: the old tree's lists go to the table's registry,
+        # which the new tree is bound from at the end (a killed run keeps them there).
+        try:
+            registry.migrate(idlists.collect(cfg.out, drop=drop_lists), cfg.out)
+        except idlists.ListError as e:
+            raise ExportError(str(e)) from None
     # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
     if cfg.min_units is None and not resume:  # a resume keeps the count it started with
         cfg = replace(cfg, min_units=auto_min_units(ray_address, num_cpus))
@@ -150,6 +178,16 @@ def _run_locked(
     if missing:
         raise RuntimeError(f"{len(missing)} work units did not report back: {sorted(missing)[:5]}")
     lock.check()
-    report = finalize(cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0)
+
+    def bind_lists() -> dict:
+        lock.check()
+        try:
+            return idlists.sync_lists(cfg.out, registry)
+        except idlists.ListError as e:
+            raise ExportError(str(e)) from None
+
+    report = finalize(
+        cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0, bind_lists
+    )
     release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
     return report

@@ -50,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--source", help="Source name that --source-ids belong to (row id = '<source>/<key>')."
     )
+    p.add_argument(
+        "--reason", default="", help="Free text kept with every id (e.g. the request's ticket)."
+    )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="Change only this export. Default: also record the ids in the list registry next "
+        "to the table the export was made from, so every later export of it leaves them out.",
+    )
     p.add_argument("--report", default=None, help="Also write the report as JSON to this path.")
     p.add_argument(
         "--unmatched",
@@ -85,8 +94,21 @@ def main(argv: list[str] | None = None) -> int:
             storage_options=lance_storage_options(args.table) if args.table else None,
         )
     from prx_data.core import storage
+    from prx_data.skips.lists import ListError
 
-    report = add_optout(args.export, args.name, ids, keys=keys)
+    try:
+        report = add_optout(
+            args.export,
+            args.name,
+            ids,
+            keys=keys,
+            reason=args.reason,
+            table=args.table,
+            export_only=args.export_only,
+        )
+    except ListError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if report.not_matched:
         path = args.unmatched or (
             f"{args.report.removesuffix('.json')}.unmatched.txt"

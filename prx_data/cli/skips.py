@@ -8,14 +8,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
-from prx_data.skips.rewrite import (
-    DEFAULT_THRESHOLD,
-    RewriteRefused,
-    read_ids_file,
-    read_indices_file,
-    rewrite_export,
-)
+from prx_data.skips.sidecar import read_ids_file, read_indices_file
+from prx_data.table.lance_ops import query_ids
+
+#: ``prx_data.skips.rewrite.DEFAULT_THRESHOLD``, repeated here so that list commands do not
+#: import streaming (seconds of start-up) for a default they never use.
+DEFAULT_THRESHOLD = 0.10
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--where", metavar="SQL", help='Lance filter selecting the rows to skip, e.g. "nsfw > 0.8"'
     )
+    _registry_args(a)
 
     ls = sub.add_parser(
         "list",
@@ -66,9 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--tier", type=int, action="append", help="only this tier (repeatable)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    rm = sub.add_parser("remove", help="delete every sidecar of a list")
+    rm = sub.add_parser(
+        "remove",
+        help="remove a list (or only --ids from it) from the export and from the table's "
+        "registry, so later exports stop leaving those samples out",
+    )
     rm.add_argument("root", help="export root")
     rm.add_argument("name", help="list name")
+    rm.add_argument("--ids", metavar="FILE", help="remove only these row ids (one per line)")
+    _registry_args(rm)
+
+    sy = sub.add_parser(
+        "sync",
+        help="give the export every list of its table's registry (and record its own lists "
+        "there), rebuilding each list's sidecars from its ids",
+    )
+    sy.add_argument("root", help="export root")
+    sy.add_argument("--table", metavar="URI", help="the table (when the export names none)")
+    sy.add_argument(
+        "--drop-lists",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="leave this list of the export behind when its ids cannot be recovered",
+    )
 
     rw = sub.add_parser(
         "rewrite", help="write a new export without the skipped samples and without lists"
@@ -86,7 +108,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rw.add_argument("--force", action="store_true", help="rewrite even below the threshold")
     rw.add_argument("--no-verify", action="store_true", help="skip the sample-by-sample comparison")
+    rw.add_argument(
+        "--drop-lists",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="do not carry this list to the new export (only needed, and only allowed, for a "
+        "list whose ids cannot be recovered; every other list is always carried)",
+    )
     return p
+
+
+def _registry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reason", default="", help="free text kept with every id (why it was added/removed)"
+    )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="change only this export, not the list registry next to its table (later exports "
+        "of the table will not see the change)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,21 +141,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.where and not args.table:
                 raise SystemExit("--where needs --table")
             if args.indices:
-                r = skiplist.add_skips(args.root, args.name, read_indices_file(args.indices))
+                ids = idlists.ids_at(args.root, read_indices_file(args.indices))
             elif args.ids:
-                r = skiplist.add_skips_by_ids(args.root, args.name, read_ids_file(args.ids))
+                ids = read_ids_file(args.ids)
             else:
-                r = skiplist.add_skips_by_query(args.root, args.name, args.table, args.where)
+                ids = query_ids(args.table, args.where)
+            r = idlists.update_list(
+                args.root,
+                args.name,
+                ids,
+                idlists.Provenance("skips add", args.reason),
+                table=args.table,
+                export_only=args.export_only,
+            )
             print(
-                f"{r.name}: {r.samples_listed} samples in {r.shards_written} shard sidecars"
-                + (f"; {r.ids_not_found} ids not found in the export" if r.ids_not_found else "")
+                f"{r.name}: {r.samples_listed} samples in {r.shards_written} shard sidecars; "
+                f"{r.ids_in_list} ids in the list"
+                + (
+                    f"; {r.ids_not_in_export} ids not found in the export (kept in the list)"
+                    if r.ids_not_in_export
+                    else ""
+                )
+                + (f"; recorded in {r.registry}" if r.registry else "")
             )
         elif args.cmd == "list":
             lists = skiplist.list_skip_lists(args.root, args.tier)
-            if not lists:
+            stored = {n: len(t) for n, t in idlists.read_store(args.root).items()}
+            if not lists and not stored:
                 print("no skip lists")
-            for name, buckets in lists.items():
-                print(f"{name}: " + ", ".join(f"{b} ({n} shards)" for b, n in buckets.items()))
+            for name in sorted(set(lists) | set(stored)):
+                ids = (
+                    f"{stored[name]} ids"
+                    if name in stored
+                    else "no ids in _lists/ (sidecars only: run 'skips sync' to record them)"
+                )
+                where = ", ".join(f"{b} ({n} shards)" for b, n in lists.get(name, {}).items())
+                print(f"{name}: {where or 'no sample in this export'}; {ids}")
             problems = skiplist.sidecar_problems(args.root, args.tier, read=not args.no_check)
             for pr in problems:
                 print(pr.text())
@@ -138,22 +201,50 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for pr in problems:
                     print(pr.text())
         elif args.cmd == "remove":
+            prov = idlists.Provenance("skips remove", args.reason)
+            if args.ids:
+                ids = read_ids_file(args.ids)
+            else:
+                ids = idlists.list_ids(args.root, args.name, export_only=args.export_only)
+            r = idlists.update_list(
+                args.root, args.name, ids, prov, mode="remove", export_only=args.export_only
+            )
+            removed = skiplist.remove_skip_list(args.root, args.name) if not args.ids else 0
             print(
-                f"removed {skiplist.remove_skip_list(args.root, args.name)} sidecars of {args.name}"
+                f"{args.name}: removed {r.ids_requested} ids"
+                + (f" (also from {r.registry})" if r.registry else "")
+                + f"; {r.ids_in_list} ids left"
+                + (f"; {removed} stray sidecars deleted" if removed else "")
             )
+        elif args.cmd == "sync":
+            reg = idlists.registry_for(args.root, args.table)
+            carried = idlists.collect(args.root, drop=args.drop_lists)
+            done = idlists.sync_lists(args.root, reg, carried=carried)
+            print(f"{args.root}: {len(done)} lists" + (f" from {reg.uri}" if reg else ""))
+            for line in idlists.lists_text(done):
+                print(line)
         elif args.cmd == "rewrite":
-            r = rewrite_export(
-                args.root,
-                args.out,
-                names=args.name,
-                threshold=args.threshold,
-                force=args.force,
-                verify=not args.no_verify,
-            )
+            from prx_data.skips.rewrite import RewriteRefused, rewrite_export
+
+            try:
+                r = rewrite_export(
+                    args.root,
+                    args.out,
+                    names=args.name,
+                    threshold=args.threshold,
+                    force=args.force,
+                    verify=not args.no_verify,
+                    drop_lists=args.drop_lists,
+                )
+            except RewriteRefused as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             print(
                 f"wrote {r.samples_out} of {r.samples_in} samples ({r.skipped} skipped) in "
                 f"{r.buckets} buckets to {r.out}" + (", verified" if r.verified else "")
             )
+            for line in idlists.lists_text(r.lists_carried):
+                print(line.replace("  ", "  carried ", 1))
             if r.buckets_dropped:
                 print(f"left out (every sample skipped): {', '.join(r.buckets_dropped)}")
             if r.warnings:
@@ -161,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"report: {r.out}/report.json")
     except (
         skiplist.SkipListError,
-        RewriteRefused,
+        idlists.ListError,
         FileExistsError,
         FileNotFoundError,
         KeyError,

@@ -19,6 +19,10 @@ output layout:
   OUT/dropped.parquet              id, reason, detail of every dropped or failed row
   OUT/.prx-export.lock             held while a run writes (a lease object on s3://)
 
+skip lists: every list in the registry next to the table (<table>.lists.lance, written by
+skips add, optout and dedup) is applied to every export by row id; --overwrite keeps
+the old export's lists (see docs/STREAMING.md, Skip-list registry).
+
 safety: --overwrite and --resume only touch a tree the exporter marked as its own
 (OUT/_progress/export.marker) that holds nothing but tiers, buckets and parts;
 anything else is refused with a list of what was found. One run at a time per OUT.
@@ -163,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Finish an interrupted export at --out with the same options.",
     )
     p.add_argument(
+        "--drop-lists",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="With --overwrite: leave this skip list of the old export behind when its ids "
+        "cannot be recovered (the run refuses otherwise, naming it). Every other list is kept: "
+        "each export applies every list of the table's registry.",
+    )
+    p.add_argument(
         "--ray-address",
         default=None,
         help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray runtime).",
@@ -216,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             ray_address=args.ray_address,
             num_cpus=args.num_cpus,
             progress=args.progress,
+            drop_lists=tuple(args.drop_lists),
         )
     except (ExportError, RayStartError) as e:
         print(f"error: {e}", file=sys.stderr)

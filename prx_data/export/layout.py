@@ -19,6 +19,9 @@ the loader and the tests all read and write the same thing.
       <tier>/<ar>/<part>/shard.NNNNN.mds[.zstd]
       <tier>/<ar>/<part>/ids.parquet   manifest: shard (as in the merged index), index, id
       <tier>/<ar>/<part>/shard.NNNNN.mds.<name>.skip   skip-list sidecars
+      _lists/<name>.parquet            a skip list's row ids + provenance (sidecars derive from it)
+      _lists/registry                  URI of the table's list registry (JSON text)
+      _lists/.lock                     serialises list updates (a lease object on s3://)
 
 ``<part>`` names a work unit, ``f<fragment:06d>-<start:09d>`` (:func:`part_name`).
 The merged index is built by :func:`merge_bucket`, our documented equivalent
@@ -172,6 +175,16 @@ DROPPED_DIR = "_progress/dropped"
 #: Where a work unit stages its parts on a local --out (one folder per attempt).
 WRITING_DIR = "_progress/writing"
 
+#: The export's skip lists as row ids (:mod:`prx_data.skips.lists`): one parquet per list
+#: (never ``*.json``: streaming's ``merge_index`` would take it for an index), the
+#: reference to the table's registry, and the lock that serialises updates.
+LISTS_DIR = "_lists"
+LISTS_REF_NAME = "registry"
+LISTS_LOCK_NAME = ".lock"
+LISTS_FILE_RE = re.compile(
+    r"^(registry|\.lock|[a-z0-9][a-z0-9._-]{0,63}\.parquet)(\.tmp-[0-9a-f]+)?$"
+)
+
 #: Top-level files an export may contain besides tier directories.
 _EXPORT_ENTRIES_EXTRA = {
     PROGRESS_DIR,
@@ -180,6 +193,7 @@ _EXPORT_ENTRIES_EXTRA = {
     DROPPED_NAME,
     LOCK_NAME,
     LEASE_NAME,
+    LISTS_DIR,
 }
 
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
@@ -236,6 +250,8 @@ def foreign_entries(out: str) -> list[str]:
             bits = rel.split("/")
             if bits[0] in _EXPORT_ENTRIES_EXTRA and (len(bits) == 1 or bits[0] == PROGRESS_DIR):
                 continue
+            if bits[0] == LISTS_DIR and len(bits) == 2 and LISTS_FILE_RE.match(bits[1]):
+                continue
             if not _allowed_bucket_path(bits):
                 found.append(rel)
         return found
@@ -245,6 +261,8 @@ def foreign_entries(out: str) -> list[str]:
         if top in _EXPORT_ENTRIES_EXTRA:
             if top == PROGRESS_DIR and not os.path.isdir(path):
                 found.append(top)
+            if top == LISTS_DIR:
+                found += _foreign_in_lists(path)
             continue
         if not (_TIER_RE.match(top) and os.path.isdir(path)):
             found.append(top)
@@ -277,6 +295,16 @@ def _symlinks(out: str) -> list[str]:
                 rel = os.path.relpath(os.path.join(dirpath, name), out).replace(os.sep, "/")
                 found.append(f"{rel} (a symbolic link)")
     return found
+
+
+def _foreign_in_lists(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return [LISTS_DIR]
+    return [
+        f"{LISTS_DIR}/{f}"
+        for f in sorted(os.listdir(path))
+        if not (LISTS_FILE_RE.match(f) and os.path.isfile(os.path.join(path, f)))
+    ]
 
 
 def _allowed_bucket_path(bits: list[str]) -> bool:
@@ -429,7 +457,7 @@ def content_digest(out: str) -> str:
     h = hashlib.sha256()
     for rel in storage.list_files(out):
         if (
-            rel.startswith(PROGRESS_DIR)
+            rel.startswith((PROGRESS_DIR, LISTS_DIR))
             or rel in (REPORT_NAME, "report.txt", DROPPED_NAME, LOCK_NAME, LEASE_NAME)
             or rel.endswith(".skip")
         ):

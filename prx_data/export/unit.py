@@ -24,6 +24,7 @@ import time
 import uuid
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
@@ -157,6 +158,8 @@ class ExportReport:
     seconds: float
     #: Problems worth a look that did not stop the export (e.g. no captions at all).
     warnings: list[str] = field(default_factory=list)
+    #: Skip lists applied from the table's registry: {list: {ids, samples, shards}}.
+    lists: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,6 +191,12 @@ class ExportReport:
                 lines.append(f"  {reason:<22}{n:>10,}")
         if self.warnings:
             lines += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
+        if self.lists:
+            lines += ["", "skip lists (from the table's registry, bound by row id):"]
+            lines += [
+                f"  {n}: {v['ids']:,} ids, {v['samples']:,} samples skipped in {v['shards']} shards"
+                for n, v in self.lists.items()
+            ]
         rate = self.rows_read / self.seconds if self.seconds else 0.0
         lines += ["", f"{self.units} work units in {self.seconds:.1f} s ({rate:,.1f} rows/s)"]
         return "\n".join(lines)
@@ -710,8 +719,18 @@ def _merge_dropped(cfg: ExportConfig, results: dict[str, UnitResult]) -> list[st
     return missing
 
 
-def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) -> ExportReport:
-    """Merge every bucket (checked against the units' counts), then the dropped rows and report."""
+def finalize(
+    cfg: ExportConfig,
+    results: dict[str, UnitResult],
+    seconds: float,
+    lists_hook: Callable[[], dict[str, dict[str, int]]] | None = None,
+) -> ExportReport:
+    """Merge every bucket (checked against the units' counts), then the dropped rows and report.
+
+    ``lists_hook`` runs once the buckets are merged and before the report is
+    written (the skip lists, which live a layer above, bind to the merged
+    indexes); what it returns goes into the report's ``lists``.
+    """
     per_bucket: dict[str, list[str]] = {}
     per_part: dict[str, dict[str, int]] = {}
     counts: Counter = Counter()
@@ -752,6 +771,7 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
         if written and blank >= written:
             found.append(f"caption column {c!r} is null or empty in every exported sample")
     _warn(found)
+    lists = lists_hook() if lists_hook is not None else {}
     report = ExportReport(
         table=cfg.table,
         out=cfg.out,
@@ -765,6 +785,7 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
         units=len(results),
         seconds=round(seconds, 3),
         warnings=found,
+        lists=lists,
     )
     storage.write_bytes_atomic(storage.join(cfg.out, "report.txt"), report.table_text().encode())
     storage.write_bytes_atomic(

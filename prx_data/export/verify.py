@@ -13,7 +13,9 @@ the first, so one run tells a user everything that is wrong:
 * every part's ``ids.parquet`` has as many rows per shard as the index;
 * no part directory or file sits in a bucket without being in its index;
 * every sidecar belongs to a shard of the index, and its content is checked by
-  ``check_sidecar`` (the skip-list parser lives a layer above: the CLI passes it in).
+  ``check_sidecar`` (the skip-list parser lives a layer above: the CLI passes it in);
+* the list store ``_lists/`` holds only list files (``<name>.parquet`` with
+  sorted, unique string ids), its registry reference and its lock.
 
 This reads every index, manifest and sidecar (and with ``deep`` every shard)
 and lists each bucket once: an audit, not a hot path.
@@ -36,6 +38,8 @@ from prx_data.export.layout import (
     _SHARD_RE,
     _TIER_RE,
     INDEX_NAME,
+    LISTS_DIR,
+    LISTS_FILE_RE,
     PROGRESS_DIR,
     ShardInfo,
     list_markers,
@@ -128,6 +132,7 @@ def verify_export(
                     f"{len(markers)} unit markers, the report counts {units} units",
                 )
             )
+    _verify_lists(root, res)
     reported = dict(report.get("buckets") or {})
     on_disk, stray = _buckets_on_disk(root)
     for rel in stray:
@@ -139,6 +144,37 @@ def verify_export(
         res.buckets += 1
         _verify_bucket(root, bucket, reported.get(bucket), bool(report), deep, check_sidecar, res)
     return res
+
+
+def _verify_lists(root: str, res: VerifyResult) -> None:
+    """``_lists/``: list files that parse, with sorted unique ids; nothing else."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    base = storage.join(root, LISTS_DIR)
+    for rel in storage.list_files(base):
+        path = storage.join(base, rel)
+        name = rel.replace("\\", "/")
+        if "/" in name or not LISTS_FILE_RE.match(name):
+            res.problems.append(Problem(path, "not a file of the skip-list store"))
+            continue
+        if not name.endswith(".parquet") or ".tmp-" in name:
+            continue
+        try:
+            ids = pq.read_table(io.BytesIO(storage.read_bytes(path)), columns=["id"])["id"]
+            ids = ids.combine_chunks()
+            if not pa.types.is_string(ids.type) or ids.null_count:
+                raise ValueError("ids are not non-null strings")
+            if (
+                len(ids) > 1
+                and not pc.all(pc.less(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py()
+            ):
+                raise ValueError("ids are not sorted and unique")
+        except Exception as e:  # noqa: BLE001 - an unreadable list is a finding
+            res.problems.append(Problem(path, f"unreadable skip list ({e})"))
 
 
 def _verify_bucket(

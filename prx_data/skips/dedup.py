@@ -27,7 +27,6 @@ import pyarrow.compute as pc
 
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.clusters import MAX_RADIUS, Clusters  # noqa: F401 (re-exported)
-from prx_data.export import layout
 
 DUP_OF = "dup_of"
 DEFAULT_SKIP_NAME = "dedup"
@@ -213,34 +212,46 @@ def table_buckets(
     return code_of_pair[inv.reshape(-1)], names
 
 
-def replace_skip_list(export_root: str, name: str, skip_rows: pa.Table) -> dict:
-    """Write the list from (bucket, shard, index) rows, then delete sidecars no longer needed.
+def replace_skip_list(
+    export_root: str,
+    name: str,
+    skip_rows: pa.Table,
+    *,
+    table: str | None = None,
+    reason: str = "",
+) -> dict:
+    """Make the list exactly the ids of ``skip_rows`` (manifest rows: bucket, shard, index, id;
+    without ``id`` the positions are turned into ids through the manifests).
 
-    New sidecars replace old ones file by file (atomic writes), so a reader
-    never sees the list missing; stale ones are removed afterwards.
+    The ids go to the registry of ``table`` (:mod:`prx_data.skips.lists`, one
+    commit), then to the export's store, and the sidecars are derived from it
+    under the export's list lock. New sidecars replace old ones file by file
+    (atomic writes), so a reader never sees the list missing; stale ones are
+    removed afterwards.
     """
-    from prx_data.core import storage
+    from prx_data.skips import lists as LS
     from prx_data.skips import sidecar as SL
 
-    skips: dict[tuple[str, str], list[int]] = {}
-    for b, s, i in zip(
-        skip_rows["bucket"].to_pylist(),
-        skip_rows["shard"].to_pylist(),
-        skip_rows["index"].to_pylist(),
-        strict=True,
-    ):
-        skips.setdefault((b, s), []).append(int(i))
-    res = SL.add_skips(export_root, name, skips, replace=True)
-    stale = 0
-    for bucket in layout.list_buckets(export_root):
-        shards = layout.read_index(export_root, bucket)
-        for shard in SL.list_sidecars(export_root, bucket, shards).get(name, []):
-            if (bucket, shard) not in skips:
-                path = storage.join(
-                    export_root, *bucket.split("/"), *SL.sidecar_basename(shard, name).split("/")
-                )
-                storage.delete(path)
-                stale += 1
+    if "id" in skip_rows.column_names:
+        ids = skip_rows["id"]
+    else:
+        positions: dict[tuple[str, str], list[int]] = {}
+        for b, s, i in zip(
+            skip_rows["bucket"].to_pylist(),
+            skip_rows["shard"].to_pylist(),
+            skip_rows["index"].to_pylist(),
+            strict=True,
+        ):
+            positions.setdefault((b, s), []).append(int(i))
+        ids = LS.ids_at(export_root, positions)
+    res = LS.update_list(
+        export_root,
+        name,
+        ids,
+        LS.Provenance("dedup", reason),
+        mode="replace",
+        table=table,
+    )
     everything = SL.skip_stats(export_root).get("*", [])
     total = sum(b.samples for b in everything)
     return {
@@ -248,6 +259,7 @@ def replace_skip_list(export_root: str, name: str, skip_rows: pa.Table) -> dict:
         "export": export_root,
         "shards_written": res.shards_written,
         "samples_listed": res.samples_listed,
-        "stale_sidecars_removed": stale,
+        "stale_sidecars_removed": res.stale_sidecars_removed,
+        "registry": res.registry,
         "skipped_share_all_lists": sum(b.skipped for b in everything) / total if total else 0.0,
     }

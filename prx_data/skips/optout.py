@@ -115,6 +115,10 @@ class OptOutReport:
     not_matched: list[str] = field(default_factory=list)
     #: The file the CLI wrote ``not_matched`` to (one per line), if any.
     not_matched_file: str | None = None
+    #: The table's list registry the ids were recorded in (None: only this export).
+    registry: str | None = None
+    #: Ids the list holds, in this export and not (later exports of the table skip them all).
+    ids_in_list: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,6 +138,11 @@ class OptOutReport:
             lines += [
                 f"    {b}: {c:,}" for b, c in self.buckets.items() if b.split("/")[0] == tier and c
             ]
+        if self.registry:
+            lines.append(
+                f"recorded in {self.registry} ({self.ids_in_list:,} ids in the list): every later "
+                "export of the table leaves them out"
+            )
         share = self.skipped_share_all_lists
         lines.append(f"all skip lists together leave out {100 * share:.2f}% of the export")
         if share > REWRITE_HINT_SHARE:
@@ -150,20 +159,35 @@ def add_optout(
     ids: Iterable[str],
     *,
     keys: Mapping[str, Sequence[str]] | None = None,
+    reason: str = "",
+    table: str | None = None,
+    export_only: bool = False,
 ) -> OptOutReport:
     """Add the samples of ``ids`` to the skip list ``name`` in every bucket of ``export``.
 
     ``keys`` (from :func:`resolve_source_ids`) makes the request the source keys:
     they are what is counted, and a key is unmatched when none of its row ids
     is in the export (including keys that have no row in the table at all).
+    The ids are recorded in the table's list registry first
+    (:mod:`prx_data.skips.lists`), so every later export of the table leaves
+    them out too, ids this export does not hold included; ``export_only``
+    changes only this export.
     """
+    from prx_data.skips import lists as LS
     from prx_data.skips import sidecar as SL
 
     SL.validate_name(name)
     if keys is not None:
         ids = {i for v in keys.values() for i in v}
     wanted = sorted(set(ids))
-    res = SL.add_skips_by_ids(export, name, wanted)
+    res = LS.update_list(
+        export,
+        name,
+        wanted,
+        LS.Provenance("optout", reason),
+        table=table,
+        export_only=export_only,
+    )
     if keys is None:
         requested, not_matched = len(wanted), res.missing_ids
     else:
@@ -190,4 +214,6 @@ def add_optout(
         tiers=dict(sorted(tiers.items(), key=lambda kv: int(kv[0]))),
         skipped_share_all_lists=skipped / total if total else 0.0,
         not_matched=not_matched,
+        registry=res.registry,
+        ids_in_list=res.ids_in_list,
     )

@@ -13,7 +13,13 @@ Examples::
     python -m prx_data.skips list out/
     python -m prx_data.skips stats out/ --json
     python -m prx_data.skips remove out/ manual
+    python -m prx_data.skips sync out/
     python -m prx_data.skips rewrite out/ out-clean/ --threshold 0.10
+
+A rewrite carries every list it does not apply to the new export, bound by
+row id to the new shards (:mod:`prx_data.skips.lists`), together with every
+list of the table's registry; the lists it applies are left out, with every
+one of their ids (also ids the registry holds and the sidecars do not yet).
 """
 
 from __future__ import annotations
@@ -28,37 +34,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 from prx_data.core import storage
 from prx_data.core.schema import REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
 from prx_data.export import layout
+from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
+from prx_data.skips.sidecar import read_ids_file, read_indices_file  # noqa: F401 (re-exported)
 
 DEFAULT_THRESHOLD = 0.10
-
-
-def read_indices_file(path: str) -> dict[tuple[str, str], list[int]]:
-    """Lines ``<bucket> <shard basename> <index>`` (whitespace separated; ``#`` comments)."""
-    out: dict[tuple[str, str], list[int]] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 3 or not parts[2].isdigit():
-                raise ValueError(f"{path}:{n}: expected '<bucket> <shard> <index>', got {line!r}")
-            out.setdefault((parts[0], parts[1]), []).append(int(parts[2]))
-    return out
-
-
-def read_ids_file(path: str) -> list[str]:
-    """One row id per line; blank lines ignored."""
-    with open(path) as f:
-        return [s for s in (line.strip() for line in f) if s]
 
 
 # --- rewrite -----------------------------------------------------------------------------------
@@ -89,6 +77,13 @@ class RewriteResult:
     #: Log warnings from streaming during the run, {message: count} (kept off the terminal).
     warnings: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    #: Lists carried to the new export: {list: {ids, samples, shards}} (bound by row id).
+    lists_carried: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Lists left behind on request (``--drop-lists``).
+    lists_dropped: list[str] = field(default_factory=list)
+    #: The table the source was exported from, and its list registry (None: none found).
+    table: str | None = None
+    registry: str | None = None
 
     def to_dict(self) -> dict:
         # ``buckets`` and ``samples_written`` are what the loader checks an export against
@@ -115,6 +110,17 @@ class RewriteResult:
             lines.append("")
             lines.append(f"streaming warnings ({sum(self.warnings.values())}):")
             lines += [f"  {n} x {m}" for m, n in self.warnings.items()]
+        if self.lists_carried:
+            lines.append("")
+            lines.append("skip lists carried (by row id):")
+            lines += idlists.lists_text(self.lists_carried)
+        if self.lists_dropped:
+            lines.append(f"skip lists left behind: {', '.join(self.lists_dropped)}")
+        if self.registry is None and self.table:
+            lines.append(
+                f"the list registry of {self.table} was not found from here: only the "
+                "export's own lists were carried (run `skips sync` on the new export later)"
+            )
         lines.append("verified sample by sample" if self.verified else "not verified")
         return "\n".join(lines) + "\n"
 
@@ -200,31 +206,64 @@ def rewrite_export(
     threshold: float = DEFAULT_THRESHOLD,
     force: bool = False,
     verify: bool = True,
+    drop_lists: Sequence[str] = (),
 ) -> RewriteResult:
-    """Write ``out``: the export at ``root`` without its skipped samples and without lists.
+    """Write ``out``: the export at ``root`` without the samples of the lists it applies.
 
     Parts, columns, compression, hashes and size limits are kept; shards and
     ``ids.parquet`` manifests are rebuilt. Refused unless the skipped share
     (union of ``names``, all lists by default) is at least ``threshold`` or
-    ``force``. With ``verify``, every sample of the new export is compared to
-    the filtered view of the old one.
+    ``force``. Every other list (of the export and of the table's registry) is
+    carried to ``out`` by row id; a list whose ids cannot be recovered makes it
+    refuse, naming the list, unless it is in ``drop_lists``. With ``verify``,
+    every sample of the new export is compared to the filtered view of the old one.
     """
     from streaming import MDSWriter
 
     _check_empty_destination(out)
     t0 = time.monotonic()
     buckets = layout.list_buckets(root)
+    # Every list as ids, before anything is written: one that cannot be recovered refuses.
+    carried = idlists.collect(root, drop=drop_lists)
+    source_table = idlists.table_of(root)
+    try:
+        reg = idlists.registry_for(root)
+    except idlists.ListError:
+        reg = None  # the table is not found from here: carry the export's own lists
+    registered = reg.effective() if reg is not None else {}
+    known = set(carried) | set(registered)
     total = skipped = 0
     plan = []
     applied: set[str] = set()
     for bucket in buckets:
         shards = layout.read_index(root, bucket)
         listing = skiplist.list_sidecars(root, bucket, shards)
+        known |= set(listing)
         applied |= set(listing) if names is None else set(names) & set(listing)
         skips = skiplist.load_skips(root, bucket, shards, names, listing=listing)
-        total += sum(s.samples for s in shards)
-        skipped += sum(len(v) for v in skips.values())
         plan.append((bucket, skips))
+    applied |= known if names is None else set(names) & known
+    # An applied list leaves with all its ids, also those its sidecars do not hold yet.
+    extra = idlists.bind(
+        root,
+        {
+            n: idlists.merge_store(carried.get(n), registered.get(n))["id"].combine_chunks()
+            for n in sorted(applied)
+        },
+    )
+    for bucket, skips in plan:
+        for b in extra.values():
+            for (bk, shard), idx in b.positions.items():
+                if bk == bucket:
+                    old = skips.get(shard)
+                    skips[shard] = (
+                        idx.astype(np.uint32)
+                        if old is None
+                        else np.union1d(old, idx).astype(np.uint32)
+                    )
+    for bucket, skips in plan:
+        total += sum(s.samples for s in layout.read_index(root, bucket))
+        skipped += sum(len(v) for v in skips.values())
     share = skipped / total if total else 0.0
     if share < threshold and not force:
         raise RewriteRefused(
@@ -292,8 +331,12 @@ def rewrite_export(
         bar.close()
         if verify:
             _verify(root, stage, plan, os.path.join(work, "in"), SkipMDSReader, set(dropped))
+        # The lists not applied, re-bound by row id to the new shards.
+        lists_carried = idlists.sync_lists(stage, reg, carried=carried, skip=applied)
         if remote_out:
             for rel in storage.list_files(stage):
+                if rel == os.path.join(layout.LISTS_DIR, layout.LISTS_LOCK_NAME):
+                    continue  # the local lock file; object storage uses a lease
                 with open(os.path.join(stage, rel), "rb") as f:
                     storage.write_bytes_atomic(storage.join(out, *rel.split(os.sep)), f.read())
     finally:
@@ -312,6 +355,10 @@ def rewrite_export(
         buckets_dropped=dropped,
         warnings=quiet.summary(),
         seconds=round(time.monotonic() - t0, 3),
+        lists_carried=lists_carried,
+        lists_dropped=sorted(set(drop_lists)),
+        table=source_table,
+        registry=reg.uri if reg is not None else None,
     )
     storage.write_bytes_atomic(storage.join(out, "report.txt"), result.text().encode())
     storage.write_bytes_atomic(

@@ -303,6 +303,27 @@ def load_skips(
     }
 
 
+def read_indices_file(path: str) -> dict[tuple[str, str], list[int]]:
+    """Lines ``<bucket> <shard basename> <index>`` (whitespace separated; ``#`` comments)."""
+    out: dict[tuple[str, str], list[int]] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 3 or not parts[2].isdigit():
+                raise ValueError(f"{path}:{n}: expected '<bucket> <shard> <index>', got {line!r}")
+            out.setdefault((parts[0], parts[1]), []).append(int(parts[2]))
+    return out
+
+
+def read_ids_file(path: str) -> list[str]:
+    """One row id per line; blank lines ignored."""
+    with open(path) as f:
+        return [s for s in (line.strip() for line in f) if s]
+
+
 # --- library API ---------------------------------------------------------------------------
 
 
@@ -338,7 +359,7 @@ def add_skips(
     by_bucket: dict[str, dict[str, list]] = {}
     for (bucket, shard), idx in skips.items():
         by_bucket.setdefault(bucket, {}).setdefault(shard, []).append(
-            np.asarray(list(idx), np.int64)
+            np.asarray(idx if isinstance(idx, np.ndarray) else list(idx), np.int64)
         )
     remote = storage.is_remote(export_root)
     # Validate everything first, so bad input writes nothing.
