@@ -150,6 +150,8 @@ def _run_locked(
     if missing:
         raise RuntimeError(f"{len(missing)} work units did not report back: {sorted(missing)[:5]}")
     lock.check()
-    report = finalize(cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0)
+    report = finalize(
+        cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0, lock.check
+    )
     release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
     return report

@@ -24,6 +24,7 @@ import time
 import uuid
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
@@ -680,7 +681,9 @@ def _write_dropped_rows(path: str, rows: list[tuple[str, str, str]]) -> None:
     storage.write_bytes_atomic(path, buf.getvalue())
 
 
-def _merge_dropped(cfg: ExportConfig, results: dict[str, UnitResult]) -> list[str]:
+def _merge_dropped(
+    cfg: ExportConfig, results: dict[str, UnitResult], check: Callable[[], None]
+) -> list[str]:
     """``dropped.parquet``: the units' dropped rows in part order (only units that dropped any).
 
     Returns the parts whose list is missing (units finished by an older version).
@@ -706,12 +709,21 @@ def _merge_dropped(cfg: ExportConfig, results: dict[str, UnitResult]) -> list[st
                     f"{path}: {table.num_rows} rows, its work unit dropped {expected}"
                 )
             writer.write_table(table.cast(DROPPED_SCHEMA))
+    check()
     storage.write_bytes_atomic(storage.join(cfg.out, DROPPED_NAME), buf.getvalue())
     return missing
 
 
-def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) -> ExportReport:
-    """Merge every bucket (checked against the units' counts), then the dropped rows and report."""
+def finalize(
+    cfg: ExportConfig,
+    results: dict[str, UnitResult],
+    seconds: float,
+    check: Callable[[], None] = lambda: None,
+) -> ExportReport:
+    """Merge every bucket (checked against the units' counts), then the dropped rows and report.
+
+    ``check`` (the run lock's) runs before every write: a lost lease stops the run there.
+    """
     per_bucket: dict[str, list[str]] = {}
     per_part: dict[str, dict[str, int]] = {}
     counts: Counter = Counter()
@@ -728,7 +740,9 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
             per_part.setdefault(name, {})[r.part] = n
             counts[name] += n
     for name, parts in sorted(per_bucket.items()):
-        merged = merge_bucket(storage.join(cfg.out, name), parts, expected=per_part[name])
+        merged = merge_bucket(
+            storage.join(cfg.out, name), parts, expected=per_part[name], check=check
+        )
         if merged != counts[name]:
             raise ExportError(
                 f"bucket {name}: merged index has {merged} samples, expected {counts[name]}"
@@ -740,7 +754,7 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
     tiers: Counter = Counter()
     for name, n in counts.items():
         tiers[name.split("/")[0]] += n
-    unlisted = _merge_dropped(cfg, results)
+    unlisted = _merge_dropped(cfg, results, check)
     found = caption_warnings(cfg.table, cfg.caption_columns)
     if unlisted:
         found.append(
@@ -766,7 +780,9 @@ def finalize(cfg: ExportConfig, results: dict[str, UnitResult], seconds: float) 
         seconds=round(seconds, 3),
         warnings=found,
     )
+    check()
     storage.write_bytes_atomic(storage.join(cfg.out, "report.txt"), report.table_text().encode())
+    check()
     storage.write_bytes_atomic(
         storage.join(cfg.out, REPORT_NAME), json.dumps(report.to_dict(), indent=2).encode()
     )
