@@ -34,6 +34,16 @@ def _wait_for(cond, what: str, bound_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _beats_after(proxy: RuleProxy, fault) -> int:
+    """Lease PUTs relayed after the last one that met ``fault`` (0 before it)."""
+    with proxy.lock:
+        puts = [f for m, p, f in proxy.log if m == "PUT" and p.endswith(LEASE)]
+    if fault not in puts:
+        return 0
+    last = len(puts) - 1 - puts[::-1].index(fault)
+    return sum(1 for f in puts[last + 1 :] if f is None)
+
+
 def _lease_body(s3_bucket: str, prefix: str) -> dict:
     c = boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT_URL"])
     return json.loads(c.get_object(Bucket=s3_bucket, Key=f"{prefix}/{LEASE}")["Body"].read())
@@ -54,6 +64,8 @@ def test_stalled_heartbeat_fails_check_before_another_run_can_take_over(
         holder.acquire()
         holder.check()
         stalled.set()  # from now on every heartbeat PUT hangs, longer than the lease lasts
+        # Once one hangs, no earlier heartbeat is still on its way (they go one at a time).
+        _wait_for(lambda: proxy.seen("PUT", LEASE, "stall") >= 1, "a stalled heartbeat")
         monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)  # the second run reaches the store
         at_takeover: dict = {}
         put = lock_mod._S3Store.put
@@ -77,7 +89,6 @@ def test_stalled_heartbeat_fails_check_before_another_run_can_take_over(
             assert "no heartbeat has landed" in at_takeover["holder"]
             # ... which came only after a full TTL of the same ETag on this host's clock.
             assert at_takeover["waited"] >= ttl
-            assert proxy.seen("PUT", LEASE, "stall") >= 1
             with pytest.raises(ExportLocked, match="lost the lease"):
                 holder.check()
             second.check()
@@ -103,7 +114,7 @@ def test_one_stalled_heartbeat_is_cut_short_and_the_lease_kept(s3_bucket, moto_s
         monkeypatch.setenv("S3_ENDPOINT_URL", proxy.url)
         with ExportLock(out, ttl_s=ttl) as holder:
             state["armed"] = True
-            _wait_for(lambda: proxy.seen("PUT", LEASE) >= 3, "heartbeats after the stalled one")
+            _wait_for(lambda: _beats_after(proxy, "stall") >= 2, "heartbeats after the stalled one")
             holder.check()
             monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)
             with pytest.raises(ExportLocked, match="holds the lease"):
@@ -122,12 +133,13 @@ def test_conflicting_heartbeat_answers_do_not_stop_a_healthy_run(
     so that botocore's retry meets our own new ETag (412): the lease is still ours."""
     ttl = 4.0
     out = f"s3://{s3_bucket}/conflict-{fault}"
-    state = {"armed": False, "left": 2 if fault == "409" else 1}
+    faults = [(409, "ConditionalRequestConflict")] * 2 if fault == "409" else ["lost-answer"]
+    state = {"armed": False, "left": len(faults)}
 
     def rule(method, path):
         if state["armed"] and method == "PUT" and path.endswith(LEASE) and state["left"]:
             state["left"] -= 1
-            return (409, "ConditionalRequestConflict") if fault == "409" else "lost-answer"
+            return faults[-state["left"] - 1]
         return None
 
     with RuleProxy(_port(moto_server), rule) as proxy:
@@ -135,7 +147,7 @@ def test_conflicting_heartbeat_answers_do_not_stop_a_healthy_run(
         with ExportLock(out, ttl_s=ttl) as holder:
             state["armed"] = True
             _wait_for(
-                lambda: proxy.seen("PUT", LEASE) >= 5 or holder._lease.lost,
+                lambda: _beats_after(proxy, faults[-1]) >= 2 or holder._lease.lost,
                 "heartbeats after the faults",
             )
             holder.check()

@@ -142,7 +142,7 @@ def _s3_client(s: S3Settings):
     from botocore.config import Config
 
     config = Config(
-        retries={"mode": "standard", "max_attempts": s.max_attempts},
+        retries={"mode": "standard", "total_max_attempts": s.max_attempts},
         read_timeout=s.read_timeout_s,
         connect_timeout=s.connect_timeout_s,
     )
