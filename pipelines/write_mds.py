@@ -187,7 +187,11 @@ def _run_locked(
             raise ExportError(str(e)) from None
 
     report = finalize(
-        cfg, {p: results[p] for p in sorted(expected)}, time.perf_counter() - t0, bind_lists
+        cfg,
+        {p: results[p] for p in sorted(expected)},
+        time.perf_counter() - t0,
+        bind_lists,
+        check=lock.check,
     )
     release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
     return report

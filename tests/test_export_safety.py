@@ -197,11 +197,9 @@ def test_remote_lease_refuses_heartbeats_and_expires(s3_bucket):
     dead._lease._stop.set()  # a run that died: no heartbeat, lease never deleted
     time.sleep(1.5)
     with ExportLock(out) as lock:
-        assert "expired lease" in lock.took_over
-        time.sleep(0.5)
-        dead._lease.lost = None
-        dead._lease.etag = "stale"
-        assert dead._lease._put(IfMatch=dead._lease.etag) is None  # the dead run cannot refresh
+        assert "stopped refreshing" in lock.took_over
+        assert dead._lease._refresh() is False  # the dead run, woken up, cannot refresh
+        assert "another run took it over" in dead._lease.lost
 
 
 # --- merged counts are checked before the index is written --------------------------------

@@ -9,6 +9,7 @@ from prx_data.core.buckets import DEFAULT_TIERS, DROP_ASPECT_RATIO, DROP_TOO_SMA
 from prx_data.core.errors import add_max_error_rate, error_rate_status
 from prx_data.core.imaging import DRAFT_MARGIN
 from prx_data.core.runtime import RayStartError
+from prx_data.core.storage import StorageTimeout, StorageUnreachable
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig, ExportError
 
 EPILOG = """\
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=args.progress,
             drop_lists=tuple(args.drop_lists),
         )
-    except (ExportError, RayStartError) as e:
+    except (ExportError, RayStartError, StorageTimeout, StorageUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table_text())

@@ -5,12 +5,21 @@ files around them (manifests, skip lists, reports, indexes) with one API for
 ``/local/dir`` and ``s3://bucket/prefix`` (plus ``gs://``). S3-compatible
 endpoints are taken from ``S3_ENDPOINT_URL``, as Mosaic Streaming does.
 
-Whole-object reads and writes on ``s3://`` go through boto3 with botocore's
-``standard`` retry policy (5xx, throttling, connection resets and read
-timeouts are retried with backoff and jitter): pyarrow's S3 client gives up
-on a stalled upload after one low-speed timeout. ``S3_READ_TIMEOUT_S`` and
-``S3_CONNECT_TIMEOUT_S`` (seconds; default 60 and 10) bound a stalled request,
-``S3_MAX_ATTEMPTS`` (default 5) the attempts.
+Every object-store call has a deadline, so a store that stops answering fails
+the job with an error naming the endpoint and the setting to change, rather
+than hanging it (a node leader fetching the catalog while its ranks wait at a
+barrier, an exporter whose heartbeat keeps its lease alive).
+
+* ``s3://``: reads, writes, listing, ``exists`` and deletes all go through one
+  boto3 client with botocore's ``standard`` retry policy (5xx, throttling,
+  resets and read timeouts are retried with backoff and jitter).
+  ``S3_READ_TIMEOUT_S`` and ``S3_CONNECT_TIMEOUT_S`` (seconds; default 60
+  and 10) bound one stalled request, ``S3_MAX_ATTEMPTS`` (default 5) the
+  attempts. pyarrow's S3 client is kept for the few large streamed reads
+  (ingest) and gets the same timeouts.
+* Other stores (``gs://``, ...) go through pyarrow; each call runs under a
+  deadline of ``STORAGE_DEADLINE_S`` seconds (default: the S3 settings' worst
+  case, attempts x (connect + read timeout)).
 """
 
 from __future__ import annotations
@@ -18,13 +27,27 @@ from __future__ import annotations
 import functools
 import os
 import posixpath
+import threading
 import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-#: Environment variables that select object-storage endpoints and credentials.
-STORAGE_ENV_PREFIXES = ("S3_", "AWS_", "GOOGLE_", "GCS_", "AZURE_", "OCI_")
+#: Environment variables that select object-storage endpoints, credentials and deadlines.
+STORAGE_ENV_PREFIXES = ("S3_", "AWS_", "GOOGLE_", "GCS_", "AZURE_", "OCI_", "STORAGE_")
+
+T = TypeVar("T")
+
+
+class StorageTimeout(TimeoutError):
+    """An object store did not answer in time; the message names the endpoint and setting."""
+
+
+class StorageUnreachable(ConnectionError):
+    """No connection to an object store could be made; the message names the endpoint."""
 
 
 def storage_env() -> dict[str, str]:
@@ -42,42 +65,145 @@ def join(base: str, *parts: str) -> str:
     return os.path.join(base, *parts)
 
 
+@dataclass(frozen=True)
+class S3Settings:
+    """Timeouts and attempts of one S3 client, read from the environment by :meth:`from_env`."""
+
+    endpoint: str | None = None
+    read_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    max_attempts: int = 5
+
+    @classmethod
+    def from_env(cls) -> S3Settings:
+        env = os.environ.get
+        return cls(
+            env("S3_ENDPOINT_URL") or None,
+            _env_number("S3_READ_TIMEOUT_S", 60.0),
+            _env_number("S3_CONNECT_TIMEOUT_S", 10.0),
+            int(_env_number("S3_MAX_ATTEMPTS", 5)),
+        )
+
+    @property
+    def where(self) -> str:
+        return self.endpoint or "the default AWS S3 endpoint"
+
+    def worst_case_s(self) -> float:
+        """Longest one call may take against a store that never answers."""
+        return self.max_attempts * (self.connect_timeout_s + self.read_timeout_s)
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds/attempts") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def deadline_s() -> float:
+    """Deadline of one pyarrow call on a remote store (``STORAGE_DEADLINE_S``)."""
+    return _env_number("STORAGE_DEADLINE_S", S3Settings.from_env().worst_case_s())
+
+
 def _s3fs() -> pafs.S3FileSystem:
-    endpoint = os.environ.get("S3_ENDPOINT_URL")
+    s = S3Settings.from_env()
     kwargs: dict = {}
-    if endpoint:
-        parsed = urlparse(endpoint)
-        kwargs["endpoint_override"] = parsed.netloc or endpoint
+    if s.endpoint:
+        parsed = urlparse(s.endpoint)
+        kwargs["endpoint_override"] = parsed.netloc or s.endpoint
         kwargs["scheme"] = parsed.scheme or "https"
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         kwargs["region"] = region
-    kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=5)
+    kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=s.max_attempts)
+    kwargs["connect_timeout"] = s.connect_timeout_s
+    kwargs["request_timeout"] = s.read_timeout_s
     return pafs.S3FileSystem(**kwargs)
 
 
-def s3_client():
-    """A boto3 S3 client for ``S3_ENDPOINT_URL`` with botocore's standard retries (cached)."""
-    env = os.environ.get
-    return _s3_client(
-        env("S3_ENDPOINT_URL") or None,
-        float(env("S3_READ_TIMEOUT_S") or 60),
-        float(env("S3_CONNECT_TIMEOUT_S") or 10),
-        int(env("S3_MAX_ATTEMPTS") or 5),
-    )
+def s3_client(settings: S3Settings | None = None):
+    """A boto3 S3 client with botocore's standard retries (cached per settings).
+
+    ``settings`` defaults to :meth:`S3Settings.from_env`; the export lease's
+    heartbeat passes its own, shorter ones.
+    """
+    return _s3_client(settings or S3Settings.from_env())
 
 
 @functools.lru_cache(maxsize=8)
-def _s3_client(endpoint: str | None, read_timeout: float, connect_timeout: float, attempts: int):
+def _s3_client(s: S3Settings):
     import boto3
     from botocore.config import Config
 
     config = Config(
-        retries={"mode": "standard", "max_attempts": attempts},
-        read_timeout=read_timeout,
-        connect_timeout=connect_timeout,
+        retries={"mode": "standard", "total_max_attempts": s.max_attempts},
+        read_timeout=s.read_timeout_s,
+        connect_timeout=s.connect_timeout_s,
     )
-    return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+    return boto3.session.Session().client("s3", endpoint_url=s.endpoint, config=config)
+
+
+def s3_call(path: str, what: str, fn: Callable[[], T], settings: S3Settings | None = None) -> T:
+    """Run one boto3 call; a timeout or refused connection becomes a one-line storage error."""
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
+
+    s = settings or S3Settings.from_env()
+    try:
+        return fn()
+    except (ReadTimeoutError, ConnectTimeoutError) as e:
+        raise StorageTimeout(
+            f"{path}: {what} got no answer from the object store at {s.where} "
+            f"({s.max_attempts} attempt(s), {s.connect_timeout_s:g} s to connect and "
+            f"{s.read_timeout_s:g} s to read each; {type(e).__name__}). Check S3_ENDPOINT_URL, "
+            "or raise S3_READ_TIMEOUT_S / S3_CONNECT_TIMEOUT_S / S3_MAX_ATTEMPTS"
+        ) from None
+    except (EndpointConnectionError, ConnectionClosedError) as e:
+        raise StorageUnreachable(
+            f"{path}: {what} failed: no usable connection to the object store at {s.where} "
+            f"({s.max_attempts} attempt(s); {type(e).__name__}). Check S3_ENDPOINT_URL, or "
+            "raise S3_MAX_ATTEMPTS"
+        ) from None
+
+
+def with_deadline(path: str, what: str, fn: Callable[[], T], limit_s: float | None = None) -> T:
+    """Run a pyarrow call on a remote store; past ``limit_s`` (:func:`deadline_s`) raise.
+
+    pyarrow calls cannot be cancelled: the call goes on in a daemon thread,
+    and the job fails with a :class:`StorageTimeout` rather than waiting on it.
+    """
+    limit = deadline_s() if limit_s is None else limit_s
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"storage-{what}", daemon=True).start()
+    if not done.wait(limit):
+        raise StorageTimeout(
+            f"{path}: {what} got no answer from {urlparse(path).scheme}://"
+            f"{urlparse(path).netloc} within {limit:g} s. Check the store, or raise "
+            "STORAGE_DEADLINE_S"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _bucket_key(path: str) -> tuple[str, str]:
@@ -86,7 +212,11 @@ def _bucket_key(path: str) -> tuple[str, str]:
 
 
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """(pyarrow filesystem, path within it) for a local path or URI."""
+    """(pyarrow filesystem, path within it) for a local path or URI.
+
+    For large streamed reads only (ingest); small files go through the
+    functions below, which put a deadline on every remote call.
+    """
     if not is_remote(path):
         return pafs.LocalFileSystem(), os.path.abspath(path.removeprefix("file://"))
     parsed = urlparse(path)
@@ -97,25 +227,95 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     return fs, inner
 
 
+def _is_s3(path: str) -> bool:
+    return path.startswith("s3://")
+
+
+def _client_error_code(e) -> tuple[str, int | None]:
+    return (
+        str(e.response.get("Error", {}).get("Code", "")),
+        e.response.get("ResponseMetadata", {}).get("HTTPStatusCode"),
+    )
+
+
+def _not_found(e) -> bool:
+    code, status = _client_error_code(e)
+    return code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket") or status == 404
+
+
 def read_bytes(path: str) -> bytes:
-    if path.startswith("s3://"):
+    if _is_s3(path):
         from botocore.exceptions import ClientError
 
         bucket, key = _bucket_key(path)
-        try:
+
+        def get() -> bytes:
             return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+        try:
+            return s3_call(path, "read", get)
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NoSuchBucket"):
+            if _not_found(e):
                 raise FileNotFoundError(path) from None
             raise
     fs, p = filesystem(path)
-    with fs.open_input_stream(p) as f:
-        return f.read()
+
+    def read() -> bytes:
+        with fs.open_input_stream(p) as f:
+            return f.read()
+
+    return with_deadline(path, "read", read) if is_remote(path) else read()
+
+
+def _s3_prefix(path: str) -> tuple[str, str]:
+    """(bucket, ``key/``) of a directory-like S3 path (``""`` for the bucket's root)."""
+    bucket, key = _bucket_key(path)
+    key = key.rstrip("/")
+    return bucket, f"{key}/" if key else ""
+
+
+def _s3_object_exists(path: str) -> bool:
+    from botocore.exceptions import ClientError
+
+    bucket, key = _bucket_key(path)
+    if not key.rstrip("/"):
+        return False
+    try:
+        s3_call(path, "exists", lambda: s3_client().head_object(Bucket=bucket, Key=key))
+    except ClientError as e:
+        if _not_found(e):
+            return False
+        raise
+    return True
+
+
+def _s3_has_children(path: str) -> bool:
+    from botocore.exceptions import ClientError
+
+    bucket, prefix = _s3_prefix(path)
+    try:
+        r = s3_call(
+            path,
+            "exists",
+            lambda: s3_client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1),
+        )
+    except ClientError as e:
+        if _not_found(e):
+            return False
+        raise
+    return bool(r.get("KeyCount") or r.get("Contents") or r.get("CommonPrefixes"))
 
 
 def exists(path: str) -> bool:
+    """Whether a file or a non-empty directory (prefix) is at ``path``."""
+    if _is_s3(path):
+        return _s3_object_exists(path) or _s3_has_children(path)
     fs, p = filesystem(path)
-    return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+    def info() -> bool:
+        return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+    return with_deadline(path, "exists", info) if is_remote(path) else info()
 
 
 def write_bytes_atomic(path: str, data: bytes) -> None:
@@ -123,14 +323,18 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
 
     Locally: temp file + fsync + rename. On object storage a PUT is atomic.
     """
-    if path.startswith("s3://"):
+    if _is_s3(path):
         bucket, key = _bucket_key(path)
-        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        s3_call(path, "write", lambda: s3_client().put_object(Bucket=bucket, Key=key, Body=data))
         return
     if is_remote(path):
         fs, p = filesystem(path)
-        with fs.open_output_stream(p) as f:
-            f.write(data)
+
+        def put() -> None:
+            with fs.open_output_stream(p) as f:
+                f.write(data)
+
+        with_deadline(path, "write", put)
         return
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -143,24 +347,123 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
 
 
 def delete(path: str) -> None:
+    """Delete a file, or a directory (prefix) with everything under it; nothing there is fine."""
+    if _is_s3(path):
+        bucket, key = _bucket_key(path)
+        if _s3_object_exists(path):
+            s3_call(path, "delete", lambda: s3_client().delete_object(Bucket=bucket, Key=key))
+            return
+        _, prefix = _s3_prefix(path)
+        if not prefix:
+            raise ValueError(f"{path}: refusing to delete a whole bucket")
+        batch: list[dict] = []
+        for rel, _ in _s3_walk(path, recursive=True, keep_markers=True):
+            batch.append({"Key": prefix + rel})
+            if len(batch) == 1000:  # deleted page by page: no whole listing in memory
+                _s3_delete_batch(path, bucket, batch)
+                batch = []
+        if batch:
+            _s3_delete_batch(path, bucket, batch)
+        return
     fs, p = filesystem(path)
-    info = fs.get_file_info(p)
-    if info.type == pafs.FileType.Directory:
-        fs.delete_dir(p)
-    elif info.type != pafs.FileType.NotFound:
-        fs.delete_file(p)
+
+    def rm() -> None:
+        info = fs.get_file_info(p)
+        if info.type == pafs.FileType.Directory:
+            fs.delete_dir(p)
+        elif info.type != pafs.FileType.NotFound:
+            fs.delete_file(p)
+
+    with_deadline(path, "delete", rm) if is_remote(path) else rm()
+
+
+def _s3_delete_batch(path: str, bucket: str, objects: list[dict]) -> None:
+    delete = {"Objects": objects, "Quiet": True}
+    r = s3_call(path, "delete", lambda: s3_client().delete_objects(Bucket=bucket, Delete=delete))
+    if r.get("Errors"):
+        err = r["Errors"][0]
+        raise OSError(f"{path}: could not delete {err.get('Key')}: {err.get('Message')}")
+
+
+def _s3_walk(root: str, recursive: bool, keep_markers: bool = False) -> Iterator[tuple[str, int]]:
+    """(path relative to ``root``, size) of every object under an S3 prefix, page by page."""
+    from botocore.exceptions import ClientError
+
+    bucket, prefix = _s3_prefix(root)
+    kwargs: dict = {"Bucket": bucket, "Prefix": prefix}
+    if not recursive:
+        kwargs["Delimiter"] = "/"
+    while True:
+        try:
+            page = s3_call(root, "list", lambda: s3_client().list_objects_v2(**kwargs))
+        except ClientError as e:
+            if _not_found(e):
+                return
+            raise
+        for obj in page.get("Contents", ()):
+            rel = obj["Key"][len(prefix) :]
+            if keep_markers or (rel and not rel.endswith("/")):  # "dir/" markers are no files
+                yield rel, int(obj.get("Size", 0))
+        if not page.get("IsTruncated"):
+            return
+        kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+
+def _walk(root: str, recursive: bool) -> list[tuple[str, int]]:
+    """(relative path, size) of the files under ``root``."""
+    if _is_s3(root):
+        return list(_s3_walk(root, recursive))
+    fs, p = filesystem(root)
+
+    def infos() -> list:
+        return fs.get_file_info(pafs.FileSelector(p, recursive=recursive, allow_not_found=True))
+
+    rel = posixpath.relpath if is_remote(root) else os.path.relpath
+    got = with_deadline(root, "list", infos) if is_remote(root) else infos()
+    return [(rel(i.path, p), i.size) for i in got if i.type == pafs.FileType.File]
 
 
 def list_files(root: str, suffix: str = "", recursive: bool = True) -> list[str]:
     """Paths relative to ``root`` of files under it (sorted)."""
+    return sorted(r for r, _ in _walk(root, recursive) if r.endswith(suffix))
+
+
+def file_sizes(root: str) -> dict[str, int]:
+    """{``/``-separated path relative to ``root``: size} of every file under it."""
+    return {r.replace("\\", "/"): size for r, size in _walk(root, recursive=True)}
+
+
+def list_dirs(root: str) -> list[str]:
+    """Names of the directories (prefixes) directly under ``root`` (sorted)."""
+    if _is_s3(root):
+        from botocore.exceptions import ClientError
+
+        bucket, prefix = _s3_prefix(root)
+        kwargs: dict = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+        out = []
+        while True:
+            try:
+                page = s3_call(root, "list", lambda: s3_client().list_objects_v2(**kwargs))
+            except ClientError as e:
+                if _not_found(e):
+                    break
+                raise
+            for cp in page.get("CommonPrefixes", ()):
+                name = cp["Prefix"][len(prefix) :].rstrip("/")
+                if name:
+                    out.append(name)
+            if not page.get("IsTruncated"):
+                break
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        return sorted(out)
     fs, p = filesystem(root)
-    sel = pafs.FileSelector(p, recursive=recursive, allow_not_found=True)
-    out = []
-    for info in fs.get_file_info(sel):
-        if info.type == pafs.FileType.File and info.path.endswith(suffix):
-            out.append(
-                posixpath.relpath(info.path, p)
-                if is_remote(root)
-                else os.path.relpath(info.path, p)
-            )
-    return sorted(out)
+
+    def infos() -> list:
+        return fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
+
+    got = with_deadline(root, "list", infos) if is_remote(root) else infos()
+    return sorted(
+        posixpath.basename(i.path.replace("\\", "/").rstrip("/"))
+        for i in got
+        if i.type == pafs.FileType.Directory
+    )

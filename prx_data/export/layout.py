@@ -40,7 +40,7 @@ import os
 import posixpath
 import re
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -418,13 +418,17 @@ def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> None:
 
 
 def merge_bucket(
-    bucket_dir: str, parts: list[str], expected: Mapping[str, int] | None = None
+    bucket_dir: str,
+    parts: list[str],
+    expected: Mapping[str, int] | None = None,
+    check: Callable[[], None] = lambda: None,
 ) -> int:
     """Write the bucket's index.json from its parts' indexes, atomically.
 
     ``expected`` ({part: samples}, from the work units' results) is checked
     before anything is written: a part whose index disagrees (another run
-    rewrote it) fails the merge and leaves no index behind.
+    rewrote it) fails the merge and leaves no index behind. ``check`` runs
+    right before the write (the export lease: reading the parts can take long).
     """
     shards = []
     for part in sorted(parts):
@@ -444,6 +448,7 @@ def merge_bucket(
                     shard[key]["basename"] = posixpath.join(part, shard[key]["basename"])
             shards.append(shard)
     body = json.dumps({"version": 2, "shards": shards}, sort_keys=True)
+    check()
     storage.write_bytes_atomic(storage.join(bucket_dir, "index.json"), body.encode())
     return sum(s["samples"] for s in shards)
 
@@ -508,20 +513,15 @@ def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
     Lists two directory levels (tiers, then ratios) rather than the whole tree,
     so it stays cheap on object storage with many shards.
     """
-    import pyarrow.fs as pafs
-
-    fs, base = storage.filesystem(root)
     want = None if tiers is None else {int(t) for t in tiers}
     out = []
-    for tinfo in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
-        tier = posixpath.basename(tinfo.path.rstrip("/"))
-        if tinfo.type != pafs.FileType.Directory or not _TIER_RE.match(tier):
+    for tier in storage.list_dirs(root):
+        if not _TIER_RE.match(tier):
             continue
         if want is not None and int(tier) not in want:
             continue
-        for ainfo in fs.get_file_info(pafs.FileSelector(tinfo.path, allow_not_found=True)):
-            ar = posixpath.basename(ainfo.path.rstrip("/"))
-            if ainfo.type == pafs.FileType.Directory and _AR_RE.match(ar):
+        for ar in storage.list_dirs(storage.join(root, tier)):
+            if _AR_RE.match(ar):
                 bucket = f"{tier}/{ar}"
                 if storage.exists(rel_join(root, f"{bucket}/{INDEX_NAME}")):
                     out.append(bucket)
@@ -584,12 +584,11 @@ def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
     for bucket in buckets if buckets is not None else list_buckets(export_root):
         check_bucket(bucket)
         rels = [r for r in storage.list_files(rel_join(export_root, bucket), MANIFEST_NAME)]
-        fs, _ = storage.filesystem(export_root)
 
-        def read(rel, bucket=bucket, fs=fs):
+        def read(rel, bucket=bucket):
             path = rel_join(export_root, f"{bucket}/{rel.replace(chr(92), '/')}")
-            _, p = storage.filesystem(path)
-            t = pq.read_table(p, filesystem=fs, columns=["shard", "index", "id"])
+            src = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
+            t = pq.read_table(src, columns=["shard", "index", "id"])  # one part's: small
             check_manifest_shards(path, posixpath.dirname(rel.replace(chr(92), "/")), t["shard"])
             return t.append_column("bucket", pa.array([bucket] * len(t), pa.string()))
 

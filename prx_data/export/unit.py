@@ -689,7 +689,9 @@ def _write_dropped_rows(path: str, rows: list[tuple[str, str, str]]) -> None:
     storage.write_bytes_atomic(path, buf.getvalue())
 
 
-def _merge_dropped(cfg: ExportConfig, results: dict[str, UnitResult]) -> list[str]:
+def _merge_dropped(
+    cfg: ExportConfig, results: dict[str, UnitResult], check: Callable[[], None]
+) -> list[str]:
     """``dropped.parquet``: the units' dropped rows in part order (only units that dropped any).
 
     Returns the parts whose list is missing (units finished by an older version).
@@ -715,6 +717,7 @@ def _merge_dropped(cfg: ExportConfig, results: dict[str, UnitResult]) -> list[st
                     f"{path}: {table.num_rows} rows, its work unit dropped {expected}"
                 )
             writer.write_table(table.cast(DROPPED_SCHEMA))
+    check()
     storage.write_bytes_atomic(storage.join(cfg.out, DROPPED_NAME), buf.getvalue())
     return missing
 
@@ -724,12 +727,14 @@ def finalize(
     results: dict[str, UnitResult],
     seconds: float,
     lists_hook: Callable[[], dict[str, dict[str, int]]] | None = None,
+    check: Callable[[], None] = lambda: None,
 ) -> ExportReport:
     """Merge every bucket (checked against the units' counts), then the dropped rows and report.
 
     ``lists_hook`` runs once the buckets are merged and before the report is
     written (the skip lists, which live a layer above, bind to the merged
-    indexes); what it returns goes into the report's ``lists``.
+    indexes); what it returns goes into the report's ``lists``. ``check`` (the
+    run lock's) runs before every write: a lost lease stops the run there.
     """
     per_bucket: dict[str, list[str]] = {}
     per_part: dict[str, dict[str, int]] = {}
@@ -747,7 +752,9 @@ def finalize(
             per_part.setdefault(name, {})[r.part] = n
             counts[name] += n
     for name, parts in sorted(per_bucket.items()):
-        merged = merge_bucket(storage.join(cfg.out, name), parts, expected=per_part[name])
+        merged = merge_bucket(
+            storage.join(cfg.out, name), parts, expected=per_part[name], check=check
+        )
         if merged != counts[name]:
             raise ExportError(
                 f"bucket {name}: merged index has {merged} samples, expected {counts[name]}"
@@ -759,7 +766,7 @@ def finalize(
     tiers: Counter = Counter()
     for name, n in counts.items():
         tiers[name.split("/")[0]] += n
-    unlisted = _merge_dropped(cfg, results)
+    unlisted = _merge_dropped(cfg, results, check)
     found = caption_warnings(cfg.table, cfg.caption_columns)
     if unlisted:
         found.append(
@@ -787,7 +794,9 @@ def finalize(
         warnings=found,
         lists=lists,
     )
+    check()
     storage.write_bytes_atomic(storage.join(cfg.out, "report.txt"), report.table_text().encode())
+    check()
     storage.write_bytes_atomic(
         storage.join(cfg.out, REPORT_NAME), json.dumps(report.to_dict(), indent=2).encode()
     )

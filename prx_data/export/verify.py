@@ -23,8 +23,8 @@ and lists each bucket once: an audit, not a hot path.
 
 from __future__ import annotations
 
+import io
 import json
-import posixpath
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -248,8 +248,8 @@ def _verify_bucket(
         try:
             import pyarrow.parquet as pq
 
-            fs, p = storage.filesystem(mpath)
-            col = pq.read_table(p, filesystem=fs, columns=["shard"]).column("shard").to_pylist()
+            src = io.BytesIO(storage.read_bytes(mpath)) if storage.is_remote(mpath) else mpath
+            col = pq.read_table(src, columns=["shard"]).column("shard").to_pylist()
         except Exception as e:  # noqa: BLE001 - a corrupt manifest is a finding
             add(Problem(mpath, f"unreadable manifest ({e})"))
             continue
@@ -288,16 +288,7 @@ def _verify_bucket(
 
 
 def _sizes(bdir: str) -> dict[str, int]:
-    import pyarrow.fs as pafs
-
-    fs, base = storage.filesystem(bdir)
-    out = {}
-    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
-        if info.type == pafs.FileType.File:
-            out[posixpath.relpath(info.path.replace("\\", "/"), base.replace("\\", "/"))] = (
-                info.size
-            )
-    return out
+    return storage.file_sizes(bdir)
 
 
 def _rehash(bdir: str, on_disk: dict, files: dict, sizes: dict, res: VerifyResult) -> None:
