@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 import time
@@ -49,7 +50,7 @@ def read_indices_file(path: str) -> dict[tuple[str, str], list[int]]:
             if not line:
                 continue
             parts = line.split()
-            if len(parts) != 3 or not parts[2].isdigit():
+            if len(parts) != 3 or not re.fullmatch(r"[0-9]+", parts[2]):
                 raise ValueError(f"{path}:{n}: expected '<bucket> <shard> <index>', got {line!r}")
             out.setdefault((parts[0], parts[1]), []).append(int(parts[2]))
     return out
@@ -169,8 +170,12 @@ def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
 
 
 def _readers(root: str, bucket: str, tmp: str):
-    """(entry, MDS reader) for every shard of a bucket, in index order."""
-    for entry in layout.read_index_entries(root, bucket):
+    """(entry, MDS reader) for every shard of a bucket, in index order.
+
+    The index is checked (again: it may have changed since the plan) before any
+    reader exists: the exporter's columns only, so no encoding can run code.
+    """
+    for entry in layout.read_index_entries(root, bucket, export_columns=True):
         yield entry, reader_from_json(_materialize(root, bucket, entry, tmp), None, entry)
 
 
@@ -218,7 +223,7 @@ def rewrite_export(
     plan = []
     applied: set[str] = set()
     for bucket in buckets:
-        shards = layout.read_index(root, bucket)
+        shards = layout.read_index(root, bucket, export_columns=True)  # before anything is written
         listing = skiplist.list_sidecars(root, bucket, shards)
         applied |= set(listing) if names is None else set(names) & set(listing)
         skips = skiplist.load_skips(root, bucket, shards, names, listing=listing)
