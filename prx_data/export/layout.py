@@ -102,11 +102,18 @@ def check_stream_basenames(index_path: str, directory: str, basenames: Iterable[
     ``directory`` leads out of it.
     """
     root = os.path.realpath(directory)
+    inside = root.rstrip(os.sep) + os.sep  # resolved paths below: a prefix test is exact
+    parents: dict[str, str] = {}  # resolved once per directory: one lstat per file after that
     for name in basenames:
         why = _why_unsafe(name, plain=True)
         if not why:
-            target = os.path.realpath(os.path.join(root, name))  # type: ignore[arg-type]
-            if os.path.commonpath([root, target]) != root:
+            head, tail = posixpath.split(name)  # type: ignore[arg-type]
+            if head not in parents:
+                parents[head] = os.path.realpath(os.path.join(root, head))
+            target = os.path.join(parents[head], tail)
+            if os.path.islink(target):
+                target = os.path.realpath(target)
+            if target != root and not target.startswith(inside):
                 why = f" (a symlink leads out of {directory} to {target})"
         if why:
             raise UnsafeIndexError(
