@@ -106,7 +106,7 @@ def test_wide_part_names_are_ours_and_unknown_shard_suffixes_are_not(tmp_path):
     for f in ("shard.00000.mds", "shard.00001.mds.zstd", "index.json", "shard.00000.mds.d.skip"):
         open(os.path.join(pdir, f), "wb").close()
     assert layout.foreign_entries(root) == []
-    assert verify.SHARD_RE.match(f"{wide}/shard.00000.mds")
+    assert verify.SHARD_RE.fullmatch(f"{wide}/shard.00000.mds")
     open(os.path.join(pdir, "shard.00002.mds.exe"), "wb").close()
     assert layout.foreign_entries(root) == [f"{B}/{wide}/shard.00002.mds.exe"]
 

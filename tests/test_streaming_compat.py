@@ -106,3 +106,14 @@ def test_get_partitions_has_no_padding_at_the_planner_unit(algo, ncn, nodes, rpn
     if p.unit > gbs:
         short = C.get_partitions(algo, p.unit - gbs, ncn, nodes, rpn, workers, batch).reshape(-1)
         assert (short < 0).any() or len(short) != len(set(short.tolist()))
+
+
+def test_is_safe_mds_encoding_reads_the_encodings_name():
+    """Streaming's own check compares the whole string with 'pkl'; ours reads the name."""
+    from streaming.base.format.mds.encodings import is_mds_encoding_safe
+
+    assert is_mds_encoding_safe("pkl:x")  # streaming's check alone would let this through
+    for enc in ("str", "bytes", "int32", "json", "jpeg", "ndarray:int8:3"):
+        assert C.is_safe_mds_encoding(enc), enc
+    for enc in ("pkl", "pkl:x", "PKL", " pkl", "ndarray:nonsense", "no-such", 7, None):
+        assert not C.is_safe_mds_encoding(enc), enc

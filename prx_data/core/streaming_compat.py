@@ -23,8 +23,8 @@ if not streaming.__version__.startswith(SUPPORTED):
         f"prx-data was checked against mosaicml-streaming {', '.join(v + 'x' for v in SUPPORTED)}, "
         f"found {streaming.__version__}. Check that MDSReader's constructor and get_item, "
         "Stream.get_shards, Stream.prepare_shard, Reader.evict/set_up_local/get_max_size "
-        "(pinned local shards), World.detect, maybe_init_dist, decompress, reader_from_json and "
-        "get_partitions "
+        "(pinned local shards), World.detect, maybe_init_dist, decompress, reader_from_json, "
+        "get_partitions and is_safe_mds_encoding "
         "behave as before (tests/test_streaming_compat.py), then add the version to "
         "prx_data.core.streaming_compat.SUPPORTED; or pin mosaicml-streaming==0.13.0."
     )
@@ -33,6 +33,11 @@ from streaming.base.compression import decompress  # noqa: E402
 from streaming.base.distributed import maybe_init_dist  # noqa: E402
 from streaming.base.format import reader_from_json  # noqa: E402
 from streaming.base.format.base.reader import FileInfo  # noqa: E402
+from streaming.base.format.mds.encodings import (  # noqa: E402
+    get_mds_encodings,
+    is_mds_encoding,
+    is_mds_encoding_safe,
+)
 from streaming.base.format.mds.reader import MDSReader  # noqa: E402
 from streaming.base.partition import get_partitions  # noqa: E402
 from streaming.base.world import World  # noqa: E402
@@ -44,6 +49,7 @@ __all__ = [
     "World",
     "decompress",
     "get_partitions",
+    "is_safe_mds_encoding",
     "maybe_init_dist",
     "mds_reader_args",
     "reader_from_json",
@@ -65,3 +71,22 @@ def mds_reader_args(reader: MDSReader) -> dict:
         "size_limit": reader.size_limit,
         "zip_data": reader.zip_data,
     }
+
+
+def is_safe_mds_encoding(encoding: object) -> bool:
+    """True for an MDS column encoding streaming knows whose decoding cannot run code.
+
+    Streaming's own test (``is_mds_encoding_safe``) compares the whole string
+    with ``pkl``, so ``pkl:x`` passes it; here the encoding's name (before any
+    ``:`` argument) must be a known encoding that is not unsafe, and the whole
+    string must parse as that encoding.
+    """
+    if not isinstance(encoding, str):
+        return False
+    name = encoding.split(":", 1)[0]
+    if name not in get_mds_encodings() or not is_mds_encoding_safe(name):
+        return False
+    try:
+        return is_mds_encoding(encoding) and is_mds_encoding_safe(encoding)
+    except Exception:  # noqa: BLE001 - a malformed argument (``ndarray:nonsense``) is not safe
+        return False

@@ -33,6 +33,7 @@ index (streaming's version writes in place and downloads remote parts).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -48,7 +49,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prx_data.core import storage
-from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
+from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
+from prx_data.core.streaming_compat import is_safe_mds_encoding
 
 
 def part_name(fragment_id: int, start: int) -> str:
@@ -56,13 +58,15 @@ def part_name(fragment_id: int, start: int) -> str:
     return f"f{fragment_id:06d}-{start:09d}"
 
 
+# Every name pattern here is used with ``fullmatch`` (``$`` would accept a trailing newline)
+# and spells digits ``[0-9]`` (``\d`` also matches other scripts' digits, e.g. ``٥١٢``).
 #: What :func:`part_name` produces (widths are minimums: more fragments widen them).
-PART_PATTERN = r"f\d{6,}-\d{9,}"
+PART_PATTERN = r"f[0-9]{6,}-[0-9]{9,}"
 #: A shard file as MDSWriter names it, raw or compressed (streaming's compression extensions).
-SHARD_FILE_PATTERN = r"shard\.\d{5,}\.mds(?:\.(?:br|bz2|gz|snappy|zstd))?"
-_PART_RE = re.compile(rf"^{PART_PATTERN}$")
-_SHARD_FILE_RE = re.compile(rf"^{SHARD_FILE_PATTERN}$")
-_SHARD_RE = re.compile(rf"^{PART_PATTERN}/{SHARD_FILE_PATTERN}$")
+SHARD_FILE_PATTERN = r"shard\.[0-9]{5,}\.mds(?:\.(?:br|bz2|gz|snappy|zstd))?"
+_PART_RE = re.compile(PART_PATTERN)
+_SHARD_FILE_RE = re.compile(SHARD_FILE_PATTERN)
+_SHARD_RE = re.compile(rf"{PART_PATTERN}/{SHARD_FILE_PATTERN}")
 #: Index entry keys that name a file (streaming joins each to the dataset directory).
 _FILE_KEYS = ("raw_data", "zip_data", "raw_meta", "zip_meta")
 
@@ -81,7 +85,7 @@ def check_shard_basename(index_path: str, basename: object, *, in_part: bool = F
     refused: absolute, ``..``, backslashes, empty segments, other names.
     """
     pattern = _SHARD_FILE_RE if in_part else _SHARD_RE
-    if not isinstance(basename, str) or not pattern.match(basename):
+    if not isinstance(basename, str) or not pattern.fullmatch(basename):
         want = "shard.NNNNN.mds[.zstd]" if in_part else "<part>/shard.NNNNN.mds[.zstd]"
         why = _why_unsafe(basename)
         raise UnsafeIndexError(
@@ -91,23 +95,121 @@ def check_shard_basename(index_path: str, basename: object, *, in_part: bool = F
     return basename
 
 
-def _why_unsafe(name: object) -> str:
+def check_stream_basenames(index_path: str, directory: str, basenames: Iterable[object]) -> None:
+    """Refuse a file name of a plain MDS index that could leave its (local) dataset directory.
+
+    The format allows any relative path (``shard.00000.mds``, and subpaths such
+    as ``<sub>/shard.00000.mds`` from ``merge_index``), so exactly those are
+    accepted: refused are non-strings, empty names, NUL, backslashes, absolute
+    or drive-letter names, ``..`` segments, and names that a symlink inside
+    ``directory`` leads out of it.
+    """
+    root = os.path.realpath(directory)
+    inside = root.rstrip(os.sep) + os.sep  # resolved paths below: a prefix test is exact
+    parents: dict[str, str] = {}  # resolved once per directory: one lstat per file after that
+    for name in basenames:
+        why = _why_unsafe(name, plain=True)
+        if not why:
+            head, tail = posixpath.split(name)  # type: ignore[arg-type]
+            if head not in parents:
+                parents[head] = os.path.realpath(os.path.join(root, head))
+            target = os.path.join(parents[head], tail)
+            if os.path.islink(target):
+                target = os.path.realpath(target)
+            if target != root and not target.startswith(inside):
+                why = f" (a symlink leads out of {directory} to {target})"
+        if why:
+            raise UnsafeIndexError(
+                f"{index_path}: refusing shard name {name!r}{why}; shard names must be "
+                "relative paths inside the dataset directory"
+            )
+
+
+def _why_unsafe(name: object, *, plain: bool = False) -> str:
+    """Why ``name`` could escape its directory ("" if it cannot); ``plain``: the only checks."""
     if not isinstance(name, str):
         return " (not a string)"
-    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+    if not name:
+        return " (empty)"
+    if "\0" in name:
+        return " (NUL byte)"
+    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
         return " (absolute path)"
     if "\\" in name:
         return " (backslash)"
     segs = name.split("/")
     if ".." in segs:
         return " (parent-directory segment)"
-    if "" in segs or "." in segs:
+    if not plain and ("" in segs or "." in segs):
         return " (empty segment)"
     return ""
 
 
-def check_index_entries(index_path: str, obj: object, *, in_part: bool = False) -> list[dict]:
-    """The ``shards`` entries of a parsed index, every file name in them checked."""
+def columns_problem(entry: Mapping, *, export_columns: bool = False) -> str | None:
+    """Why a shard's columns are refused (None when they are fine).
+
+    Every reader accepts only MDS shards whose every column has a safe
+    encoding: streaming decodes a ``pkl`` column with ``pickle.loads``, which
+    runs whatever the data says. ``export_columns`` (rewrite, verify) also
+    requires the exporter's columns: ``MDS_COLUMNS`` plus ``str`` caption columns.
+    """
+    names, encs = entry.get("column_names"), entry.get("column_encodings")
+    key = None
+    if isinstance(names, list) and isinstance(encs, list):
+        key = (tuple(names), tuple(encs))
+        try:
+            hash(key)
+        except TypeError:  # lists or dicts in place of names
+            key = None
+    return _columns_problem(entry.get("format"), key, export_columns)
+
+
+@functools.lru_cache(maxsize=256)
+def _columns_problem(fmt: object, key: tuple | None, export_columns: bool) -> str | None:
+    """:func:`columns_problem` per distinct column set (shards of an index repeat theirs)."""
+    if fmt != "mds":
+        return f"shard format {fmt!r} is not 'mds'"
+    names, encs = key if key is not None else ((), (1,))
+    if (
+        len(names) != len(encs)
+        or not all(isinstance(x, str) for x in (*names, *encs))
+        or len(set(names)) != len(names)
+    ):
+        return "column_names and column_encodings are not two equal-length lists of unique strings"
+    pairs = list(zip(names, encs, strict=True))
+    for name, enc in pairs:
+        if not is_safe_mds_encoding(enc):
+            why = (
+                "unpickling runs code from the data"
+                if enc.split(":")[0] == "pkl"
+                else "not an MDS encoding that streaming decodes without running code"
+            )
+            return (
+                f"refusing column {name!r} with encoding {enc!r} ({why}); write it with a safe "
+                "encoding such as bytes, str, int32 or json"
+            )
+    if export_columns:
+        cols = dict(pairs)
+        for name, enc in MDS_COLUMNS.items():
+            if cols.get(name) != enc:
+                got = "is missing" if name not in cols else f"has encoding {cols[name]!r}"
+                return (
+                    f"column {name!r} {got}; an export written by prx_data.write_mds has it as "
+                    f"{enc!r}"
+                )
+        for name, enc in pairs:
+            if name not in MDS_COLUMNS and enc != "str":
+                return (
+                    f"refusing column {name!r} with encoding {enc!r}: besides "
+                    "prx_data.core.schema.MDS_COLUMNS an export has only str caption columns"
+                )
+    return None
+
+
+def check_index_entries(
+    index_path: str, obj: object, *, in_part: bool = False, export_columns: bool = False
+) -> list[dict]:
+    """The ``shards`` entries of a parsed index, every file name and column encoding checked."""
     shards = obj.get("shards") if isinstance(obj, dict) else None
     if not isinstance(shards, list):
         raise UnsafeIndexError(f"{index_path}: not a streaming index (no 'shards' list)")
@@ -116,7 +218,12 @@ def check_index_entries(index_path: str, obj: object, *, in_part: bool = False) 
             raise UnsafeIndexError(f"{index_path}: shard entry without raw_data: {entry!r:.200}")
         for key in _FILE_KEYS:
             if entry.get(key):
-                check_shard_basename(index_path, entry[key].get("basename"), in_part=in_part)
+                info = entry[key]
+                name = info.get("basename") if isinstance(info, dict) else None
+                check_shard_basename(index_path, name, in_part=in_part)
+        problem = columns_problem(entry, export_columns=export_columns)
+        if problem is not None:
+            raise UnsafeIndexError(f"{index_path}: {problem}")
     return shards
 
 
@@ -127,20 +234,20 @@ def check_bucket(bucket: object) -> str:
             f"bad bucket name {bucket!r}: expected <tier>/<ratio>, e.g. 512/1.000"
         )
     tier, ar = bucket.split("/")
-    if not (_TIER_RE.match(tier) and _AR_RE.match(ar)):
+    if not (_TIER_RE.fullmatch(tier) and _AR_RE.fullmatch(ar)):
         raise UnsafeIndexError(
             f"bad bucket name {bucket!r}: expected <tier>/<ratio>, e.g. 512/1.000"
         )
     return bucket
 
 
-def load_index(path: str, *, in_part: bool = False) -> list[dict]:
-    """Read and check one ``index.json``: its shard entries, every file name confined."""
+def load_index(path: str, *, in_part: bool = False, export_columns: bool = False) -> list[dict]:
+    """Read and check one ``index.json``: its shard entries, names confined, encodings safe."""
     try:
         obj = json.loads(storage.read_bytes(path))
     except ValueError as e:
         raise UnsafeIndexError(f"{path}: not valid JSON ({e})") from None
-    return check_index_entries(path, obj, in_part=in_part)
+    return check_index_entries(path, obj, in_part=in_part, export_columns=export_columns)
 
 
 def marker_path(out: str, part: str) -> str:
@@ -182,7 +289,7 @@ LISTS_DIR = "_lists"
 LISTS_REF_NAME = "registry"
 LISTS_LOCK_NAME = ".lock"
 LISTS_FILE_RE = re.compile(
-    r"^(registry|\.lock|[a-z0-9][a-z0-9._-]{0,63}\.parquet)(\.tmp-[0-9a-f]+)?$"
+    r"(registry|\.lock|[a-z0-9][a-z0-9._-]{0,63}\.parquet)(\.tmp-[0-9a-f]+)?"
 )
 
 #: Top-level files an export may contain besides tier directories.
@@ -199,8 +306,8 @@ _EXPORT_ENTRIES_EXTRA = {
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
 #: (Part directories themselves match ``_PART_RE``, the pattern :func:`part_name` makes.)
 _PART_FILE_RE = re.compile(
-    rf"^({SHARD_FILE_PATTERN}(\.[a-z0-9][a-z0-9._-]{{0,63}}\.skip)?|index\.json"
-    r"|ids\.parquet)(\.tmp-[0-9a-f]+)?$"
+    rf"({SHARD_FILE_PATTERN}(\.[a-z0-9][a-z0-9._-]{{0,63}}\.skip)?|index\.json"
+    r"|ids\.parquet)(\.tmp-[0-9a-f]+)?"
 )
 
 
@@ -250,7 +357,7 @@ def foreign_entries(out: str) -> list[str]:
             bits = rel.split("/")
             if bits[0] in _EXPORT_ENTRIES_EXTRA and (len(bits) == 1 or bits[0] == PROGRESS_DIR):
                 continue
-            if bits[0] == LISTS_DIR and len(bits) == 2 and LISTS_FILE_RE.match(bits[1]):
+            if bits[0] == LISTS_DIR and len(bits) == 2 and LISTS_FILE_RE.fullmatch(bits[1]):
                 continue
             if not _allowed_bucket_path(bits):
                 found.append(rel)
@@ -264,22 +371,24 @@ def foreign_entries(out: str) -> list[str]:
             if top == LISTS_DIR:
                 found += _foreign_in_lists(path)
             continue
-        if not (_TIER_RE.match(top) and os.path.isdir(path)):
+        if not (_TIER_RE.fullmatch(top) and os.path.isdir(path)):
             found.append(top)
             continue
         for ar in sorted(os.listdir(path)):
             bdir = os.path.join(path, ar)
-            if not (_AR_RE.match(ar) and os.path.isdir(bdir)):
+            if not (_AR_RE.fullmatch(ar) and os.path.isdir(bdir)):
                 found.append(f"{top}/{ar}")
                 continue
             for entry in sorted(os.listdir(bdir)):
                 epath = os.path.join(bdir, entry)
                 if os.path.isdir(epath):
-                    if not _PART_RE.match(entry):
+                    if not _PART_RE.fullmatch(entry):
                         found.append(f"{top}/{ar}/{entry}")
                         continue
                     for f in sorted(os.listdir(epath)):
-                        if not (_PART_FILE_RE.match(f) and os.path.isfile(os.path.join(epath, f))):
+                        if not (
+                            _PART_FILE_RE.fullmatch(f) and os.path.isfile(os.path.join(epath, f))
+                        ):
                             found.append(f"{top}/{ar}/{entry}/{f}")
                 elif not (entry == INDEX_NAME or entry.startswith(f"{INDEX_NAME}.tmp-")):
                     found.append(f"{top}/{ar}/{entry}")
@@ -303,16 +412,16 @@ def _foreign_in_lists(path: str) -> list[str]:
     return [
         f"{LISTS_DIR}/{f}"
         for f in sorted(os.listdir(path))
-        if not (LISTS_FILE_RE.match(f) and os.path.isfile(os.path.join(path, f)))
+        if not (LISTS_FILE_RE.fullmatch(f) and os.path.isfile(os.path.join(path, f)))
     ]
 
 
 def _allowed_bucket_path(bits: list[str]) -> bool:
-    if len(bits) < 3 or not (_TIER_RE.match(bits[0]) and _AR_RE.match(bits[1])):
+    if len(bits) < 3 or not (_TIER_RE.fullmatch(bits[0]) and _AR_RE.fullmatch(bits[1])):
         return False
     if len(bits) == 3:
         return bits[2] == INDEX_NAME or bits[2].startswith(f"{INDEX_NAME}.tmp-")
-    return len(bits) == 4 and bool(_PART_RE.match(bits[2]) and _PART_FILE_RE.match(bits[3]))
+    return len(bits) == 4 and bool(_PART_RE.fullmatch(bits[2]) and _PART_FILE_RE.fullmatch(bits[3]))
 
 
 def describe_foreign(found: Sequence[str], limit: int = 10) -> str:
@@ -350,13 +459,13 @@ def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
     _remove_temp_files(os.path.join(out, PROGRESS_DIR))
     for tier in os.listdir(out):
         tdir = os.path.join(out, tier)
-        if not (_TIER_RE.match(tier) and os.path.isdir(tdir)):
+        if not (_TIER_RE.fullmatch(tier) and os.path.isdir(tdir)):
             continue
         if os.path.islink(tdir):
             continue
         for ar in os.listdir(tdir):
             bdir = os.path.join(tdir, ar)
-            if not (_AR_RE.match(ar) and os.path.isdir(bdir)):
+            if not (_AR_RE.fullmatch(ar) and os.path.isdir(bdir)):
                 continue
             if os.path.islink(bdir):
                 continue
@@ -364,7 +473,7 @@ def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
                 ppath = os.path.join(bdir, part)
                 if os.path.islink(ppath):
                     continue
-                if os.path.isdir(ppath) and _PART_RE.match(part) and part not in keep:
+                if os.path.isdir(ppath) and _PART_RE.fullmatch(part) and part not in keep:
                     remove_tree(ppath)
                     removed += 1
                 elif os.path.isdir(ppath):
@@ -390,7 +499,7 @@ def _remove_temp_files(directory: str) -> None:
     """Leftovers of :func:`storage.write_bytes_atomic` from a killed process."""
     for dirpath, _dirs, files in os.walk(directory):
         for f in files:
-            if re.search(r"\.tmp-[0-9a-f]{8}$", f):
+            if re.search(r"\.tmp-[0-9a-f]{8}\Z", f):
                 os.remove(os.path.join(dirpath, f))
 
 
@@ -476,10 +585,10 @@ INDEX_NAME = "index.json"
 
 
 #: Tier directories are integers; bucket directories are aspect labels like ``1.000``.
-_TIER_RE = re.compile(r"^\d+$")
+_TIER_RE = re.compile(r"[0-9]+")
 
 
-_AR_RE = re.compile(r"^\d+\.\d{3}$")
+_AR_RE = re.compile(r"[0-9]+\.[0-9]{3}")
 
 
 #: Parallel small-file requests against object storage.
@@ -516,30 +625,31 @@ def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
     want = None if tiers is None else {int(t) for t in tiers}
     out = []
     for tier in storage.list_dirs(root):
-        if not _TIER_RE.match(tier):
+        if not _TIER_RE.fullmatch(tier):
             continue
         if want is not None and int(tier) not in want:
             continue
         for ar in storage.list_dirs(storage.join(root, tier)):
-            if _AR_RE.match(ar):
+            if _AR_RE.fullmatch(ar):
                 bucket = f"{tier}/{ar}"
                 if storage.exists(rel_join(root, f"{bucket}/{INDEX_NAME}")):
                     out.append(bucket)
     return sorted(out, key=lambda b: (int(b.split("/")[0]), b))
 
 
-def read_index_entries(root: str, bucket: str) -> list[dict]:
-    """The raw shard entries of one bucket's merged index, every file name confined."""
+def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) -> list[dict]:
+    """The raw shard entries of one bucket's merged index (checked by :func:`load_index`)."""
     path = rel_join(root, f"{check_bucket(bucket)}/{INDEX_NAME}")
     try:
-        return load_index(path)
+        return load_index(path, export_columns=export_columns)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no merged index; is {root!r} an export root?") from None
 
 
-def read_index(root: str, bucket: str) -> list[ShardInfo]:
-    """The shards of one bucket, in merged-index order (names checked by :func:`load_index`)."""
-    return [ShardInfo.from_index_entry(e) for e in read_index_entries(root, bucket)]
+def read_index(root: str, bucket: str, *, export_columns: bool = False) -> list[ShardInfo]:
+    """The shards of one bucket, in merged-index order (checked by :func:`load_index`)."""
+    entries = read_index_entries(root, bucket, export_columns=export_columns)
+    return [ShardInfo.from_index_entry(e) for e in entries]
 
 
 def list_suffix(base: str, suffix: str) -> list[str]:

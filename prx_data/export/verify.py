@@ -6,6 +6,8 @@ the first, so one run tells a user everything that is wrong:
 * ``report.json`` exists and its unit count matches the ``_progress`` markers;
 * every bucket the report counts has a merged index with that many samples,
   and no bucket exists that the report does not count;
+* every shard's columns are the exporter's (``MDS_COLUMNS`` plus ``str``
+  caption columns), so no encoding can run code when the export is read;
 * every shard basename is confined to the bucket (``<part>/shard.NNNNN.mds[.ext]``,
   no ``..``, absolute paths or backslashes);
 * every shard exists with the size its index records; ``deep`` rehashes each
@@ -42,6 +44,7 @@ from prx_data.export.layout import (
     LISTS_FILE_RE,
     PROGRESS_DIR,
     ShardInfo,
+    columns_problem,
     list_markers,
     map_io,
     read_report,
@@ -88,9 +91,9 @@ def _buckets_on_disk(root: str) -> tuple[list[str], list[str]]:
     buckets, stray = set(), []
     for rel in storage.list_files(root, recursive=True):
         bits = rel.replace("\\", "/").split("/")
-        if not _TIER_RE.match(bits[0]):
+        if not _TIER_RE.fullmatch(bits[0]):
             continue
-        if len(bits) < 3 or not _AR_RE.match(bits[1]):
+        if len(bits) < 3 or not _AR_RE.fullmatch(bits[1]):
             stray.append(rel)
             continue
         buckets.add(f"{bits[0]}/{bits[1]}")
@@ -158,7 +161,7 @@ def _verify_lists(root: str, res: VerifyResult) -> None:
     for rel in storage.list_files(base):
         path = storage.join(base, rel)
         name = rel.replace("\\", "/")
-        if "/" in name or not LISTS_FILE_RE.match(name):
+        if "/" in name or not LISTS_FILE_RE.fullmatch(name):
             res.problems.append(Problem(path, "not a file of the skip-list store"))
             continue
         if not name.endswith(".parquet") or ".tmp-" in name:
@@ -203,7 +206,10 @@ def _verify_bucket(
     shards: dict[str, ShardInfo] = {}
     on_disk: dict[str, tuple[str, int, dict]] = {}  # basename -> (file basename, bytes, hashes)
     total = 0
+    column_problems: dict[str, None] = {}  # one problem per distinct finding, in index order
     for i, entry in enumerate(entries):
+        if isinstance(entry, dict) and (found := columns_problem(entry, export_columns=True)):
+            column_problems.setdefault(found)
         try:
             info = ShardInfo.from_index_entry(entry)
             stored = entry.get("zip_data") or entry["raw_data"]
@@ -211,7 +217,7 @@ def _verify_bucket(
         except (KeyError, TypeError, ValueError) as e:
             add(Problem(index_path, f"shard entry {i} is malformed ({e})"))
             continue
-        bad = [b for b in {info.basename, file_base} if not SHARD_RE.match(str(b))]
+        bad = [b for b in {info.basename, file_base} if not SHARD_RE.fullmatch(str(b))]
         if bad:
             add(
                 Problem(
@@ -225,6 +231,8 @@ def _verify_bucket(
         on_disk[info.basename] = (file_base, nbytes, dict(stored.get("hashes") or {}))
         total += info.samples
     res.shards += len(shards)
+    for found in column_problems:
+        add(Problem(index_path, found))
     if expected is not None and total != expected:
         add(Problem(index_path, f"index holds {total} samples, report.json counts {expected}"))
     sizes = _sizes(bdir)  # one listing of the bucket: relative path -> bytes
@@ -272,7 +280,7 @@ def _verify_bucket(
         bits = rel.split("/")
         if rel == INDEX_NAME:
             continue
-        if len(bits) != 2 or not _PART_RE.match(bits[0]):
+        if len(bits) != 2 or not _PART_RE.fullmatch(bits[0]):
             add(Problem(rel_join(bdir, rel), "not part of the export layout"))
             continue
         if bits[0] not in known_parts:
@@ -334,7 +342,7 @@ def _verify_sidecars(
             continue
         res.sidecars += 1
         base, name = match
-        if not re.match(r"^[a-z0-9][a-z0-9._-]{0,63}$", name):
+        if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
             add(Problem(path, f"sidecar name {name!r} is not a valid skip-list name"))
             continue
         if check_sidecar is not None:

@@ -426,7 +426,7 @@ def store_names(root: str) -> list[str]:
     names = []
     for rel in storage.list_files(storage.join(root, layout.LISTS_DIR), ".parquet", False):
         stem = rel.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".parquet")
-        if SL.NAME_RE.match(stem):
+        if SL.NAME_RE.fullmatch(stem):
             names.append(stem)
     return sorted(names)
 

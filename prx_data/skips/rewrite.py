@@ -175,8 +175,12 @@ def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
 
 
 def _readers(root: str, bucket: str, tmp: str):
-    """(entry, MDS reader) for every shard of a bucket, in index order."""
-    for entry in layout.read_index_entries(root, bucket):
+    """(entry, MDS reader) for every shard of a bucket, in index order.
+
+    The index is checked (again: it may have changed since the plan) before any
+    reader exists: the exporter's columns only, so no encoding can run code.
+    """
+    for entry in layout.read_index_entries(root, bucket, export_columns=True):
         yield entry, reader_from_json(_materialize(root, bucket, entry, tmp), None, entry)
 
 
@@ -236,7 +240,7 @@ def rewrite_export(
     plan = []
     applied: set[str] = set()
     for bucket in buckets:
-        shards = layout.read_index(root, bucket)
+        shards = layout.read_index(root, bucket, export_columns=True)  # before anything is written
         listing = skiplist.list_sidecars(root, bucket, shards)
         known |= set(listing)
         applied |= set(listing) if names is None else set(names) & set(listing)

@@ -51,7 +51,8 @@ from prx_data.table.lance_ops import query_ids
 
 MAGIC = b"PRXSKIP1"
 SUFFIX = ".skip"
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+#: Used with ``fullmatch`` (``$`` would accept a trailing newline).
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
 
 class SkipListError(ValueError):
@@ -60,7 +61,7 @@ class SkipListError(ValueError):
 
 def validate_name(name: str) -> str:
     """Skip-list names become file-name parts: lower-case ``[a-z0-9._-]``, at most 64 chars."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or name.endswith(".json"):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.endswith(".json"):
         raise ValueError(
             f"invalid skip-list name {name!r}: use 1-64 characters from [a-z0-9._-], "
             "starting with a letter or digit (e.g. 'dedup', 'optout-2026-11')"
@@ -219,7 +220,7 @@ def scan_sidecars(
         first = pos
         while pos != -1:
             shard, name = stem[: pos + 4], stem[pos + 5 :]
-            if shard in known and NAME_RE.match(name):
+            if shard in known and NAME_RE.fullmatch(name):
                 out.setdefault(name, []).append(shard)
                 break
             pos = stem.find(".mds.", pos + 1)
@@ -312,7 +313,7 @@ def read_indices_file(path: str) -> dict[tuple[str, str], list[int]]:
             if not line:
                 continue
             parts = line.split()
-            if len(parts) != 3 or not parts[2].isdigit():
+            if len(parts) != 3 or not re.fullmatch(r"[0-9]+", parts[2]):
                 raise ValueError(f"{path}:{n}: expected '<bucket> <shard> <index>', got {line!r}")
             out.setdefault((parts[0], parts[1]), []).append(int(parts[2]))
     return out

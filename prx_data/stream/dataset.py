@@ -559,7 +559,8 @@ class BucketedDataset(StreamingDataset):
     ``source_bucket``. Every device batch comes from one bucket.
 
     Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
-    ``cache_limit``, ``download_retry``, ``shuffle_block_size``).
+    ``cache_limit``, ``download_retry``, ``shuffle_block_size``), except
+    ``allow_unsafe_types=True``, which is refused.
     ``num_workers`` must equal the DataLoader's: the epoch is sized for it.
     ``small_buckets="drop"`` leaves out buckets too small for one planning unit
     (with a warning) instead of failing. The preflight plan is ``self.plan``
@@ -593,6 +594,12 @@ class BucketedDataset(StreamingDataset):
     ) -> None:
         if on_change not in ON_CHANGE:
             raise ValueError(f"on_change must be one of {ON_CHANGE}, got {on_change!r}")
+        if streaming_kwargs.get("allow_unsafe_types"):
+            raise ValueError(
+                "BucketedDataset refuses allow_unsafe_types=True: it streams only safe column "
+                "encodings (no pickle, which runs code from the data); re-export the data with a "
+                "safe encoding"
+            )
         self.on_change = on_change
         #: Set by a resume that restarted its epoch: what changed and how many samples repeat.
         self.restarted_epoch: dict[str, Any] | None = None

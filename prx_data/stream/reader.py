@@ -34,14 +34,34 @@ class SkipStream(Stream):
         self.skips = skips or {}
 
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
-        shards = super().get_shards(world, allow_unsafe_types)
-        index = os.path.join(self.local, self.split or "", layout.INDEX_NAME)
+        """Streaming's shard readers, checked before any shard file is opened or decoded.
+
+        Names: any relative path inside the stream's directory, as the MDS
+        format allows (:func:`layout.check_stream_basenames`); streaming joins
+        them to ``local`` unchecked. Columns: safe encodings only, whatever
+        ``allow_unsafe_types`` says (no pickle on data paths).
+        """
+        # Building readers opens no shard; the columns are checked below, more strictly.
+        shards = super().get_shards(world, True)
+        directory = os.path.join(self.local, self.split or "")
+        index = os.path.join(directory, layout.INDEX_NAME)
+        layout.check_stream_basenames(
+            index,
+            directory,
+            (i.basename for r in shards for i in (r.raw_data, r.zip_data) if i is not None),
+        )
         out = []
         for reader in shards:
-            # Before any shard file is opened: streaming joins these names to ``local`` unchecked.
-            for info in (reader.raw_data, reader.zip_data):
-                if info is not None:
-                    layout.check_shard_basename(index, info.basename)
+            if isinstance(reader, MDSReader):
+                entry = {
+                    "format": "mds",
+                    "column_names": list(reader.column_names),
+                    "column_encodings": list(reader.column_encodings),
+                }
+                problem = layout.columns_problem(entry)
+                if problem is not None:
+                    raise layout.UnsafeIndexError(f"{index}: {problem}")
+            reader.validate(False)  # streaming's own rule on top, for every format
             skipped = self.skips.get(reader.raw_data.basename)
             if skipped is None or not len(skipped):
                 out.append(reader)
