@@ -84,6 +84,7 @@ def _fake_parts(bdir: str, n: int) -> dict[str, int]:
             shards.append(
                 {
                     "column_names": ["id"],
+                    "column_encodings": ["str"],
                     "format": "mds",
                     "raw_data": {
                         "basename": f"shard.{j:05d}.mds",
