@@ -21,7 +21,8 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import asdict, replace
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
 
 from tqdm.auto import tqdm
 
@@ -61,6 +62,33 @@ def auto_min_units(ray_address: str | None = None, num_cpus: int | None = None) 
     import ray
 
     return UNITS_PER_CPU * max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+@dataclass
+class ProgressTotals:
+    """Running totals for the progress bar: O(1) per finished unit, not a re-sum of all results."""
+
+    units: int = 0
+    samples: int = 0
+
+    @classmethod
+    def of(cls, results: Iterable[UnitResult]) -> ProgressTotals:
+        """Totals of the units already done (a resume's markers): one pass, once."""
+        totals = cls()
+        for r in results:
+            totals.add(r)
+        return totals
+
+    def add(self, r: UnitResult, replaces: UnitResult | None = None) -> None:
+        """Count one finished unit (``replaces``: an earlier report of the same part)."""
+        if replaces is not None:
+            self.units -= 1
+            self.samples -= replaces.written
+        self.units += 1
+        self.samples += r.written
+
+    def postfix(self) -> dict[str, int]:
+        return {"samples": self.samples}
 
 
 class _ExportTask:
@@ -166,12 +194,14 @@ def _run_locked(
             disable=not progress,
             file=sys.stderr,
         )
+        totals = ProgressTotals.of(results.values())
         for row in ds.iter_rows():
             lock.check()
             r = UnitResult.from_json(row["result"])
+            totals.add(r, replaces=results.get(r.part))
             results[r.part] = r
             bar.update(1)
-            bar.set_postfix(samples=sum(x.written for x in results.values()))
+            bar.set_postfix(totals.postfix())
         bar.close()
     expected = {u.part for u in units}
     missing = expected - set(results)

@@ -41,9 +41,11 @@ import os
 import posixpath
 import re
 import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -51,6 +53,9 @@ import pyarrow.parquet as pq
 from prx_data.core import storage
 from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
 from prx_data.core.streaming_compat import is_safe_mds_encoding
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def part_name(fragment_id: int, start: int) -> str:
@@ -540,9 +545,13 @@ def merge_bucket(
     right before the write (the export lease: reading the parts can take long).
     """
     shards = []
-    for part in sorted(parts):
-        path = storage.join(bucket_dir, part, INDEX_NAME)
-        entries = load_index(path, in_part=True)
+    ordered = sorted(parts)
+    paths = [storage.join(bucket_dir, part, INDEX_NAME) for part in ordered]
+    read = functools.partial(load_index, in_part=True)
+    # Reads run in parallel (bounded); entries are joined in part order, so the bytes are the same.
+    for part, path, entries in zip(
+        ordered, paths, imap_bounded(read, paths, io_workers(bucket_dir)), strict=True
+    ):
         if expected is not None:
             n = sum(int(s["samples"]) for s in entries)
             if n != expected.get(part):
@@ -667,10 +676,49 @@ def list_suffix(base: str, suffix: str) -> list[str]:
 
 
 def map_io(fn, items: Sequence, remote: bool) -> list:
-    if remote and len(items) > 1:
-        with ThreadPoolExecutor(IO_THREADS) as ex:
-            return list(ex.map(fn, items))
-    return [fn(x) for x in items]
+    return map_bounded(fn, items, IO_THREADS if remote else 1)
+
+
+#: Threads for the driver's many small reads (part indexes, unit markers, manifests,
+#: sidecars): object storage is latency-bound, so many requests in flight; a local disk
+#: gains from a few (parquet decoding and file opens release the GIL).
+REMOTE_IO_WORKERS = 32
+LOCAL_IO_WORKERS = 4
+
+
+def io_workers(path: str) -> int:
+    """How many small reads to keep in flight against ``path``'s storage."""
+    return REMOTE_IO_WORKERS if storage.is_remote(path) else LOCAL_IO_WORKERS
+
+
+def imap_bounded(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Iterator[R]:
+    """``fn`` over ``items`` on at most ``workers`` threads, yielded in ``items``' order.
+
+    At most ``2 * workers`` calls are in flight or waiting to be yielded, so a
+    million parts cost a bounded number of futures, and results (and the first
+    error, in input order) are deterministic whatever the thread timing.
+    """
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    window = 2 * workers
+    pending: deque = deque()
+    with ThreadPoolExecutor(workers) as ex:
+        try:
+            for x in items:
+                pending.append(ex.submit(fn, x))
+                if len(pending) >= window:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:  # an error or an abandoned generator: start nothing new
+                f.cancel()
+
+
+def map_bounded(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
+    """:func:`imap_bounded` as a list (results in input order)."""
+    return list(imap_bounded(fn, items, workers))
 
 
 def check_manifest_shards(path: str, part: str, shards) -> None:
@@ -702,7 +750,7 @@ def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
             check_manifest_shards(path, posixpath.dirname(rel.replace(chr(92), "/")), t["shard"])
             return t.append_column("bucket", pa.array([bucket] * len(t), pa.string()))
 
-        tables += map_io(read, rels, storage.is_remote(export_root))
+        tables += map_bounded(read, rels, io_workers(export_root))
     if not tables:
         return pa.table({"shard": [], "index": pa.array([], pa.int32()), "id": [], "bucket": []})
     return pa.concat_tables(tables)

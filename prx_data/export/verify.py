@@ -45,6 +45,8 @@ from prx_data.export.layout import (
     PROGRESS_DIR,
     ShardInfo,
     columns_problem,
+    imap_bounded,
+    io_workers,
     list_markers,
     map_io,
     read_report,
@@ -248,18 +250,15 @@ def _verify_bucket(
         _rehash(bdir, on_disk, files, sizes, res)
     # manifests: rows per shard == index samples
     parts = sorted({b.split("/")[0] for b in shards})
-    for part in parts:
-        mpath = rel_join(bdir, f"{part}/{MANIFEST_NAME}")
-        if f"{part}/{MANIFEST_NAME}" not in files:
+    # Manifests are read in parallel (bounded) and checked in part order: the same findings.
+    for part, (mpath, col) in zip(
+        parts, imap_bounded(_manifest_reader(bdir, files), parts, io_workers(bdir)), strict=True
+    ):
+        if col is None:
             add(Problem(mpath, "manifest missing"))
             continue
-        try:
-            import pyarrow.parquet as pq
-
-            src = io.BytesIO(storage.read_bytes(mpath)) if storage.is_remote(mpath) else mpath
-            col = pq.read_table(src, columns=["shard"]).column("shard").to_pylist()
-        except Exception as e:  # noqa: BLE001 - a corrupt manifest is a finding
-            add(Problem(mpath, f"unreadable manifest ({e})"))
+        if isinstance(col, Exception):
+            add(Problem(mpath, f"unreadable manifest ({col})"))
             continue
         got = Counter(col)
         for base in sorted(b for b in shards if b.startswith(f"{part}/")):
@@ -275,6 +274,7 @@ def _verify_bucket(
             add(Problem(mpath, f"{got[base]} rows for {base!r}, which the index does not list"))
     # files that the index does not account for
     known_parts = set(parts)
+    listed = {v[0] for v in on_disk.values()}  # once, not per file: buckets hold 10^5 shards
     sidecars = []
     for rel in sorted(files):
         bits = rel.split("/")
@@ -288,11 +288,26 @@ def _verify_bucket(
             continue
         if rel.endswith(SIDECAR_SUFFIX):
             sidecars.append(rel)
-        elif bits[1] not in (INDEX_NAME, MANIFEST_NAME) and rel not in {
-            v[0] for v in on_disk.values()
-        }:
+        elif bits[1] not in (INDEX_NAME, MANIFEST_NAME) and rel not in listed:
             add(Problem(rel_join(bdir, rel), "file is not listed in the merged index"))
     _verify_sidecars(bdir, sidecars, shards, check_sidecar, res)
+
+
+def _manifest_reader(bdir: str, files: dict[str, int]):
+    """``part -> (path, shard column | None if absent | the error if unreadable)``."""
+    import pyarrow.parquet as pq
+
+    def read(part: str) -> tuple[str, list | Exception | None]:
+        mpath = rel_join(bdir, f"{part}/{MANIFEST_NAME}")
+        if f"{part}/{MANIFEST_NAME}" not in files:
+            return mpath, None
+        try:
+            src = io.BytesIO(storage.read_bytes(mpath)) if storage.is_remote(mpath) else mpath
+            return mpath, pq.read_table(src, columns=["shard"])["shard"].to_pylist()
+        except Exception as e:  # noqa: BLE001 - a corrupt manifest is a finding
+            return mpath, e
+
+    return read
 
 
 def _sizes(bdir: str) -> dict[str, int]:
@@ -328,23 +343,35 @@ def _verify_sidecars(
     check_sidecar: SidecarCheck | None,
     res: VerifyResult,
 ) -> None:
-    add = res.problems.append
+    found: list[list[Problem] | tuple[str, str, str]] = []  # per sidecar: problems, or a read job
     for rel in rels:
         path = rel_join(bdir, rel)
         stem = rel[: -len(SIDECAR_SUFFIX)]
         match = None
-        for base in sorted(shards, key=len, reverse=True):
-            if stem.startswith(base + "."):
-                match = (base, stem[len(base) + 1 :])
+        cut = len(stem)  # the longest shard name that the stem extends with ".<list name>"
+        while (cut := stem.rfind(".", 0, cut)) > 0:
+            if stem[:cut] in shards:
+                match = (stem[:cut], stem[cut + 1 :])
                 break
         if match is None:
-            add(Problem(path, "orphan sidecar: no shard of the index has this name"))
+            found.append([Problem(path, "orphan sidecar: no shard of the index has this name")])
             continue
         res.sidecars += 1
         base, name = match
         if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
-            add(Problem(path, f"sidecar name {name!r} is not a valid skip-list name"))
-            continue
-        if check_sidecar is not None:
-            for msg in check_sidecar(path, storage.read_bytes(path), shards[base], name):
-                add(Problem(path, msg))
+            found.append([Problem(path, f"sidecar name {name!r} is not a valid skip-list name")])
+        elif check_sidecar is not None:
+            found.append((path, base, name))
+
+    def check(job: list[Problem] | tuple[str, str, str]) -> list[Problem]:
+        if isinstance(job, list):
+            return job
+        path, base, name = job
+        return [
+            Problem(path, m)
+            for m in check_sidecar(path, storage.read_bytes(path), shards[base], name)
+        ]
+
+    # Sidecars are read in parallel (bounded); findings keep the listing's order.
+    for problems in imap_bounded(check, found, io_workers(bdir)):
+        res.problems.extend(problems)

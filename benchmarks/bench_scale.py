@@ -1,0 +1,442 @@
+"""How the jobs around an export grow with its size: seconds and growth exponents.
+
+Fabricates exports in the exporter's own layout (``prx_data.export.layout``):
+13 buckets of tier 512, one part per work unit per bucket (``--per-part``
+samples each, 40 by default: a 1,000-row unit spread over 25 buckets), one
+shard per part, ``ids.parquet`` manifests, one ``_progress`` marker per unit,
+then the real :func:`prx_data.export.unit.finalize`. Pixels are cached: one
+real JPEG per bucket shape, encoded once; shard files are built from samples
+encoded by ``streaming.MDSWriter`` itself (a template sample whose fixed-width id
+is swapped in), and the bench checks once that a fabricated part is
+byte-identical to one ``MDSWriter`` writes.
+
+For each size (each in a fresh process) it times, where the operation exists:
+
+  finalize   merge every part index into the bucket indexes, write the report
+  resume     resume planning: tree check, unit markers, stale-part sweep
+  skips_add  ``skips add --ids`` with 1% of the ids
+  holdout    building a 1% hold-out skip set for every bucket (what each rank does)
+  loader     init + first batch + resident memory of one process, BucketedDataset
+             against plain ``streaming.StreamingDataset`` over the same buckets
+  rewrite    ``skips rewrite --force`` (``--no-rewrite-above N`` skips it at large N)
+  optout     an opt-out of 10^4 ids (``prx_data.optout``)
+  verify     ``python -m prx_data.verify`` (in process, with the sidecar check)
+
+plus the peak resident memory each one added, and then prints, per operation,
+the growth exponent ``log(t2/t1) / log(n2/n1)`` between consecutive sizes.
+
+    python benchmarks/bench_scale.py                       # 10^4 and 10^5 (smoke)
+    python benchmarks/bench_scale.py --sizes 1e5 1e6 1e7 --no-rewrite-above 1e6
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+TIER = 512
+ID_WIDTH = 12
+OPS = (
+    "fabricate",
+    "resume",
+    "finalize",
+    "skips_add",
+    "holdout",
+    "loader_bucketed",
+    "loader_plain",
+    "rewrite",
+    "optout",
+    "verify",
+)
+
+
+# --- fabrication -----------------------------------------------------------------------------
+
+
+def _sid(i: int) -> str:
+    return f"{i:0{ID_WIDTH}d}"
+
+
+class BucketTemplate:
+    """One bucket's encoded sample with a placeholder id, and its shard/index templates."""
+
+    def __init__(self, bucket: str, width: int, height: int, work: str) -> None:
+        from PIL import Image
+        from streaming import MDSWriter
+
+        from prx_data.core.schema import MDS_COLUMNS
+        from prx_data.export.unit import DEFAULT_HASHES
+
+        buf = io.BytesIO()
+        Image.new("RGB", (width, height), (120, 130, 140)).save(buf, "JPEG", quality=90)
+        self.bucket = bucket
+        self.columns = {**MDS_COLUMNS, "caption": "str"}
+        self.hashes = list(DEFAULT_HASHES)
+        self.sample = {
+            "image": buf.getvalue(),
+            "id": "",
+            "width": width * 2,
+            "height": height * 2,
+            "crop_left": 0.0,
+            "crop_top": 0.0,
+            "crop_right": float(width * 2),
+            "crop_bottom": float(height * 2),
+            "tier": TIER,
+            "bucket": bucket,
+            "caption": f"a cached photo in {bucket}",
+        }
+        w = MDSWriter(out=os.path.join(work, "tmpl"), columns=self.columns, hashes=self.hashes)
+        self.config_data = w.config_data
+        self.config = w.get_config()
+        marker = "#" * ID_WIDTH
+        enc = w.encode_sample({**self.sample, "id": marker})
+        w.finish()
+        shutil.rmtree(os.path.join(work, "tmpl"))
+        cut = enc.index(marker.encode())
+        self.pre, self.post = enc[:cut], enc[cut + ID_WIDTH :]
+        self.sample_size = len(enc)
+
+    def shard(self, ids: list[str]) -> bytes:
+        n = len(ids)
+        offsets = np.arange(n + 1, dtype=np.uint32) * np.uint32(self.sample_size)
+        offsets += np.uint32(4 + 4 * (n + 1) + len(self.config_data))
+        body = b"".join(self.pre + i.encode() + self.post for i in ids)
+        return np.uint32(n).tobytes() + offsets.tobytes() + self.config_data + body
+
+    def write_part(self, bdir: str, part: str, ids: list[str]) -> None:
+        from streaming.base.hashing import get_hash
+
+        from prx_data.export import layout
+
+        pdir = os.path.join(bdir, part)
+        os.makedirs(pdir, exist_ok=True)
+        data = self.shard(ids)
+        with open(os.path.join(pdir, "shard.00000.mds"), "wb") as f:
+            f.write(data)
+        raw = {
+            "basename": "shard.00000.mds",
+            "bytes": len(data),
+            "hashes": {a: get_hash(a, data) for a in self.hashes},
+        }
+        entry = {"samples": len(ids), "raw_data": raw, "zip_data": None, **self.config}
+        with open(os.path.join(pdir, "index.json"), "w") as f:
+            json.dump({"version": 2, "shards": [entry]}, f, sort_keys=True)
+        layout.write_manifest(bdir, part, ids)
+
+    def check_against_mdswriter(self, work: str) -> None:
+        """A fabricated part must be byte-identical to what MDSWriter writes for the same samples."""
+        from streaming import MDSWriter
+
+        ids = [_sid(i) for i in range(7)]
+        real = os.path.join(work, "check-real")
+        with MDSWriter(out=real, columns=self.columns, hashes=self.hashes) as w:
+            for i in ids:
+                w.write({**self.sample, "id": i})
+        fake = os.path.join(work, "check-fake")
+        self.write_part(fake, "p", ids)
+        for name in ("shard.00000.mds", "index.json"):
+            with (
+                open(os.path.join(real, name), "rb") as a,
+                open(os.path.join(fake, "p", name), "rb") as b,
+            ):
+                if a.read() != b.read():
+                    raise SystemExit(f"fabricated {name} differs from MDSWriter's: fix the bench")
+        shutil.rmtree(real)
+        shutil.rmtree(fake)
+
+
+def fabricate(root: str, n: int, per_part: int, work: str) -> dict:
+    """An export of ``n`` samples in the real layout, without its merged indexes yet."""
+    from prx_data.core.buckets import DEFAULT_SPEC, bucket_name
+    from prx_data.core.storage import write_bytes_atomic
+    from prx_data.export import layout
+    from prx_data.export.unit import UnitResult
+
+    shapes = DEFAULT_SPEC.shapes(TIER)
+    templates = [BucketTemplate(bucket_name(TIER, w, h), w, h, work) for w, h in shapes]
+    templates[0].check_against_mdswriter(work)
+    layout.write_export_marker(root)
+    per_unit = per_part * len(templates)
+    units = -(-n // per_unit)
+    next_id = 0
+    for u in range(units):
+        part = layout.part_name(u // 100, (u % 100) * per_unit)
+        result = UnitResult(part=part)
+        for t in templates:
+            k = min(per_part, n - next_id)
+            if k <= 0:
+                break
+            ids = [_sid(i) for i in range(next_id, next_id + k)]
+            next_id += k
+            t.write_part(os.path.join(root, *t.bucket.split("/")), part, ids)
+            result.buckets[t.bucket] = k
+            result.written += k
+        result.rows = result.written
+        write_bytes_atomic(layout.marker_path(root, part), result.to_json().encode())
+    return {"units": units, "parts": sum(1 for _ in _parts(root)), "buckets": len(templates)}
+
+
+def _parts(root: str):
+    for tier in os.listdir(root):
+        if tier.isdigit():
+            for ar in os.listdir(os.path.join(root, tier)):
+                for part in os.listdir(os.path.join(root, tier, ar)):
+                    if part.startswith("f"):
+                        yield part
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextmanager
+def measured(results: dict, name: str):
+    """Seconds and the peak resident memory added (sampled every 10 ms) of one operation."""
+    start = _rss_mb()
+    peak = [start]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.01):
+            peak[0] = max(peak[0], _rss_mb())
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        dt = time.perf_counter() - t
+        stop.set()
+        th.join()
+        results[name] = {"s": dt, "peak_add_mb": max(peak[0], _rss_mb()) - start}
+        print(f"  {name:<16} {dt:9.2f} s   +{results[name]['peak_add_mb']:7.1f} MB", flush=True)
+
+
+def loader_child(root: str, kind: str, batch: int) -> dict:
+    """Run in a fresh process: init, first batch and resident memory of one loader."""
+    import logging
+
+    from streaming import Stream, StreamingDataset
+
+    from prx_data.export import layout
+    from prx_data.stream.dataset import BucketedDataset, DatasetSpec
+
+    logging.disable(logging.WARNING)
+    rss0 = _rss_mb()  # after the imports (torch alone is most of it)
+    t = time.perf_counter()
+    if kind == "bucketed":
+        ds = BucketedDataset(
+            DatasetSpec(root),
+            tier=TIER,
+            batch_size=batch,
+            num_canonical_nodes=1,
+            shuffle=True,
+            small_buckets="drop",
+        )
+    else:
+        streams = [Stream(local=layout.rel_join(root, b)) for b in layout.list_buckets(root)]
+        ds = StreamingDataset(
+            streams=streams,
+            batch_size=batch,
+            num_canonical_nodes=1,
+            shuffle=True,
+            batching_method="per_stream",
+        )
+    init = time.perf_counter() - t
+    t = time.perf_counter()
+    it = iter(ds)
+    for _ in range(batch):
+        next(it)
+    first = time.perf_counter() - t
+    return {"init_s": init, "first_batch_s": first, "rss_mb": _rss_mb(), "rss_before_mb": rss0}
+
+
+def run_loader(root: str, kind: str, batch: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_loader", kind, root, "--batch", str(batch)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode:
+        raise SystemExit(f"loader {kind} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_size(n: int, per_part: int, work: str, rewrite: bool, batch: int) -> dict:
+    """Every operation at one size (run in its own process); returns {op: figures}."""
+
+    from prx_data.cli.verify import check_sidecar
+    from prx_data.export import layout
+    from prx_data.export.unit import ExportConfig, done_parts, finalize
+    from prx_data.export.verify import verify_export
+    from prx_data.skips import sidecar as skiplist
+    from prx_data.skips.optout import add_optout
+    from prx_data.skips.rewrite import rewrite_export
+    from prx_data.stream.holdout import Holdout
+
+    root = os.path.join(work, f"export-{n}")
+    res: dict = {}
+    print(f"n = {n:,}", flush=True)
+    with measured(res, "fabricate"):
+        res["shape"] = fabricate(root, n, per_part, work)
+    print(f"  ({res['shape']['units']:,} units, {res['shape']['parts']:,} parts)", flush=True)
+    with measured(res, "resume"):  # what `write_mds --resume` does before scheduling units
+        assert not layout.foreign_entries(root)
+        finished = done_parts(root)
+        layout.remove_stale_parts(root, set(finished), (TIER,))
+    cfg = ExportConfig(table="(bench_scale)", out=root, caption_columns=("caption",), tiers=(TIER,))
+    with measured(res, "finalize"):
+        report = finalize(cfg, {p: finished[p] for p in sorted(finished)}, 0.0)
+    assert report.samples_written == n, report.samples_written
+    rng = np.random.default_rng(0)
+    all_ids = [_sid(i) for i in range(n)]
+    one_pct = [all_ids[i] for i in rng.choice(n, max(1, n // 100), replace=False)]
+    with measured(res, "skips_add"):
+        added = skiplist.add_skips_by_ids(root, "bench", one_pct)
+    assert added.samples_listed == len(one_pct) and not added.ids_not_found
+    with measured(res, "holdout"):
+        h = Holdout(0.01, salt="bench")
+        held = 0
+        for b in layout.list_buckets(root):
+            held += sum(len(v) for v in h.skips(root, b, layout.read_index(root, b)).values())
+    for kind in ("bucketed", "plain"):
+        r = run_loader(root, kind, batch)
+        res[f"loader_{kind}"] = {"s": r["init_s"] + r["first_batch_s"], **r}
+        print(
+            f"  loader_{kind:<9} init {r['init_s']:.2f} s, first batch {r['first_batch_s']:.2f} s, "
+            f"RSS {r['rss_mb']:.0f} MB (+{r['rss_mb'] - r['rss_before_mb']:.0f} over imports)",
+            flush=True,
+        )
+    if rewrite:
+        with measured(res, "rewrite"):
+            rewrite_export(root, os.path.join(work, f"rewritten-{n}"), force=True)
+        shutil.rmtree(os.path.join(work, f"rewritten-{n}"))
+    step = max(1, n // 10_000)
+    optout_ids = all_ids[::step][:10_000]
+    with measured(res, "optout"):
+        rep = add_optout(root, "optout-bench", optout_ids)
+    assert rep.ids_not_in_export == 0
+    res["optout"]["ids"] = len(optout_ids)
+    with measured(res, "verify"):
+        v = verify_export(root, check_sidecar=check_sidecar)
+    if not v.ok:
+        raise SystemExit(f"verify found problems: {[str(p) for p in v.problems[:5]]}")
+    res["verify"]["sidecars"] = v.sidecars
+    if n == int(os.environ.get("BENCH_SCALE_CLI_CHECK", "0")):  # the CLI itself, once
+        cli = subprocess.run([sys.executable, "-m", "prx_data.verify", root], check=False)
+        assert cli.returncode == 0
+    shutil.rmtree(root)
+    return res
+
+
+def exponent(n1: int, t1: float, n2: int, t2: float) -> float:
+    """Growth exponent: 1 is linear, 0 constant (timings below 1 ms are noise: reported as nan)."""
+    if min(t1, t2) < 1e-3:
+        return float("nan")
+    return math.log(t2 / t1) / math.log(n2 / n1)
+
+
+def table(sizes: list[int], runs: dict[int, dict]) -> str:
+    head = f"{'operation':<18}" + "".join(f"{f'n={n:.0e}':>11}" for n in sizes)
+    head += "".join(
+        f"{f'exp {a:.0e}->{b:.0e}':>17}" for a, b in zip(sizes, sizes[1:], strict=False)
+    )
+    lines = ["seconds (growth exponent between sizes; <= 1.1 is the target)", head]
+    for op in OPS:
+        t = [runs[n].get(op, {}).get("s") for n in sizes]
+        row = f"{op:<18}" + "".join(f"{x:>11.3f}" if x is not None else f"{'-':>11}" for x in t)
+        for i in range(len(sizes) - 1):
+            if t[i] is None or t[i + 1] is None:
+                row += f"{'-':>17}"
+            else:
+                row += f"{exponent(sizes[i], t[i], sizes[i + 1], t[i + 1]):>17.2f}"
+        lines.append(row)
+    lines += [
+        "",
+        "peak resident memory added (MB); loaders: what init + one batch added to the process "
+        "(after imports)",
+    ]
+    for op in OPS:
+        vals = []
+        for n in sizes:
+            r = runs[n].get(op)
+            if r is None:
+                vals.append(f"{'-':>11}")
+            else:
+                mb = r["rss_mb"] - r["rss_before_mb"] if "rss_mb" in r else r["peak_add_mb"]
+                vals.append(f"{mb:>11.1f}")
+        lines.append(f"{op:<18}" + "".join(vals))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", nargs="+", type=float, default=[1e4, 1e5])
+    p.add_argument("--per-part", type=int, default=40, help="samples per part (unit x bucket)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--no-rewrite-above", type=float, default=None, metavar="N")
+    p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--_size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_loader", nargs=2, metavar=("KIND", "ROOT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._loader:
+        print(json.dumps(loader_child(args._loader[1], args._loader[0], args.batch)))
+        return
+    os.environ["TQDM_DISABLE"] = "1"
+    if args._size:
+        rewrite = args.no_rewrite_above is None or args._size <= args.no_rewrite_above
+        res = one_size(args._size, args.per_part, args.work, rewrite, args.batch)
+        print("RESULT " + json.dumps(res))
+        return
+    sizes = sorted(int(s) for s in args.sizes)
+    work = args.work or tempfile.mkdtemp(prefix="bench-scale-")
+    os.environ.setdefault("BENCH_SCALE_CLI_CHECK", str(sizes[0]))
+    runs = {}
+    try:
+        for n in sizes:
+            cmd = [sys.executable, os.path.abspath(__file__), "--_size", str(n), "--work", work]
+            cmd += ["--per-part", str(args.per_part), "--batch", str(args.batch)]
+            if args.no_rewrite_above is not None:
+                cmd += ["--no-rewrite-above", str(int(args.no_rewrite_above))]
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+            lines = out.stdout.splitlines()
+            print("\n".join(x for x in lines if not x.startswith("RESULT ")), flush=True)
+            if out.returncode:
+                raise SystemExit(f"size {n} failed (exit {out.returncode})")
+            runs[n] = json.loads(next(x for x in lines if x.startswith("RESULT "))[7:])
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(table(sizes, runs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(n): r for n, r in runs.items()}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
