@@ -58,6 +58,10 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
     print(f"\ntiny random-weight T5 text encoder for the offline smoke run: {encoder}")
     vae = save_tiny_autoencoder(os.path.join(workdir, "tiny-vae"))
     print(f"tiny random-weight AutoencoderKL for the latent smoke run: {vae}")
+    from prx_data.train.metrics import save_tiny_metric_models
+
+    tiny = save_tiny_metric_models(workdir)
+    print(f"tiny random-weight FID/CLIP/DINOv2 models for its metrics: {', '.join(tiny.values())}")
     print()
     print(report.table_text())
     print(f"\nreport: {os.path.join(out, 'report.json')}")

@@ -289,6 +289,37 @@ class SamplingConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """FID, CMMD and DINO-MMD of generated vs held-out real images (needs ``eval.enabled``).
+
+    One image per held-out sample (up to ``num_samples`` over all ranks), from
+    its own caption, at its shape, from noise seeded by its id and ``seed``.
+    A model key set to null turns that metric off.
+    """
+
+    enabled: bool = False
+    #: How often (Composer time); always at the end of training too.
+    interval: str = "10000ba"
+    #: Generated (and real) images per evaluation, over all ranks.
+    num_samples: int = 1000
+    seed: int = 0
+    steps: int = 28
+    guidance_scale: float = 4.0
+    #: FID features: "inception" (torch-fidelity's FID Inception v3 through torchmetrics)
+    #: or a transformers vision model by name or path (its pooled features).
+    fid_model: str | None = "inception"
+    #: Local file of the FID Inception weights (None: torch-fidelity downloads them once).
+    fid_weights: str | None = None
+    #: CLIP for CMMD (CLIPVisionModelWithProjection), by name or path.
+    clip_model: str | None = "openai/clip-vit-large-patch14-336"
+    #: DINOv2 for DINO-MMD (Dinov2Model), by name or path.
+    dino_model: str | None = "facebook/dinov2-base"
+    #: JSON per evaluation, and the eval loss per band per eval; "{run_name}" is filled in.
+    #: None: <trainer.save_folder>/metrics (nothing written without a local save_folder).
+    folder: str | None = None
+
+
+@dataclass
 class FSDPSettings:
     """Composer FSDP (``parallelism_config.fsdp``); PRX blocks are the wrap units."""
 
@@ -337,6 +368,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
 
 
@@ -528,6 +560,7 @@ def validate(cfg: TrainConfig) -> None:
         _fail("trainer.device_train_microbatch_size", "must be positive")
     _validate_eval(cfg)
     _validate_sampling(cfg)
+    _validate_metrics(cfg)
     _validate_parallelism(cfg)
 
 
@@ -582,6 +615,25 @@ def _validate_sampling(cfg: TrainConfig) -> None:
         _fail("sampling.folder", f"{s.folder!r}: grids are written to a local (or mounted) path")
 
 
+def _validate_metrics(cfg: TrainConfig) -> None:
+    m = cfg.metrics
+    if not m.enabled:
+        return
+    if not cfg.eval.enabled:
+        _fail("metrics.enabled", "needs the held-out eval stream: set eval.enabled=true")
+    _check_time("metrics.interval", m.interval)
+    if m.num_samples < 2:
+        _fail("metrics.num_samples", "must be >= 2 (FID needs two samples per side)")
+    if m.steps < 1:
+        _fail("metrics.steps", "must be >= 1")
+    if m.guidance_scale < 1.0:
+        _fail("metrics.guidance_scale", "must be >= 1 (1 turns guidance off)")
+    if not (m.fid_model or m.clip_model or m.dino_model):
+        _fail("metrics.fid_model", "all of fid_model, clip_model, dino_model are null")
+    if m.folder and "://" in m.folder:
+        _fail("metrics.folder", f"{m.folder!r}: results are written to a local (or mounted) path")
+
+
 def _validate_parallelism(cfg: TrainConfig) -> None:
     f = cfg.parallelism.fsdp
     if f.enabled:
@@ -621,6 +673,16 @@ def _validate_parallelism(cfg: TrainConfig) -> None:
             "applies with parallelism.fsdp.enabled=true; without FSDP use "
             "model.gradient_checkpointing=true",
         )
+
+
+def metrics_folder(cfg: TrainConfig) -> str | None:
+    """Where evaluation JSON goes: ``metrics.folder``, else ``<save_folder>/metrics`` if local."""
+    if cfg.metrics.folder:
+        return cfg.metrics.folder
+    save = cfg.trainer.save_folder
+    if not save or "://" in save:
+        return None
+    return str(Path(save) / "metrics")
 
 
 def device_batch_size(cfg: DataConfig, world_size: int) -> int:

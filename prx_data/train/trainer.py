@@ -34,7 +34,7 @@ from streaming import StreamingDataset
 
 from prx_data.train.callbacks import DataWaitMonitor, ResumeGuard, SampleIdLogger
 from prx_data.train.captions import CaptionPolicy
-from prx_data.train.config import TrainConfig, device_batch_size
+from prx_data.train.config import TrainConfig, device_batch_size, metrics_folder
 from prx_data.train.data import build_dataspec
 from prx_data.train.model import PRXFlowModel, build_transformer
 from prx_data.train.text_encoder import TextEncoder
@@ -177,6 +177,27 @@ def build_callbacks(cfg: TrainConfig) -> list[Callback]:
                 guidance_scale=s.guidance_scale,
                 interval=s.interval or cfg.trainer.save_interval,
                 folder=s.folder,
+            )
+        )
+    folder = metrics_folder(cfg)
+    if cfg.eval.enabled and folder:
+        from prx_data.train.metrics import EvalLossWriter
+
+        callbacks.append(EvalLossWriter(folder))
+    m = cfg.metrics
+    if m.enabled:
+        from prx_data.train.metrics import GenerationMetrics, build_metrics
+
+        callbacks.append(
+            GenerationMetrics(
+                build_metrics(m.fid_model, m.clip_model, m.dino_model, m.fid_weights),
+                num_samples=m.num_samples,
+                interval=m.interval,
+                folder=folder,
+                seed=m.seed,
+                steps=m.steps,
+                guidance_scale=m.guidance_scale,
+                models={"FID": m.fid_model, "CMMD": m.clip_model, "DINO-MMD": m.dino_model},
             )
         )
     return callbacks
