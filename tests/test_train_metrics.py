@@ -225,3 +225,47 @@ def test_smoke_latent_config_logs_fid_cmmd_dino_mmd(tmp_path, tiny, monkeypatch)
     cb2 = next(c for c in trainer.state.callbacks if isinstance(c, GenerationMetrics))
     trainer.close()
     assert cb2.history == cb.history
+
+
+# --- compare ------------------------------------------------------------------------------------------
+
+
+def _fake_run(folder: Path, fid: list[float], loss: list[float]) -> Path:
+    """A run's metrics folder as the trainer writes it (gen-ba*.json, eval-ba*.json)."""
+    m = folder / "checkpoints" / "metrics"
+    m.mkdir(parents=True)
+    for i, (f, lo) in enumerate(zip(fid, loss, strict=True)):
+        step = 100 * (i + 1)
+        gen = {"FID": f, "CMMD": f / 10, "DINO-MMD": f / 20}
+        (m / f"gen-ba{step:07d}.json").write_text(json.dumps({"batch": step, "metrics": gen}))
+        ev = {"FlowLoss": lo, "FlowLoss_t0.00-0.50": lo * 0.8, "FlowLoss_t0.50-1.00": lo * 1.2}
+        (m / f"eval-ba{step:07d}.json").write_text(json.dumps({"batch": step, "metrics": ev}))
+    return folder
+
+
+def test_compare_renders_both_runs_and_prints_a_table(tmp_path, capsys):
+    from PIL import Image
+
+    from prx_data.cli.train import main
+
+    a = _fake_run(tmp_path / "caption-alt", [80.0, 60.0, 50.0], [0.9, 0.8, 0.7])
+    b = _fake_run(tmp_path / "caption-qwen", [70.0, 45.0, 30.0], [0.85, 0.7, 0.6])
+    out = tmp_path / "cmp.png"
+    assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    lines = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.strip()}
+    for name in ("FID", "CMMD", "DINO-MMD", "FlowLoss", "FlowLoss_t0.00-0.50"):
+        assert name in lines, text
+    # The last common step, A's and B's values, B - A.
+    assert lines["FID"][1:4] == ["300", "50", "30"] and float(lines["FID"][4]) == -20
+    assert "caption-alt" in text and "caption-qwen" in text
+    with Image.open(out) as im:
+        assert im.size[0] > 600 and im.size[1] > 300
+        arr = np.asarray(im.convert("RGB")).astype(int)
+    # Both runs' lines are drawn: matplotlib's first two colours (blue, orange) both appear.
+    blue = ((abs(arr - [31, 119, 180]).sum(-1)) < 30).sum()
+    orange = ((abs(arr - [255, 127, 14]).sum(-1)) < 30).sum()
+    assert blue > 50 and orange > 50, (blue, orange)
+
+    assert main(["compare", str(a), str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert "no evaluation results" in capsys.readouterr().err
