@@ -300,3 +300,64 @@ def test_killed_latent_run_resumes_exactly_once(tmp_path, vaes):
     dupes = {k: v for k, v in Counter(ids).items() if v > 1}
     assert not dupes, f"seen twice: {sorted(dupes)[:5]}"
     assert sorted(ids) == expected, f"missing {set(expected) - set(ids)}"
+
+
+# --- the smoke configs on two ranks, as they are -----------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("config", ["smoke_cpu.yaml", "smoke_latent_cpu.yaml"])
+def test_smoke_configs_run_on_two_ranks_as_they_are(tmp_path, vaes, config):
+    """`composer -n 2 -m prx_data.train <smoke config>`: only the demo's paths are pointed here."""
+    import subprocess
+    import sys
+
+    from prx_data.train.metrics import save_tiny_metric_models
+    from tests import test_train_resume as harness
+    from tests.exportkit import make_export
+
+    export = make_export(str(tmp_path / "export"), {"512/1.000": 24, "512/0.778": 16})
+    tiny = save_tiny_metric_models(str(tmp_path))
+    env = harness._env()
+    env.update(
+        PRX_MDS_ROOT=export.root,
+        PRX_TEXT_ENCODER=save_tiny_t5(tmp_path / "t5"),
+        PRX_VAE=vaes["AutoencoderKL"],
+        PRX_FID_MODEL=tiny["fid"],
+        PRX_CLIP_MODEL=tiny["clip"],
+        PRX_DINO_MODEL=tiny["dino"],
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "composer.cli.launcher",
+        "-n",
+        "2",
+        "--master_port",
+        str(harness._free_port()),
+        "--stdout",
+        str(logs / "rank{rank}.stdout"),
+        "--stderr",
+        str(logs / "rank{rank}.stderr"),
+        "-m",
+        "prx_data.cli.train",
+        str(REPO / "configs" / "train" / config),
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2000)
+    tails = "\n".join(p.read_text()[-2500:] for p in sorted(logs.glob("*")))
+    assert proc.returncode == 0, proc.stderr[-3000:] + tails
+    run = tmp_path / "runs" / load_config(REPO / "configs" / "train" / config).trainer.run_name
+    assert (run / "checkpoints" / "latest-rank0.pt").exists()
+    assert list((run / "samples").glob("ba*.png"))
+    assert list((run / "checkpoints" / "metrics").glob("eval-ba*.json"))
+    if "latent" in config:
+        gen = sorted((run / "checkpoints" / "metrics").glob("gen-ba*.json"))
+        assert gen, "no FID/CMMD/DINO-MMD record"
+        import json
+
+        record = json.loads(gen[-1].read_text())
+        assert set(record["metrics"]) == {"FID", "CMMD", "DINO-MMD"}
+        assert record["num_samples"] == 8

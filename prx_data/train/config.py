@@ -582,7 +582,11 @@ def _validate_eval(cfg: TrainConfig) -> None:
     if e.device_batch_size is not None and e.device_batch_size <= 0:
         _fail("eval.device_batch_size", "must be positive")
     if e.device_batch_size is not None and e.global_batch_size is not None:
-        _fail("eval.device_batch_size", "give eval.global_batch_size or device_batch_size")
+        _fail(
+            "eval.device_batch_size",
+            "give eval.global_batch_size or eval.device_batch_size, not both "
+            "(set the other to null)",
+        )
     if e.subset_num_batches is not None and e.subset_num_batches <= 0:
         _fail("eval.subset_num_batches", "must be positive (or null for the whole eval set)")
     if e.num_workers < 0:
