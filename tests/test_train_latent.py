@@ -88,18 +88,21 @@ def test_codec_reads_factors_and_shapes_from_the_vae_config(vaes, kind):
     torch.testing.assert_close(other.encode(x), z / codec.scaling_factor * 2.0)
 
 
-def test_tiled_encoding_gives_the_same_latent_grid(vaes):
+@pytest.mark.parametrize(
+    "kind,shape,tile", [("AutoencoderKL", (128, 192), 64), ("AutoencoderDC", (192, 256), 128)]
+)
+def test_tiled_encoding_gives_the_same_latent_grid(vaes, kind, shape, tile):
     from prx_data.train.vae import LatentCodec
 
-    codec = LatentCodec.from_pretrained(vaes["AutoencoderKL"], dtype="float32")
-    x = torch.rand(1, 3, 128, 192) * 2 - 1
+    codec = LatentCodec.from_pretrained(vaes[kind], dtype="float32")
+    x = torch.rand(1, 3, *shape) * 2 - 1
     whole = codec.encode(x)
-    tiled = LatentCodec.from_pretrained(
-        vaes["AutoencoderKL"], dtype="float32", tiling=True, tile_size=64
-    )
-    assert tiled.vae.use_tiling and tiled.vae.tile_sample_min_size == 64
+    tiled = LatentCodec.from_pretrained(vaes[kind], dtype="float32", tiling=True, tile_size=tile)
+    assert tiled.vae.use_tiling
     got = tiled.encode(x)
     assert got.shape == whole.shape and not torch.equal(got, whole)  # really tiled
+    with pytest.raises(ValueError, match="compression"):
+        tiled.encode(torch.zeros(1, 3, shape[0] + 4, shape[1]))
 
 
 def test_unsupported_autoencoder_is_refused(tmp_path):
@@ -360,4 +363,4 @@ def test_smoke_configs_run_on_two_ranks_as_they_are(tmp_path, vaes, config):
 
         record = json.loads(gen[-1].read_text())
         assert set(record["metrics"]) == {"FID", "CMMD", "DINO-MMD"}
-        assert record["num_samples"] == 8
+        assert 2 <= record["num_samples"] <= 8  # as many as the small hold-out has

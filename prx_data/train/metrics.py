@@ -263,13 +263,14 @@ class GenerationMetrics(Callback):
             m.reset()
             m.to(device)
         seen = 0
-        with get_precision_context(state.precision):
-            for batch in self._eval_loader(state):
-                if seen >= per_rank:
-                    break
-                batch = state.device.batch_to_device(batch)
-                take = min(per_rank - seen, len(batch["id"]))
-                batch = {k: v[:take] for k, v in batch.items()}
+        for batch in self._eval_loader(state):
+            if seen >= per_rank:
+                break
+            batch = state.device.batch_to_device(batch)
+            take = min(per_rank - seen, len(batch["id"]))
+            batch = {k: v[:take] for k, v in batch.items()}
+            # Generation in the run's precision; features and statistics in fp32/fp64.
+            with get_precision_context(state.precision):
                 real, fake = generate_like(
                     model,
                     batch,
@@ -278,11 +279,11 @@ class GenerationMetrics(Callback):
                     guidance_scale=self.guidance_scale,
                     device=device,
                 )
-                real, fake = real.to(device), fake.to(device)
-                for m in self.metrics.values():
-                    m.update(real, real=True)
-                    m.update(fake, real=False)
-                seen += take
+            real, fake = real.to(device), fake.to(device)
+            for m in self.metrics.values():
+                m.update(real, real=True)
+                m.update(fake, real=False)
+            seen += take
         counts = [seen]
         if dist.get_world_size() > 1:
             counts = dist.all_gather_object(seen)

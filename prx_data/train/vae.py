@@ -99,7 +99,18 @@ class LatentCodec:
         """Tiled encode/decode: activation memory per tile, not per 2048/4096 image."""
         v = self.vae
         if self.kind == "AutoencoderDC":
-            v.enable_tiling(tile_sample_min_height=tile_size, tile_sample_min_width=tile_size)
+            # The stride must follow the tile (diffusers keeps 448 otherwise and drops rows)
+            # and stay a whole number of latent cells: overlap ~1/8 tile, in cells.
+            stride = None
+            if tile_size is not None:
+                c = self.compression
+                stride = int(tile_size) - c * max(1, round(int(tile_size) / 8 / c))
+            v.enable_tiling(
+                tile_sample_min_height=tile_size,
+                tile_sample_min_width=tile_size,
+                tile_sample_stride_height=stride,
+                tile_sample_stride_width=stride,
+            )
             return
         v.enable_tiling()
         if tile_size is not None:
@@ -128,12 +139,24 @@ class LatentCodec:
         """Images in [-1, 1] [B, 3, H, W] -> scaled latents (float32) [B, C, H/f, W/f]."""
         if self.device != x.device:
             self.to(x.device)
+        c = self.compression
+        if x.shape[-1] % c or x.shape[-2] % c:
+            raise ValueError(
+                f"image {x.shape[-1]}x{x.shape[-2]} is not a multiple of the VAE's {c}x compression"
+            )
         out = self.vae.encode(x.to(self.dtype))
         if self.kind == "AutoencoderKL":
             dist = out.latent_dist
             z = dist.sample(generator) if self.posterior == "sample" else dist.mode()
         else:
             z = out.latent
+        want = (x.shape[-2] // c, x.shape[-1] // c)
+        if tuple(z.shape[-2:]) != want:
+            raise ValueError(
+                f"the {self.kind} encoded {x.shape[-1]}x{x.shape[-2]} to a "
+                f"{z.shape[-1]}x{z.shape[-2]} latent, not {want[1]}x{want[0]}; with vae.tiling "
+                "pick a vae.tile_size that divides the image (or turn tiling off)"
+            )
         return (z.float() - self.shift_factor) * self.scaling_factor
 
     @torch.no_grad()
