@@ -115,6 +115,9 @@ def test_unsupported_autoencoder_is_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="supported autoencoders are AutoencoderKL"):
         LatentCodec.from_pretrained(str(tmp_path / "vq"))
+    with pytest.raises(ValueError, match="vae.name_or_path: cannot read") as err:
+        LatentCodec.from_pretrained(str(tmp_path / "missing"))
+    assert "\n" not in str(err.value)
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -184,6 +187,7 @@ def _smoke_cfg(tmp_path: Path, export, t5: str, vae: str, run: str, extra=()):
             "trainer.max_duration=2ba",
             "trainer.save_interval=2ba",
             "eval.interval=2ba",
+            "metrics.enabled=false",  # tests/test_train_metrics.py covers the metrics
             "logging.log_to_console=false",
             *extra,
         ],

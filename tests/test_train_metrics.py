@@ -269,3 +269,11 @@ def test_compare_renders_both_runs_and_prints_a_table(tmp_path, capsys):
 
     assert main(["compare", str(a), str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "no evaluation results" in capsys.readouterr().err
+
+
+def test_a_missing_metric_model_is_one_line_naming_the_key(tmp_path):
+    from prx_data.train.metrics import build_metrics
+
+    with pytest.raises(ValueError, match="metrics.clip_model: cannot load") as err:
+        build_metrics(None, str(tmp_path / "no-clip"), None)
+    assert "\n" not in str(err.value)

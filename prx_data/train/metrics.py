@@ -120,8 +120,26 @@ def _processor_stats(name_or_path: str) -> tuple[int | None, list[float], list[f
     return side, list(proc.image_mean), list(proc.image_std)
 
 
+_KEYS = {"fid": "metrics.fid_model", "clip": "metrics.clip_model", "dino": "metrics.dino_model"}
+
+
 def load_features(kind: str, name_or_path: str, weights: str | None = None) -> nn.Module:
-    """The feature module of one metric: ``fid``, ``clip`` or ``dino``, by name or path."""
+    """The feature module of one metric: ``fid``, ``clip`` or ``dino``, by name or path.
+
+    A model that cannot be loaded is a one-line ValueError naming the config key.
+    """
+    try:
+        return _load_features(kind, name_or_path, weights)
+    except (OSError, ValueError) as exc:  # not found, offline, not a repo id
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{_KEYS[kind]}: cannot load {name_or_path!r} ({first}); give a local folder or a "
+            "hub id (the demo writes tiny ones: python -m prx_data.demo), or null to turn "
+            "the metric off"
+        ) from None
+
+
+def _load_features(kind: str, name_or_path: str, weights: str | None) -> nn.Module:
     if kind == "fid" and name_or_path == "inception":
         from torchmetrics.image.fid import NoTrainInceptionV3
 

@@ -38,8 +38,12 @@ def load_autoencoder(name_or_path: str, subfolder: str | None, dtype: torch.dtyp
     try:
         # Any diffusers config.json reads through any ConfigMixin class; the class is in it.
         config = AutoencoderKL.load_config(name_or_path, **kw)
-    except OSError as exc:
-        raise ValueError(f"vae.name_or_path: cannot read {name_or_path!r}: {exc}") from None
+    except (OSError, ValueError) as exc:  # not found, offline, not a repo id
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"vae.name_or_path: cannot read {name_or_path!r} ({first}); give a diffusers "
+            "autoencoder folder or hub id (the demo writes a tiny one: python -m prx_data.demo)"
+        ) from None
     cls = _vae_class(str(config.get("_class_name", "?")))
     return cls.from_pretrained(name_or_path, torch_dtype=dtype, **kw)
 
