@@ -10,6 +10,10 @@ Steps, in order, each in its own process with its own time limit:
             the GPU (images/s), against the loader's CPU path on one core
   eval      one held-out eval (per-band flow loss) and one sample grid PNG
   fsdp      FSDP (FULL_SHARD, activation checkpointing) on one GPU, 10 steps
+  latent    latent-space PRX: a tiny AutoencoderKL (bf16) encodes each batch in the step,
+            50 steps: loss finite and decreasing; one sample grid through PRXPipeline
+  metrics   one FID / CMMD / DINO-MMD evaluation (tiny random metric models) of generated vs
+            held-out images; values finite, JSON written
   vllm      the vLLM caption backend on a tiny Qwen2-VL built from a config, 20 rows
 
 Without CUDA every step prints "skipped: no CUDA". ``--device cpu`` runs the
@@ -17,7 +21,7 @@ training steps on the CPU in fp32 with fewer steps (how the tests check the
 wiring). Nothing is downloaded: the text encoder and the VLM are tiny random
 models built here, the export is fabricated (solid colours).
 
-    scripts/gpu_check.sh                 # on a GPU machine, under 8 minutes on one H200
+    scripts/gpu_check.sh                 # on a GPU machine, under 10 minutes on one H200
     python scripts/gpu_check.py --device cpu --steps train,eval --train-steps 6
 """
 
@@ -36,9 +40,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-STEPS = ("train", "data", "decode", "eval", "fsdp", "vllm")
-#: Seconds per step process (the whole check stays under 8 minutes on one H200).
-LIMITS = {"train": 150, "decode": 60, "eval": 90, "fsdp": 90, "vllm": 150}
+STEPS = ("train", "data", "decode", "eval", "fsdp", "latent", "metrics", "vllm")
+#: Seconds per step process (the whole check stays under 10 minutes on one H200).
+LIMITS = {
+    "train": 150,
+    "decode": 60,
+    "eval": 90,
+    "fsdp": 90,
+    "latent": 120,
+    "metrics": 90,
+    "vllm": 150,
+}
 SMOKE = REPO / "configs" / "train" / "smoke_cpu.yaml"
 
 
@@ -212,6 +224,7 @@ def step_eval(work: Path, args) -> dict:
             "eval.interval=2ba",
             "eval.holdout_fraction=0.2",
             f"eval.global_batch_size={8 if args.device == 'gpu' else 2}",
+            "eval.device_batch_size=null",
             "sampling.enabled=true",
             "sampling.interval=2ba",
             "sampling.shapes=[[64,64],[64,96]]",
@@ -262,6 +275,104 @@ def step_fsdp(work: Path, args) -> dict:
     }
 
 
+def _tiny_vae(work: Path) -> str:
+    from prx_data.train.vae import save_tiny_autoencoder
+
+    return save_tiny_autoencoder(str(work / "tiny-vae"))
+
+
+def step_latent(work: Path, args) -> dict:
+    from PIL import Image
+
+    from prx_data.train.sampling import SampleGrid
+    from prx_data.train.trainer import build_trainer
+
+    n = args.train_steps
+    gpu = args.device == "gpu"
+    cfg = _config(
+        work,
+        args,
+        "latent",
+        [
+            f"vae.name_or_path={_tiny_vae(work)}",
+            "vae.dtype=auto",
+            f"model.patch_size={2 if gpu else 4}",
+            f"trainer.max_duration={n}ba",
+            "eval.enabled=false",
+            "sampling.enabled=true",
+            f"sampling.interval={n}ba",
+            "sampling.shapes=[[64,64]]",
+            "sampling.steps=4",
+        ],
+    )
+    rec = _LossRecorder()
+    trainer = build_trainer(cfg, callbacks=[rec])
+    vae_dtype = str(trainer.state.model.vae.dtype).replace("torch.", "")
+    t0 = time.perf_counter()
+    trainer.fit()
+    wall = time.perf_counter() - t0
+    grid = next(c for c in trainer.state.callbacks if isinstance(c, SampleGrid))
+    paths = list(grid.written)
+    trainer.close()
+    losses = rec.losses
+    k = max(1, min(10, len(losses) // 3))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    finite = all(math.isfinite(x) for x in losses)
+    size = Image.open(paths[-1]).size if paths else None
+    ok = finite and len(losses) == n and last < first and size is not None
+    return {
+        "ok": ok,
+        "detail": f"{n} steps {cfg.trainer.precision}, VAE {vae_dtype}: loss {first:.4f} -> "
+        f"{last:.4f}{'' if finite else ' (NOT FINITE)'}, {n / wall:.1f} steps/s; "
+        f"PRXPipeline grid {size}",
+    }
+
+
+def step_metrics(work: Path, args) -> dict:
+    from prx_data.train.metrics import GenerationMetrics, save_tiny_metric_models
+    from prx_data.train.trainer import build_trainer
+
+    tiny = save_tiny_metric_models(str(work))
+    gpu = args.device == "gpu"
+    cfg = _config(
+        work,
+        args,
+        "metrics",
+        [
+            f"vae.name_or_path={_tiny_vae(work)}",
+            f"model.patch_size={2 if gpu else 4}",
+            "trainer.max_duration=2ba",
+            "eval.enabled=true",
+            "eval.interval=2ba",
+            "eval.holdout_fraction=0.2",
+            f"eval.global_batch_size={8 if gpu else 2}",
+            "eval.device_batch_size=null",
+            "sampling.enabled=false",
+            "metrics.enabled=true",
+            "metrics.interval=2ba",
+            f"metrics.num_samples={16 if gpu else 4}",
+            "metrics.steps=4",
+            f"metrics.fid_model={tiny['fid']}",
+            f"metrics.clip_model={tiny['clip']}",
+            f"metrics.dino_model={tiny['dino']}",
+        ],
+    )
+    trainer = build_trainer(cfg)
+    t0 = time.perf_counter()
+    trainer.fit()
+    wall = time.perf_counter() - t0
+    cb = next(c for c in trainer.state.callbacks if isinstance(c, GenerationMetrics))
+    trainer.close()
+    values = cb.history[-1][1] if cb.history else {}
+    ok = bool(values) and all(math.isfinite(v) for v in values.values()) and bool(cb.written)
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in values.items())
+    return {
+        "ok": ok,
+        "detail": f"{cfg.metrics.num_samples} samples: {shown or 'none'}; fit {wall:.1f} s; "
+        f"{cb.written[-1] if cb.written else 'no JSON'}",
+    }
+
+
 def step_vllm(work: Path, args) -> dict:
     import importlib.util
     import io
@@ -302,6 +413,8 @@ RUNNERS = {
     "decode": step_decode,
     "eval": step_eval,
     "fsdp": step_fsdp,
+    "latent": step_latent,
+    "metrics": step_metrics,
     "vllm": step_vllm,
 }
 

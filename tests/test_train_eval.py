@@ -401,7 +401,7 @@ def test_gpu_check_train_and_eval_steps_run_on_cpu(tmp_path):
             "--device",
             "cpu",
             "--steps",
-            "train,data,decode,eval",
+            "train,data,decode,eval,latent,metrics",
             "--train-steps",
             "6",
             "--work",
@@ -415,9 +415,9 @@ def test_gpu_check_train_and_eval_steps_run_on_cpu(tmp_path):
     rows = {
         ln.split()[0]: ln
         for ln in proc.stdout.splitlines()
-        if ln.split(" ")[0] in ("train", "data", "decode", "eval")
+        if ln.split(" ")[0] in ("train", "data", "decode", "eval", "latent", "metrics")
     }
-    assert set(rows) == {"train", "data", "decode", "eval"} and all(
+    assert set(rows) == {"train", "data", "decode", "eval", "latent", "metrics"} and all(
         " ok " in r for r in rows.values()
     )
 

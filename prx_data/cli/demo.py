@@ -52,9 +52,16 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
         num_cpus=num_cpus,
     )
     from prx_data.train.text_encoder import save_tiny_t5
+    from prx_data.train.vae import save_tiny_autoencoder
 
     encoder = save_tiny_t5(os.path.join(workdir, "tiny-t5"))
     print(f"\ntiny random-weight T5 text encoder for the offline smoke run: {encoder}")
+    vae = save_tiny_autoencoder(os.path.join(workdir, "tiny-vae"))
+    print(f"tiny random-weight AutoencoderKL for the latent smoke run: {vae}")
+    from prx_data.train.metrics import save_tiny_metric_models
+
+    tiny = save_tiny_metric_models(workdir)
+    print(f"tiny random-weight FID/CLIP/DINOv2 models for its metrics: {', '.join(tiny.values())}")
     print()
     print(report.table_text())
     print(f"\nreport: {os.path.join(out, 'report.json')}")
@@ -63,7 +70,8 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
         f"  python -m prx_data.stats --table {table} --out {workdir}/stats\n"
         f"  python -m prx_data.explore --table {table} --build-indexes\n"
         f"  python -m prx_data.skips stats {out}\n"
-        "  python -m prx_data.train configs/train/smoke_cpu.yaml"
+        "  python -m prx_data.train configs/train/smoke_cpu.yaml\n"
+        "  python -m prx_data.train configs/train/smoke_latent_cpu.yaml"
     )
     return report.to_dict()
 

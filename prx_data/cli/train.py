@@ -1,5 +1,7 @@
 """Train PRX on bucketed MDS exports: ``python -m prx_data.train CONFIG.yaml [key=value ...]``.
 
+``python -m prx_data.train compare RUN_A RUN_B`` plots two runs' metrics side by side.
+
 Multi-process / multi-node through Composer's launcher::
 
     composer -n 8 -m prx_data.train configs/train/pretrain_512.yaml data.global_batch_size=512
@@ -39,10 +41,17 @@ sections (see docs/TRAINING.md):
                 tensorboard_dir, mlflow_experiment, mlflow_tracking_uri
 
   eval          enabled, source (slice|export), holdout_fraction, holdout_salt, datasets,
-                interval, num_bands, global_batch_size, subset_num_batches, seed
+                interval, num_bands, global_batch_size, device_batch_size, subset_num_batches, seed
   sampling      enabled, prompts, seeds, shapes, steps, guidance_scale, interval, folder
+  vae           name_or_path, subfolder, dtype, scaling_factor, shift_factor, posterior,
+                tiling, tile_size (latent-space PRX; null name_or_path: pixel space)
+  metrics       enabled, interval, num_samples, seed, steps, guidance_scale, fid_model,
+                fid_weights, clip_model, dino_model, folder
   parallelism   fsdp (enabled, version, sharding_strategy, activation_checkpointing, ...),
                 compile, compile_mode
+
+compare two runs (data ablations; see docs/TRAINING.md):
+  python -m prx_data.train compare RUN_A RUN_B [--out compare.png]
 
 resume:
   Re-run the same command with trainer.autoresume=true (needs run_name and save_folder);
@@ -55,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.train",
         description=(
-            "Train a pixel-space PRX transformer (diffusers) with rectified flow on "
+            "Train a pixel- or latent-space PRX transformer (diffusers) with rectified flow on "
             "bucketed MDS exports, with a frozen text encoder run in the step, "
             "checkpoints and autoresume (Composer)."
         ),
@@ -83,7 +92,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_compare_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.train compare",
+        description=(
+            "Compare two runs (a data ablation: captioner A vs B, with vs without a filter): "
+            "plot FID, CMMD, DINO-MMD and the held-out loss per timestep band over steps for "
+            "both runs into one PNG and print a table at the last common step."
+        ),
+    )
+    p.add_argument("run_a", help="run A: its run folder, save_folder or metrics folder")
+    p.add_argument("run_b", help="run B: likewise")
+    p.add_argument("--out", default="compare.png", help="PNG to write (default compare.png)")
+    p.add_argument(
+        "--labels", nargs=2, metavar=("A", "B"), help="legend names (default: folder names)"
+    )
+    return p
+
+
+def compare_main(argv: Sequence[str]) -> int:
+    args = build_compare_parser().parse_args(argv)
+    from prx_data.train.compare import compare
+
+    try:
+        png, text = compare(args.run_a, args.run_b, args.out, tuple(args.labels or (None, None)))
+    except ValueError as exc:
+        print(f"compare: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    print(f"\nplot: {png}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "compare":
+        return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     from prx_data.train.config import ConfigError, load_config, to_yaml
 

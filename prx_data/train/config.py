@@ -27,9 +27,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Size of the PRX transformer (pixel space: RGB patches go straight in)."""
+    """Size of the PRX transformer (pixel space by default; latent space with ``vae:``)."""
 
-    #: Pixels per patch side. 16 at the 512 tier gives 1024 tokens (PRX Pixel).
+    #: Patch side in the transformer's input grid: pixels without a VAE (16 at the 512 tier
+    #: gives 1024 tokens, PRX Pixel), latent cells with one (2 on a Flux VAE's 8x grid).
     patch_size: int = 16
     hidden_size: int = 1792
     depth: int = 16
@@ -40,8 +41,8 @@ class ModelConfig:
     theta: int = 10000
     #: Text feature width; None takes the text encoder's hidden size.
     context_in_dim: int | None = None
-    #: Image channels: 3 for pixel space.
-    in_channels: int = 3
+    #: Input channels: None follows the data (3 for pixels, the VAE's latent_channels).
+    in_channels: int | None = None
     gradient_checkpointing: bool = False
     #: Optional directory or hub id of a saved PRXTransformer2DModel to start from.
     pretrained: str | None = None
@@ -68,6 +69,33 @@ class TextEncoderConfig:
     dtype: str = "auto"
     #: Which hidden state to use: -1 is the last layer, -2 the one before, ...
     layer: int = -1
+
+
+@dataclass
+class VAEConfig:
+    """Frozen diffusers autoencoder: train in its latent space, images encoded in the step.
+
+    ``name_or_path`` None keeps pixel space. AutoencoderKL (Flux, SD) and
+    AutoencoderDC (DC-AE) are read from the checkpoint's ``_class_name``.
+    Latents are ``(z - shift_factor) * scaling_factor``, the factors taken from
+    the VAE's config unless set here (``PRXPipeline`` decodes with the same).
+    """
+
+    #: Hub id or local directory of a diffusers autoencoder (None: pixel space).
+    name_or_path: str | None = None
+    #: Folder inside name_or_path (e.g. "vae" of a whole pipeline repo).
+    subfolder: str | None = None
+    #: "auto" = bfloat16 on CUDA, float32 on CPU; or "float32", "bfloat16", "float16".
+    dtype: str = "auto"
+    #: Override the config's scaling/shift factor (None: the VAE config's; shift None -> 0).
+    scaling_factor: float | None = None
+    shift_factor: float | None = None
+    #: AutoencoderKL posterior: "mode" (its mean; deterministic) or "sample".
+    posterior: str = "mode"
+    #: Tiled encode/decode (2048/4096 tiers): bounded activation memory per image.
+    tiling: bool = False
+    #: Tile side in pixels when tiling (None: the VAE's default).
+    tile_size: int | None = None
 
 
 @dataclass
@@ -229,8 +257,10 @@ class EvalConfig:
     interval: str = "1000ba"
     #: Batches per evaluation over all ranks (None: the whole eval set).
     subset_num_batches: int | None = None
-    #: Samples per eval step over all ranks (None: the training global batch).
+    #: Samples per eval step over all ranks (None: the training global batch) ...
     global_batch_size: int | None = None
+    #: ... or per rank (global = this x world size, so any world size divides it).
+    device_batch_size: int | None = None
     num_workers: int = 0
     #: Timestep bands: [0, 1] split evenly; each sample is scored once per band.
     num_bands: int = 4
@@ -256,6 +286,37 @@ class SamplingConfig:
     interval: str | None = None
     #: Folder for the PNG grids; "{run_name}" is filled in.
     folder: str = "runs/{run_name}/samples"
+
+
+@dataclass
+class MetricsConfig:
+    """FID, CMMD and DINO-MMD of generated vs held-out real images (needs ``eval.enabled``).
+
+    One image per held-out sample (up to ``num_samples`` over all ranks), from
+    its own caption, at its shape, from noise seeded by its id and ``seed``.
+    A model key set to null turns that metric off.
+    """
+
+    enabled: bool = False
+    #: How often (Composer time); always at the end of training too.
+    interval: str = "10000ba"
+    #: Generated (and real) images per evaluation, over all ranks.
+    num_samples: int = 1000
+    seed: int = 0
+    steps: int = 28
+    guidance_scale: float = 4.0
+    #: FID features: "inception" (torch-fidelity's FID Inception v3 through torchmetrics)
+    #: or a transformers vision model by name or path (its pooled features).
+    fid_model: str | None = "inception"
+    #: Local file of the FID Inception weights (None: torch-fidelity downloads them once).
+    fid_weights: str | None = None
+    #: CLIP for CMMD (CLIPVisionModelWithProjection), by name or path.
+    clip_model: str | None = "openai/clip-vit-large-patch14-336"
+    #: DINOv2 for DINO-MMD (Dinov2Model), by name or path.
+    dino_model: str | None = "facebook/dinov2-base"
+    #: JSON per evaluation, and the eval loss per band per eval; "{run_name}" is filled in.
+    #: None: <trainer.save_folder>/metrics (nothing written without a local save_folder).
+    folder: str | None = None
 
 
 @dataclass
@@ -299,6 +360,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     text_encoder: TextEncoderConfig = field(default_factory=TextEncoderConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -306,6 +368,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
 
 
@@ -404,7 +467,7 @@ def validate(cfg: TrainConfig) -> None:
     """Checks omegaconf's type system cannot express; raises ConfigError naming the key."""
     m = cfg.model
     for name in ("patch_size", "hidden_size", "depth", "num_heads", "in_channels"):
-        if getattr(m, name) <= 0:
+        if getattr(m, name) is not None and getattr(m, name) <= 0:
             _fail(f"model.{name}", f"must be positive, got {getattr(m, name)}")
     if m.hidden_size % m.num_heads:
         _fail("model.hidden_size", f"{m.hidden_size} is not divisible by num_heads={m.num_heads}")
@@ -420,6 +483,17 @@ def validate(cfg: TrainConfig) -> None:
         _fail("text_encoder.dtype", f"{te.dtype!r} is not one of {sorted(_DTYPES)}")
     if te.max_length <= 0:
         _fail("text_encoder.max_length", "must be positive")
+    v = cfg.vae
+    if v.dtype not in _DTYPES:
+        _fail("vae.dtype", f"{v.dtype!r} is not one of {sorted(_DTYPES)}")
+    if v.posterior not in ("mode", "sample"):
+        _fail("vae.posterior", f"{v.posterior!r} is not one of mode, sample")
+    if v.scaling_factor is not None and not v.scaling_factor > 0:
+        _fail("vae.scaling_factor", "must be > 0")
+    if v.tile_size is not None and v.tile_size <= 0:
+        _fail("vae.tile_size", "must be positive")
+    if v.name_or_path is None and m.in_channels not in (None, 3):
+        _fail("model.in_channels", f"{m.in_channels}: pixel space (no vae.name_or_path) has 3")
     d = cfg.data
     for i, ds in enumerate(d.datasets):
         given = [k for k in ("proportion", "repeat", "choose") if getattr(ds, k) is not None]
@@ -486,6 +560,7 @@ def validate(cfg: TrainConfig) -> None:
         _fail("trainer.device_train_microbatch_size", "must be positive")
     _validate_eval(cfg)
     _validate_sampling(cfg)
+    _validate_metrics(cfg)
     _validate_parallelism(cfg)
 
 
@@ -504,6 +579,14 @@ def _validate_eval(cfg: TrainConfig) -> None:
         _fail("eval.num_bands", "must be >= 1")
     if e.global_batch_size is not None and e.global_batch_size <= 0:
         _fail("eval.global_batch_size", "must be positive")
+    if e.device_batch_size is not None and e.device_batch_size <= 0:
+        _fail("eval.device_batch_size", "must be positive")
+    if e.device_batch_size is not None and e.global_batch_size is not None:
+        _fail(
+            "eval.device_batch_size",
+            "give eval.global_batch_size or eval.device_batch_size, not both "
+            "(set the other to null)",
+        )
     if e.subset_num_batches is not None and e.subset_num_batches <= 0:
         _fail("eval.subset_num_batches", "must be positive (or null for the whole eval set)")
     if e.num_workers < 0:
@@ -534,6 +617,25 @@ def _validate_sampling(cfg: TrainConfig) -> None:
     _check_time("sampling.interval", s.interval, optional=True)
     if "://" in s.folder:
         _fail("sampling.folder", f"{s.folder!r}: grids are written to a local (or mounted) path")
+
+
+def _validate_metrics(cfg: TrainConfig) -> None:
+    m = cfg.metrics
+    if not m.enabled:
+        return
+    if not cfg.eval.enabled:
+        _fail("metrics.enabled", "needs the held-out eval stream: set eval.enabled=true")
+    _check_time("metrics.interval", m.interval)
+    if m.num_samples < 2:
+        _fail("metrics.num_samples", "must be >= 2 (FID needs two samples per side)")
+    if m.steps < 1:
+        _fail("metrics.steps", "must be >= 1")
+    if m.guidance_scale < 1.0:
+        _fail("metrics.guidance_scale", "must be >= 1 (1 turns guidance off)")
+    if not (m.fid_model or m.clip_model or m.dino_model):
+        _fail("metrics.fid_model", "all of fid_model, clip_model, dino_model are null")
+    if m.folder and "://" in m.folder:
+        _fail("metrics.folder", f"{m.folder!r}: results are written to a local (or mounted) path")
 
 
 def _validate_parallelism(cfg: TrainConfig) -> None:
@@ -575,6 +677,16 @@ def _validate_parallelism(cfg: TrainConfig) -> None:
             "applies with parallelism.fsdp.enabled=true; without FSDP use "
             "model.gradient_checkpointing=true",
         )
+
+
+def metrics_folder(cfg: TrainConfig) -> str | None:
+    """Where evaluation JSON goes: ``metrics.folder``, else ``<save_folder>/metrics`` if local."""
+    if cfg.metrics.folder:
+        return cfg.metrics.folder
+    save = cfg.trainer.save_folder
+    if not save or "://" in save:
+        return None
+    return str(Path(save) / "metrics")
 
 
 def device_batch_size(cfg: DataConfig, world_size: int) -> int:

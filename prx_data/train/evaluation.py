@@ -102,12 +102,11 @@ def eval_caption_policy(columns: Sequence[str]) -> CaptionPolicy:
 
 def per_sample_band_losses(model: Any, batch: Mapping[str, Any]) -> torch.Tensor:
     """``[B, num_bands]`` flow losses of ``model`` (a PRXFlowModel) at the fixed noise/timesteps."""
-    from prx_data.train.flow import interpolate, uint8_to_unit, velocity_target
+    from prx_data.train.flow import interpolate, velocity_target
 
     images = model.batch_images(batch)
-    model._check_shape(images)
     device = images.device
-    x0 = uint8_to_unit(images)
+    x0 = model.clean_inputs(images)
     captions = model.eval_captions.choose(batch, torch.Generator().manual_seed(0))
     feats, mask = model.encode_text(captions, device)
     feats = feats.to(next(model.transformer.parameters()).dtype)
@@ -161,7 +160,10 @@ def eval_data_config(cfg: TrainConfig, world_size: int) -> DataConfig:
     """The training data config turned into a fixed, unshuffled, single-pass eval stream."""
     d = cfg.data
     e = cfg.eval
-    gbs = e.global_batch_size or d.global_batch_size
+    if e.device_batch_size is not None:
+        gbs = e.device_batch_size * world_size
+    else:
+        gbs = e.global_batch_size or d.global_batch_size
     streaming = dict(d.streaming)
     # Every epoch must pick the same samples when a bucket is trimmed to whole batches.
     streaming["sampling_method"] = "fixed"

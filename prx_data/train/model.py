@@ -1,8 +1,11 @@
-"""PRX (diffusers ``PRXTransformer2DModel``) in pixel space as a Composer model.
+"""PRX (diffusers ``PRXTransformer2DModel``) in pixel or latent space as a Composer model.
 
 Pixel space, like PRX Pixel: the RGB image is patchified directly
-(``in_channels=3``), so there is no VAE and nothing precomputed. The text
-encoder runs frozen inside the step; the loss is rectified-flow velocity MSE.
+(``in_channels=3``). Latent space (``vae:``): a frozen diffusers autoencoder
+encodes the batch inside the step, under ``no_grad``, and the transformer
+patchifies its latents (``in_channels`` = the VAE's latent channels). Nothing
+is precomputed either way. The text encoder runs frozen inside the step; the
+loss is rectified-flow velocity MSE.
 """
 
 from __future__ import annotations
@@ -25,10 +28,22 @@ from prx_data.train.flow import (
     velocity_target,
 )
 from prx_data.train.text_encoder import TextEncoder
+from prx_data.train.vae import LatentCodec
 
 
-def build_transformer(cfg: ModelConfig, context_in_dim: int) -> PRXTransformer2DModel:
-    """A fresh (or ``cfg.pretrained``) PRX transformer sized by ``cfg``."""
+def build_transformer(
+    cfg: ModelConfig, context_in_dim: int, in_channels: int = 3
+) -> PRXTransformer2DModel:
+    """A fresh (or ``cfg.pretrained``) PRX transformer sized by ``cfg``.
+
+    ``in_channels`` is what the data gives (3 pixels, or the VAE's latent
+    channels); an explicit ``cfg.in_channels`` must agree with it.
+    """
+    if cfg.in_channels is not None and cfg.in_channels != in_channels:
+        raise ValueError(
+            f"model.in_channels={cfg.in_channels} but the inputs have {in_channels} channels "
+            "(3 in pixel space, the VAE's latent_channels in latent space); drop the key"
+        )
     if cfg.pretrained:
         model = PRXTransformer2DModel.from_pretrained(cfg.pretrained)
         got = model.config.context_in_dim
@@ -37,11 +52,16 @@ def build_transformer(cfg: ModelConfig, context_in_dim: int) -> PRXTransformer2D
                 f"model.pretrained expects text features of width {got}, "
                 f"the text encoder gives {context_in_dim}"
             )
+        if model.config.in_channels != in_channels:
+            raise ValueError(
+                f"model.pretrained takes {model.config.in_channels} input channels, "
+                f"the inputs have {in_channels}"
+            )
     else:
         head_dim = cfg.hidden_size // cfg.num_heads
         axes = list(cfg.axes_dim) if cfg.axes_dim else [head_dim // 2, head_dim // 2]
         model = PRXTransformer2DModel(
-            in_channels=cfg.in_channels,
+            in_channels=in_channels,
             patch_size=cfg.patch_size,
             context_in_dim=cfg.context_in_dim or context_in_dim,
             hidden_size=cfg.hidden_size,
@@ -60,7 +80,9 @@ class PRXFlowModel(ComposerModel):
     """Composer wrapper: batch -> captions -> text features -> flow-matching loss.
 
     ``forward`` returns ``(predicted velocity, target velocity)``; ``loss`` is
-    their MSE in float32. Only the transformer is trained and checkpointed.
+    their MSE in float32. Only the transformer is trained and checkpointed;
+    the text encoder and the VAE (``vae``, None in pixel space) are frozen
+    plain objects, reloaded by name or path.
     """
 
     def __init__(
@@ -69,14 +91,23 @@ class PRXFlowModel(ComposerModel):
         text_encoder: TextEncoder,
         captions: CaptionPolicy,
         flow: FlowConfig | None = None,
+        vae: LatentCodec | None = None,
     ) -> None:
         super().__init__()
         self.transformer = transformer
         self.text_encoder = text_encoder  # plain object: not a submodule on purpose
+        self.vae = vae  # likewise
         self.captions = captions
         self.flow = flow or FlowConfig()
         patch = transformer.config.patch_size
-        self._patch = int(patch)
+        #: Image pixels per patch side: the patch size times the VAE's compression.
+        self._patch = int(patch) * (vae.compression if vae is not None else 1)
+        want = vae.latent_channels if vae is not None else 3
+        if transformer.config.in_channels != want:
+            raise ValueError(
+                f"the transformer takes {transformer.config.in_channels} channels but the "
+                f"{'VAE latents have' if vae is not None else 'images have'} {want}"
+            )
         # Held-out evaluation (prx_data.train.evaluation): bands, seed, caption choice.
         self.eval_bands = 4
         self.eval_seed = 0
@@ -101,13 +132,35 @@ class PRXFlowModel(ComposerModel):
         device = next(self.transformer.parameters()).device
         return decode_batch(images, batch_shape(batch), device)
 
+    @property
+    def pixel_patch(self) -> int:
+        """Image pixels per token side (patch size x VAE compression)."""
+        return self._patch
+
     def _check_shape(self, x: torch.Tensor) -> None:
         h, w = x.shape[-2:]
         if h % self._patch or w % self._patch:
+            what = (
+                f"model.patch_size={self.transformer.config.patch_size} x the VAE's "
+                f"{self.vae.compression}x compression = {self._patch}"
+                if self.vae is not None
+                else f"model.patch_size={self._patch}"
+            )
             raise ValueError(
-                f"image {w}x{h} is not divisible by model.patch_size={self._patch}; "
+                f"image {w}x{h} is not divisible by {what}; "
                 "pick a patch size that divides the bucket shapes of the tier"
             )
+
+    def clean_inputs(
+        self, images: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """x0 of the flow: uint8 images -> [-1, 1] pixels, or their VAE latents (no grad)."""
+        self._check_shape(images)
+        x = uint8_to_unit(images)
+        if self.vae is None:
+            return x
+        with torch.no_grad():
+            return self.vae.encode(x, generator)
 
     def flow_outputs(
         self,
@@ -122,9 +175,8 @@ class PRXFlowModel(ComposerModel):
         caption choice when ``captions`` is not given: deterministic evaluation.
         """
         images = self.batch_images(batch)
-        self._check_shape(images)
         device = images.device
-        x0 = uint8_to_unit(images)
+        x0 = self.clean_inputs(images, generator)
         if captions is None:
             cpu_gen = None
             if generator is not None:

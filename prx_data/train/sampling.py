@@ -2,11 +2,13 @@
 
 Loss curves say little about what a diffusion model draws. :class:`SampleGrid`
 samples the same prompts from the same noise at every checkpoint, so grids
-from successive checkpoints can be compared side by side. The sampler is the
-project's own :func:`prx_data.train.flow.euler_sample` (diffusers'
-``PRXPipeline`` assumes a VAE's 8x latent grid); a test checks that it gives
-the same images as ``PRXPipeline`` driven with the same noise, text features
-and timesteps.
+from successive checkpoints can be compared side by side. In pixel space the
+sampler is the project's own :func:`prx_data.train.flow.euler_sample`
+(diffusers' ``PRXPipeline`` assumes a VAE's latent grid); a test checks that
+it gives the same images as ``PRXPipeline`` driven with the same noise, text
+features and timesteps. In latent space (``vae:``) sampling goes through the
+real ``diffusers.PRXPipeline`` with our VAE, so the grid shows what the
+pipeline draws from the checkpoint.
 
 Grid layout: one row per prompt; one column per (shape, seed), shapes in
 config order, seeds inner. Each cell is the size of the largest shape, the
@@ -74,6 +76,10 @@ def sample_images(
     device: torch.device,
 ) -> torch.Tensor:
     """uint8 [len(prompts) * len(seeds), 3, H, W], prompt-major (prompt 0 x all seeds first)."""
+    if getattr(model, "vae", None) is not None:
+        return pipeline_sample_images(
+            model, prompts, seeds, shape, steps=steps, guidance_scale=guidance_scale, device=device
+        )
     was_training = model.training
     model.eval()
     try:
@@ -89,6 +95,84 @@ def sample_images(
         x = euler_sample(velocity, noise, steps=steps)
         assert x.shape[0] == n_p * n_s
         return ((x.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).cpu()
+    finally:
+        model.train(was_training)
+
+
+def prx_pipeline(model):
+    """``diffusers.PRXPipeline`` over the model's transformer and VAE (text features passed in)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.prx.pipeline_prx import PRXPipeline
+
+    pipe = PRXPipeline(
+        transformer=model.transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=None,
+        tokenizer=None,
+        vae=model.vae.vae if model.vae is not None else None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def euler_timesteps(steps: int) -> list[float]:
+    """Scheduler timesteps (0..1000) of ``euler_sample``'s uniform grid from t=1 to 0."""
+    return (torch.linspace(1.0, 0.0, steps + 1)[:-1] * 1000).tolist()
+
+
+@torch.no_grad()
+def pipeline_sample_images(
+    model,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    shape: tuple[int, int],
+    *,
+    steps: int,
+    guidance_scale: float,
+    device: torch.device,
+) -> torch.Tensor:
+    """Like :func:`sample_images`, through ``PRXPipeline`` with the model's VAE decoding.
+
+    The pipeline's CFG step passes a [2] timestep, so it draws one image per call.
+    """
+    w, h = shape
+    f = model.pixel_patch
+    if w % f or h % f:
+        raise ValueError(
+            f"sampling.shapes: {w}x{h} is not a multiple of {f} "
+            "(model.patch_size x the VAE's compression)"
+        )
+    was_training = model.training
+    model.eval()
+    try:
+        feats, mask = model.encode_text([*prompts, ""], device)
+        feats = feats.to(next(model.transformer.parameters()).dtype)
+        channels, lh, lw = model.vae.latent_shape(w, h)
+        noise = seeded_noise(seeds, (lw, lh), channels).to(device)
+        pipe = prx_pipeline(model)
+        negative = {}
+        if guidance_scale > 1.0:
+            negative = {
+                "negative_prompt_embeds": feats[-1:],
+                "negative_prompt_attention_mask": mask[-1:],
+            }
+        out = []
+        for i in range(len(prompts)):
+            for j in range(len(seeds)):
+                img = pipe(
+                    prompt_embeds=feats[i : i + 1],
+                    prompt_attention_mask=mask[i : i + 1],
+                    latents=noise[j : j + 1].clone(),
+                    height=h,
+                    width=w,
+                    timesteps=euler_timesteps(steps),
+                    guidance_scale=guidance_scale,
+                    output_type="pt",
+                    use_resolution_binning=False,
+                    **negative,
+                ).images
+                out.append(img.float().clamp(0, 1).mul(255).round().to(torch.uint8).cpu())
+        return torch.cat(out)
     finally:
         model.train(was_training)
 

@@ -34,10 +34,11 @@ from streaming import StreamingDataset
 
 from prx_data.train.callbacks import DataWaitMonitor, ResumeGuard, SampleIdLogger
 from prx_data.train.captions import CaptionPolicy
-from prx_data.train.config import TrainConfig, device_batch_size
+from prx_data.train.config import TrainConfig, device_batch_size, metrics_folder
 from prx_data.train.data import build_dataspec
 from prx_data.train.model import PRXFlowModel, build_transformer
 from prx_data.train.text_encoder import TextEncoder
+from prx_data.train.vae import LatentCodec
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def resolve_placement(cfg: TrainConfig) -> Placement:
 
 
 def build_model(cfg: TrainConfig, device: torch.device | str | None = None) -> PRXFlowModel:
-    """Text encoder (frozen, loaded by name or path) + fresh PRX transformer + flow loss."""
+    """Text encoder and VAE (frozen, by name or path) + fresh PRX transformer + flow loss."""
     te = cfg.text_encoder
     encoder = TextEncoder.from_pretrained(
         te.name_or_path,
@@ -78,12 +79,32 @@ def build_model(cfg: TrainConfig, device: torch.device | str | None = None) -> P
         layer=te.layer,
         device=device,
     )
-    transformer = build_transformer(cfg.model, encoder.hidden_size)
+    vae = build_vae(cfg, device)
+    channels = vae.latent_channels if vae is not None else 3
+    transformer = build_transformer(cfg.model, encoder.hidden_size, channels)
     cols = cfg.data.caption_columns
     policy = CaptionPolicy(
         tuple(c.name for c in cols), tuple(float(c.weight) for c in cols), cfg.data.caption_dropout
     )
-    return PRXFlowModel(transformer, encoder, policy, cfg.flow)
+    return PRXFlowModel(transformer, encoder, policy, cfg.flow, vae=vae)
+
+
+def build_vae(cfg: TrainConfig, device: torch.device | str | None = None) -> LatentCodec | None:
+    """The frozen autoencoder of ``cfg.vae`` (None without ``vae.name_or_path``: pixel space)."""
+    v = cfg.vae
+    if v.name_or_path is None:
+        return None
+    return LatentCodec.from_pretrained(
+        v.name_or_path,
+        subfolder=v.subfolder,
+        dtype=v.dtype,
+        device=device,
+        scaling_factor=v.scaling_factor,
+        shift_factor=v.shift_factor,
+        posterior=v.posterior,
+        tiling=v.tiling,
+        tile_size=v.tile_size,
+    )
 
 
 def build_optimizer(cfg: TrainConfig, model: PRXFlowModel) -> torch.optim.Optimizer:
@@ -156,6 +177,27 @@ def build_callbacks(cfg: TrainConfig) -> list[Callback]:
                 guidance_scale=s.guidance_scale,
                 interval=s.interval or cfg.trainer.save_interval,
                 folder=s.folder,
+            )
+        )
+    folder = metrics_folder(cfg)
+    if cfg.eval.enabled and folder:
+        from prx_data.train.metrics import EvalLossWriter
+
+        callbacks.append(EvalLossWriter(folder))
+    m = cfg.metrics
+    if m.enabled:
+        from prx_data.train.metrics import GenerationMetrics, build_metrics
+
+        callbacks.append(
+            GenerationMetrics(
+                build_metrics(m.fid_model, m.clip_model, m.dino_model, m.fid_weights),
+                num_samples=m.num_samples,
+                interval=m.interval,
+                folder=folder,
+                seed=m.seed,
+                steps=m.steps,
+                guidance_scale=m.guidance_scale,
+                models={"FID": m.fid_model, "CMMD": m.clip_model, "DINO-MMD": m.dino_model},
             )
         )
     return callbacks
@@ -276,15 +318,15 @@ def build_trainer(
             "stream built elsewhere; let build_trainer build the stream, or evaluate on a "
             "separate export (eval.source=export)"
         )
-    dataspec = build_dataspec(
-        cfg.data, world, cfg.model.patch_size, dataset=dataset, holdout=train_holdout
-    )
+    # Tokens per image count image pixels per token side: patch x the VAE's compression.
+    pixel_patch = int(getattr(model, "pixel_patch", cfg.model.patch_size))
+    dataspec = build_dataspec(cfg.data, world, pixel_patch, dataset=dataset, holdout=train_holdout)
     extra: dict = parallelism_kwargs(cfg, model)
     if cfg.eval.enabled:
         from prx_data.train.evaluation import build_evaluator
 
         model.configure_eval(cfg.eval.num_bands, cfg.eval.seed)
-        extra["eval_dataloader"] = build_evaluator(cfg, world, cfg.model.patch_size)
+        extra["eval_dataloader"] = build_evaluator(cfg, world, pixel_patch)
         extra["eval_interval"] = cfg.eval.interval
         extra["eval_subset_num_batches"] = cfg.eval.subset_num_batches or -1
     t = cfg.trainer
