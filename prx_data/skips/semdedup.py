@@ -4,10 +4,12 @@ pHash finds copies of the same pixels; embeddings also find the same photo
 re-encoded, cropped or colour-shifted, and many shots of one concept. The
 method of Abbas et al. (2023), as NeMo Curator ships it:
 
-1. **Cluster** the L2-normalised embeddings with k-means (``scipy.cluster.vq
-   .kmeans2``, seeded, trained on a sample of ``train_rows``; every row is
-   then assigned to its nearest centroid with one matrix product per batch).
-   ``k = rows / cluster_size``.
+1. **Cluster** the L2-normalised embeddings with spherical k-means (seeded
+   Lloyd iterations as BLAS products, :func:`train_centroids`, on a sample of
+   ``train_rows``; every row is then assigned to its nearest centroid with
+   one matrix product per batch). ``k = rows / cluster_size``. Lance's
+   ``KMeans`` has no cosine metric and differs run to run; SciPy's ``kmeans2``
+   took 180 s for 100k x 64 rows at k = 100 (this: 5 s, 20 iterations).
 2. **Within each cluster**, order the members best first (largest
    width x height, then smallest id) and give each member the highest cosine
    to any better member (blocked matrix products, never a full n x n matrix).
@@ -105,21 +107,38 @@ def normalise(x: np.ndarray) -> np.ndarray:
 
 
 def train_centroids(sample: np.ndarray, k: int, iters: int = 20, seed: int = 0) -> np.ndarray:
-    """Seeded k-means (``scipy.cluster.vq.kmeans2``, k-means++ init) on normalised rows."""
-    from scipy.cluster.vq import kmeans2
+    """Spherical k-means on normalised rows: seeded Lloyd iterations as matrix products.
 
-    k = max(1, min(k, len(sample)))
-    if k == 1:
-        return normalise(sample.mean(axis=0, keepdims=True))
-    centroids, _ = kmeans2(
-        sample.astype(np.float64), k, iter=iters, minit="++", seed=np.random.default_rng(seed)
-    )
-    return normalise(centroids)
+    Assignment is one BLAS product per block and the update one sparse
+    product, so 262k x 768 rows with k = 1000 take seconds per iteration.
+    Empty clusters are re-seeded from random rows (same seed, same result).
+    """
+    from scipy.sparse import csr_matrix
+
+    rng = np.random.default_rng(seed)
+    n = len(sample)
+    k = max(1, min(k, n))
+    centroids = sample[np.sort(rng.choice(n, size=k, replace=False))].copy()
+    for _ in range(iters):
+        labels = assign(sample, centroids)
+        member = csr_matrix((np.ones(n, np.float32), (labels, np.arange(n))), shape=(k, n))
+        sums = np.asarray(member @ sample, np.float32)
+        empty = np.flatnonzero(np.bincount(labels, minlength=k) == 0)
+        if len(empty):
+            sums[empty] = sample[rng.choice(n, size=len(empty), replace=False)]
+        new = normalise(sums)
+        if np.array_equal(new, centroids):
+            break
+        centroids = new
+    return centroids
 
 
-def assign(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """Nearest centroid (cosine) of each normalised row."""
-    return np.asarray((x @ centroids.T).argmax(axis=1), np.int64)
+def assign(x: np.ndarray, centroids: np.ndarray, block: int = 16_384) -> np.ndarray:
+    """Nearest centroid (cosine) of each normalised row, in blocks of rows."""
+    out = np.empty(len(x), np.int64)
+    for s in range(0, len(x), block):
+        out[s : s + block] = (x[s : s + block] @ centroids.T).argmax(axis=1)
+    return out
 
 
 def rank_members(labels: np.ndarray, area: np.ndarray, ids: pa.Array) -> np.ndarray:
