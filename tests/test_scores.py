@@ -219,3 +219,34 @@ def test_cli_runs_reports_and_rejects_bad_heads_in_one_line(tmp_path, models, ca
     )
     assert "run the clip scorer first" in capsys.readouterr().err
     shutil.rmtree(fresh)
+
+
+def test_stats_plots_every_score_distribution(tmp_path, capsys):
+    import pyarrow as pa
+
+    from prx_data.cli import stats as stats_cli
+
+    uri = table(tmp_path)
+    ds = lance.dataset(uri)
+    ids = ds.to_table(columns=["id"])["id"]
+    n = len(ids)
+    vals = pa.table(
+        {
+            "id": ids,
+            "clip_score": pa.array(np.linspace(-0.2, 0.4, n), pa.float32()),
+            "nsfw_p_nsfw": pa.array([None] + [0.91] * (n - 1), pa.float32()),
+        }
+    )
+    from prx_data.table.lance_ops import update_column
+
+    update_column(uri, "clip_score", vals.select(["id", "clip_score"]))
+    update_column(uri, "nsfw_p_nsfw", vals.select(["id", "nsfw_p_nsfw"]))
+    out = str(tmp_path / "out")
+    assert stats_cli.main(["--table", uri, "--out", out]) == 0
+    assert open(os.path.join(out, "scores.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    saved = json.load(open(os.path.join(out, "stats.json")))["scores"]
+    assert set(saved) == {"clip_score", "nsfw_p_nsfw"}
+    assert saved["nsfw_p_nsfw"]["scored"] == n - 1 and sum(saved["nsfw_p_nsfw"]["counts"]) == n - 1
+    assert saved["nsfw_p_nsfw"]["counts"][36] == n - 1  # 0.91 in the 40-bin [0, 1] histogram
+    assert saved["clip_score"]["edges"][0] == pytest.approx(-0.2, abs=1e-6)
+    assert "score clip_score: 12 rows" in capsys.readouterr().out
