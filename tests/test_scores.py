@@ -250,3 +250,29 @@ def test_stats_plots_every_score_distribution(tmp_path, capsys):
     assert saved["nsfw_p_nsfw"]["counts"][36] == n - 1  # 0.91 in the 40-bin [0, 1] histogram
     assert saved["clip_score"]["edges"][0] == pytest.approx(-0.2, abs=1e-6)
     assert "score clip_score: 12 rows" in capsys.readouterr().out
+
+
+def test_explorer_filters_and_shows_scores(tmp_path):
+    import pyarrow as pa
+
+    from prx_data.table.lance_ops import update_column
+    from tests.explore_kit import make_explore_table, running_server
+    from tests.test_explore import api, get
+
+    uri = str(tmp_path / "t.lance")
+    make_explore_table(uri)
+    ids = lance.dataset(uri).to_table(columns=["id"])["id"].to_pylist()
+    score = [0.9 if i.startswith("t/red") else 0.1 for i in ids]
+    update_column(
+        uri, "clip_score", pa.table({"id": ids, "clip_score": pa.array(score, pa.float32())})
+    )
+    with running_server(uri) as (url, _srv):
+        assert api(url, "/api/meta")["scores"] == ["clip_score"]
+        res = api(url, "/api/search", **{"min.clip_score": "0.5"})
+        assert sorted(r["id"] for r in res["results"]) == [f"t/red{i}" for i in range(4)]
+        assert all(r["scores"]["clip_score"] > 0.5 for r in res["results"])
+        low = api(url, "/api/search", **{"max.clip_score": "0.5"})
+        assert len(low["results"]) == len(ids) - 4 - score.count(None)
+        for bad in ("high", "nan", "inf"):
+            status, _, body = get(f"{url}/api/search?min.clip_score={bad}")
+            assert status == 400 and b"must be a number" in body
