@@ -74,6 +74,8 @@ def bench_score_jobs(args, root: Path) -> dict:
     clf = str(build_tiny_image_classifier(root / "clf"))
     out = {}
     for scorer, model in (("aesthetic", head), ("watermark", clf)):
+        if scorer not in args.scorers.split(","):
+            continue
         uri = str(root / f"{scorer}.lance")
         make_table(uri, args.rows, args.rows_per_fragment)
         cfg = SC.ScoreConfig(
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", type=int, default=2, help="CPUs for Ray (and the per-core figure)")
     p.add_argument("--embeddings", type=int, default=1_000_000, help="semantic dedup size")
     p.add_argument("--subset", type=int, default=10_000, help="brute-force comparison size")
+    p.add_argument(
+        "--scorers", default="aesthetic,watermark", help="score jobs to run (comma-separated)"
+    )
     p.add_argument("--skip-jobs", action="store_true", help="only the semantic dedup part")
     p.add_argument("--json", default=None, help="write the figures to this file")
     args = p.parse_args(argv)
