@@ -80,6 +80,9 @@ def test_planted_near_duplicates_found_and_the_largest_kept(planted, tmp_path):
             skipped |= {where[(bucket, base, int(x))] for x in idx.tolist()}
     assert skipped == set(PLANTED)
     assert rep.skip_list["samples_listed"] == 6
+    from prx_data.skips import lists as LS  # recorded in the table's list registry too
+
+    assert set(LS.list_ids(out, "semdedup").to_pylist()) == set(PLANTED)
     # Deterministic: a second run gives the same sidecars, byte for byte.
     before = {r: open(f"{out}/{r}", "rb").read() for r in SL.storage.list_files(out, ".skip")}
     SD.run_semdedup(cfg)

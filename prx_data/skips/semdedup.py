@@ -22,8 +22,9 @@ Pairs that straddle two clusters are missed (the price of not comparing all
 pairs); ``benchmarks/bench_scores.py`` measures this against brute force.
 With ``--export`` only the export's rows take part and the removed ones go
 to a skip list (default ``semdedup``) through
-:func:`prx_data.skips.dedup.replace_skip_list`, so the shards stay as they
-are and a rerun replaces the list.
+:func:`prx_data.skips.dedup.replace_skip_list` (the table's list registry,
+then the export's sidecars), so the shards stay as they are and a rerun
+replaces the list.
 """
 
 from __future__ import annotations
@@ -322,7 +323,13 @@ def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
 
         removed = ids.filter(pa.array(dups.removed(cfg.threshold)))
         rows = man.filter(pc.is_in(man["id"], value_set=removed))
-        rep.skip_list = replace_skip_list(cfg.export, cfg.skip_name, rows)
+        rep.skip_list = replace_skip_list(
+            cfg.export,
+            cfg.skip_name,
+            rows,
+            table=cfg.table,
+            reason=f"semdedup: {col} cosine >= {cfg.threshold:g} to a larger image",
+        )
     rep.seconds = time.perf_counter() - start
     return rep
 
