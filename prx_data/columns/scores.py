@@ -119,7 +119,7 @@ class ClipScorer:
         self.device = _device(device)
         self.model = CLIPModel.from_pretrained(model).eval().to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.processor = AutoImageProcessor.from_pretrained(model)
+        self.processor = AutoImageProcessor.from_pretrained(model, use_fast=True)
         self.dim = int(self.model.config.projection_dim)
         limit = int(self.model.config.text_config.max_position_embeddings)
         self.max_text_tokens = min(max_text_tokens, limit)
@@ -211,7 +211,7 @@ class ClassifierScorer:
 
         self.device = _device(device)
         self.model = AutoModelForImageClassification.from_pretrained(model).eval().to(self.device)
-        self.processor = AutoImageProcessor.from_pretrained(model)
+        self.processor = AutoImageProcessor.from_pretrained(model, use_fast=True)
         self.labels = class_labels(self.model.config)
         self.prefix = prefix
         self.size = _processor_size(self.processor)
