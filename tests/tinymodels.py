@@ -198,3 +198,93 @@ def build_tiny_causal_lm(path: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def _word_tokenizer():
+    """A WordLevel tokenizer as a ``PreTrainedTokenizerFast`` (no vocab files to ship)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(["<pad>", "<unk>", "<eos>", *_WORDS]))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
+
+
+def build_tiny_clip(path: str | Path, seed: int = 0, projection_dim: int = 16) -> Path:
+    """Save a tiny random ``CLIPModel`` with a WordLevel tokenizer and a CLIP image processor."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    path = Path(path)
+    tok = _word_tokenizer()
+    torch.manual_seed(seed)
+    config = CLIPConfig(
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 32,
+            "pad_token_id": tok.pad_token_id,
+            "eos_token_id": 2,  # legacy pooling: the highest token id of each text
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        projection_dim=projection_dim,
+    )
+    CLIPModel(config).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ).save_pretrained(path)
+    return path
+
+
+def build_tiny_image_classifier(
+    path: str | Path, labels: tuple[str, ...] = ("clean", "watermark"), seed: int = 0
+) -> Path:
+    """Save a tiny random ``ViTForImageClassification`` with its image processor."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    config = ViTConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    )
+    ViTForImageClassification(config).eval().save_pretrained(path)
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(path)
+    return path
+
+
+def build_tiny_aesthetic_head(path: str | Path, dim: int = 16, seed: int = 0) -> Path:
+    """Save a LAION-style MLP head (linear layers, no activations) as ``.safetensors``."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    head = torch.nn.Sequential(
+        torch.nn.Linear(dim, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 4), torch.nn.Linear(4, 1)
+    )
+    save_file({f"layers.{k}": v.contiguous() for k, v in head.state_dict().items()}, str(path))
+    return path

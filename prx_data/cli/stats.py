@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows an export would drop (too small, aspect ratio outside the range, unreadable), "
         "fragment count with rows and bytes per fragment, and, once python -m prx_data.quality "
         "has run, the image-quality distribution with the count of low-information (blank) "
-        "images. Writes PNG plots and stats.json, prints a table.",
+        "images, and the distribution of every score column (*_score, *_p_<class>: python -m "
+        "prx_data.score). Writes PNG plots and stats.json, prints a table.",
     )
     p.add_argument("--table", required=True, help="Lance table URI")
     p.add_argument("--out", required=True, help="folder for the PNG plots and stats.json")

@@ -62,6 +62,7 @@ from prx_data.core.buckets import DEFAULT_SPEC
 from prx_data.core.imaging import ImageError, decode, open_image
 from prx_data.table import lance_ops as T
 from prx_data.table import search
+from prx_data.table.resolution import is_score_column
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -246,6 +247,8 @@ class Explorer:
         # A label with one value in the whole sample tells nothing on a card (still a filter).
         self.card_labels = [c for c, values in self.labels.items() if len(values) > 1]
         self.has_quality = Q.COLUMN in ds.schema.names
+        # Score columns (python -m prx_data.score): range filters and values on cards.
+        self.scores = [f.name for f in ds.schema if is_score_column(f.name, f.type)]
 
     def _label_columns(self) -> tuple[dict[str, list[str]], list[str]]:
         """String columns: few distinct values (in a sample) -> drop-down; else a typed field."""
@@ -283,6 +286,7 @@ class Explorer:
             "fields": [S.ID, *self.fields],
             "quality": list(QUALITY_FILTERS) if self.has_quality else [],
             "quality_column": Q.COLUMN if self.has_quality else None,
+            "scores": self.scores,
             "page_size": self.cfg.page_size,
         }
 
@@ -313,6 +317,17 @@ class Explorer:
             value = (params.get("field." + col) or "").strip()
             if value:
                 clauses.append(f"{T.quote(col)} = {search.sql_str(value)}")
+        for col in self.scores:  # min.<score> / max.<score>: an inclusive range
+            for key, op in (("min.", ">="), ("max.", "<=")):
+                value = (params.get(key + col) or "").strip()
+                if value:
+                    try:
+                        bound = float(value)
+                    except ValueError:
+                        bound = float("nan")
+                    if bound != bound or bound in (float("inf"), float("-inf")):
+                        raise ValueError(f"{key}{col} must be a number, got {value!r}")
+                    clauses.append(f"{T.quote(col)} {op} {bound!r}")
         return " AND ".join(clauses) or None
 
     def _columns(self) -> list[str]:
@@ -320,6 +335,7 @@ class Explorer:
         want = [S.ID, S.WIDTH, S.HEIGHT, *self.captions, *self.labels, *self.fields]
         if self.has_quality:
             want.append(Q.COLUMN)
+        want += self.scores
         return [c for c in dict.fromkeys(want) if c in names]
 
     def _rows(self, t: pa.Table, score: str | None = None) -> list[dict[str, Any]]:
@@ -335,6 +351,7 @@ class Explorer:
                 "width": r.get(S.WIDTH),
                 "height": r.get(S.HEIGHT),
                 "quality": q,
+                "scores": {c: r.get(c) for c in self.scores if r.get(c) is not None},
                 "low_information": bool(
                     q and Q.is_low_information(q["std"], q["entropy"], q["flat"])
                 ),

@@ -43,6 +43,8 @@ class TableReport:
     fragments: dict[str, Any] = field(default_factory=dict)
     #: Image-quality distribution when the table has the column (see prx_data.core.quality).
     quality: dict[str, Any] = field(default_factory=dict)
+    #: Per score column (``*_score``, ``*_p_<class>``: python -m prx_data.score): a histogram.
+    scores: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,7 +103,45 @@ def compute(
         short_side=pct,
         fragments=T.table_stats(uri, storage_options),
         quality=quality_summary(uri, storage_options),
+        scores=score_summary(uri, storage_options),
     )
+
+
+def is_score_column(name: str, dtype: pa.DataType) -> bool:
+    """Float columns named ``*_score`` or ``<prefix>_p_<class>`` (the score job's outputs)."""
+    return pa.types.is_floating(dtype) and (name.endswith("_score") or "_p_" in name)
+
+
+def score_summary(uri: str, storage_options: dict | None = None, bins: int = 40) -> dict:
+    """A histogram and percentiles per score column, streamed one column at a time."""
+    ds = T.open_table(uri, storage_options)
+    out: dict[str, Any] = {}
+    for f in ds.schema:
+        if not is_score_column(f.name, f.type):
+            continue
+        parts = [
+            b.column(0).drop_null().to_numpy(zero_copy_only=False).astype(np.float64)
+            for b in ds.scanner(columns=[f.name], batch_size=1 << 16).to_batches()
+        ]
+        v = np.concatenate(parts) if parts else np.zeros(0)
+        v = v[np.isfinite(v)]
+        if "_p_" in f.name:
+            edges = np.linspace(0.0, 1.0, bins + 1)
+        elif len(v):
+            lo, hi = float(v.min()), float(v.max())
+            edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+        else:
+            edges = np.linspace(0.0, 1.0, bins + 1)
+        counts, _ = np.histogram(np.clip(v, edges[0], edges[-1]), bins=edges)
+        out[f.name] = {
+            "scored": int(len(v)),
+            "edges": edges.tolist(),
+            "counts": counts.tolist(),
+            "percentiles": {f"p{p}": float(np.percentile(v, p)) for p in (1, 10, 50, 90, 99)}
+            if len(v)
+            else {},
+        }
+    return out
 
 
 def _mp_edges(mp: np.ndarray, bins: int = 40) -> np.ndarray:
@@ -239,6 +279,21 @@ def plot(report: TableReport, out_dir: str, spec: BucketSpec = DEFAULT_SPEC) -> 
             "are low-information"
         )
         paths.append(_save(fig, out_dir, "quality.png"))
+
+    if report.scores:
+        names = list(report.scores)
+        cols = min(3, len(names))
+        rows = -(-len(names) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+        for ax, name in zip(axes.flat, names, strict=False):
+            sc = report.scores[name]
+            e = np.array(sc["edges"])
+            ax.bar(e[:-1], sc["counts"], width=np.diff(e), align="edge", color="#4c78a8")
+            ax.set_title(f"{name} ({sc['scored']:,} rows)", fontsize=9)
+            ax.set_yscale("symlog", linthresh=10)
+        for ax in list(axes.flat)[len(names) :]:
+            ax.axis("off")
+        paths.append(_save(fig, out_dir, "scores.png"))
     return paths
 
 
@@ -277,6 +332,9 @@ def format_report(report: TableReport) -> str:
         ]
     else:
         lines += ["", "image quality    not measured (python -m prx_data.quality --table URI)"]
+    for name, sc in report.scores.items():
+        pct = "  ".join(f"{k} {v:.3g}" for k, v in sc["percentiles"].items())
+        lines.append(f"score {name}: {sc['scored']:,} rows  {pct}")
     lines += ["", T.format_stats(report.fragments)]
     return "\n".join(lines)
 

@@ -6,7 +6,8 @@ rank fusion (RRF: score = sum of 1 / (k + rank)), which needs no score
 calibration between BM25 and cosine distance.
 
 The vector column is the source's own ``embedding`` when it has one (e.g.
-CLIP), else the toolkit's pixel descriptor (:mod:`prx_data.core.descriptor`).
+CLIP), else ``clip_image_embedding`` (``python -m prx_data.score clip``),
+else the toolkit's pixel descriptor (:mod:`prx_data.core.descriptor`).
 Filters are Lance SQL strings; :func:`filter_sql` builds them for tier,
 aspect-ratio bucket and label columns.
 """
@@ -29,6 +30,8 @@ from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec, aspect_label
 from prx_data.table import lance_ops as T
 
 DEFAULT_RRF_K = 60
+#: The column ``python -m prx_data.score clip`` writes its image embedding to.
+CLIP_IMAGE_COLUMN = "clip_image_embedding"
 #: Below this many vectors a flat (exact) scan is as fast as an index.
 MIN_ROWS_FOR_ANN = 10_000
 #: Recall@10 ~0.98 on random 128-d vectors at 50k rows (IVF_PQ: ~0.45, IVF_SQ: ~0.66,
@@ -64,9 +67,10 @@ def caption_columns(table: TableLike) -> list[str]:
 
 
 def vector_column(table: TableLike) -> str | None:
-    """The source's ``embedding`` if it has values, else the pixel descriptor, else None."""
+    """The first with values of: the source's ``embedding``, the CLIP score job's image
+    embedding, the pixel descriptor; else None."""
     ds = _ds(table)
-    for name in (S.EMBEDDING, descriptor.COLUMN):
+    for name in (S.EMBEDDING, CLIP_IMAGE_COLUMN, descriptor.COLUMN):
         if (
             name in ds.schema.names
             and pa.types.is_fixed_size_list(ds.schema.field(name).type)
