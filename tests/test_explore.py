@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -357,7 +358,15 @@ def test_saturated_pool_answers_503_rather_than_starting_threads(plain_table):
             return real_meta()
 
         srv.app.meta = slow_meta
-        holder = threading.Thread(target=get, args=(url + "/api/meta",))
+
+        def hold() -> None:
+            # The worker frees its slot just after the previous reply: retry until it is taken.
+            for _ in range(100):
+                if get(url + "/api/meta")[0] != 503 or entered.is_set():
+                    return
+                time.sleep(0.05)
+
+        holder = threading.Thread(target=hold)
         holder.start()
         try:
             assert entered.wait(30)  # the only worker is now taken
