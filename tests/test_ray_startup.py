@@ -82,6 +82,18 @@ def test_live_cluster_record_is_still_joined(fake_init, tmp_path):
     assert kwargs.get("address") is None  # Ray resolves the record itself, as before
 
 
+def test_live_cluster_record_with_sizes_is_joined_without_them(fake_init, tmp_path):
+    """Ray refuses num_cpus when it joins the recorded cluster: join it as it is, and say so."""
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        _record(str(tmp_path), f"127.0.0.1:{gcs.getsockname()[1]}")
+        with pytest.warns(UserWarning, match="its own size applies"), pytest.raises(_Stop):
+            runtime.ensure_ray(num_cpus=2, object_store_memory=2**28)
+    (kwargs,) = fake_init
+    assert "num_cpus" not in kwargs and "object_store_memory" not in kwargs
+
+
 def test_dead_ray_address_env_fails_within_the_timeout(fake_init, monkeypatch):
     port = _closed_port()
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")

@@ -119,11 +119,26 @@ def ensure_ray(
         _check_address(address, source, timeout)
         ray.init(address=address, **kwargs)
     else:
-        if address is None and _stale_record():
+        state = _record_state() if address is None else "none"
+        if state == "stale":
             address = "local"  # Ray would retry the recorded one for many minutes
-        ray.init(
-            address=address, num_cpus=num_cpus, object_store_memory=object_store_memory, **kwargs
-        )
+        if state == "live" and (num_cpus is not None or object_store_memory is not None):
+            # Ray joins the recorded cluster and refuses sizes for it: join it as it is.
+            warnings.warn(
+                f"joining the running Ray cluster named in {ray_record_path()}; its own size "
+                "applies (num_cpus / object_store_memory are ignored). Pass --ray-address "
+                "local for a private local Ray.",
+                UserWarning,
+                stacklevel=2,
+            )
+            ray.init(**kwargs)
+        else:
+            ray.init(
+                address=address,
+                num_cpus=num_cpus,
+                object_store_memory=object_store_memory,
+                **kwargs,
+            )
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -146,13 +161,16 @@ def _check_address(address: str, source: str, timeout: float) -> None:
     )
 
 
-def _stale_record() -> bool:
-    """True, after a warning, when Ray's cluster record names an address where nothing answers."""
+def _record_state() -> str:
+    """``"none"`` (no usable record), ``"live"``, or ``"stale"`` (after a warning): whether
+    Ray's cluster record names an address where a cluster answers."""
     path = ray_record_path()
     recorded = _read_record(path)
     hp = _host_port(recorded) if recorded else None
-    if hp is None or _answers(*hp, RECORD_PROBE_S, retry=False):
-        return False
+    if hp is None:
+        return "none"
+    if _answers(*hp, RECORD_PROBE_S, retry=False):
+        return "live"
     warnings.warn(
         f"{path} names a Ray cluster at {recorded}, where nothing answers (its head has "
         f"stopped): starting a local Ray instead. Clear the stale record with `ray stop` or "
@@ -160,7 +178,7 @@ def _stale_record() -> bool:
         UserWarning,
         stacklevel=3,
     )
-    return True
+    return "stale"
 
 
 def unit_dataset(items: list[dict], *, single_operator: bool = True):
