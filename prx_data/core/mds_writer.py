@@ -2,7 +2,7 @@
 
 ``import streaming`` runs the package's ``__init__``, which imports every
 dataset it ships (C4's tokenizer pulls in transformers and torch's dynamo):
-13 s on a loaded 2-core machine, 6 s idle, in every fresh Ray worker before its
+6.5-13 s on a loaded 2-core machine, in every fresh Ray worker before its
 first work unit, the main part of a small export's fixed start-up. The writer
 needs only ``streaming.base.format`` (and torch, through
 ``streaming.base.distributed``). So when ``streaming`` is not imported yet,
@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 import types
 
 #: Streaming releases whose writer lives at ``streaming.base.format.mds.writer``.
 SUPPORTED = ("0.13.",)
+_RUN_LOCK = threading.RLock()
 
 
 class _Deferred(types.ModuleType):
     """A package module whose ``__init__`` runs on the first attribute it lacks."""
 
     def __getattr__(self, attr: str):
-        spec = self.__spec__
-        self.__class__ = types.ModuleType  # from here on a plain module
-        spec.loader.exec_module(self)
+        with _RUN_LOCK:  # one thread runs the __init__; the others wait for it
+            if type(self) is _Deferred:
+                self.__class__ = types.ModuleType  # from here on a plain module
+                self.__spec__.loader.exec_module(self)
         return getattr(self, attr)  # AttributeError as usual when the package has none
 
 
