@@ -48,17 +48,30 @@ def _defer(name: str) -> None:
         types.ModuleType.__setattr__(sys.modules[parent], child, mod)
 
 
-def mds_writer() -> type:
-    """The ``MDSWriter`` class, importing as little of ``streaming`` as it can."""
+def defer_package_init() -> None:
+    """Register ``streaming`` and ``streaming.base`` with their ``__init__`` deferred, if not imported."""
     if "streaming" not in sys.modules:
         _defer("streaming")
         _defer("streaming.base")
+
+
+def streaming_version() -> str:
+    """The installed streaming release, without running the package ``__init__`` for it."""
+    defer_package_init()
+    pkg = sys.modules["streaming"]
+    if type(pkg) is _Deferred:
         from streaming._version import __version__
 
-        if not __version__.startswith(SUPPORTED):  # another layout: run the package now
-            import streaming
+        return __version__
+    return pkg.__version__
 
-            return streaming.MDSWriter
+
+def mds_writer() -> type:
+    """The ``MDSWriter`` class, importing as little of ``streaming`` as it can."""
+    if not streaming_version().startswith(SUPPORTED):  # another layout: run the package now
+        import streaming
+
+        return streaming.MDSWriter
     from streaming.base.format.mds.writer import MDSWriter
 
     return MDSWriter
