@@ -1,4 +1,4 @@
-"""``streaming.MDSWriter`` for export workers, without importing the rest of the package first.
+"""``streaming.MDSWriter`` and ``streaming.base`` without running the package's ``__init__``.
 
 ``import streaming`` runs the package's ``__init__``, which imports every
 dataset it ships (C4's tokenizer pulls in transformers and torch's dynamo):
