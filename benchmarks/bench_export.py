@@ -4,7 +4,7 @@ Corpus: ``benchmarks/photo_corpus.py`` (Debian wallpaper packages: JPEG
 photos and WebP wallpapers, 2-24 MP, 320 images with distinct crops, flips and
 re-encodes). It is built on first use under ``build/photo_corpus``.
 
-Three parts (``--only step,frontier,pipeline``; all by default):
+Four parts (``--only step,frontier,pipeline,startup``; all by default):
 
   step      the per-image step of ``write_mds`` (``imaging.prepare_with``, bytes
             in memory, one core) against an img2dataset-style loop with
@@ -19,6 +19,10 @@ Three parts (``--only step,frontier,pipeline``; all by default):
   pipeline  ``write_mds`` end to end (Lance -> Ray Data -> MDS) on 1 and on 2
             Ray CPUs against the plain loop of its own per-image step.
             Targets: 1 CPU >= 0.9x the loop; 2 CPUs >= 1.8x 1 CPU.
+  startup   a job's fixed cost: ``python -m prx_data.write_mds`` of a 4-photo
+            table against a bare Ray Data job of the same size (``ray.init``
+            plus a 4-row map), each a fresh process on the same CPUs, rounds
+            interleaved. Target: <= 1.3x.
 
 Speed: every image goes through every contender in turn (the order rotates
 from image to image), so the load swings of a shared machine hit all of them
@@ -122,6 +126,40 @@ def vips(data: bytes, bw: int, bh: int, size: tuple[int, int]):
     return imaging.prepare_with("vips", data, bw, bh, src_size=size).data, None
 
 
+def draft_cv2(margin: float = imaging.DRAFT_MARGIN) -> Path:
+    """Draft decode, OpenCV INTER_AREA by the whole factor that keeps >= margin x the target,
+    then an exact sub-pixel cover crop with one INTER_LANCZOS4 warp (no antialias)."""
+
+    def run(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+        im, k = imaging.decode_scaled(data, draft_to=imaging.draft_size(*size, bw, bh, margin))
+        arr = np.asarray(im)
+        box = imaging.cover_box(*size, bw, bh)
+        f = 1.0 / k if k else arr.shape[1] / size[0]
+        r = max(
+            1,
+            int(min((box[2] - box[0]) * f / (bw * margin), (box[3] - box[1]) * f / (bh * margin))),
+        )
+        if r > 1:
+            h0, w0 = arr.shape[0] - arr.shape[0] % r, arr.shape[1] - arr.shape[1] % r
+            arr = cv2.resize(arr[:h0, :w0], (w0 // r, h0 // r), interpolation=cv2.INTER_AREA)
+            f /= r
+        sx = (box[2] - box[0]) * f / bw
+        sy = (box[3] - box[1]) * f / bh
+        m = np.array(
+            [[sx, 0, box[0] * f + 0.5 * sx - 0.5], [0, sy, box[1] * f + 0.5 * sy - 0.5]], np.float64
+        )
+        out = cv2.warpAffine(
+            arr,
+            m,
+            (bw, bh),
+            flags=cv2.INTER_LANCZOS4 | cv2.WARP_INVERSE_MAP,
+            borderMode=cv2.BORDER_REFLECT_101,
+        )
+        return imaging.encode(Image.fromarray(out)), out
+
+    return run
+
+
 STEP = {"img2dataset": img2dataset_style, "step": step}
 FRONTIER = {
     "img2dataset (OpenCV full decode, INTER_AREA, integer crop)": img2dataset_style,
@@ -134,6 +172,7 @@ FRONTIER = {
     "same, Bilinear": pillow_path("bilinear"),
     "same, Box (area)": pillow_path("box"),
     "libvips thumbnail (--codec vips)": vips,
+    "draft 1.5x + OpenCV area + exact Lanczos4 warp": draft_cv2(),
 }
 
 
@@ -331,6 +370,60 @@ def pipeline(
     }
 
 
+_BARE_JOB = """
+import sys, ray, ray.data
+ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, logging_level="WARNING")
+ctx = ray.data.DataContext.get_current()
+ctx.enable_progress_bars = False
+rows = ray.data.from_items([{"i": i} for i in range(4)], override_num_blocks=4)
+assert len(rows.map(lambda r: {"o": r["i"] * 2}).take_all()) == 4
+"""
+
+
+def startup(rows: list, workdir: str, rounds: int, num_cpus: int = 2) -> dict:
+    """Wall seconds of a 4-photo ``write_mds`` and of a bare 4-row Ray Data job, fresh processes."""
+    import subprocess
+
+    from tests.tablekit import make_table
+
+    table = os.path.join(workdir, "four.lance")
+    make_table(table, rows[:4])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))),
+    }
+    cmds = {
+        "bare": [sys.executable, "-c", _BARE_JOB, str(num_cpus)],
+        "write_mds": [
+            *(sys.executable, "-m", "prx_data.write_mds", "--table", table),
+            *("--num-cpus", str(num_cpus), "--no-progress", "--overwrite", "--out"),
+            os.path.join(workdir, "four-out"),
+        ],
+    }
+    per_round = []
+    for r in range(rounds):
+        res = {}
+        for who in ("bare", "write_mds") if r % 2 == 0 else ("write_mds", "bare"):
+            t0 = time.perf_counter()
+            subprocess.run(cmds[who], env=env, check=True, capture_output=True)
+            res[who] = time.perf_counter() - t0
+        per_round.append(res)
+        print(
+            f"  round {r + 1}: bare Ray Data job {res['bare']:.1f} s, "
+            f"write_mds of 4 photos {res['write_mds']:.1f} s",
+            file=sys.stderr,
+        )
+    ratios = [pr["write_mds"] / pr["bare"] for pr in per_round]
+    return {
+        "num_cpus": num_cpus,
+        "bare_s": round(statistics.median(pr["bare"] for pr in per_round), 2),
+        "write_mds_s": round(statistics.median(pr["write_mds"] for pr in per_round), 2),
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_per_round": [round(x, 3) for x in ratios],
+        "rounds": per_round,
+    }
+
+
 def machine() -> dict:
     try:
         load = os.getloadavg()
@@ -354,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tiers", default="512,1024", help="Export tiers (default 512,1024: most land in 1024)."
     )
-    p.add_argument("--only", default="step,frontier,pipeline", help="Parts to run.")
+    p.add_argument("--only", default="step,frontier,pipeline,startup", help="Parts to run.")
     p.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (default 3).")
     p.add_argument(
         "--frontier-rounds", type=int, default=1, help="Rounds for the frontier (default 1)."
@@ -401,6 +494,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         print(json.dumps(res["pipeline"], indent=1), file=sys.stderr)
+    if "startup" in parts:
+        print("start-up: 4-photo write_mds vs a bare Ray Data job ...", file=sys.stderr)
+        workdir = tempfile.mkdtemp(prefix="bench_export_")
+        try:
+            res["startup"] = startup(rows, workdir, args.rounds)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(json.dumps(res["startup"], indent=1), file=sys.stderr)
     res["machine"]["loadavg_at_end"] = os.getloadavg()
     print(json.dumps(res, indent=2))
     if args.json:

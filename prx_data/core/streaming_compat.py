@@ -13,15 +13,19 @@ contract test per symbol) and the upstream suite with our Stream swapped in
 
 from __future__ import annotations
 
-import streaming
+from prx_data.core.mds_writer import streaming_version
+
+# Only streaming.base submodules are needed here: the package's own __init__ (its datasets,
+# transformers) runs when something asks for it (see prx_data.core.mds_writer).
+_streaming_version = streaming_version()
 
 #: Streaming release prefixes whose internals match what the project relies on.
 SUPPORTED = ("0.13.",)
 
-if not streaming.__version__.startswith(SUPPORTED):
+if not _streaming_version.startswith(SUPPORTED):
     raise ImportError(
         f"prx-data was checked against mosaicml-streaming {', '.join(v + 'x' for v in SUPPORTED)}, "
-        f"found {streaming.__version__}. Check that MDSReader's constructor and get_item, "
+        f"found {_streaming_version}. Check that MDSReader's constructor and get_item, "
         "Stream.get_shards, Stream.prepare_shard, Reader.evict/set_up_local/get_max_size "
         "(pinned local shards), World.detect, maybe_init_dist, decompress, reader_from_json, "
         "get_partitions and is_safe_mds_encoding "

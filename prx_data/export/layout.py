@@ -52,7 +52,6 @@ import pyarrow.parquet as pq
 
 from prx_data.core import storage
 from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
-from prx_data.core.streaming_compat import is_safe_mds_encoding
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -181,6 +180,9 @@ def _columns_problem(fmt: object, key: tuple | None, export_columns: bool) -> st
         or len(set(names)) != len(names)
     ):
         return "column_names and column_encodings are not two equal-length lists of unique strings"
+    # Imported here: `import streaming` costs seconds in every export process that never reads.
+    from prx_data.core.streaming_compat import is_safe_mds_encoding
+
     pairs = list(zip(names, encs, strict=True))
     for name, enc in pairs:
         if not is_safe_mds_encoding(enc):

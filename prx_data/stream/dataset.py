@@ -52,7 +52,7 @@ from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader  # noqa: F401 (re-exported)
 from prx_data.stream import cache as shard_cache
 from prx_data.stream import planner
-from prx_data.stream.decode import decode_to
+from prx_data.stream.decode import decode_chw
 from prx_data.stream.holdout import Holdout, merge_skips
 from prx_data.stream.reader import SkipStream
 
@@ -545,8 +545,7 @@ def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[Da
 
 
 def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
-    arr = decode_to(data, shape)  # higher tiers decode at reduced size (JPEG draft)
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+    return decode_chw(data, shape)  # higher tiers decode at reduced size (JPEG draft)
 
 
 class BucketedDataset(StreamingDataset):

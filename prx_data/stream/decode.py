@@ -5,7 +5,13 @@ full size and then throw most of the pixels away. Here JPEGs are
 DCT-downscaled while decoding (Pillow ``draft``), to no less than
 :data:`prx_data.core.imaging.DRAFT_MARGIN` x the target, the same fidelity
 rule the export uses, and then Lanczos cover-resized to the exact shape.
-Samples already at the target shape take the plain decode path.
+Samples already at the target shape take the plain decode path: for baseline
+and progressive YCbCr or grey JPEGs without EXIF that is libjpeg-turbo through
+``torchvision.io.decode_jpeg``, straight into the ``[3, H, W]`` tensor the step
+wants (a channel-first view of the decoder's own buffer, no conversion or
+copy). Its pixels are Pillow's: both run libjpeg-turbo's default accurate
+integer IDCT with fancy upsampling (tested equal). Everything else (PNG
+exports, CMYK, EXIF orientation) goes through Pillow.
 
 :func:`decode_batch` is the other route: the loader passes the encoded bytes
 through and the training step decodes a whole batch on the GPU (nvJPEG via
@@ -22,6 +28,67 @@ import numpy as np
 import torch
 
 from prx_data.core import imaging
+
+_JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def decode_chw(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
+    """Encoded image -> uint8 tensor [3, H, W] of ``shape`` = (width, height), for the loader.
+
+    Same pixels as :func:`decode_to`. The result may be a channel-first view
+    of a channel-last buffer (``torch.stack`` in the collate makes the batch
+    contiguous). Raises :class:`prx_data.core.imaging.ImageError` for bytes
+    that do not decode.
+    """
+    head = _plain_jpeg_size(data)
+    if head == shape:
+        import torchvision.io as tio
+
+        try:
+            t = tio.decode_jpeg(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=tio.ImageReadMode.RGB
+            )
+        except RuntimeError as e:
+            msg = str(e)
+            reason = "truncated" if "truncated" in msg else "decode_error"
+            raise imaging.ImageError(reason, msg) from None
+        if (t.shape[2], t.shape[1]) == shape:
+            return t
+    return torch.from_numpy(decode_to(data, shape)).permute(2, 0, 1)
+
+
+#: Start-of-frame markers (every SOFn but DHT C4, JPG C8 and DAC CC).
+_SOF = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF))
+
+
+def _plain_jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) of an 8-bit YCbCr/grey JPEG with no EXIF segment; None for anything else.
+
+    Walks the marker segments up to the first scan, so it costs microseconds.
+    """
+    if data[:3] != _JPEG_MAGIC:
+        return None
+    i, n, size = 2, len(data), None
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0xDA:  # start of scan: the header is complete
+            return size
+        seg = int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker in _SOF:
+            if i + 10 > n or data[i + 4] != 8 or data[i + 9] not in (1, 3):
+                return None  # 12-bit or CMYK: Pillow's conversion
+            h = int.from_bytes(data[i + 5 : i + 7], "big")
+            w = int.from_bytes(data[i + 7 : i + 9], "big")
+            size = (w, h)
+        elif marker == 0xE1 and data[i + 4 : i + 10] == b"Exif\x00\x00":
+            return None  # may carry an orientation: Pillow applies it
+        i += 2 + seg
+    return None
 
 
 def decode_to(data: bytes, shape: tuple[int, int]) -> np.ndarray:
@@ -46,9 +113,6 @@ def decode_to(data: bytes, shape: tuple[int, int]) -> np.ndarray:
     if im.size != (dst_w, dst_h):
         raise imaging.ImageError("decode_error", f"decoded {im.size}, expected {shape}")
     return np.array(im, dtype=np.uint8)
-
-
-_JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 def decode_batch(datas: Sequence[bytes], shape: tuple[int, int], device) -> torch.Tensor:
