@@ -356,6 +356,22 @@ class EvalLossWriter(Callback):
 # --- tiny models for offline smoke runs and tests -------------------------------------------------
 
 
+#: Width and depth of the tiny random transformers saved for offline smoke runs.
+TINY_TRANSFORMER: dict[str, int] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+
+def save_square_processor(cls: Any, path: str, edge: int) -> None:
+    """Save an image processor of type ``cls`` that resizes to ``edge`` and centre-crops square."""
+    cls(size={"shortest_edge": edge}, crop_size={"height": edge, "width": edge}).save_pretrained(
+        path
+    )
+
+
 def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
     """Save tiny random-weight FID (Inception-like CNN), CLIP and DINOv2 models under ``workdir``.
 
@@ -388,36 +404,15 @@ def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
             layer_type="basic",
         )
     ).save_pretrained(paths["fid"])
-    BitImageProcessor(
-        size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}
-    ).save_pretrained(paths["fid"])
+    save_square_processor(BitImageProcessor, paths["fid"], 64)
     CLIPVisionModelWithProjection(
-        CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-            projection_dim=16,
-        )
+        CLIPVisionConfig(**TINY_TRANSFORMER, image_size=32, patch_size=8, projection_dim=16)
     ).save_pretrained(paths["clip"])
-    CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    ).save_pretrained(paths["clip"])
-    Dinov2Model(
-        Dinov2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=7,
-        )
-    ).save_pretrained(paths["dino"])
-    BitImageProcessor(
-        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
-    ).save_pretrained(paths["dino"])
+    save_square_processor(CLIPImageProcessor, paths["clip"], 32)
+    Dinov2Model(Dinov2Config(**TINY_TRANSFORMER, image_size=28, patch_size=7)).save_pretrained(
+        paths["dino"]
+    )
+    save_square_processor(BitImageProcessor, paths["dino"], 28)
     return paths
 
 
