@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from composer.core import Callback
+from composer.core import Callback, Event
 from torch import nn
 from torchmetrics import Metric
+
+from prx_data.train.sampling import IntervalGate
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +237,6 @@ class GenerationMetrics(Callback):
         guidance_scale: float = 4.0,
         models: dict[str, str] | None = None,
     ) -> None:
-        from composer.utils.misc import create_interval_scheduler
-
         self.metrics = metrics
         self.num_samples = int(num_samples)
         self.folder = folder
@@ -244,24 +244,14 @@ class GenerationMetrics(Callback):
         self.steps = int(steps)
         self.guidance_scale = float(guidance_scale)
         self.models = dict(models or {})
-        self._due = create_interval_scheduler(interval, include_end_of_training=True)
-        self._last_batch: int | None = None
+        self._due = IntervalGate(interval, (Event.BATCH_END, Event.FIT_END))
         #: (batch, {name: value}) of every evaluation, oldest first.
         self.history: list[tuple[int, dict[str, float]]] = []
         self.written: list[str] = []
 
     def run_event(self, event, state, logger) -> None:
-        from composer.core import Event
-
-        if event not in (Event.BATCH_END, Event.FIT_END):
-            return
-        if event != Event.FIT_END and not self._due(state, event):
-            return
-        batch = int(state.timestamp.batch)
-        if batch == self._last_batch:
-            return
-        self._last_batch = batch
-        self.evaluate(state, logger)
+        if self._due(state, event):
+            self.evaluate(state, logger)
 
     def _eval_loader(self, state):
         for ev in state.evaluators:
