@@ -101,18 +101,14 @@ def _flops(fn) -> int:
 
 def _at_scale() -> dict:
     import torch
-    from diffusers import AutoencoderKL
     from diffusers.models.transformers.transformer_prx import PRXTransformer2DModel
 
     from prx_data.train.config import load_config
+    from prx_data.train.vae import kl_autoencoder
 
     with torch.device("meta"):
         # FLUX.1 VAE config (black-forest-labs/FLUX.1-dev, vae/config.json).
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
+        vae = kl_autoencoder(
             block_out_channels=(128, 256, 512, 512),
             layers_per_block=2,
             latent_channels=16,

@@ -176,15 +176,14 @@ def build_tiny_causal_lm(path: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from prx_data.train.metrics import TINY_TRANSFORMER
+
     path = Path(path)
     tok = _tokenizer([])
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+        **TINY_TRANSFORMER,
         num_key_value_heads=1,
         max_position_embeddings=2048,
         eos_token_id=tok.eos_token_id,
@@ -219,25 +218,21 @@ def build_tiny_clip(path: str | Path, seed: int = 0, projection_dim: int = 16) -
     import torch
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
+    from prx_data.train.metrics import TINY_TRANSFORMER, save_square_processor
+
     path = Path(path)
     tok = _word_tokenizer()
     torch.manual_seed(seed)
     config = CLIPConfig(
         text_config={
             "vocab_size": len(tok),
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
+            **TINY_TRANSFORMER,
             "max_position_embeddings": 32,
             "pad_token_id": tok.pad_token_id,
             "eos_token_id": 2,  # legacy pooling: the highest token id of each text
         },
         vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
+            **TINY_TRANSFORMER,
             "image_size": 32,
             "patch_size": 8,
         },
@@ -245,9 +240,7 @@ def build_tiny_clip(path: str | Path, seed: int = 0, projection_dim: int = 16) -
     )
     CLIPModel(config).eval().save_pretrained(path)
     tok.save_pretrained(path)
-    CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    ).save_pretrained(path)
+    save_square_processor(CLIPImageProcessor, str(path), 32)
     return path
 
 
@@ -258,13 +251,12 @@ def build_tiny_image_classifier(
     import torch
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
+    from prx_data.train.metrics import TINY_TRANSFORMER
+
     path = Path(path)
     torch.manual_seed(seed)
     config = ViTConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+        **TINY_TRANSFORMER,
         image_size=32,
         patch_size=8,
         num_labels=len(labels),

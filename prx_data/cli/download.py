@@ -9,6 +9,67 @@ import sys
 from prx_data.download import fetch as F
 from prx_data.download.job import FAILED, DownloadConfig, run_download
 
+#: The politeness and limits options: (flag, its ``FetchConfig`` field, help), in help order.
+#: Each default is the field's; ``--max-mb`` gives ``max_bytes`` in MiB.
+_FETCH_OPTIONS: tuple[tuple[str, str, str], ...] = (
+    (
+        "--threads",
+        "threads",
+        "requests in flight per fetch task; the global figure is this times the "
+        "tasks running (Ray CPUs / --task-cpus) (default: %(default)s)",
+    ),
+    ("--per-host", "per_host", "requests in flight per host and task (default: %(default)s)"),
+    (
+        "--per-host-rate",
+        "per_host_rate",
+        "requests started per second per host and task, 0 for no limit (default: %(default)s)",
+    ),
+    ("--user-agent", "user_agent", "User-Agent header (default: %(default)s)"),
+    ("--connect-timeout", "connect_timeout", "seconds to connect (default: %(default)s)"),
+    (
+        "--read-timeout",
+        "read_timeout",
+        "seconds one read may wait: a stalled body fails after this (default: %(default)s)",
+    ),
+    (
+        "--timeout",
+        "total_timeout",
+        "seconds for one attempt overall, headers and body (default: %(default)s)",
+    ),
+    (
+        "--max-mb",
+        "max_bytes",
+        "largest body in MiB, enforced while streaming (default: %(default)s)",
+    ),
+    (
+        "--max-redirects",
+        "max_redirects",
+        "redirects followed, each hop checked (default: %(default)s)",
+    ),
+    (
+        "--retries",
+        "retries",
+        "attempts after the first for timeouts, resets, 429 and 5xx (default: %(default)s)",
+    ),
+    (
+        "--backoff",
+        "backoff",
+        "first retry wait in seconds, doubled each time, with jitter (default: %(default)s)",
+    ),
+    (
+        "--max-retry-after",
+        "max_retry_after",
+        "longest Retry-After honoured; longer ends the row's retries (default: %(default)s)",
+    ),
+)
+
+
+def _fetch_options(args: argparse.Namespace) -> dict:
+    """The ``FetchConfig`` fields the politeness and limits options set."""
+    out = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field, _ in _FETCH_OPTIONS}
+    out["max_bytes"] = int(out["max_bytes"] * 2**20)
+    return out
+
 
 def build_parser() -> argparse.ArgumentParser:
     d = F.FetchConfig()
@@ -39,76 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit", type=int, default=None, help="fetch at most this many rows")
     g = p.add_argument_group("politeness and limits")
-    g.add_argument(
-        "--threads",
-        type=int,
-        default=d.threads,
-        help="requests in flight per fetch task; the global figure is this times the "
-        "tasks running (Ray CPUs / --task-cpus) (default: %(default)s)",
-    )
-    g.add_argument(
-        "--per-host",
-        type=int,
-        default=d.per_host,
-        help="requests in flight per host and task (default: %(default)s)",
-    )
-    g.add_argument(
-        "--per-host-rate",
-        type=float,
-        default=d.per_host_rate,
-        help="requests started per second per host and task, 0 for no limit (default: %(default)s)",
-    )
-    g.add_argument(
-        "--user-agent", default=d.user_agent, help="User-Agent header (default: %(default)s)"
-    )
-    g.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=d.connect_timeout,
-        help="seconds to connect (default: %(default)s)",
-    )
-    g.add_argument(
-        "--read-timeout",
-        type=float,
-        default=d.read_timeout,
-        help="seconds one read may wait: a stalled body fails after this (default: %(default)s)",
-    )
-    g.add_argument(
-        "--timeout",
-        type=float,
-        default=d.total_timeout,
-        help="seconds for one attempt overall, headers and body (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-mb",
-        type=float,
-        default=d.max_bytes / 2**20,
-        help="largest body in MiB, enforced while streaming (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-redirects",
-        type=int,
-        default=d.max_redirects,
-        help="redirects followed, each hop checked (default: %(default)s)",
-    )
-    g.add_argument(
-        "--retries",
-        type=int,
-        default=d.retries,
-        help="attempts after the first for timeouts, resets, 429 and 5xx (default: %(default)s)",
-    )
-    g.add_argument(
-        "--backoff",
-        type=float,
-        default=d.backoff,
-        help="first retry wait in seconds, doubled each time, with jitter (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-retry-after",
-        type=float,
-        default=d.max_retry_after,
-        help="longest Retry-After honoured; longer ends the row's retries (default: %(default)s)",
-    )
+    for flag, field, help in _FETCH_OPTIONS:
+        default = getattr(d, field)
+        default = default / 2**20 if field == "max_bytes" else default
+        g.add_argument(flag, type=type(default), default=default, help=help)
     s = p.add_argument_group("safety")
     s.add_argument(
         "--allow-private",
@@ -177,18 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         fetch = F.FetchConfig(
-            user_agent=args.user_agent,
-            connect_timeout=args.connect_timeout,
-            read_timeout=args.read_timeout,
-            total_timeout=args.timeout,
-            max_bytes=int(args.max_mb * 2**20),
-            max_redirects=args.max_redirects,
-            retries=args.retries,
-            backoff=args.backoff,
-            max_retry_after=args.max_retry_after,
-            threads=args.threads,
-            per_host=args.per_host,
-            per_host_rate=args.per_host_rate,
+            **_fetch_options(args),
             allow=tuple(args.allow_private),
             opt_out=() if args.ignore_x_robots_tag else F.DEFAULT_OPT_OUT,
             verify_tls=not args.insecure,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from prx_data.cli.reporting import emit_report, print_error
 from prx_data.columns.scores import CLIP_IMAGE_COLUMN, SCORERS, ScoreConfig
 from prx_data.core.errors import add_max_error_rate, error_rate_status
 
@@ -92,12 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         report = run_score(cfg)
     except (RayStartError, ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print_error(e)
         return 2
-    print(report.text())
-    if args.report_json:
-        with open(args.report_json, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+    emit_report(report, args.report_json)
     return error_rate_status(
         f"score {args.scorer}",
         report.failed,

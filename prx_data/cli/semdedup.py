@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from prx_data.cli.reporting import emit_report, print_error
 from prx_data.skips.semdedup import (
     DEFAULT_REPORT_THRESHOLDS,
     DEFAULT_SKIP_NAME,
@@ -106,12 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         report = run_semdedup(cfg)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print_error(e)
         return 2
-    print(report.text())
-    if args.report_json:
-        with open(args.report_json, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+    emit_report(report, args.report_json)
     return 0
 
 

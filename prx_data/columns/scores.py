@@ -103,7 +103,40 @@ def _fixed(vectors: np.ndarray | None, valid: list[bool], dim: int) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), dim, mask=mask)
 
 
-class ClipScorer:
+class _ImageScorer:
+    """What the image-model actors share: inference mode per call, decoding, pixel batches."""
+
+    device: str
+    processor: Any
+    size: int
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        import torch
+
+        with torch.inference_mode():  # per call: Ray may call from another thread
+            return self._score(batch)
+
+    def _score(self, batch: pa.Table) -> pa.Table:
+        raise NotImplementedError
+
+    def _decode(self, batch: pa.Table) -> tuple[list, list[str | None], list[bool]]:
+        """The batch's images at the model's size, per-row errors, and which rows decoded."""
+        images, errors = _decode_all(batch["image"].to_pylist(), self.size)
+        return images, errors, [e is None for e in errors]
+
+    def _pixels(self, images: list) -> Any:
+        """The processor's ``pixel_values`` for the decoded images, on the model's device."""
+        pix = self.processor(images=[im for im in images if im is not None], return_tensors="pt")
+        return pix["pixel_values"].to(self.device)
+
+
+def _model_errors(e: Exception, errors: list[str | None]) -> list[str | None]:
+    """A model failure fails the whole batch: each row not failed already says why."""
+    reason = f"model_error: {str(e).splitlines()[0][:200]}"
+    return [reason if err is None else err for err in errors]
+
+
+class ClipScorer(_ImageScorer):
     """Ray Data actor: CLIP image and text embeddings and their cosine for a batch."""
 
     def __init__(
@@ -127,15 +160,8 @@ class ClipScorer:
         self.caption_column = caption_column
         self.size = _processor_size(self.processor)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        import torch
-
-        with torch.inference_mode():  # per call: Ray may call from another thread
-            return self._score(batch)
-
     def _score(self, batch: pa.Table) -> pa.Table:
-        images, errors = _decode_all(batch["image"].to_pylist(), self.size)
-        ok = [e is None for e in errors]
+        images, errors, ok = self._decode(batch)
         img = txt = None
         captions = (
             batch[self.caption_column].to_pylist()
@@ -145,12 +171,7 @@ class ClipScorer:
         has_text = [o and bool(c) for o, c in zip(ok, captions, strict=True)]
         try:
             if any(ok):
-                pix = self.processor(
-                    images=[im for im in images if im is not None], return_tensors="pt"
-                )
-                feats = self.model.get_image_features(
-                    pixel_values=pix["pixel_values"].to(self.device)
-                )
+                feats = self.model.get_image_features(pixel_values=self._pixels(images))
                 img = _normalise(feats.float().cpu().numpy())
             if any(has_text):
                 texts = [c for c, h in zip(captions, has_text, strict=True) if h]
@@ -167,8 +188,7 @@ class ClipScorer:
                 )
                 txt = _normalise(feats.float().cpu().numpy())
         except (RuntimeError, ValueError) as e:  # a model failure: the batch's rows say why
-            reason = f"model_error: {str(e).splitlines()[0][:200]}"
-            errors = [reason if err is None else err for err in errors]
+            errors = _model_errors(e, errors)
             ok = [False] * len(ok)
             has_text = [False] * len(ok)
             img = txt = None
@@ -203,7 +223,7 @@ def _processor_size(processor: Any) -> int:
     return 224
 
 
-class ClassifierScorer:
+class ClassifierScorer(_ImageScorer):
     """Ray Data actor: every class's probability from an image-classification model."""
 
     def __init__(self, model: str, prefix: str, device: str = "auto"):
@@ -216,28 +236,17 @@ class ClassifierScorer:
         self.prefix = prefix
         self.size = _processor_size(self.processor)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        import torch
-
-        with torch.inference_mode():  # per call: Ray may call from another thread
-            return self._score(batch)
-
     def _score(self, batch: pa.Table) -> pa.Table:
         import torch
 
-        images, errors = _decode_all(batch["image"].to_pylist(), self.size)
-        ok = [e is None for e in errors]
+        images, errors, ok = self._decode(batch)
         probs = None
         try:
             if any(ok):
-                pix = self.processor(
-                    images=[im for im in images if im is not None], return_tensors="pt"
-                )
-                logits = self.model(pixel_values=pix["pixel_values"].to(self.device)).logits
+                logits = self.model(pixel_values=self._pixels(images)).logits
                 probs = torch.softmax(logits.float(), dim=-1).cpu().numpy()
         except (RuntimeError, ValueError) as e:
-            reason = f"model_error: {str(e).splitlines()[0][:200]}"
-            errors = [reason if err is None else err for err in errors]
+            errors = _model_errors(e, errors)
             ok = [False] * len(ok)
             probs = None
         n, k = len(ok), len(self.labels)

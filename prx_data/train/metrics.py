@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from composer.core import Callback
+from composer.core import Callback, Event
 from torch import nn
 from torchmetrics import Metric
+
+from prx_data.train.sampling import IntervalGate
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +237,6 @@ class GenerationMetrics(Callback):
         guidance_scale: float = 4.0,
         models: dict[str, str] | None = None,
     ) -> None:
-        from composer.utils.misc import create_interval_scheduler
-
         self.metrics = metrics
         self.num_samples = int(num_samples)
         self.folder = folder
@@ -244,24 +244,14 @@ class GenerationMetrics(Callback):
         self.steps = int(steps)
         self.guidance_scale = float(guidance_scale)
         self.models = dict(models or {})
-        self._due = create_interval_scheduler(interval, include_end_of_training=True)
-        self._last_batch: int | None = None
+        self._due = IntervalGate(interval, (Event.BATCH_END, Event.FIT_END))
         #: (batch, {name: value}) of every evaluation, oldest first.
         self.history: list[tuple[int, dict[str, float]]] = []
         self.written: list[str] = []
 
     def run_event(self, event, state, logger) -> None:
-        from composer.core import Event
-
-        if event not in (Event.BATCH_END, Event.FIT_END):
-            return
-        if event != Event.FIT_END and not self._due(state, event):
-            return
-        batch = int(state.timestamp.batch)
-        if batch == self._last_batch:
-            return
-        self._last_batch = batch
-        self.evaluate(state, logger)
+        if self._due(state, event):
+            self.evaluate(state, logger)
 
     def _eval_loader(self, state):
         for ev in state.evaluators:
@@ -356,6 +346,22 @@ class EvalLossWriter(Callback):
 # --- tiny models for offline smoke runs and tests -------------------------------------------------
 
 
+#: Width and depth of the tiny random transformers saved for offline smoke runs.
+TINY_TRANSFORMER: dict[str, int] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+
+def save_square_processor(cls: Any, path: str, edge: int) -> None:
+    """Save an image processor of type ``cls`` that resizes to ``edge`` and centre-crops square."""
+    cls(size={"shortest_edge": edge}, crop_size={"height": edge, "width": edge}).save_pretrained(
+        path
+    )
+
+
 def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
     """Save tiny random-weight FID (Inception-like CNN), CLIP and DINOv2 models under ``workdir``.
 
@@ -388,36 +394,15 @@ def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
             layer_type="basic",
         )
     ).save_pretrained(paths["fid"])
-    BitImageProcessor(
-        size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}
-    ).save_pretrained(paths["fid"])
+    save_square_processor(BitImageProcessor, paths["fid"], 64)
     CLIPVisionModelWithProjection(
-        CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-            projection_dim=16,
-        )
+        CLIPVisionConfig(**TINY_TRANSFORMER, image_size=32, patch_size=8, projection_dim=16)
     ).save_pretrained(paths["clip"])
-    CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    ).save_pretrained(paths["clip"])
-    Dinov2Model(
-        Dinov2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=7,
-        )
-    ).save_pretrained(paths["dino"])
-    BitImageProcessor(
-        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
-    ).save_pretrained(paths["dino"])
+    save_square_processor(CLIPImageProcessor, paths["clip"], 32)
+    Dinov2Model(Dinov2Config(**TINY_TRANSFORMER, image_size=28, patch_size=7)).save_pretrained(
+        paths["dino"]
+    )
+    save_square_processor(BitImageProcessor, paths["dino"], 28)
     return paths
 
 

@@ -202,6 +202,32 @@ def make_grid(
     return grid
 
 
+class IntervalGate:
+    """True once per batch on ``events`` when ``interval`` (Composer's time string) is due.
+
+    ``FIT_END`` always passes (include_end_of_training), and a batch that already passed
+    (an interval end that is also the end of training) does not pass again.
+    """
+
+    def __init__(self, interval: str, events: tuple[Event, ...]) -> None:
+        from composer.utils.misc import create_interval_scheduler
+
+        self._due = create_interval_scheduler(interval, include_end_of_training=True)
+        self._events = events
+        self._last_batch: int | None = None
+
+    def __call__(self, state: State, event: Event) -> bool:
+        if event not in self._events:
+            return False
+        if event != Event.FIT_END and not self._due(state, event):
+            return False
+        batch = int(state.timestamp.batch)
+        if batch == self._last_batch:
+            return False
+        self._last_batch = batch
+        return True
+
+
 class SampleGrid(Callback):
     """Samples a fixed prompt/seed/shape grid at an interval and at the end of training."""
 
@@ -216,29 +242,21 @@ class SampleGrid(Callback):
         interval: str,
         folder: str,
     ) -> None:
-        from composer.utils.misc import create_interval_scheduler
-
         self.prompts = list(prompts)
         self.seeds = [int(s) for s in seeds]
         self.shapes = [(int(s[0]), int(s[1])) for s in shapes]
         self.steps = steps
         self.guidance_scale = guidance_scale
         self.folder = folder
-        self._due = create_interval_scheduler(interval, include_end_of_training=True)
-        self._last_batch: int | None = None
+        self._due = IntervalGate(
+            interval, (Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.FIT_END)
+        )
         #: Paths written by this rank (rank 0 only), oldest first.
         self.written: list[str] = []
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
-        if event not in (Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.FIT_END):
-            return
-        if event != Event.FIT_END and not self._due(state, event):
-            return
-        batch = int(state.timestamp.batch)
-        if batch == self._last_batch:
-            return
-        self._last_batch = batch
-        self.sample(state, logger)
+        if self._due(state, event):
+            self.sample(state, logger)
 
     def sample(self, state: State, logger: Logger) -> Image.Image:
         from composer.core.precision import get_precision_context

@@ -170,6 +170,25 @@ class LatentCodec:
         return self.vae.decode(z.to(self.dtype), return_dict=False)[0].float()
 
 
+def kl_autoencoder(block_out_channels: tuple[int, ...], **config):
+    """An ``AutoencoderKL`` over RGB with one encoder/decoder block per width (8x at 4 widths).
+
+    ``config`` is the rest of its diffusers config (latent channels, norm groups, ...);
+    built on the current default device, so ``torch.device("meta")`` costs nothing.
+    """
+    from diffusers import AutoencoderKL
+
+    n = len(block_out_channels)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=block_out_channels,
+        **config,
+    )
+
+
 def save_tiny_autoencoder(path: str, kind: str = "AutoencoderKL", seed: int = 0) -> str:
     """Save a small, randomly initialised autoencoder at ``path``; returns the path.
 
@@ -179,17 +198,13 @@ def save_tiny_autoencoder(path: str, kind: str = "AutoencoderKL", seed: int = 0)
     """
     import os
 
-    from diffusers import AutoencoderDC, AutoencoderKL
+    from diffusers import AutoencoderDC
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(seed)
     if kind == "AutoencoderKL":
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
+        vae = kl_autoencoder(
             block_out_channels=(4, 8, 8, 8),
             layers_per_block=1,
             latent_channels=4,
