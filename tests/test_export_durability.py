@@ -101,7 +101,9 @@ def test_overwrite_killed_while_deleting_tiers_leaves_an_unfinished_tree(
     assert os.path.exists(os.path.join(root, B, layout.INDEX_NAME))  # the kill came in time
     _looks_unfinished(root, capsys)
     assert layout.list_markers(root) == []  # no marker vouches for a deleted part
-    with pytest.raises(ExportError, match="no interrupted export to resume"):
+    with pytest.raises(
+        ExportError, match="no interrupted export to resume.*again with --overwrite"
+    ):
         prepare_output(ExportConfig(table=table, out=root), resume=True)
     prepare_output(ExportConfig(table=table, out=root), overwrite=True)  # still provably ours
     assert sorted(os.listdir(root)) == [layout.PROGRESS_DIR]

@@ -323,7 +323,11 @@ def prepare_output(
             )
     if entries and resume:
         if not storage.exists(config_path):
-            raise ExportError(f"{cfg.out} has no interrupted export to resume (no {CONFIG_NAME})")
+            raise ExportError(
+                f"{cfg.out} has no interrupted export to resume (no {CONFIG_NAME}: it was stopped "
+                "before it started, e.g. while --overwrite deleted the old tree); start it again "
+                "with --overwrite"
+            )
         previous = _normalise(
             ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out})
         )
