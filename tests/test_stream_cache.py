@@ -163,3 +163,40 @@ def test_a_cached_shard_is_kept_only_while_it_matches_its_index_entry(tmp_path):
     escape = {"../outside.mds": entry("../outside.mds")}
     drop_stale_shards(d, escape, [entry(a)], same_report=True)
     assert (tmp_path / "outside.mds").read_bytes() == b"mine"
+
+
+def test_predownload_is_bounded_by_what_the_cache_holds():
+    """A look-ahead past the cache limit can evict the shard the reader waits for: a hang."""
+    from prx_data.stream.cache import predownload_within_cache as bound
+
+    assert bound(10_000, 1_000, 1, None) == 8  # 10 shards fit: read one, 8 ahead (+1 spare)
+    assert bound(10_000, 1_000, 2, None) == 3  # each worker looks ahead on its own
+    assert bound(10_000, 1_000, 1, 4) == 4  # the user's setting is kept when it fits
+    with pytest.raises(ValueError, match="predownload <= 8"):
+        bound(10_000, 1_000, 1, 64)  # streaming's default at batch 8 would thrash and stall
+    with pytest.raises(ValueError, match="at least 12000 bytes"):
+        bound(5_000, 1_000, 4, None)
+
+
+def test_cache_limit_lowers_the_default_look_ahead(moto_server, tmp_path):
+    from streaming.base.util import clean_stale_shared_memory
+
+    from prx_data.stream.dataset import BucketedDataset
+
+    root = f"s3://{_bucket(moto_server)}/ex"
+    remote = make_export(str(tmp_path / "r"), {B1: 16}, name="r", samples_per_shard=2)
+    upload_tree(remote.root, root)
+    clean_stale_shared_memory()
+    spec = DatasetSpec(root, local=str(tmp_path / "cache"))
+    ds = BucketedDataset(spec, tier=512, batch_size=4, cache_limit="64mb")
+    assert ds.predownload == 4 * 8  # streaming's default (8 x batch) fits in 64 MB: kept
+    del ds
+    clean_stale_shared_memory()
+    size = max(r.get_max_size() for r in BucketedDataset(spec, tier=512, batch_size=4).shards)
+    clean_stale_shared_memory()
+    ds = BucketedDataset(spec, tier=512, batch_size=4, cache_limit=6 * size)
+    assert ds.predownload == 4  # 6 shards fit: one read, four ahead, one spare
+    del ds
+    clean_stale_shared_memory()
+    with pytest.raises(ValueError, match="predownload"):
+        BucketedDataset(spec, tier=512, batch_size=4, cache_limit=6 * size, predownload=32)

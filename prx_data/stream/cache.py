@@ -103,3 +103,37 @@ def drop_stale_shards(
             os.remove(path)
             n += 1
     return n
+
+
+def predownload_within_cache(
+    cache_limit: int, max_shard_bytes: int, workers: int, predownload: int | None
+) -> int:
+    """The largest look-ahead (samples per worker) whose shards all fit in ``cache_limit``.
+
+    Streaming's reading thread waits for its next shard to become local and
+    never fetches it again if the download thread, ``predownload`` samples
+    ahead, evicted it to make room: the epoch then sleeps forever. A shuffled
+    look-ahead of ``p`` samples can touch ``p + 1`` shards per worker, plus
+    the one being read, so ``workers * (p + 2)`` of the largest shards must
+    fit. ``predownload`` (the user's) is kept when it fits and refused when
+    it does not; ``None`` gets the largest that fits.
+    """
+    fits = cache_limit // max(1, max_shard_bytes)
+    most = fits // max(1, workers) - 2
+    if most < 1:
+        need = max(1, workers) * 3 * max_shard_bytes
+        raise ValueError(
+            f"cache_limit {cache_limit} bytes holds {fits} of the largest remote shards "
+            f"({max_shard_bytes} bytes) for {max(1, workers)} DataLoader worker(s): raise "
+            f"cache_limit to at least {need} bytes"
+        )
+    if predownload is None:
+        return most
+    if predownload > most:
+        raise ValueError(
+            f"predownload={predownload} looks further ahead than cache_limit {cache_limit} "
+            f"bytes holds ({fits} of the largest remote shards, {max_shard_bytes} bytes, for "
+            f"{max(1, workers)} worker(s)); an evicted shard would stall the epoch: use "
+            f"predownload <= {most} or raise cache_limit"
+        )
+    return predownload

@@ -679,6 +679,16 @@ class BucketedDataset(StreamingDataset):
                 replication=replication,
                 **streaming_kwargs,
             )
+            if self.cache_limit and self.max_shard_size_across_all_streams:
+                # A look-ahead past what the cache holds can stall the epoch for good.
+                asked = streaming_kwargs.get("predownload")
+                most = shard_cache.predownload_within_cache(
+                    self.cache_limit,
+                    int(self.max_shard_size_across_all_streams),
+                    num_workers or 1,
+                    asked,
+                )
+                self.predownload = most if asked is not None else min(self.predownload, most)
         finally:
             if destroy_dist:
                 torch.distributed.destroy_process_group()
