@@ -47,7 +47,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,7 +58,7 @@ import pyarrow.compute as pc
 
 from prx_data.columns.writeback import ColumnReport, count_into
 from prx_data.core import storage
-from prx_data.table.pins import column_pin, pin, unpin
+from prx_data.table.pins import column_pin, pinned
 
 ROWADDR = "_rowaddr"
 #: Where a table keeps the checkpoints of unfinished column jobs.
@@ -655,20 +654,8 @@ def run_column_job(job: ColumnJob) -> ColumnReport:
         job.table, name, job.storage_options
     )
     ds = _open(job.table, job.storage_options)  # the pinned version
-    tag = column_pin(name)
-    pin(ds, tag, ds.version, job="column job", column=name)
-    try:
+    with pinned(ds, column_pin(name), job.table, job="column job", column=name):
         return _run_pinned(job, ds, report, start)
-    finally:  # a killed job leaves it; its next run moves it and removes it
-        try:
-            unpin(ds, tag)
-        except OSError as e:  # never hide the job's own outcome behind this
-            warnings.warn(
-                f"could not remove tag {tag} from {job.table} ({e}); remove it with "
-                f"`python -m prx_data.table untag {job.table} {tag}`",
-                UserWarning,
-                stacklevel=2,
-            )
 
 
 def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> ColumnReport:

@@ -33,7 +33,6 @@ then filled from that row (also on a later run, when it was killed first).
 from __future__ import annotations
 
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -502,7 +501,7 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
     """Fetch every pending row's URL into the table (see the module docstring)."""
     from prx_data.columns import runner as R
     from prx_data.table.lance_ops import open_table
-    from prx_data.table.pins import column_pin, pin, unpin
+    from prx_data.table.pins import column_pin, pinned
 
     start = time.perf_counter()
     report = DownloadReport(cfg.table)
@@ -524,20 +523,8 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
     ds = early.ds
     # Tag the version the fetch tasks read, so a cleanup meanwhile keeps its files (the
     # fragments this run empties leave the latest version while tasks still read them).
-    tag = column_pin(STATUS)
-    pin(ds, tag, ds.version, job="download", column=STATUS)
-    try:
+    with pinned(ds, column_pin(STATUS), cfg.table, job="download", column=STATUS):
         return _run_pinned(cfg, ds, report, url, start)
-    finally:  # a killed run leaves it; its next run moves it and removes it
-        try:
-            unpin(ds, tag)
-        except OSError as e:  # never hide the job's own outcome behind this
-            warnings.warn(
-                f"could not remove tag {tag} from {cfg.table} ({e}); remove it with "
-                f"`python -m prx_data.table untag {cfg.table} {tag}`",
-                UserWarning,
-                stacklevel=2,
-            )
 
 
 def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start: float):

@@ -17,6 +17,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
@@ -71,6 +74,28 @@ def unpin(ds, name: str) -> bool:
     except ValueError:  # "Ref not found"
         return False
     return True
+
+
+@contextmanager
+def pinned(ds, name: str, table: str, **metadata: str) -> Iterator[None]:
+    """Hold tag ``name`` on ``ds``'s version while a job reads it, so a cleanup meanwhile keeps it.
+
+    A killed job leaves its tag; its next run moves and removes it. A failed
+    removal only warns, so it never hides the job's own outcome.
+    """
+    pin(ds, name, ds.version, **metadata)
+    try:
+        yield
+    finally:
+        try:
+            unpin(ds, name)
+        except OSError as e:
+            warnings.warn(
+                f"could not remove tag {name} from {table} ({e}); remove it with "
+                f"`python -m prx_data.table untag {table} {name}`",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def list_tags(ds) -> list[dict[str, Any]]:
