@@ -238,6 +238,7 @@ def rewrite_export(
     known = set(carried) | set(registered)
     total = skipped = 0
     plan = []
+    samples: dict[str, int] = {}
     applied: set[str] = set()
     for bucket in buckets:
         shards = layout.read_index(root, bucket, export_columns=True)  # before anything is written
@@ -246,6 +247,7 @@ def rewrite_export(
         applied |= set(listing) if names is None else set(names) & set(listing)
         skips = skiplist.load_skips(root, bucket, shards, names, listing=listing)
         plan.append((bucket, skips))
+        samples[bucket] = sum(s.samples for s in shards)
     applied |= known if names is None else set(names) & known
     # An applied list leaves with all its ids, also those its sidecars do not hold yet.
     extra = idlists.bind(
@@ -255,18 +257,18 @@ def rewrite_export(
             for n in sorted(applied)
         },
     )
+    by_bucket = dict(plan)  # the same skip dicts as in ``plan``: one pass over the positions
+    for b in extra.values():
+        for (bk, shard), idx in b.positions.items():
+            skips = by_bucket.get(bk)
+            if skips is None:
+                continue
+            old = skips.get(shard)
+            skips[shard] = (
+                idx.astype(np.uint32) if old is None else np.union1d(old, idx).astype(np.uint32)
+            )
     for bucket, skips in plan:
-        for b in extra.values():
-            for (bk, shard), idx in b.positions.items():
-                if bk == bucket:
-                    old = skips.get(shard)
-                    skips[shard] = (
-                        idx.astype(np.uint32)
-                        if old is None
-                        else np.union1d(old, idx).astype(np.uint32)
-                    )
-    for bucket, skips in plan:
-        total += sum(s.samples for s in layout.read_index(root, bucket))
+        total += samples[bucket]
         skipped += sum(len(v) for v in skips.values())
     share = skipped / total if total else 0.0
     if share < threshold and not force:
