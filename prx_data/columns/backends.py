@@ -33,10 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from prx_data.core.errors import PrxDataError
+
 log = logging.getLogger(__name__)
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(PrxDataError, RuntimeError):
     """The backend's library (or hardware) is not available on this machine."""
 
 

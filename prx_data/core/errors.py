@@ -12,7 +12,16 @@ import argparse
 DEFAULT_MAX_ERROR_RATE = 0.2
 
 
-class ErrorRateExceeded(RuntimeError):
+class PrxDataError(Exception):
+    """Base of every error prx-data raises on purpose: bad input, a refused state, a set-up fault.
+
+    A CLI catches this and prints one line saying what to do; anything else is a
+    bug and keeps its traceback. Subclasses keep their standard bases
+    (``ValueError``, ``TimeoutError``, ...) so existing ``except`` clauses still work.
+    """
+
+
+class ErrorRateExceeded(PrxDataError, RuntimeError):
     """More items failed than ``--max-error-rate`` allows."""
 
 

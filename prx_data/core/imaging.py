@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from prx_data.core.errors import PrxDataError
+
 # Truncated files must fail loudly rather than decode to grey.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
@@ -45,7 +47,7 @@ RESAMPLE = {
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 
 
-class ImageError(Exception):
+class ImageError(PrxDataError):
     """A sample that cannot become a training image, with a countable reason."""
 
     def __init__(self, reason: str, detail: str = ""):

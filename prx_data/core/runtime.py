@@ -17,6 +17,8 @@ import socket
 import time
 import warnings
 
+from prx_data.core.errors import PrxDataError
+
 #: Seconds a job waits for the GCS port of the Ray cluster it was given to accept a
 #: connection (a head that is still starting) before it gives up.
 CONNECT_TIMEOUT_ENV = "PRX_RAY_CONNECT_TIMEOUT_S"
@@ -25,7 +27,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 20.0
 RECORD_PROBE_S = 2.0
 
 
-class RayStartError(RuntimeError):
+class RayStartError(PrxDataError, RuntimeError):
     """Ray could not be joined or started; the message is one line that says what to do."""
 
 

@@ -36,17 +36,19 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
+from prx_data.core.errors import PrxDataError
+
 #: Environment variables that select object-storage endpoints, credentials and deadlines.
 STORAGE_ENV_PREFIXES = ("S3_", "AWS_", "GOOGLE_", "GCS_", "AZURE_", "OCI_", "STORAGE_")
 
 T = TypeVar("T")
 
 
-class StorageTimeout(TimeoutError):
+class StorageTimeout(PrxDataError, TimeoutError):
     """An object store did not answer in time; the message names the endpoint and setting."""
 
 
-class StorageUnreachable(ConnectionError):
+class StorageUnreachable(PrxDataError, ConnectionError):
     """No connection to an object store could be made; the message names the endpoint."""
 
 

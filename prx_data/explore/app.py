@@ -59,6 +59,7 @@ from prx_data.core import descriptor
 from prx_data.core import quality as Q
 from prx_data.core import schema as S
 from prx_data.core.buckets import DEFAULT_SPEC
+from prx_data.core.errors import PrxDataError
 from prx_data.core.imaging import ImageError, decode, open_image
 from prx_data.table import lance_ops as T
 from prx_data.table import search
@@ -147,7 +148,7 @@ class ExploreConfig:
                 raise ValueError(f"allowed host {name!r} is not a host name or IP address")
 
 
-class RequestError(Exception):
+class RequestError(PrxDataError):
     """A request the server answers with ``status`` and a one-line ``message``."""
 
     def __init__(self, status: int, message: str):

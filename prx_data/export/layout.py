@@ -51,6 +51,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prx_data.core import storage
+from prx_data.core.errors import PrxDataError
 from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
 
 T = TypeVar("T")
@@ -75,7 +76,7 @@ _SHARD_RE = re.compile(rf"{PART_PATTERN}/{SHARD_FILE_PATTERN}")
 _FILE_KEYS = ("raw_data", "zip_data", "raw_meta", "zip_meta")
 
 
-class UnsafeIndexError(ValueError):
+class UnsafeIndexError(PrxDataError, ValueError):
     """An index (or manifest) names a file outside the layout the exporter writes."""
 
 
@@ -318,7 +319,7 @@ _PART_FILE_RE = re.compile(
 )
 
 
-class ExportError(Exception):
+class ExportError(PrxDataError):
     """A problem with the export's configuration or output location."""
 
 

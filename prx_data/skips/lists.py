@@ -52,6 +52,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from prx_data.core import storage
+from prx_data.core.errors import PrxDataError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export import layout
 from prx_data.skips import sidecar as SL
@@ -85,7 +86,7 @@ REGISTRY_SCHEMA = pa.schema(
 )
 
 
-class ListError(ValueError):
+class ListError(PrxDataError, ValueError):
     """A skip-list operation that cannot go ahead; the message says what to do."""
 
 

@@ -38,6 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from prx_data.core import storage
+from prx_data.core.errors import PrxDataError
 from prx_data.core.schema import REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
 from prx_data.export import layout
@@ -52,7 +53,7 @@ DEFAULT_THRESHOLD = 0.10
 # --- rewrite -----------------------------------------------------------------------------------
 
 
-class RewriteRefused(RuntimeError):
+class RewriteRefused(PrxDataError, RuntimeError):
     """The skipped share is below the threshold (rewriting would buy little)."""
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prx_data.core import storage
+from prx_data.core.errors import PrxDataError
 from prx_data.export.layout import (
     ShardInfo,
     list_buckets,
@@ -55,7 +56,7 @@ SUFFIX = ".skip"
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
 
-class SkipListError(ValueError):
+class SkipListError(PrxDataError, ValueError):
     """A sidecar that is corrupt, or that does not belong to the shard next to it."""
 
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prx_data.core.errors import PrxDataError
 from prx_data.export import layout
 
 BATCHING_METHODS = ("per_stream", "device_per_stream")
@@ -40,7 +41,7 @@ DEFAULT_SHUFFLE_BLOCK = 1 << 18
 MIX_TOLERANCE = 0.01
 
 
-class PlanError(ValueError):
+class PlanError(PrxDataError, ValueError):
     """A configuration that streaming would crash on or silently mishandle."""
 
 

@@ -20,8 +20,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prx_data.core.errors import PrxDataError
 
-class ConfigError(ValueError):
+
+class ConfigError(PrxDataError, ValueError):
     """A run configuration is invalid; the message names the offending key."""
 
 
