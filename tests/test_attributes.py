@@ -202,12 +202,33 @@ class ScriptedBackend(Backend):
         return [Generation(t, f) for t, f in raw]
 
 
+def test_validation_alone_flags_a_backend_that_ignores_the_schema():
+    """The actor as the job runs it, on a stand-in backend that cannot enforce the schema."""
+    from pipelines.caption import AttributesActor, prepare_images
+
+    sizes = (400, 300, 200, 250)
+    batch = pa.table(
+        {
+            "id": [f"s/{w}" for w in sizes],
+            "image": pa.array([jpeg(RED, w, 300) for w in sizes], pa.large_binary()),
+        }
+    )
+    spec = BackendSpec(ScriptedBackend, "scripted", batch_size=4)
+    actor = AttributesActor(spec, "prompt", "attributes", ST.canonical(ST.load_schema(SCHEMA_FILE)))
+    out = actor(prepare_images(batch, 1_000_000)).to_pydict()
+    assert out["attributes"] == [attrs("photo"), None, None, None]
+    assert out["attributes_status"] == ["ok", "truncated", "empty", "invalid"]
+    assert out["attributes_error"][0] is None
+    assert out["attributes_error"][1].startswith("truncated: not JSON")
+    assert out["attributes_error"][3].startswith("invalid: not JSON")
+    assert out["__reason"][1:] == ["truncated: not JSON", "flagged: empty", "invalid: not JSON"]
+
+
 # --- the job --------------------------------------------------------------------------------
 
 
 @pytest.mark.ray
 def test_attributes_job_stores_valid_flags_invalid_and_filters_a_subset(tmp_path, ray_local):
-    from pipelines.caption import CaptionConfig, run_caption
     from pipelines.write_mds import run_export
     from prx_data.cli.caption import main as caption_main
     from prx_data.export.layout import read_manifests
@@ -225,22 +246,23 @@ def test_attributes_job_stores_valid_flags_invalid_and_filters_a_subset(tmp_path
     make_table(uri, items, max_rows_per_file=4)
     images = lance.dataset(uri).to_table(columns=["id", "image"]).to_pylist()
     before = data_files(uri)
+    report_file = tmp_path / "report.json"
     with ChatServer(answer) as srv:
-        cfg = CaptionConfig(
-            table=uri,
-            backend="openai",
-            model="test-model",
-            column="attributes",
-            schema_file=SCHEMA_FILE,
-            backend_options={"base_url": srv.base_url, "backoff": 0.01, "concurrency": 2},
-            progress=False,
-        )
-        report = run_caption(cfg)
+        rc = caption_main(
+            [
+                "--table", uri, "--backend", "openai", "--model", "test-model",
+                "--base-url", srv.base_url, "--concurrency", "2", "--schema", SCHEMA_FILE,
+                "--report-json", str(report_file), "--no-progress",
+            ]
+        )  # fmt: skip
         fmt = srv.last_body["response_format"]
         assert fmt["type"] == "json_schema"
         assert fmt["json_schema"]["schema"] == ST.load_schema(SCHEMA_FILE)
-    assert report.counts == {"ok": 3, "invalid": 2, "error": 1}
-    assert report.reasons["invalid: schema"] == 1 and report.reasons["invalid: not JSON"] == 1
+    assert rc == 0
+    report = json.loads(report_file.read_text())  # the default column with --schema: attributes
+    assert report["counts"] == {"ok": 3, "invalid": 2, "error": 1}
+    assert report["reasons"]["invalid: schema"] == 1
+    assert report["reasons"]["invalid: not JSON"] == 1
     got = read(uri)
     red = attrs("photo", subjects=["object", "text"], text_present=True)
     assert got["a/red0"] == (red, "ok", None) and got["a/red1"] == (red, "ok", None)
@@ -259,20 +281,6 @@ def test_attributes_job_stores_valid_flags_invalid_and_filters_a_subset(tmp_path
     # Struct fields filter like columns.
     assert ds.count_rows("attributes.style = 'photo'") == 2
     assert ds.count_rows("array_has(attributes.subjects, 'text')") == 2
-
-    # A backend that cannot enforce the schema: validation alone flags its outputs.
-    uri2 = str(tmp_path / "s.lance")
-    make_table(uri2, [(f"s/{w}", jpeg(RED, w, 300), None) for w in (400, 300, 200, 250)])
-    spec = BackendSpec(ScriptedBackend, "scripted", batch_size=4)
-    r2 = run_caption(CaptionConfig(**{**cfg.__dict__, "table": uri2}), spec=spec)
-    assert r2.counts == {"ok": 1, "truncated": 1, "empty": 1, "invalid": 1}
-    got2 = read(uri2)
-    assert got2["s/400"][0] == attrs("photo")
-    assert [got2[f"s/{w}"][:2] for w in (300, 200, 250)] == [
-        (None, "truncated"),
-        (None, "empty"),
-        (None, "invalid"),
-    ]
 
     # A fine-tuning subset: export only the photos.
     out = str(tmp_path / "photos")

@@ -15,6 +15,11 @@ an error). The Ray pipelines build one backend per actor from a picklable
   ``AutoModelForImageTextToText`` (or ``AutoTokenizer`` +
   ``AutoModelForCausalLM`` for text-only jobs); it also runs on CPU.
 
+A JSON schema in :class:`GenerationConfig` (``json_schema``, structured
+attributes) becomes vLLM guided decoding or the endpoint's
+``response_format``; transformers generates unconstrained, and the job
+validates every output either way (:mod:`prx_data.columns.structured`).
+
 Heavy imports (torch, transformers, vllm) happen inside the backends, so
 importing this module is cheap.
 """
