@@ -582,3 +582,41 @@ def test_cluster_view_shows_near_duplicates_and_the_kept_one(scored):
     for bad in ("cosine=2", "cosine=x", "k=0"):
         status, _, _ = get(f"{url}/api/cluster?id=t/red0&{bad}")
         assert status == 400
+
+
+def test_structured_attributes_are_drop_down_filters(tmp_path):
+    import pyarrow as pa
+
+    from prx_data.table.lance_ops import update_column
+
+    uri = str(tmp_path / "t.lance")
+    make_explore_table(uri)
+    ids = [f"t/{c}{i}" for c in ("red", "green", "blue") for i in range(4)]
+    st = pa.struct(
+        [
+            pa.field("style", pa.string()),
+            pa.field("subjects", pa.list_(pa.string())),
+            pa.field("text_present", pa.bool_()),
+        ]
+    )
+    values = [
+        {"style": "photo" if i.startswith("t/red") else "illustration", "subjects": ["object"],
+         "text_present": i.endswith("0")}
+        for i in ids
+    ]  # fmt: skip
+    update_column(uri, "attributes", pa.table({"id": ids, "attributes": pa.array(values, st)}))
+    with running_server(uri) as (url, _srv):
+        labels = api(url, "/api/meta")["labels"]
+        assert labels["attributes.style"] == ["illustration", "photo"]
+        assert labels["attributes.text_present"] == ["false", "true"]
+        photos = api(url, "/api/search", **{"label.attributes.style": "photo"})["results"]
+        assert sorted(r["id"] for r in photos) == [f"t/red{i}" for i in range(4)]
+        assert photos[0]["labels"]["attributes.style"] == "photo"
+        text = api(
+            url,
+            "/api/search",
+            **{"label.attributes.text_present": "true", "label.attributes.style": "illustration"},
+        )["results"]
+        assert sorted(r["id"] for r in text) == ["t/blue0", "t/green0"]
+        status, _, body = get(f"{url}/api/search?label.attributes.text_present=yes")
+        assert status == 400 and b"true or false" in body

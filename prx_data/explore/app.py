@@ -267,8 +267,14 @@ class Explorer:
         self.cluster_column = search.CLIP_IMAGE_COLUMN if clip else self.vector
 
     def _label_columns(self) -> tuple[dict[str, list[str]], list[str]]:
-        """String columns: few distinct values (in a sample) -> drop-down; else a typed field."""
+        """String columns: few distinct values (in a sample) -> drop-down; else a typed field.
+
+        String and boolean fields of struct columns (structured attributes such
+        as ``attributes.style``, ``attributes.text_present``) with few values
+        are drop-downs too, named ``<column>.<field>``.
+        """
         labels: dict[str, list[str]] = {}
+        self.bool_labels: set[str] = set()
         cols = [
             f.name
             for f in self.ds.schema
@@ -286,6 +292,23 @@ class Explorer:
                     labels[c] = sorted(values.to_pylist())
                 elif len(values) > MAX_LABEL_VALUES:
                     fields.append(c)
+        nested = [
+            (f.name, c.name, pa.types.is_boolean(c.type))
+            for f in self.ds.schema
+            if pa.types.is_struct(f.type) and f.name not in NOT_LABELS
+            for c in (f.type.field(i) for i in range(f.type.num_fields))
+            if "." not in c.name and (pa.types.is_string(c.type) or pa.types.is_boolean(c.type))
+        ]
+        if nested:
+            sample = self.ds.to_table(columns=sorted({h for h, _, _ in nested}), limit=20_000)
+            for head, name, is_bool in nested:
+                values = pc.struct_field(sample[head], name).drop_null().unique().to_pylist()
+                key = f"{head}.{name}"
+                if is_bool and values:
+                    labels[key] = ["false", "true"]
+                    self.bool_labels.add(key)
+                elif 0 < len(values) <= MAX_LABEL_VALUES:
+                    labels[key] = sorted(values)
         return labels, fields
 
     # -- queries ---------------------------------------------------------------------
@@ -315,6 +338,16 @@ class Explorer:
             if k.startswith("label.") and k[len("label.") :] in self.labels
         }
         clauses = []
+        for col in [c for c in labels if "." in c]:  # struct fields: attributes
+            value = labels.pop(col)
+            if not value:
+                continue
+            if col in self.bool_labels:
+                if value not in ("true", "false"):
+                    raise ValueError(f"label.{col} must be true or false, got {value[:20]!r}")
+                clauses.append(f"{column_sql(col)} = {value}")
+            else:
+                clauses.append(f"{column_sql(col)} = {search.sql_str(value)}")
         base = search.filter_sql(
             tier=params.get("tier") or None, aspect=params.get("aspect") or None, labels=labels
         )
@@ -350,7 +383,8 @@ class Explorer:
 
     def _columns(self) -> list[str]:
         names = self.ds.schema.names
-        want = [S.ID, S.WIDTH, S.HEIGHT, *self.captions, *self.labels, *self.fields]
+        want = [S.ID, S.WIDTH, S.HEIGHT, *self.captions, *self.fields]
+        want += [c.split(".", 1)[0] for c in self.labels]
         if self.has_quality:
             want.append(Q.COLUMN)
         want += [c.split(".", 1)[0] for c in self.scores]
@@ -379,7 +413,11 @@ class Explorer:
                 "id": r[S.ID],
                 "caption": r.get(S.CAPTION),
                 "captions": {c: r.get(c) for c in self.captions},
-                "labels": {c: r.get(c) for c in self.card_labels if r.get(c) is not None},
+                "labels": {
+                    c: (str(v).lower() if isinstance(v, bool) else v)
+                    for c in self.card_labels
+                    if (v := _value(r, c)) is not None
+                },
                 "dup_of": r.get(DUP_OF),
                 "width": r.get(S.WIDTH),
                 "height": r.get(S.HEIGHT),
