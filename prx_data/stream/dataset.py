@@ -24,11 +24,8 @@ See docs/STREAMING.md for the reasoning and the knobs.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,22 +42,42 @@ from prx_data.core.buckets import (
     parse_bucket_name,
     same_ratio_shape,
 )
-from prx_data.core.schema import REPORT_NAME
 from prx_data.core.streaming_compat import World, maybe_init_dist
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader  # noqa: F401 (re-exported)
 from prx_data.stream import cache as shard_cache
 from prx_data.stream import planner
+
+# Moved to their own modules; re-exported here, where callers import them from.
+from prx_data.stream.catalog import (  # noqa: F401
+    CATALOG_PREFIX,
+    FETCH_TIMEOUT_S,
+    _catalog_name,
+    _check_names,
+    _check_orphans,
+    _fetch,
+    _node_barrier,
+    _read_local,
+    discover_buckets,
+    fetch_catalog,
+)
 from prx_data.stream.decode import decode_chw
 from prx_data.stream.holdout import Holdout, merge_skips
 from prx_data.stream.reader import SkipStream
+from prx_data.stream.resume import (  # noqa: F401
+    FINGERPRINT_KEY,
+    ON_CHANGE,
+    SINCE_CHECKPOINT,
+    RankMismatch,
+    ResumeMismatch,
+    check_ranks_agree,
+    describe_changes,
+    describe_rank_mismatch,
+    fingerprint,
+)
 
 log = logging.getLogger(__name__)
-
-#: Written last by the node's fetching rank; the other ranks wait for it.
-CATALOG_PREFIX = "_prx_catalog."
-FETCH_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -104,161 +121,6 @@ class BucketSource:
     @property
     def skipped(self) -> int:
         return sum(len(v) for v in self.skips.values())
-
-
-# --- discovery and sidecar fetching ---------------------------------------------------------
-
-
-def discover_buckets(root: str, tiers: Sequence[int]) -> list[str]:
-    """Bucket names of the given tiers that exist under an export root (local or remote)."""
-    return layout.list_buckets(root, tiers)
-
-
-def _catalog_name(tiers: Sequence[int], names: Sequence[str] | None) -> str:
-    key = json.dumps([sorted(tiers), None if names is None else sorted(names)])
-    return CATALOG_PREFIX + hashlib.sha1(key.encode()).hexdigest()[:12] + ".txt"
-
-
-def _check_names(root: str, found: set[str], names: Sequence[str] | None) -> None:
-    if names:
-        missing = sorted(set(names) - found)
-        if missing:
-            raise skiplist.SkipListError(
-                f"skip list(s) {missing} not found under {root} (found: {sorted(found) or 'none'})"
-            )
-
-
-def _check_orphans(
-    root: str, orphans: Sequence[skiplist.SidecarProblem], names: Sequence[str] | None
-) -> None:
-    """Stray ``*.skip`` files are never applied: refuse if they claim a requested list, else warn."""
-    if not orphans or names == []:
-        return
-    wanted = {n.lower() for n in names or []}
-    hit = [o for o in orphans if o.claimed is not None and o.claimed.lower() in wanted]
-    if hit:
-        raise skiplist.SkipListError(
-            f"{root}: {len(hit)} sidecar(s) of a requested skip list cannot be applied:\n  "
-            + "\n  ".join(o.text() for o in hit[:10])
-            + "\nrebuild them with python -m prx_data.skips add, or delete them"
-        )
-    more = f" (and {len(orphans) - 5} more)" if len(orphans) > 5 else ""
-    warnings.warn(
-        f"{root}: {len(orphans)} stray sidecar(s) are not applied: "
-        + "; ".join(o.text() for o in orphans[:5])
-        + more
-        + ". Run python -m prx_data.skips list to see them all.",
-        stacklevel=3,
-    )
-
-
-def fetch_catalog(
-    spec: DatasetSpec,
-    tiers: Sequence[int],
-    local: str,
-    *,
-    is_leader: bool,
-    timeout: float = FETCH_TIMEOUT_S,
-) -> list[str]:
-    """Copy a remote export's bucket indexes and chosen sidecars into ``local``, once per node.
-
-    The leader (local rank 0) lists and fetches, refreshes the cache (stale
-    sidecars are removed) and writes a catalog file last; other ranks wait
-    for that file and make no remote request. Returns the bucket names.
-    """
-    names = spec.skip_lists
-    marker = os.path.join(local, _catalog_name(tiers, names))
-    if not is_leader:
-        _node_barrier()
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(marker):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{marker}: local rank 0 did not finish fetching skip lists")
-            time.sleep(0.05)
-        with open(marker) as f:
-            text = f.read()
-        if text.startswith(_ERROR):
-            raise RuntimeError(f"local rank 0 failed to fetch {spec.root}: {text[len(_ERROR) :]}")
-        return [line for line in text.splitlines() if line]
-    if os.path.exists(marker):
-        os.remove(marker)
-    try:
-        buckets = _fetch(spec, tiers, local)
-    except Exception as e:
-        # Tell the waiting ranks why, instead of leaving them at the barrier.
-        storage.write_bytes_atomic(marker, f"{_ERROR}{type(e).__name__}: {e}".encode())
-        _node_barrier()
-        raise
-    storage.write_bytes_atomic(marker, "".join(b + "\n" for b in buckets).encode())
-    _node_barrier()
-    return buckets
-
-
-_ERROR = "ERROR "
-
-
-def _node_barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
-    names = spec.skip_lists
-    buckets = discover_buckets(spec.root, tiers)
-    report_uri = storage.join(spec.root, REPORT_NAME)
-    report = storage.read_bytes(report_uri) if storage.exists(report_uri) else None
-    # A cached shard is reused only if it belongs to the current index entry (stream/cache.py).
-    tracked = shard_cache.is_tracked(local)
-    cached_report = os.path.join(local, REPORT_NAME)
-    same_report = report is not None and _read_local(cached_report) == report
-    found: set[str] = set()
-    orphans: list[skiplist.SidecarProblem] = []
-    for bucket in buckets:
-        remote_b = storage.join(spec.root, *bucket.split("/"))
-        local_b = os.path.join(local, *bucket.split("/"))
-        index_uri = storage.join(remote_b, layout.INDEX_NAME)
-        index = storage.read_bytes(index_uri)
-        try:
-            obj = json.loads(index)
-        except ValueError as e:
-            raise layout.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
-        entries = layout.check_index_entries(index_uri, obj)
-        cached = shard_cache.read_cached_index(local_b, layout.INDEX_NAME) if tracked else None
-        shard_cache.drop_stale_shards(local_b, cached, entries, same_report=same_report)
-        # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.
-        storage.write_bytes_atomic(os.path.join(local_b, layout.INDEX_NAME), index)
-        shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
-        listed, stray = skiplist.scan_sidecars(spec.root, bucket, shards)
-        orphans += stray
-        found |= set(listed)
-        chosen = list(listed) if names is None else [n for n in names if n in listed]
-        want = {skiplist.sidecar_basename(b, n) for n in chosen for b in listed[n]}
-        for rel in storage.list_files(local_b, skiplist.SUFFIX):
-            if rel.replace(os.sep, "/") not in want:
-                os.remove(os.path.join(local_b, rel))
-
-        def get(rel: str, remote_b: str = remote_b, local_b: str = local_b) -> None:
-            data = storage.read_bytes(storage.join(remote_b, *rel.split("/")))
-            storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
-
-        layout.map_io(get, sorted(want), True)
-    # Last: the cached report dates the cached shards of an index without hashes.
-    if report is not None:  # the loader's completeness check reads the cached copy
-        storage.write_bytes_atomic(cached_report, report)
-    elif os.path.exists(cached_report):
-        os.remove(cached_report)
-    shard_cache.mark_tracked(local)
-    _check_orphans(spec.root, orphans, names)
-    _check_names(spec.root, found, names)
-    return buckets
-
-
-def _read_local(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
 
 
 def load_sources(
@@ -344,192 +206,6 @@ def _load_lists(
         for b, a in merged.items()
     }
     return skips, lists
-
-
-# --- resume fingerprint ----------------------------------------------------------------------
-
-#: What ``BucketedDataset.load_state_dict`` may do when the sample space changed since the
-#: checkpoint: refuse (default), or start the checkpoint's epoch over with the current lists.
-ON_CHANGE = ("error", "restart_epoch")
-FINGERPRINT_KEY = "prx_fingerprint"
-
-
-class ResumeMismatch(planner.PlanError):
-    """The checkpoint's sample space differs from this dataset's: continuing would be wrong."""
-
-
-def fingerprint(
-    specs: Sequence[DatasetSpec],
-    sources: Sequence[Sequence[BucketSource]],
-    plan: planner.Plan,
-    *,
-    tier: int,
-    include_higher_tiers: bool,
-    bucket_spec: BucketSpec,
-) -> dict[str, Any]:
-    """What defines the epoch's sample space, as plain JSON types (no world size in it).
-
-    Datasets and weights, the skip lists in force with their size and a digest
-    of their content, the epoch size, tier and bucket spec, the data-parallel
-    global batch, replication and planning unit, and a digest of the
-    per-bucket plan. Two runs with equal fingerprints see the same epoch, on
-    any world size.
-    """
-    datasets = []
-    for spec, src in zip(specs, sources, strict=True):
-        per_list: dict[str, dict[str, Any]] = {}
-        for name in sorted({n for b in src for n in b.lists}):
-            h = hashlib.sha1()
-            n = 0
-            for b in src:
-                if name in b.lists:
-                    n += b.lists[name][0]
-                    h.update(f"{b.bucket}:{b.lists[name][1]};".encode())
-            per_list[name] = {"samples": n, "digest": h.hexdigest()[:16]}
-        datasets.append(
-            {
-                "root": spec.root,
-                "proportion": spec.proportion,
-                "repeat": spec.repeat,
-                "choose": spec.choose,
-                "samples": sum(b.samples for b in src),
-                "skip_lists": per_list,
-            }
-        )
-    buckets = json.dumps([[b.dataset, b.bucket, b.choose] for b in plan.buckets])
-    return {
-        "version": 1,
-        "tier": tier,
-        "include_higher_tiers": include_higher_tiers,
-        "bucket_spec": hashlib.sha1(repr(bucket_spec).encode()).hexdigest()[:16],
-        "batching_method": plan.batching_method,
-        # Fixed across elastic resumes (streaming's rule); a change reorders the epoch.
-        "global_batch_size": plan.global_batch_size,
-        "replication": plan.replication,
-        "unit": plan.unit,
-        "epoch_size": plan.epoch_size,
-        "datasets": datasets,
-        "plan": hashlib.sha1(buckets.encode()).hexdigest()[:16],
-    }
-
-
-#: How :func:`describe_changes` words a list in force on one side only: since a checkpoint.
-SINCE_CHECKPOINT = (
-    "{root}: skip list {name!r} added since the checkpoint ({n} samples in this tier)",
-    "{root}: skip list {name!r} no longer applied ({n} samples would come back)",
-)
-
-
-def describe_changes(
-    old: dict[str, Any], new: dict[str, Any], wording: tuple[str, str] = SINCE_CHECKPOINT
-) -> list[str]:
-    """Human-readable differences between two fingerprints (empty when they match).
-
-    ``wording``: format strings (``root``, ``name``, ``n``) for a skip list
-    in force only in ``new``, then only in ``old``.
-    """
-    out: list[str] = []
-    keys = ("tier", "include_higher_tiers", "bucket_spec", "batching_method")
-    for key in (*keys, "global_batch_size", "replication", "unit"):
-        if old.get(key) != new.get(key):
-            out.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
-    old_ds = {d["root"]: d for d in old.get("datasets", [])}
-    new_ds = {d["root"]: d for d in new.get("datasets", [])}
-    for root in old_ds.keys() - new_ds.keys():
-        out.append(f"dataset {root} removed")
-    for root in new_ds.keys() - old_ds.keys():
-        out.append(f"dataset {root} added")
-    for root in old_ds.keys() & new_ds.keys():
-        a, b = old_ds[root], new_ds[root]
-        for key in ("proportion", "repeat", "choose"):
-            if a.get(key) != b.get(key):
-                out.append(f"{root}: {key} {a.get(key)} -> {b.get(key)}")
-        if a.get("samples") != b.get("samples"):
-            out.append(f"{root}: {a.get('samples')} -> {b.get('samples')} samples in its shards")
-        la, lb = a.get("skip_lists", {}), b.get("skip_lists", {})
-        for name in sorted(lb.keys() - la.keys()):
-            out.append(wording[0].format(root=root, name=name, n=lb[name]["samples"]))
-        for name in sorted(la.keys() - lb.keys()):
-            out.append(wording[1].format(root=root, name=name, n=la[name]["samples"]))
-        for name in sorted(la.keys() & lb.keys()):
-            if la[name] != lb[name]:
-                out.append(
-                    f"{root}: skip list {name!r} changed ({la[name]['samples']} -> "
-                    f"{lb[name]['samples']} samples)"
-                )
-    order = [d["root"] for d in old.get("datasets", [])]
-    if not out and order != [d["root"] for d in new.get("datasets", [])]:
-        out.append("datasets reordered")
-    if old.get("epoch_size") != new.get("epoch_size"):
-        out.append(f"epoch size {old.get('epoch_size')} -> {new.get('epoch_size')}")
-    if not out and old.get("plan") != new.get("plan"):
-        out.append("the per-bucket plan differs")
-    return out
-
-
-class RankMismatch(planner.PlanError):
-    """Ranks planned different sample spaces (e.g. a skip list changed while the job started)."""
-
-
-def check_ranks_agree(fp: dict[str, Any]) -> None:
-    """Raise :class:`RankMismatch` on every rank unless all ranks computed the same fingerprint.
-
-    Each rank (local roots) or node (remote roots) reads the skip lists on its
-    own, so a list changed during start-up can split the job into different
-    sample spaces: duplicates, misses, or a hang at the first collective. One
-    all-gather of a 20-byte digest when they agree; on a mismatch every rank
-    gathers every fingerprint and raises the same message. A no-op without an
-    initialised process group. JSON over tensors, no pickle.
-    """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    world = dist.get_world_size()
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-
-    def gather(t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(out, t)
-        return [x.cpu() for x in out]
-
-    def as_tensor(data: bytes, size: int) -> torch.Tensor:
-        buf = np.zeros(size, np.uint8)
-        buf[: len(data)] = np.frombuffer(data, np.uint8)
-        return torch.from_numpy(buf).to(device)
-
-    text = json.dumps(fp, sort_keys=True).encode()
-    digests = gather(as_tensor(hashlib.sha1(text).digest(), 20))
-    if all(torch.equal(d, digests[0]) for d in digests):
-        return
-    sizes = [int(n) for n in gather(torch.tensor([len(text)], dtype=torch.int64, device=device))]
-    texts = gather(as_tensor(text, max(sizes)))
-    fps = [json.loads(t.numpy()[:n].tobytes()) for t, n in zip(texts, sizes, strict=True)]
-    raise RankMismatch(describe_rank_mismatch(fps))
-
-
-def describe_rank_mismatch(fps: Sequence[dict[str, Any]]) -> str:
-    """One message naming, per group of ranks that differ from rank 0, what differs."""
-    groups: dict[str, list[int]] = {}
-    for rank, fp in enumerate(fps):
-        if rank and fp != fps[0]:
-            groups.setdefault(json.dumps(fp, sort_keys=True), []).append(rank)
-    lines = []
-    for ranks in groups.values():
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        wording = (
-            "{root}: skip list {name!r} applied on " + who + ", not on rank 0 ({n} samples)",
-            "{root}: skip list {name!r} applied on rank 0, not on " + who + " ({n} samples)",
-        )
-        changes = describe_changes(fps[0], fps[ranks[0]], wording) or ["the plans differ"]
-        lines += [f"{who} vs rank 0: {c}" for c in changes]
-    return (
-        f"the {len(fps)} ranks do not agree on the data, so they would not stream one epoch "
-        "together:\n  - " + "\n  - ".join(lines) + "\nEach rank (or node, for remote roots) "
-        "reads the export and its skip lists at start-up: change skip lists only while no job "
-        "is starting, give every rank the same datasets and settings, then start again."
-    )
 
 
 # --- the dataset -----------------------------------------------------------------------------
