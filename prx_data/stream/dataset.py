@@ -23,6 +23,7 @@ See docs/STREAMING.md for the reasoning and the knobs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -63,7 +64,7 @@ from prx_data.stream.catalog import (  # noqa: F401
     fetch_catalog,
 )
 from prx_data.stream.decode import decode_chw
-from prx_data.stream.holdout import Holdout, merge_skips
+from prx_data.stream.holdout import Holdout, held_digest, holdout_skips, merge_skips
 from prx_data.stream.reader import SkipStream
 from prx_data.stream.resume import (  # noqa: F401
     FINGERPRINT_KEY,
@@ -72,9 +73,11 @@ from prx_data.stream.resume import (  # noqa: F401
     RankMismatch,
     ResumeMismatch,
     check_ranks_agree,
+    check_workers,
     describe_changes,
     describe_rank_mismatch,
     fingerprint,
+    resume_state,
 )
 
 log = logging.getLogger(__name__)
@@ -98,7 +101,8 @@ class DatasetSpec:
     choose: int | None = None
     skip_lists: list[str] | None = None
     allow_incomplete: bool = False
-    #: In-memory hold-out by id hash (train side or eval side), merged with the skip lists.
+    #: Hold-out by id hash (train side or eval side), merged with the skip lists. With
+    #: ``local`` (also for a local root) the node computes it once into ``<local>/holdout/``.
     holdout: Holdout | None = None
 
 
@@ -113,6 +117,8 @@ class BucketSource:
     skips: dict[str, np.ndarray]
     #: Per skip list in force: (samples it removes here, sha1 of its indices here).
     lists: dict[str, tuple[int, str]] = field(default_factory=dict)
+    #: With a hold-out: (samples it holds out here, sha1 of that set here), whatever the side.
+    held: tuple[int, str] | None = None
 
     @property
     def samples(self) -> int:
@@ -160,8 +166,6 @@ def load_sources(
             orphans += stray
             found |= set(listing)
             skips, lists = _load_lists(base, bucket, shards, spec.skip_lists, listing)
-        if spec.holdout is not None:
-            skips = merge_skips(skips, spec.holdout.skips(spec.root, bucket, shards))
         remote = (
             storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
         )
@@ -172,6 +176,19 @@ def load_sources(
         )
     _check_orphans(spec.root, orphans, spec.skip_lists)
     _check_names(spec.root, found, spec.skip_lists)
+    if spec.holdout is not None:
+        sets = holdout_skips(
+            spec.holdout,
+            spec.root,
+            base,
+            {b.bucket: b.shards for b in out},
+            spec.local,
+            is_leader=world.is_local_leader,
+        )
+        for b in out:
+            held, side = sets[b.bucket]
+            b.skips = merge_skips(b.skips, side)
+            b.held = held_digest(held)
     return out
 
 
@@ -220,6 +237,67 @@ def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[Da
     return out
 
 
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(planner.PlanSpec)}
+
+
+def _plan_spec(
+    spec: planner.PlanSpec | None, given: dict[str, Any], streaming_kwargs: dict[str, Any]
+) -> planner.PlanSpec:
+    """``spec``, or one built from ``BucketedDataset``'s plan keywords (never both)."""
+    block = streaming_kwargs.get("shuffle_block_size")
+    if spec is None:
+        if given["tier"] is None or given["device_batch_size"] is None:
+            raise TypeError("BucketedDataset needs tier= and batch_size= (or spec=PlanSpec(...))")
+        return planner.PlanSpec(**given, shuffle_block_size=block)
+    changed = sorted(
+        k
+        for k, v in given.items()
+        if v != (_SPEC_DEFAULTS[k] if k not in ("tier", "device_batch_size") else None)
+    )
+    if changed:
+        raise ValueError(f"give spec= or the plan keywords, not both (also given: {changed})")
+    if block is not None and spec.shuffle_block_size not in (None, block):
+        raise ValueError(
+            f"shuffle_block_size={block} differs from the spec's {spec.shuffle_block_size}"
+        )
+    return spec if block is None else spec.replace(shuffle_block_size=block)
+
+
+def plan_sources(
+    specs: Sequence[DatasetSpec],
+    spec: planner.PlanSpec,
+    world: World | None = None,
+    *,
+    world_size: int | None = None,
+    num_nodes: int | None = None,
+) -> tuple[list[list[BucketSource]], planner.Plan]:
+    """Every dataset's buckets (skip lists and hold-out applied) and the checked epoch plan.
+
+    What ``BucketedDataset`` streams and what ``python -m prx_data.planner``
+    previews; ``world_size`` / ``num_nodes`` plan for another world than the
+    one this process is in (the preview).
+    """
+    world = world or World.detect()
+    sources = [load_sources(s, spec.tiers(), world) for s in specs]
+    counts = [
+        planner.DatasetCount(
+            s.root,
+            [planner.BucketCount(b.bucket, b.samples, b.skipped) for b in src],
+            s.proportion,
+            s.repeat,
+            s.choose,
+        )
+        for s, src in zip(specs, sources, strict=True)
+    ]
+    plan = planner.plan_buckets(
+        counts,
+        spec,
+        world_size=world.num_ranks if world_size is None else world_size,
+        num_nodes=world.num_nodes if num_nodes is None else num_nodes,
+    )
+    return sources, plan
+
+
 def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
     return decode_chw(data, shape)  # higher tiers decode at reduced size (JPEG draft)
 
@@ -236,6 +314,10 @@ class BucketedDataset(StreamingDataset):
     Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
     ``cache_limit``, ``download_retry``, ``shuffle_block_size``), except
     ``allow_unsafe_types=True``, which is refused.
+    The plan settings (``tier``, ``batch_size``, ``num_workers``, ...) are the
+    fields of :class:`prx_data.stream.planner.PlanSpec`; give them as keywords
+    or as one ``spec=`` (``DataConfig.plan_spec`` builds it from a train YAML),
+    not both. ``self.spec`` is the spec in force.
     ``num_workers`` must equal the DataLoader's: the epoch is sized for it.
     ``small_buckets="drop"`` leaves out buckets too small for one planning unit
     (with a warning) instead of failing. The preflight plan is ``self.plan``
@@ -251,8 +333,8 @@ class BucketedDataset(StreamingDataset):
         self,
         datasets: DatasetSpec | str | Sequence[DatasetSpec | str],
         *,
-        tier: int,
-        batch_size: int,
+        tier: int | None = None,
+        batch_size: int | None = None,
         include_higher_tiers: bool = False,
         caption_columns: Sequence[str] = ("caption",),
         batching_method: str = "per_stream",
@@ -265,6 +347,7 @@ class BucketedDataset(StreamingDataset):
         small_buckets: str = "error",
         bucket_spec: BucketSpec = DEFAULT_SPEC,
         on_change: str = "error",
+        spec: planner.PlanSpec | None = None,
         **streaming_kwargs: Any,
     ) -> None:
         if on_change not in ON_CHANGE:
@@ -275,43 +358,37 @@ class BucketedDataset(StreamingDataset):
                 "encodings (no pickle, which runs code from the data); re-export the data with a "
                 "safe encoding"
             )
+        given = {
+            "tier": tier,
+            "device_batch_size": batch_size,
+            "include_higher_tiers": include_higher_tiers,
+            "batching_method": batching_method,
+            "shuffle": shuffle,
+            "shuffle_seed": shuffle_seed,
+            "num_canonical_nodes": num_canonical_nodes,
+            "replication": replication,
+            "epoch_size": epoch_size,
+            "num_workers": num_workers or 1,
+            "small_buckets": small_buckets,
+            "bucket_spec": bucket_spec,
+        }
+        spec = _plan_spec(spec, given, streaming_kwargs)
+        if spec.shuffle_block_size is not None:
+            streaming_kwargs["shuffle_block_size"] = spec.shuffle_block_size
+        self.spec = spec
         self.on_change = on_change
         #: Set by a resume that restarted its epoch: what changed and how many samples repeat.
         self.restarted_epoch: dict[str, Any] | None = None
         specs = _specs(datasets)
-        bucket_spec.shapes(tier)  # unknown tier -> clear error
-        tiers = [t for t in bucket_spec.tiers if t == tier or (include_higher_tiers and t > tier)]
-        self.run_tier = tier
+        spec.tiers()  # unknown tier -> clear error
+        self.run_tier = spec.tier
         self.caption_columns = tuple(caption_columns)
-        self.bucket_spec = bucket_spec
+        self.bucket_spec = spec.bucket_spec
         destroy_dist = maybe_init_dist()
         try:
             world = World.detect()
-            sources = [load_sources(s, tiers, world) for s in specs]
-            counts = [
-                planner.DatasetCount(
-                    s.root,
-                    [planner.BucketCount(b.bucket, b.samples, b.skipped) for b in src],
-                    s.proportion,
-                    s.repeat,
-                    s.choose,
-                )
-                for s, src in zip(specs, sources, strict=True)
-            ]
-            self.plan = planner.plan_buckets(
-                counts,
-                device_batch_size=batch_size,
-                world_size=world.num_ranks,
-                num_nodes=world.num_nodes,
-                num_workers=num_workers or 1,
-                num_canonical_nodes=num_canonical_nodes,
-                replication=replication,
-                batching_method=batching_method,
-                epoch_size=epoch_size,
-                shuffle=shuffle,
-                shuffle_block_size=streaming_kwargs.get("shuffle_block_size"),
-                small_buckets=small_buckets,
-            ).check()
+            sources, plan = plan_sources(specs, spec, world)
+            self.plan = plan.check()
             if world.rank == 0:
                 log.info("bucket plan:\n%s", self.plan.report())
                 for w in self.plan.warnings:
@@ -320,9 +397,9 @@ class BucketedDataset(StreamingDataset):
                 specs,
                 sources,
                 self.plan,
-                tier=tier,
-                include_higher_tiers=include_higher_tiers,
-                bucket_spec=bucket_spec,
+                tier=spec.tier,
+                include_higher_tiers=spec.include_higher_tiers,
+                bucket_spec=spec.bucket_spec,
             )
             check_ranks_agree(self.fingerprint)  # before streaming's first collective
             streams: list[Stream] = []
@@ -342,17 +419,17 @@ class BucketedDataset(StreamingDataset):
                         )
                     )
                     shape = same_ratio_shape(
-                        parse_bucket_name(b.bucket, bucket_spec), tier, bucket_spec
+                        parse_bucket_name(b.bucket, spec.bucket_spec), spec.tier, spec.bucket_spec
                     )
                     self.stream_info.append((di, b.bucket, shape))
             super().__init__(
                 streams=streams,
-                batch_size=batch_size,
-                shuffle=shuffle,
-                shuffle_seed=shuffle_seed,
+                batch_size=spec.device_batch_size,
+                shuffle=spec.shuffle,
+                shuffle_seed=spec.shuffle_seed,
                 num_canonical_nodes=self.plan.num_canonical_nodes,
-                batching_method=batching_method,
-                replication=replication,
+                batching_method=spec.batching_method,
+                replication=spec.replication,
                 **streaming_kwargs,
             )
             if self.cache_limit and self.max_shard_size_across_all_streams:
@@ -361,7 +438,7 @@ class BucketedDataset(StreamingDataset):
                 most = shard_cache.predownload_within_cache(
                     self.cache_limit,
                     int(self.max_shard_size_across_all_streams),
-                    num_workers or 1,
+                    spec.num_workers or 1,
                     asked,
                 )
                 self.predownload = most if asked is not None else min(self.predownload, most)
@@ -393,12 +470,7 @@ class BucketedDataset(StreamingDataset):
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        running = info.num_workers if info is not None else 1
-        if running != self.plan.num_workers:
-            raise planner.PlanError(
-                f"the epoch was planned for {self.plan.num_workers} DataLoader worker(s) but "
-                f"{running} are running: pass num_workers={running} to BucketedDataset"
-            )
+        check_workers(self.plan, info.num_workers if info is not None else 1)
         return super().__iter__()
 
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
@@ -417,44 +489,7 @@ class BucketedDataset(StreamingDataset):
         ``"restart_epoch"``: then the checkpoint's epoch starts over on the
         current sample space and the samples it had already trained repeat.
         """
-        ncn = obj.get("num_canonical_nodes")
-        if ncn is not None and ncn != self.plan.num_canonical_nodes:
-            raise planner.PlanError(
-                f"checkpoint was written with num_canonical_nodes={ncn} but this dataset was "
-                f"planned with {self.plan.num_canonical_nodes}: pass num_canonical_nodes={ncn}"
-            )
-        obj = dict(obj)
-        old = obj.pop(FINGERPRINT_KEY, None)
-        done = int(obj.get("sample_in_epoch", 0))
-        if old is None:
-            log.warning(
-                "the checkpoint's data state has no fingerprint (written before prx-data "
-                "recorded one): cannot verify that skip lists and weights are unchanged"
-            )
-        elif changes := describe_changes(old, self.fingerprint):
-            listed = "\n  - ".join(changes)
-            if self.on_change == "error":
-                raise ResumeMismatch(
-                    f"the data changed since the checkpoint (epoch {obj.get('epoch')}, "
-                    f"{done} samples into it):\n  - {listed}\n"
-                    "The epoch's sample order is fixed by its sample space, so continuing would "
-                    "repeat some samples and skip others, and could train on newly skipped ones. "
-                    "Choices (docs/STREAMING.md, 'Resuming after a change'):\n"
-                    f"  - on_change='restart_epoch' (data.on_change): start epoch "
-                    f"{obj.get('epoch')} over with the current lists and weights; the {done} "
-                    "samples already trained this epoch are seen again, newly skipped ones never;\n"
-                    "  - restore the checkpoint's lists and weights to finish the epoch as planned "
-                    "(only when the change is not an opt-out that must take effect now)."
-                )
-            log.warning(
-                "the data changed since the checkpoint:\n  - %s\nrestarting epoch %s with the "
-                "current sample space (%d samples); the %d samples already trained this epoch "
-                "repeat",
-                listed,
-                obj.get("epoch"),
-                self.plan.epoch_size,
-                done,
-            )
-            obj["sample_in_epoch"] = 0
-            self.restarted_epoch = {"changes": changes, "repeated_samples": done}
+        obj, self.restarted_epoch = resume_state(
+            obj, self.fingerprint, self.plan, self.on_change, log
+        )
         super().load_state_dict(obj)

@@ -1,14 +1,19 @@
-"""Resume safety: the fingerprint of an epoch's sample space, and checks that ranks agree.
+"""Resume safety, in one place: the fingerprint of an epoch's sample space and its checks.
 
-A checkpoint carries the fingerprint of the sample space it was written in; a
-resume compares it with its own (:func:`describe_changes`), and at start-up
-every rank compares its fingerprint with the others' (:func:`check_ranks_agree`).
+A checkpoint carries the fingerprint of the sample space it was written in
+(datasets, weights, skip lists, the hold-out, the plan); a resume compares it
+with its own (:func:`resume_state`), at start-up every rank compares its
+fingerprint with the others' (:func:`check_ranks_agree`), the loader checks
+the worker count the epoch was sized for (:func:`check_workers`), and the
+trainer's checkpoint records the batch layout (:func:`check_layout`, for
+datasets built by a ``data.factory`` too).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +73,7 @@ def fingerprint(
                 "choose": spec.choose,
                 "samples": sum(b.samples for b in src),
                 "skip_lists": per_list,
+                "holdout": _holdout_entry(spec, src),
             }
         )
     buckets = json.dumps([[b.dataset, b.bucket, b.choose] for b in plan.buckets])
@@ -84,6 +90,26 @@ def fingerprint(
         "epoch_size": plan.epoch_size,
         "datasets": datasets,
         "plan": hashlib.sha1(buckets.encode()).hexdigest()[:16],
+    }
+
+
+def _holdout_entry(spec: DatasetSpec, src: Sequence[BucketSource]) -> dict[str, Any] | None:
+    """The hold-out in force: its slice, side, size and a digest of the held-out set."""
+    hold = spec.holdout
+    if hold is None:
+        return None
+    h = hashlib.sha1()
+    n = 0
+    for b in src:
+        if b.held is not None:
+            n += b.held[0]
+            h.update(f"{b.bucket}:{b.held[1]};".encode())
+    return {
+        "fraction": hold.fraction,
+        "salt": hold.salt,
+        "keep": hold.keep,
+        "held_out": n,
+        "digest": h.hexdigest()[:16],
     }
 
 
@@ -120,6 +146,9 @@ def describe_changes(
                 out.append(f"{root}: {key} {a.get(key)} -> {b.get(key)}")
         if a.get("samples") != b.get("samples"):
             out.append(f"{root}: {a.get('samples')} -> {b.get('samples')} samples in its shards")
+        # Checkpoints written before the hold-out joined the fingerprint have no entry.
+        if "holdout" in a and a.get("holdout") != b.get("holdout"):
+            out.append(f"{root}: {_describe_holdout(a.get('holdout'), b.get('holdout'))}")
         la, lb = a.get("skip_lists", {}), b.get("skip_lists", {})
         for name in sorted(lb.keys() - la.keys()):
             out.append(wording[0].format(root=root, name=name, n=lb[name]["samples"]))
@@ -139,6 +168,17 @@ def describe_changes(
     if not out and old.get("plan") != new.get("plan"):
         out.append("the per-bucket plan differs")
     return out
+
+
+def _describe_holdout(old: dict[str, Any] | None, new: dict[str, Any] | None) -> str:
+    def one(h: dict[str, Any] | None) -> str:
+        if h is None:
+            return "none"
+        return f"{h['fraction']!r}/{h['salt']} keep {h['keep']} ({h['held_out']} held out)"
+
+    if old and new and one(old) == one(new):
+        return f"hold-out {one(new)}: its held-out set changed (the export's ids changed)"
+    return f"hold-out {one(old)} -> {one(new)}"
 
 
 class RankMismatch(planner.PlanError):
@@ -204,3 +244,97 @@ def describe_rank_mismatch(fps: Sequence[dict[str, Any]]) -> str:
         "reads the export and its skip lists at start-up: change skip lists only while no job "
         "is starting, give every rank the same datasets and settings, then start again."
     )
+
+
+def check_workers(plan: planner.Plan, running: int) -> None:
+    """The DataLoader runs the worker count the epoch was sized for (else ranks would drift)."""
+    if running != plan.num_workers:
+        raise planner.PlanError(
+            f"the epoch was planned for {plan.num_workers} DataLoader worker(s) but "
+            f"{running} are running: pass num_workers={running} to BucketedDataset"
+        )
+
+
+def resume_state(
+    obj: dict[str, Any],
+    fp: dict[str, Any],
+    plan: planner.Plan,
+    on_change: str,
+    log: logging.Logger,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The streaming state to resume from, and what a restarted epoch repeats (None: exact).
+
+    Refuses a canonical node count that differs from the plan's. When the
+    fingerprint differs (a skip list added, removed or changed, another
+    hold-out, other weights, another tier or bucket spec, another epoch size),
+    raises :class:`ResumeMismatch` naming every change, unless ``on_change`` is
+    ``"restart_epoch"``: then the checkpoint's epoch starts over on the
+    current sample space and the samples it had already trained repeat.
+    """
+    ncn = obj.get("num_canonical_nodes")
+    if ncn is not None and ncn != plan.num_canonical_nodes:
+        raise planner.PlanError(
+            f"checkpoint was written with num_canonical_nodes={ncn} but this dataset was "
+            f"planned with {plan.num_canonical_nodes}: pass num_canonical_nodes={ncn}"
+        )
+    obj = dict(obj)
+    old = obj.pop(FINGERPRINT_KEY, None)
+    done = int(obj.get("sample_in_epoch", 0))
+    if old is None:
+        log.warning(
+            "the checkpoint's data state has no fingerprint (written before prx-data "
+            "recorded one): cannot verify that skip lists and weights are unchanged"
+        )
+        return obj, None
+    changes = describe_changes(old, fp)
+    if not changes:
+        return obj, None
+    listed = "\n  - ".join(changes)
+    if on_change == "error":
+        raise ResumeMismatch(
+            f"the data changed since the checkpoint (epoch {obj.get('epoch')}, "
+            f"{done} samples into it):\n  - {listed}\n"
+            "The epoch's sample order is fixed by its sample space, so continuing would "
+            "repeat some samples and skip others, and could train on newly skipped ones. "
+            "Choices (docs/STREAMING.md, 'Resuming after a change'):\n"
+            f"  - on_change='restart_epoch' (data.on_change): start epoch "
+            f"{obj.get('epoch')} over with the current lists and weights; the {done} "
+            "samples already trained this epoch are seen again, newly skipped ones never;\n"
+            "  - restore the checkpoint's lists and weights to finish the epoch as planned "
+            "(only when the change is not an opt-out that must take effect now)."
+        )
+    log.warning(
+        "the data changed since the checkpoint:\n  - %s\nrestarting epoch %s with the "
+        "current sample space (%d samples); the %d samples already trained this epoch "
+        "repeat",
+        listed,
+        obj.get("epoch"),
+        plan.epoch_size,
+        done,
+    )
+    obj["sample_in_epoch"] = 0
+    return obj, {"changes": changes, "repeated_samples": done}
+
+
+def check_layout(saved: dict[str, Any], expected: dict[str, Any], holdout: str) -> None:
+    """A trainer checkpoint's batch layout and hold-out against this run's (``ResumeGuard``).
+
+    Streaming resumes exactly (on any world size) only with the same global
+    batch size and DataLoader worker count; the hold-out (``fraction/salt``,
+    or ``"none"``) shapes the training sample space. A ``BucketedDataset``
+    also checks all of these through its fingerprint; this covers any dataset.
+    """
+    got = saved.get("eval_holdout", "none")
+    if got != holdout:
+        raise ValueError(
+            f"eval: the checkpoint's training stream held out {got!r} (fraction/salt) but "
+            f"this run holds out {holdout!r}; the sample space would change and the "
+            "resume would not be exact. Keep eval.source/holdout_fraction/holdout_salt"
+        )
+    for key, want in expected.items():
+        value = saved.get(key)
+        if value is not None and int(value) != want:
+            raise ValueError(
+                f"data.{key}: the checkpoint was written with {key}={value} but this run has "
+                f"{want}; an exact resume needs the same value (the world size may change)"
+            )
