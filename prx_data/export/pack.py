@@ -29,6 +29,7 @@ import functools
 import io
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -59,6 +60,7 @@ from prx_data.export.unit import (
 
 #: Where a written pack leaves its marker: ``_progress/packed/<tier>/<ar>/<pack>``.
 PACKED_DIR = f"{PROGRESS_DIR}/packed"
+_MARKER_RE = re.compile(rf"[0-9]+/[0-9]+\.[0-9]{{3}}/{PACK_PATTERN}")
 
 
 @dataclass(frozen=True)
@@ -92,12 +94,11 @@ def marker_path(out: str, pack: Pack) -> str:
 
 def done_packs(out: str) -> set[str]:
     """``<tier>/<ar>/<pack>`` of every pack with a marker (one listing of ``_progress/packed``)."""
-    import re
-
-    pattern = re.compile(rf"[0-9]+/[0-9]+\.[0-9]{{3}}/{PACK_PATTERN}")
     root = storage.join(out, *PACKED_DIR.split("/"))
     return {
-        r for r in (x.replace("\\", "/") for x in storage.list_files(root)) if pattern.fullmatch(r)
+        r
+        for r in (x.replace("\\", "/") for x in storage.list_files(root))
+        if _MARKER_RE.fullmatch(r)
     }
 
 
