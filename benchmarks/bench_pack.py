@@ -157,7 +157,10 @@ def main() -> None:
             shard_size=args.shard_size,
         )
         plan = pack.plan_packs(root, results, args.shard_size)
-        if args.ray:
+        if args.ray:  # Ray started before the clock: its start-up is not the pack's
+            from prx_data.core.runtime import ensure_ray
+
+            ensure_ray(num_cpus=2)
             pipeline.DRIVER_PACK_BYTES = -1
         t = time.perf_counter()
         pipeline.run_packs(cfg, plan, num_cpus=2 if args.ray else None)
