@@ -130,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Maximum shard size in bytes before a new shard starts (default: 64 MiB).",
     )
     p.add_argument(
+        "--shard-size",
+        type=int,
+        default=1 << 26,
+        help="Target bytes of a bucket's shards: once the work units are done, each bucket's "
+        "parts are packed into shards of about this size, copying the encoded samples "
+        "(default: 64 MiB, Mosaic's recommended 50-100 MB; 0 keeps one small part per unit "
+        "and bucket).",
+    )
+    p.add_argument(
         "--rows-per-task",
         type=int,
         default=1000,
@@ -217,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         compression=args.compression,
         hashes=args.hashes,
         size_limit=args.size_limit,
+        shard_size=args.shard_size,
         rows_per_task=args.rows_per_task,
         min_units=args.min_units,
         filter=args.filter,
