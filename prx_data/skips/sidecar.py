@@ -202,19 +202,28 @@ class SidecarProblem:
 
 
 def scan_sidecars(
-    root: str, bucket: str, shards: Sequence[ShardInfo]
+    root: str,
+    bucket: str,
+    shards: Sequence[ShardInfo],
+    files: Iterable[str] | None = None,
 ) -> tuple[dict[str, list[str]], list[SidecarProblem]]:
     """One listing of a bucket: ``{list: [shard basenames]}`` and the orphan ``*.skip`` files.
 
     An orphan is a file that cannot belong to any list of this bucket: a list
     name that is not valid (``Dedup``: names are lower-case), or a shard the
     index does not have. Such files are never applied, so they are reported.
+    ``files`` (``/``-separated paths in the bucket) is a listing the caller made.
     """
     known = {s.basename for s in shards}
     out: dict[str, list[str]] = {}
     orphans: list[SidecarProblem] = []
     bucket_dir = rel_join(root, bucket)
-    for rel in list_suffix(bucket_dir, SUFFIX):
+    listed = (
+        list_suffix(bucket_dir, SUFFIX)
+        if files is None
+        else sorted(f for f in files if f.endswith(SUFFIX))
+    )
+    for rel in listed:
         stem = rel[: -len(SUFFIX)]
         # The shard basename is the longest known prefix ending in ".mds".
         pos = stem.find(".mds.")
