@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from prx_data.core.errors import PrxDataError
 from prx_data.stream.planner import (
     BATCHING_METHODS,
     DatasetCount,
-    PlanError,
     count_export,
     plan_buckets,
 )
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             epoch_size=args.epoch_size,
             small_buckets=args.small_buckets,
         )
-    except PlanError as e:
+    except PrxDataError as e:
         print(f"error: {e}")
         return 2
     if args.json == "-":

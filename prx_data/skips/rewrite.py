@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from prx_data.core import storage
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
 from prx_data.core.schema import REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
 from prx_data.export import layout
@@ -195,12 +195,12 @@ def _check_empty_destination(out: str) -> None:
     if kind == pafs.FileType.NotFound:
         return
     if kind != pafs.FileType.Directory:
-        raise FileExistsError(f"{out} is a file; choose an empty destination directory")
+        raise AlreadyExists(f"{out} is a file; choose an empty destination directory")
     found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
     if found:
         names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
         what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
-        raise FileExistsError(f"{out} is not empty (it holds {what}); choose an empty destination")
+        raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
 
 
 def rewrite_export(
@@ -292,7 +292,7 @@ def rewrite_export(
             for entry, reader in _readers(root, bucket, os.path.join(work, "in")):
                 part = posixpath.dirname(entry["raw_data"]["basename"])
                 if not part:
-                    raise ValueError(
+                    raise UsageError(
                         f"{root}/{bucket}: shard {entry['raw_data']['basename']!r} is not inside a "
                         "part directory; not an export written by prx_data.write_mds"
                     )
