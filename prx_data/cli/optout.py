@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             storage_options=lance_storage_options(args.table) if args.table else None,
         )
     from prx_data.core import storage
-    from prx_data.skips.lists import ListError
+    from prx_data.core.errors import PrxDataError
 
     try:
         report = add_optout(
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             table=args.table,
             export_only=args.export_only,
         )
-    except ListError as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if report.not_matched:

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from prx_data.core.errors import PrxDataError
 from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.sidecar import read_ids_file, read_indices_file
@@ -261,15 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if r.warnings:
                 print(f"{sum(r.warnings.values())} streaming warnings, see the report")
             print(f"report: {r.out}/report.json")
-    except (
-        skiplist.SkipListError,
-        idlists.ListError,
-        FileExistsError,
-        FileNotFoundError,
-        KeyError,
-        IndexError,
-        ValueError,
-    ) as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if problems:

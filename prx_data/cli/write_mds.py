@@ -6,11 +6,9 @@ import argparse
 import sys
 
 from prx_data.core.buckets import DEFAULT_TIERS, DROP_ASPECT_RATIO, DROP_TOO_SMALL
-from prx_data.core.errors import add_max_error_rate, error_rate_status
+from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
 from prx_data.core.imaging import DRAFT_MARGIN
-from prx_data.core.runtime import RayStartError
-from prx_data.core.storage import StorageTimeout, StorageUnreachable
-from prx_data.export.unit import DEFAULT_HASHES, ExportConfig, ExportError
+from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
 
 EPILOG = """\
 output layout:
@@ -242,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=args.progress,
             drop_lists=tuple(args.drop_lists),
         )
-    except (ExportError, RayStartError, StorageTimeout, StorageUnreachable) as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table_text())

@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import PrxDataError, UsageError
 
 #: Environment variables that select object-storage endpoints, credentials and deadlines.
 STORAGE_ENV_PREFIXES = ("S3_", "AWS_", "GOOGLE_", "GCS_", "AZURE_", "OCI_", "STORAGE_")
@@ -102,9 +102,9 @@ def _env_number(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds/attempts") from None
+        raise UsageError(f"{name}={raw!r} is not a number of seconds/attempts") from None
     if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
+        raise UsageError(f"{name}={raw!r} must be positive")
     return value
 
 
@@ -357,7 +357,7 @@ def delete(path: str) -> None:
             return
         _, prefix = _s3_prefix(path)
         if not prefix:
-            raise ValueError(f"{path}: refusing to delete a whole bucket")
+            raise UsageError(f"{path}: refusing to delete a whole bucket")
         batch: list[dict] = []
         for rel, _ in _s3_walk(path, recursive=True, keep_markers=True):
             batch.append({"Key": prefix + rel})

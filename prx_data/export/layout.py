@@ -54,7 +54,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prx_data.core import storage
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import NotFound, PrxDataError
 from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
 
 T = TypeVar("T")
@@ -302,15 +302,21 @@ DROPPED_DIR = "_progress/dropped"
 #: Where a work unit stages its parts on a local --out (one folder per attempt).
 WRITING_DIR = "_progress/writing"
 
+#: A skip-list name (used with ``fullmatch``; ``$`` would accept a trailing newline). Names
+#: become file-name parts: a sidecar is ``<shard basename>.<name>`` + :data:`SIDECAR_SUFFIX`,
+#: a list's ids are ``_lists/<name>.parquet``.
+LIST_NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,63}"
+LIST_NAME_RE = re.compile(LIST_NAME_PATTERN)
+#: Suffix of a skip-list sidecar next to its shard (:mod:`prx_data.skips.sidecar`).
+SIDECAR_SUFFIX = ".skip"
+
 #: The export's skip lists as row ids (:mod:`prx_data.skips.lists`): one parquet per list
 #: (never ``*.json``: streaming's ``merge_index`` would take it for an index), the
 #: reference to the table's registry, and the lock that serialises updates.
 LISTS_DIR = "_lists"
 LISTS_REF_NAME = "registry"
 LISTS_LOCK_NAME = ".lock"
-LISTS_FILE_RE = re.compile(
-    r"(registry|\.lock|[a-z0-9][a-z0-9._-]{0,63}\.parquet)(\.tmp-[0-9a-f]+)?"
-)
+LISTS_FILE_RE = re.compile(rf"(registry|\.lock|{LIST_NAME_PATTERN}\.parquet)(\.tmp-[0-9a-f]+)?")
 
 #: Top-level files an export may contain besides tier directories.
 _EXPORT_ENTRIES_EXTRA = {
@@ -326,7 +332,7 @@ _EXPORT_ENTRIES_EXTRA = {
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
 #: (Part directories themselves match ``_PART_RE``, the pattern :func:`part_name` makes.)
 _PART_FILE_RE = re.compile(
-    rf"({SHARD_FILE_PATTERN}(\.[a-z0-9][a-z0-9._-]{{0,63}}\.skip)?|index\.json"
+    rf"({SHARD_FILE_PATTERN}(\.{LIST_NAME_PATTERN}{re.escape(SIDECAR_SUFFIX)})?|index\.json"
     r"|ids\.parquet)(\.tmp-[0-9a-f]+)?"
 )
 
@@ -605,7 +611,7 @@ def content_digest(out: str) -> str:
         if (
             rel.startswith((PROGRESS_DIR, LISTS_DIR))
             or rel in (REPORT_NAME, "report.txt", DROPPED_NAME, LOCK_NAME, LEASE_NAME)
-            or rel.endswith(".skip")
+            or rel.endswith(SIDECAR_SUFFIX)
         ):
             continue
         h.update(rel.encode())
@@ -675,7 +681,7 @@ def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) 
     try:
         return load_index(path, export_columns=export_columns)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no merged index; is {root!r} an export root?") from None
+        raise NotFound(f"{path}: no merged index; is {root!r} an export root?") from None
 
 
 def read_index(root: str, bucket: str, *, export_columns: bool = False) -> list[ShardInfo]:
@@ -837,14 +843,3 @@ def check_bucket_complete(
             f"{REPORT_NAME} counted {expected}; the export was changed after it finished or did "
             f"not finish. Check it with `python -m prx_data.verify {root}`; {_OVERRIDE_HINT}"
         )
-
-
-def write_completion(out: str, buckets: Mapping[str, int], **extra) -> None:
-    """``report.json`` for a tree written by another tool than the exporter (e.g. a rewrite).
-
-    It carries the per-bucket sample counts the loader checks; without a
-    ``units`` count there are no progress markers to compare.
-    """
-    body = {"buckets": dict(sorted(buckets.items())), "samples_written": sum(buckets.values())}
-    body.update(extra)
-    storage.write_bytes_atomic(storage.join(out, REPORT_NAME), json.dumps(body, indent=2).encode())

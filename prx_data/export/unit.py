@@ -31,10 +31,11 @@ import pyarrow as pa
 
 from prx_data.core import storage
 from prx_data.core.buckets import DEFAULT_TIERS, BucketSpec, assign_bucket
+from prx_data.core.errors import NotFound
 from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, DRAFT_MARGIN, ImageError, prepare_with
 from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
-from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME, is_job_column
+from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME, is_job_column, mds_sample
 from prx_data.export.layout import (
     CONFIG_NAME,
     DROPPED_DIR,
@@ -214,14 +215,13 @@ class ExportReport:
 
 
 def open_table(uri: str, version: int | None = None):
-    import lance
+    """:func:`prx_data.table.lance_ops.open_table`, failing as an :class:`ExportError`."""
+    from prx_data.table import lance_ops
 
     try:
-        return lance.dataset(uri, version=version)
-    except (ValueError, OSError) as e:
-        raise ExportError(
-            f"cannot open Lance table {uri!r}: {e}. Create one with `python -m prx_data.ingest DIR --table {uri}`."
-        ) from None
+        return lance_ops.open_table(uri, version=version)
+    except NotFound as e:
+        raise ExportError(str(e)) from None
 
 
 def check_table_columns(uri: str, schema: pa.Schema) -> None:
@@ -589,18 +589,15 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                 except ImageError as e:
                     drop(row, e.reason, e.detail)
                     continue
-                sample = {
-                    "image": prepared.data,
-                    "id": str(row["id"]),
-                    "width": int(w),
-                    "height": int(h),
-                    "crop_left": prepared.crop_box[0],
-                    "crop_top": prepared.crop_box[1],
-                    "crop_right": prepared.crop_box[2],
-                    "crop_bottom": prepared.crop_box[3],
-                    "tier": b.tier,
-                    "bucket": b.name,
-                }
+                sample = mds_sample(
+                    image=prepared.data,
+                    id=str(row["id"]),
+                    width=w,
+                    height=h,
+                    crop_box=prepared.crop_box,
+                    tier=b.tier,
+                    bucket=b.name,
+                )
                 for c in caption_cols:
                     sample[c] = _clean_caption(row.get(c), cfg.max_caption_chars, notes, c)
                 writer = writers.get(b.name)

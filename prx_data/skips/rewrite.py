@@ -43,7 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 from prx_data.core import storage
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
 from prx_data.export import layout
@@ -182,7 +182,7 @@ def parse_bytes(text: str, what: str = "size") -> int:
     m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmgt]?)(?:i?b)?", text.strip().lower())
     value = int(float(m.group(1)) * units[m.group(2)]) if m else 0
     if value <= 0:
-        raise ValueError(f"{what} {text!r} is not a positive size (e.g. 8G, 500M, 1048576)")
+        raise UsageError(f"{what} {text!r} is not a positive size (e.g. 8G, 500M, 1048576)")
     return value
 
 
@@ -339,12 +339,12 @@ def _check_empty_destination(out: str) -> None:
     if kind == pafs.FileType.NotFound:
         return
     if kind != pafs.FileType.Directory:
-        raise FileExistsError(f"{out} is a file; choose an empty destination directory")
+        raise AlreadyExists(f"{out} is a file; choose an empty destination directory")
     found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
     if found:
         names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
         what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
-        raise FileExistsError(f"{out} is not empty (it holds {what}); choose an empty destination")
+        raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
 
 
 def rewrite_export(
@@ -522,7 +522,7 @@ def _parts(root: str, bucket: str, entries: list[dict]) -> dict[str, list[dict]]
     for entry in entries:
         part = posixpath.dirname(entry["raw_data"]["basename"])
         if not part:
-            raise ValueError(
+            raise UsageError(
                 f"{root}/{bucket}: shard {entry['raw_data']['basename']!r} is not inside a "
                 "part directory; not an export written by prx_data.write_mds"
             )
