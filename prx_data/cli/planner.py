@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Sequence
 
@@ -24,11 +25,7 @@ def _parse_dataset(arg: str) -> tuple[str, float | None]:
     return arg, None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    from prx_data.core.buckets import DEFAULT_SPEC
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.planner",
         description="Preflight a bucketed streaming run: requested vs realised share per "
@@ -77,7 +74,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "per dataset requested/realised share and samples, per bucket samples/skipped/"
         "planned/dropped, epoch size and unit",
     )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
+    from prx_data.core.buckets import DEFAULT_SPEC
+
     tiers = [
         t
         for t in DEFAULT_SPEC.tiers

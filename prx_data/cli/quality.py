@@ -8,7 +8,7 @@ import sys
 from prx_data.core import quality
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.quality",
         description="Measure every image's information content (std, grey-level entropy and "
@@ -25,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         help="rows measured per write to the table (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     from prx_data.columns.quality import compute_quality
 

@@ -9,7 +9,7 @@ from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec
 from prx_data.table.resolution import STATS_NAME, format_report, run
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.stats",
         description="Resolution, aspect-ratio and tier distribution of a Lance table, with the "
@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(str(t) for t in DEFAULT_SPEC.tiers),
         help="comma-separated training tiers, as for the export (default: %(default)s)",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     spec = BucketSpec(tiers=tuple(int(t) for t in args.tiers.split(",")))
     report = run(args.table, args.out, spec)
