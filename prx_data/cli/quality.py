@@ -1,11 +1,13 @@
-"""``python -m prx_data.quality``: argument parsing over :mod:`prx_data.columns.quality`."""
+"""``python -m prx_data.quality``: argument parsing over :mod:`pipelines.quality`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from prx_data.cli.reporting import finish, print_error
 from prx_data.core import quality
+from prx_data.core.errors import PrxDataError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,17 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    from prx_data.columns.quality import compute_quality
+    args = build_parser().parse_args(argv)
+    from pipelines.quality import QualityConfig, run_quality
 
-    counts = compute_quality(args.table, chunk_rows=args.chunk_rows, progress=not args.no_progress)
-    print(
-        f"measured {counts['written']:,} rows; {counts['unreadable']:,} unreadable (left empty); "
-        f"{counts['low_information']:,} low-information"
-    )
-    print(f'low-information filter: "{quality.LOW_INFORMATION_SQL}"')
-    return 0
+    try:
+        report = run_quality(
+            QualityConfig(
+                table=args.table, chunk_rows=args.chunk_rows, progress=not args.no_progress
+            )
+        )
+    except PrxDataError as e:
+        print_error(e)
+        return 2
+    return finish(report)
 
 
 if __name__ == "__main__":
