@@ -50,7 +50,7 @@ def error_column(column: str) -> str:
     return f"{column}_error"
 
 
-@dataclass
+@dataclass(frozen=True)
 class CaptionConfig:
     """One captioning run. ``backend_options`` go to the backend's constructor."""
 

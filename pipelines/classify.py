@@ -45,7 +45,7 @@ from prx_data.core.runtime import ensure_ray
 _RULE = "__rule"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClassifyConfig:
     """One labelling run. ``backend``/``model`` may be None with ``rules_only``."""
 

@@ -83,7 +83,7 @@ LOAD_TASK_CPUS = 0.5
 WRITE_TASK_CPUS = 0.25
 
 
-@dataclass
+@dataclass(frozen=True)
 class IngestConfig:
     """Options of one ingest run (see ``python -m prx_data.ingest --help``)."""
 
