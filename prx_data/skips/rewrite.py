@@ -41,7 +41,7 @@ from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
 from prx_data.core.schema import REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
-from prx_data.export import layout
+from prx_data.export import idindex, layout
 from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
@@ -338,6 +338,7 @@ def rewrite_export(
         bar.close()
         if verify:
             _verify(root, stage, plan, os.path.join(work, "in"), SkipMDSReader, set(dropped))
+        idindex.write_id_index(stage)  # before the lists, which bind their ids through it
         # The lists not applied, re-bound by row id to the new shards.
         lists_carried = idlists.sync_lists(stage, reg, carried=carried, skip=applied)
         if remote_out:
