@@ -5,8 +5,9 @@ Fabricates only what binding ids to shards reads: per bucket a merged
 (no shard files). For each size, each in a fresh process:
 
   build      ``write_id_index`` (what finalize / rewrite / pack add)
+  bind_*     binding the opt-out's ids to shards alone (``skips.lists.bind``), before / after
   before     ``add_optout`` of ``--ids`` ids on the tree without its index (every manifest)
-  after      the same opt-out through the index
+  after      the same opt-out through the index (sidecar writes and statistics included)
   in / scan  the two lookup strategies of ``IdIndex.lookup`` alone, for the opt-out's ids
              and for 10 % of the rows (which one the chooser would pick is printed)
 
@@ -90,6 +91,12 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process, all threads (steadier than wall time on a busy machine)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def child(root: str, op: str, n: int, n_ids: int) -> dict:
     """One measured operation in this (fresh) process."""
     import lance  # noqa: F401 (imports are not what is measured)
@@ -104,10 +111,17 @@ def child(root: str, op: str, n: int, n_ids: int) -> dict:
     total = (n // len(BUCKETS)) * len(BUCKETS)
     base = _rss_mb()
     tracemalloc.start()
+    c0 = _cpu_s()
     t0 = time.perf_counter()
     extra: dict = {}
     if op == "build":
         extra["rows"] = idindex.write_id_index(root).rows
+    elif op.startswith("bind_"):  # the lookup alone: ids -> (bucket, shard) positions
+        from prx_data.skips import lists
+
+        ids = [_sid(int(i)) for i in rng.choice(total, n_ids, replace=False)] + ["gone/1"]
+        b = lists.bind(root, {"optout": pa.array(ids)}, want_missing=["optout"])["optout"]
+        extra.update(samples=b.samples, missing=len(b.missing))
     elif op in ("before", "after"):
         ids = [_sid(int(i)) for i in rng.choice(total, n_ids, replace=False)] + ["gone/1"]
         r = optout.add_optout(root, "optout", ids, export_only=True)
@@ -117,6 +131,7 @@ def child(root: str, op: str, n: int, n_ids: int) -> dict:
         assert index is not None, why
         q = n_ids if op.endswith("small") else total // 10
         ids = pa.array([_sid(int(i)) for i in rng.choice(total, q, replace=False)])
+        c0 = _cpu_s()
         t0 = time.perf_counter()
         if op.startswith("in"):
             idindex.SCAN_RATIO = 1 << 62
@@ -125,9 +140,11 @@ def child(root: str, op: str, n: int, n_ids: int) -> dict:
         extra["rows"] = sum(len(t) for t in index.lookup(ids))
         extra["ids"] = q
     seconds = time.perf_counter() - t0
+    cpu = _cpu_s() - c0
     _, peak = tracemalloc.get_traced_memory()
     return {
         "seconds": round(seconds, 3),
+        "cpu_s": round(cpu, 3),
         "rss_mb": round(_rss_mb() - base, 1),
         "traced_mb": round(peak / 2**20, 1),
         **extra,
@@ -170,7 +187,8 @@ def main() -> None:
         print(json.dumps(child(root, op, int(n), int(k))))
         return
     sizes = [int(s) for s in args.sizes]
-    ops = ["build", "before", "after", "in_small", "scan_small", "in_10pct", "scan_10pct"]
+    ops = ["build", "bind_before", "bind_after", "before", "after"]
+    ops += ["in_small", "scan_small", "in_10pct", "scan_10pct"]
     runs: dict[int, dict] = {}
     for n in sizes:
         work = tempfile.mkdtemp(prefix="bench-idindex-")
@@ -179,10 +197,12 @@ def main() -> None:
             t = time.perf_counter()
             fabricate(root, n, args.per_part)
             print(f"n={n:,}: fabricated in {time.perf_counter() - t:.1f} s", flush=True)
-            res = {"before": run_child(root, "before", n, args.ids)}
+            res = {"bind_before": run_child(root, "bind_before", n, args.ids)}
+            res["before"] = run_child(root, "before", n, args.ids)
             _clear_lists(root)  # the same opt-out again, from scratch
             res["build"] = run_child(root, "build", n, args.ids)
-            for op in ops[2:]:
+            res["bind_after"] = run_child(root, "bind_after", n, args.ids)
+            for op in ops[4:]:
                 if op == "after":
                     _clear_lists(root)
                 res[op] = run_child(root, op, n, args.ids)
@@ -191,16 +211,18 @@ def main() -> None:
                 print(f"  {op:<11}{json.dumps(res[op])}", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{'op':<12}" + "".join(f"{f'{n:,} s':>14}{'rss MB':>9}" for n in sizes) + "  exp(t)")
+    hdr = "".join(f"{f'{n:,} s':>13}{'cpu s':>8}{'rss MB':>8}" for n in sizes)
+    print(f"\n{'op':<12}{hdr}  exp(s) exp(cpu)")
     for op in ops:
         row = f"{op:<12}"
         for n in sizes:
-            row += f"{runs[n][op]['seconds']:>14.3f}{runs[n][op]['rss_mb']:>9.1f}"
+            r = runs[n][op]
+            row += f"{r['seconds']:>13.3f}{r['cpu_s']:>8.2f}{r['rss_mb']:>8.1f}"
         if len(sizes) > 1:
-            e = exponent(
-                sizes[0], runs[sizes[0]][op]["seconds"], sizes[-1], runs[sizes[-1]][op]["seconds"]
-            )
-            row += f"  {e:6.2f}"
+            a, b = runs[sizes[0]][op], runs[sizes[-1]][op]
+            e_s = exponent(sizes[0], a["seconds"], sizes[-1], b["seconds"])
+            e_c = exponent(sizes[0], a["cpu_s"], sizes[-1], b["cpu_s"])
+            row += f"  {e_s:6.2f} {e_c:6.2f}"
         print(row)
 
 
