@@ -61,6 +61,10 @@ LOOKUP_CHUNK = 1 << 20
 #: 1 / SCAN_RATIO of the table's rows (measured: an indexed lookup costs about 8 us per id,
 #: a scan with a hash join about 0.2 us per row).
 SCAN_RATIO = 40
+#: Lance's caches for a lookup: capped, so that a lookup's memory does not grow with the
+#: table (the BTREE pages a lookup touches are read once; nothing gains from keeping them).
+INDEX_CACHE_BYTES = 64 << 20
+METADATA_CACHE_BYTES = 32 << 20
 
 
 class IdIndexError(PrxDataError, ValueError):
@@ -312,7 +316,12 @@ def open_index(root: str) -> tuple[IdIndex | None, str]:
     if not storage.exists(uri):
         return None, f"{root} has no id index ({layout.IDS_INDEX_NAME})"
     try:
-        ds = lance.dataset(uri, storage_options=_options(uri))
+        ds = lance.dataset(
+            uri,
+            storage_options=_options(uri),
+            index_cache_size_bytes=INDEX_CACHE_BYTES,
+            metadata_cache_size_bytes=METADATA_CACHE_BYTES,
+        )
         raw = (ds.metadata or {}).get(META_KEY)
     except (ValueError, OSError) as e:
         return None, f"{uri} cannot be opened ({e})"
