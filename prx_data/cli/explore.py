@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prx_data.core.errors import PrxDataError
 from prx_data.explore.app import (
     AUTO_DESCRIPTOR_ROWS,
     DEFAULT_HOST,
@@ -15,12 +16,13 @@ from prx_data.explore.app import (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.explore",
         description="Browse a Lance image table in the browser: live caption search, a "
-        "thumbnail grid, click an image for visually similar ones, and filters for tier, "
-        "aspect-ratio bucket and label columns. The table is left unchanged unless "
+        "thumbnail grid, click an image for visually similar ones and its near duplicates side "
+        "by side, filters for tier, aspect-ratio bucket and label columns, and a range filter "
+        "and sort on any score (numeric column). The table is left unchanged unless "
         "--build-indexes is given; without it the explorer lists what it would build.",
     )
     p.add_argument("--table", required=True, help="Lance table URI")
@@ -67,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Deprecated: leaving the table unchanged is now the default.
     p.add_argument("--no-index", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.no_index:
         print(
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             build_indexes=args.build_indexes,
             allowed_hosts=tuple(args.allow_host),
         )
-    except ValueError as e:
+    except PrxDataError as e:
         p.error(str(e))
     server = serve(cfg)
     host, port = server.server_address[:2]

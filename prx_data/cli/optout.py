@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from prx_data.cli.reporting import finish
 from prx_data.skips.optout import add_optout, read_id_file, resolve_source_ids
 
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             storage_options=lance_storage_options(args.table) if args.table else None,
         )
     from prx_data.core import storage
-    from prx_data.skips.lists import ListError
+    from prx_data.core.errors import PrxDataError
 
     try:
         report = add_optout(
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             table=args.table,
             export_only=args.export_only,
         )
-    except ListError as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if report.not_matched:
@@ -117,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         storage.write_bytes_atomic(path, "".join(k + "\n" for k in report.not_matched).encode())
         report.not_matched_file = path
-    print(report.text())
-    if args.report:
-        storage.write_bytes_atomic(args.report, json.dumps(report.to_dict(), indent=2).encode())
-    return 0
+    return finish(report, report_json=args.report)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from prx_data.core.errors import PrxDataError
 from prx_data.table.lance_ops import (
     DEFAULT_TARGET_ROWS_PER_FRAGMENT,
     compact,
@@ -17,7 +18,7 @@ from prx_data.table.lance_ops import (
 from prx_data.table.pins import describe, list_tags, unpin
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.table",
         description="Fragment hygiene for a Lance table: show fragment stats, or compact small "
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     pu.add_argument("uri", help="Lance table URI (local path or s3://...)")
     pu.add_argument("names", nargs="+", metavar="NAME", help="tag names, as `tags` lists them")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     opts = lance_storage_options(args.uri)
     try:
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.names:
                 unpin(ds, name)
                 print(f"removed tag {name}")
-    except FileNotFoundError as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from prx_data.core.errors import PrxDataError
 from prx_data.export.layout import ShardInfo
 from prx_data.export.verify import verify_export
 
@@ -77,9 +78,13 @@ def check_sidecar(path: str, data: bytes, shard: ShardInfo, name: str) -> list[s
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    res = verify_export(
-        args.export, deep=args.deep, check_sidecar=check_sidecar, progress=args.progress
-    )
+    try:
+        res = verify_export(
+            args.export, deep=args.deep, check_sidecar=check_sidecar, progress=args.progress
+        )
+    except PrxDataError as e:  # a store that stops answering, an export that is not one
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(
             json.dumps(
