@@ -23,6 +23,8 @@ the loader and the tests all read and write the same thing.
       _lists/<name>.parquet            a skip list's row ids + provenance (sidecars derive from it)
       _lists/registry                  URI of the table's list registry (JSON text)
       _lists/.lock                     serialises list updates (a lease object on s3://)
+      _ids.lance/                      id index: id -> bucket, shard, index (Lance, BTREE on id;
+                                       :mod:`prx_data.export.idindex`), rebuilt after every merge
 
 ``<part>`` names a work unit, ``f<fragment:06d>-<start:09d>`` (:func:`part_name`), or,
 once the pack stage ran, a pack of consecutive unit parts of the bucket,
@@ -318,6 +320,10 @@ LISTS_REF_NAME = "registry"
 LISTS_LOCK_NAME = ".lock"
 LISTS_FILE_RE = re.compile(rf"(registry|\.lock|{LIST_NAME_PATTERN}\.parquet)(\.tmp-[0-9a-f]+)?")
 
+#: The export's id index (a Lance table, :mod:`prx_data.export.idindex`): written at
+#: finalize, rebuilt by whatever rewrites shards.
+IDS_INDEX_NAME = "_ids.lance"
+
 #: Top-level files an export may contain besides tier directories.
 _EXPORT_ENTRIES_EXTRA = {
     PROGRESS_DIR,
@@ -327,6 +333,7 @@ _EXPORT_ENTRIES_EXTRA = {
     LOCK_NAME,
     LEASE_NAME,
     LISTS_DIR,
+    IDS_INDEX_NAME,
 }
 
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
@@ -381,7 +388,9 @@ def foreign_entries(out: str) -> list[str]:
     if storage.is_remote(out):
         for rel in storage.list_files(out):
             bits = rel.split("/")
-            if bits[0] in _EXPORT_ENTRIES_EXTRA and (len(bits) == 1 or bits[0] == PROGRESS_DIR):
+            if bits[0] in _EXPORT_ENTRIES_EXTRA and (
+                len(bits) == 1 or bits[0] in (PROGRESS_DIR, IDS_INDEX_NAME)
+            ):
                 continue
             if bits[0] == LISTS_DIR and len(bits) == 2 and LISTS_FILE_RE.fullmatch(bits[1]):
                 continue
@@ -392,7 +401,7 @@ def foreign_entries(out: str) -> list[str]:
     for top in sorted(os.listdir(out)):
         path = os.path.join(out, top)
         if top in _EXPORT_ENTRIES_EXTRA:
-            if top == PROGRESS_DIR and not os.path.isdir(path):
+            if top in (PROGRESS_DIR, IDS_INDEX_NAME) and not os.path.isdir(path):
                 found.append(top)
             if top == LISTS_DIR:
                 found += _foreign_in_lists(path)
@@ -605,11 +614,12 @@ def is_complete(out: str) -> bool:
 
 
 def content_digest(out: str) -> str:
-    """Digest of every shard, index and manifest (not reports/progress): equal for identical exports."""
+    """Digest of every shard, index and manifest (not reports, progress, lists or the id index,
+    whose Lance files name random uuids): equal for identical exports."""
     h = hashlib.sha256()
     for rel in storage.list_files(out):
         if (
-            rel.startswith((PROGRESS_DIR, LISTS_DIR))
+            rel.startswith((PROGRESS_DIR, LISTS_DIR, IDS_INDEX_NAME))
             or rel in (REPORT_NAME, "report.txt", DROPPED_NAME, LOCK_NAME, LEASE_NAME)
             or rel.endswith(SIDECAR_SUFFIX)
         ):
