@@ -20,6 +20,7 @@ JOBS = {
     "semdedup": "embedding-cluster dedup: a 'semdedup' skip list, share removed per threshold",
     "optout": "add an opt-out skip list to an export",
     "write_mds": "export a table to resolution/aspect-ratio bucketed MDS",
+    "adopt": "id manifests and shard hashes for an MDS tree another writer made (skip lists)",
     "verify": "check an export: report, indexes, shards (--deep: hashes), manifests, sidecars",
     "skips": "manage sidecar skip lists of an export (add, list, stats, remove, rewrite)",
     "planner": "preflight: batches per bucket, tail drops, fatal configurations",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 
 from prx_data.stream.planner import (
@@ -28,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     from prx_data.core.buckets import DEFAULT_SPEC
+    from prx_data.core.errors import PrxDataError
+    from prx_data.export.adopt import declare_if_flat
 
     p = argparse.ArgumentParser(
         prog="python -m prx_data.planner",
@@ -40,7 +43,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         help="export roots (local or s3://); append =P for a mixing proportion, e.g. a/=0.7 b/=0.3",
     )
-    p.add_argument("--tier", type=int, required=True, help="training resolution tier, e.g. 512")
+    p.add_argument(
+        "--tier",
+        type=int,
+        required=True,
+        help="training resolution tier, e.g. 512 (also the tier of a tree with one folder per "
+        "aspect ratio that was not adopted)",
+    )
     p.add_argument("--include-higher-tiers", action="store_true", help="also stream higher tiers")
     p.add_argument("--batch-size", type=int, required=True, help="device (per-rank) batch size")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
@@ -85,9 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     names = [] if args.no_skips else args.skip_list
     counts = []
-    for arg in args.datasets:
-        root, prop = _parse_dataset(arg)
-        counts.append(DatasetCount(root, count_export(root, tiers, names), proportion=prop))
+    try:
+        for arg in args.datasets:
+            root, prop = _parse_dataset(arg)
+            # A tree of one folder per aspect ratio, not adopted: its tier is the run's.
+            declare_if_flat(root, args.tier)
+            counts.append(DatasetCount(root, count_export(root, tiers, names), proportion=prop))
+    except (PrxDataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         plan = plan_buckets(
             counts,

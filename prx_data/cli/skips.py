@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from prx_data.core.errors import PrxDataError
 from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.sidecar import read_ids_file, read_indices_file
@@ -131,10 +132,24 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _refuse_plain_tree(root: str) -> None:
+    """A tree another writer made has no id manifests until it is adopted."""
+    from prx_data.core import storage
+    from prx_data.export.adopt import ForeignTreeError, is_plain_tree
+
+    if storage.exists(root) and is_plain_tree(root):
+        raise ForeignTreeError(
+            f"{root}: not an export of prx_data.write_mds nor an adopted tree, so it has no id "
+            f"manifests; run python -m prx_data.adopt {root} once (shards are not touched)"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     problems: list = []
     try:
+        if args.cmd in ("add", "remove", "sync", "rewrite"):
+            _refuse_plain_tree(args.root)
         if args.cmd == "add":
             if args.table and not args.where:
                 raise SystemExit("--table needs --where")
@@ -251,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{sum(r.warnings.values())} streaming warnings, see the report")
             print(f"report: {r.out}/report.json")
     except (
+        PrxDataError,
         skiplist.SkipListError,
         idlists.ListError,
         FileExistsError,

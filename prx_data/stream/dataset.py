@@ -51,6 +51,7 @@ from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader  # noqa: F401 (re-exported)
 from prx_data.stream import cache as shard_cache
+from prx_data.stream import foreign as foreign_tree
 from prx_data.stream import planner
 from prx_data.stream.decode import decode_chw
 from prx_data.stream.holdout import Holdout, merge_skips
@@ -83,6 +84,10 @@ class DatasetSpec:
     allow_incomplete: bool = False
     #: In-memory hold-out by id hash (train side or eval side), merged with the skip lists.
     holdout: Holdout | None = None
+    #: The tier of an MDS tree with one folder per aspect ratio (``<ar>/index.json``).
+    tier: int | None = None
+    #: Item key -> column of an MDS tree another writer made, e.g. ``{"caption": "prompt"}``.
+    columns: dict[str, str] | None = None
 
 
 @dataclass
@@ -96,6 +101,8 @@ class BucketSource:
     skips: dict[str, np.ndarray]
     #: Per skip list in force: (samples it removes here, sha1 of its indices here).
     lists: dict[str, tuple[int, str]] = field(default_factory=dict)
+    #: The columns of a tree another writer made (None: an export of ours).
+    foreign: foreign_tree.ForeignColumns | None = None
 
     @property
     def samples(self) -> int:
@@ -214,7 +221,7 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     found: set[str] = set()
     orphans: list[skiplist.SidecarProblem] = []
     for bucket in buckets:
-        remote_b = storage.join(spec.root, *bucket.split("/"))
+        remote_b = layout.rel_join(spec.root, bucket)
         local_b = os.path.join(local, *bucket.split("/"))
         index_uri = storage.join(remote_b, layout.INDEX_NAME)
         index = storage.read_bytes(index_uri)
@@ -262,10 +269,27 @@ def _read_local(path: str) -> bytes | None:
 
 
 def load_sources(
-    spec: DatasetSpec, tiers: Sequence[int], world: World | None = None
+    spec: DatasetSpec,
+    tiers: Sequence[int],
+    world: World | None = None,
+    caption_columns: Sequence[str] = ("caption",),
 ) -> list[BucketSource]:
-    """Every bucket of ``tiers`` in one export with its shards and (validated) skips."""
+    """Every bucket of ``tiers`` in one export with its shards and (validated) skips.
+
+    A tree another writer made (no export marker: :mod:`prx_data.stream.foreign`)
+    has no report to check, and its columns are resolved per bucket.
+    """
     world = world or World.detect()
+    if spec.tier is not None:
+        layout.declare_flat_tier(spec.root, spec.tier)
+    plain = not layout._has_proof(spec.root)
+    mapping = dict(spec.columns or {})
+    if plain:  # ids as adopted: skip lists name samples by them
+        from prx_data.export.adopt import read_record
+
+        rec = read_record(spec.root)
+        if rec is not None:
+            mapping["id"] = rec.get("id_column") or ""  # "": synthetic ids
     if storage.is_remote(spec.root):
         if not spec.local:
             raise ValueError(
@@ -281,14 +305,19 @@ def load_sources(
     out = []
     found: set[str] = set()
     report = None
-    if not spec.allow_incomplete:
+    if not spec.allow_incomplete and not plain:
         report = layout.read_report(base)
         layout.check_export_complete(
             spec.root, report, count_markers=not storage.is_remote(spec.root)
         )
     orphans: list[skiplist.SidecarProblem] = []
     for bucket in buckets:
-        shards = layout.read_index(base, bucket)
+        entries = layout.read_index_entries(base, bucket)
+        shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
+        cols = None
+        if plain:
+            index_path = layout.rel_join(spec.root, f"{bucket}/{layout.INDEX_NAME}")
+            cols = foreign_tree.resolve_columns(index_path, entries, mapping, caption_columns)
         if report is not None:
             layout.check_bucket_complete(spec.root, bucket, shards, report)
         skips: dict[str, np.ndarray] = {}
@@ -300,14 +329,11 @@ def load_sources(
             skips, lists = _load_lists(base, bucket, shards, spec.skip_lists, listing)
         if spec.holdout is not None:
             skips = merge_skips(skips, spec.holdout.skips(spec.root, bucket, shards))
-        remote = (
-            storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
-        )
-        out.append(
-            BucketSource(
-                bucket, remote, os.path.join(base, *bucket.split("/")), shards, skips, lists
-            )
-        )
+        remote = layout.rel_join(spec.root, bucket) if storage.is_remote(spec.root) else None
+        local_b = os.path.join(base, *bucket.split("/"))
+        if not storage.is_remote(spec.root):
+            local_b = layout.rel_join(base, bucket)
+        out.append(BucketSource(bucket, remote, local_b, shards, skips, lists, cols))
     _check_orphans(spec.root, orphans, spec.skip_lists)
     _check_names(spec.root, found, spec.skip_lists)
     return out
@@ -611,7 +637,7 @@ class BucketedDataset(StreamingDataset):
         destroy_dist = maybe_init_dist()
         try:
             world = World.detect()
-            sources = [load_sources(s, tiers, world) for s in specs]
+            sources = [load_sources(s, tiers, world, self.caption_columns) for s in specs]
             counts = [
                 planner.DatasetCount(
                     s.root,
@@ -651,6 +677,8 @@ class BucketedDataset(StreamingDataset):
             check_ranks_agree(self.fingerprint)  # before streaming's first collective
             streams: list[Stream] = []
             self.stream_info: list[tuple[int, str, tuple[int, int]]] = []
+            #: Per stream: the columns of a tree another writer made (None: an export of ours).
+            self.stream_foreign: list[tuple[foreign_tree.ForeignColumns, Any] | None] = []
             plans = iter(self.plan.buckets)
             for di, src in enumerate(sources):
                 for b in src:
@@ -665,9 +693,15 @@ class BucketedDataset(StreamingDataset):
                             skips=b.skips,
                         )
                     )
-                    shape = same_ratio_shape(
-                        parse_bucket_name(b.bucket, bucket_spec), tier, bucket_spec
-                    )
+                    if b.foreign is not None:
+                        fshape = foreign_tree.run_shape(b.bucket, tier, bucket_spec)
+                        self.stream_foreign.append((b.foreign, fshape))
+                        shape = fshape or (0, 0)  # 0: as stored
+                    else:
+                        self.stream_foreign.append(None)
+                        shape = same_ratio_shape(
+                            parse_bucket_name(b.bucket, bucket_spec), tier, bucket_spec
+                        )
                     self.stream_info.append((di, b.bucket, shape))
             super().__init__(
                 streams=streams,
@@ -696,6 +730,11 @@ class BucketedDataset(StreamingDataset):
     # Streaming calls this for every sample id of the epoch (after partitioning).
     def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
         raw = super().get_item(sample_id, retry)
+        if any(self.stream_foreign):
+            shard_id, k = self.spanner[sample_id]
+            found = self.stream_foreign[self.stream_per_shard[shard_id]]
+            if found is not None:
+                return self._foreign_item(raw, shard_id, k, *found)
         bucket = parse_bucket_name(raw["bucket"], self.bucket_spec)
         shape = same_ratio_shape(bucket, self.run_tier, self.bucket_spec)
         item: dict[str, Any] = {
@@ -714,6 +753,24 @@ class BucketedDataset(StreamingDataset):
                 )
             item[c] = raw[c]
         return item
+
+    def _foreign_item(self, raw, shard_id: int, k: int, cols, shape) -> dict[str, Any]:
+        """An item of a tree another writer made (:func:`prx_data.stream.foreign.item`)."""
+        reader = self.shards[shard_id]
+        stored = reader.stored_index(k) if isinstance(reader, SkipMDSReader) else k
+        _di, bucket, run_shape = self.stream_info[self.stream_per_shard[shard_id]]
+        run_bucket = bucket if shape is None else bucket_name(self.run_tier, *run_shape)
+        return foreign_tree.item(
+            raw,
+            cols,
+            shape=shape,
+            run_tier=self.run_tier,
+            bucket=bucket,
+            run_bucket=run_bucket,
+            shard=reader.raw_data.basename,
+            index=stored,
+            decode=self.decode_images,
+        )
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
