@@ -17,7 +17,7 @@ from streaming import MDSWriter
 from prx_data.export import layout
 from prx_data.export.adopt import adopt_tree, read_record
 from prx_data.stream.dataset import DatasetSpec
-from tests.exportkit import run_rank
+from tests.exportkit import run_rank, upload_tree
 
 #: On the default grid at tier 512: 512x512 (1.000) and 480x544 (0.882).
 SHAPES = {"1.000": (512, 512), "0.882": (480, 544)}
@@ -32,7 +32,7 @@ def _jpeg(size: tuple[int, int], n: int) -> Image.Image:
 
 def _write(out: str, ar: str, ids: range, caption: str = "caption") -> None:
     cols = {"image": "jpeg", "id": "str", caption: "str"}
-    with MDSWriter(out=out, columns=cols, size_limit=1 << 12) as w:  # several shards
+    with MDSWriter(out=out, columns=cols, size_limit=1 << 14) as w:  # several shards
         for i in ids:
             w.write({"image": _jpeg(SHAPES[ar], i), "id": f"x/{ar}/{i}", caption: f"c {i}"})
 
@@ -182,6 +182,10 @@ def test_refusals_are_one_line(tiered, flat, tmp_path, capsys):
     ids = tmp_path / "ids.txt"
     ids.write_text("x\n")
     assert "prx_data.adopt" in _one_line(skips, ["add", flat, "a", "--ids", str(ids)], capsys)
+    from prx_data.cli.optout import main as optout
+
+    argv = ["--export", flat, "--name", "optout", "--ids", str(ids)]
+    assert "prx_data.adopt" in _one_line(optout, argv, capsys)
     assert not os.path.exists(os.path.join(flat, "_lists"))  # nothing written
     assert "prx_data.adopt" in _one_line(verify, [flat], capsys)
     pkl = os.path.join(flat, "1.000", "index.json")
@@ -189,6 +193,11 @@ def test_refusals_are_one_line(tiered, flat, tmp_path, capsys):
     obj["shards"][0]["column_encodings"][0] = "pkl"
     open(pkl, "w").write(json.dumps(obj))
     assert "unpickling" in _one_line(adopt, [flat, "--tier", "512"], capsys)
+    # A tree of ours (here: a report.json, as skips rewrite leaves) is never adopted.
+    ours = tmp_path / "ours"
+    _write(str(ours / "512" / "1.000"), "1.000", range(2))
+    layout.write_completion(str(ours), {"512/1.000": 2})
+    assert "needs no adoption" in _one_line(adopt, [str(ours)], capsys)
 
 
 def test_link_out_of_a_bucket_is_refused(tiered, tmp_path):
@@ -201,3 +210,17 @@ def test_link_out_of_a_bucket_is_refused(tiered, tmp_path):
         layout.read_index(tiered, "512/1.000")
     with pytest.raises(layout.UnsafeIndexError, match="symlink leads out"):
         adopt_tree(tiered)
+
+
+def test_remote_tree_adopts_and_streams(tiered, s3_bucket, tmp_path):
+    root = f"s3://{s3_bucket}/plain"
+    upload_tree(tiered, root)
+    res = adopt_tree(root)
+    assert res.buckets == {"512/0.882": PER_BUCKET, "512/1.000": PER_BUCKET}
+    from prx_data.skips.lists import Provenance, update_list
+
+    gone = {"x/1.000/1", "x/1.000/2"}
+    assert update_list(root, "optout", sorted(gone), Provenance("test", "")).samples_listed == 2
+    ids, _ = _ids(DatasetSpec(root, local=str(tmp_path / "cache")))
+    want = {f"x/{ar}/{i}" for ar in SHAPES for i in range(PER_BUCKET)} - gone
+    assert sorted(ids) == sorted(want)

@@ -133,15 +133,9 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
 
 
 def _refuse_plain_tree(root: str) -> None:
-    """A tree another writer made has no id manifests until it is adopted."""
-    from prx_data.core import storage
-    from prx_data.export.adopt import ForeignTreeError, is_plain_tree
+    from prx_data.export.adopt import refuse_plain_tree
 
-    if storage.exists(root) and is_plain_tree(root):
-        raise ForeignTreeError(
-            f"{root}: not an export of prx_data.write_mds nor an adopted tree, so it has no id "
-            f"manifests; run python -m prx_data.adopt {root} once (shards are not touched)"
-        )
+    refuse_plain_tree(root)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -89,9 +89,10 @@ def detect_layout(root: str, tier: int | None) -> tuple[str, int | None]:
     """``("tiered", None)`` or ``("flat", tier)``; refuses what is neither, saying why."""
     if not storage.exists(root):
         raise ForeignTreeError(f"{root}: does not exist")
-    if layout._has_proof(root):
+    if _ours(root) and not storage.exists(record_path(root)):
         raise ForeignTreeError(
-            f"{root}: an export written by prx_data.write_mds already has its manifests; it "
+            f"{root}: an export written by prx_data.write_mds (or skips rewrite: it has "
+            f"{layout.MARKER_NAME} or {REPORT_NAME}) already has its manifests; it "
             f"needs no adoption (check it with python -m prx_data.verify {root})"
         )
     dirs = storage.list_dirs(root)
@@ -406,9 +407,19 @@ def verify_adopted(root: str, *, deep: bool = False) -> tuple[list[str], int, in
     return problems, len(rec.get("buckets") or {}), nshards
 
 
+def _ours(root: str) -> bool:
+    """An export's marker or config, or a ``report.json`` (a rewrite writes no marker)."""
+    return layout._has_proof(root) or storage.exists(storage.join(root, REPORT_NAME))
+
+
+def is_foreign_tree(root: str) -> bool:
+    """An MDS tree another writer made, adopted or not."""
+    return storage.exists(record_path(root)) or not _ours(root)
+
+
 def is_plain_tree(root: str) -> bool:
-    """No export marker, config or adoption record: an MDS tree another writer made."""
-    return not layout._has_proof(root) and not storage.exists(record_path(root))
+    """An MDS tree another writer made that was not adopted (no id manifests)."""
+    return not storage.exists(record_path(root)) and not _ours(root)
 
 
 __all__ = [
@@ -428,7 +439,7 @@ def declare_if_flat(root: str, tier: int) -> bool:
     """Take ``tier`` as the tier of ``root`` when it is a flat tree with no recorded tier."""
     if storage.is_remote(root) and not storage.exists(root):
         return False
-    if layout.flat_tier(root) is not None or layout._has_proof(root):
+    if layout.flat_tier(root) is not None or _ours(root):
         return False
     try:
         dirs = storage.list_dirs(root)
@@ -441,3 +452,12 @@ def declare_if_flat(root: str, tier: int) -> bool:
         layout.declare_flat_tier(root, tier)
         return True
     return False
+
+
+def refuse_plain_tree(root: str) -> None:
+    """Skip lists on a tree another writer made need its id manifests: refuse until adopted."""
+    if storage.exists(root) and is_plain_tree(root):
+        raise ForeignTreeError(
+            f"{root}: not an export of prx_data.write_mds nor an adopted tree, so it has no id "
+            f"manifests; run python -m prx_data.adopt {root} once (shards are not touched)"
+        )

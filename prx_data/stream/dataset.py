@@ -229,7 +229,7 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
             obj = json.loads(index)
         except ValueError as e:
             raise layout.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
-        entries = layout.check_index_entries(index_uri, obj)
+        entries = layout.check_index_entries(index_uri, obj, plain=True)
         cached = shard_cache.read_cached_index(local_b, layout.INDEX_NAME) if tracked else None
         shard_cache.drop_stale_shards(local_b, cached, entries, same_report=same_report)
         # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.
@@ -276,18 +276,19 @@ def load_sources(
 ) -> list[BucketSource]:
     """Every bucket of ``tiers`` in one export with its shards and (validated) skips.
 
-    A tree another writer made (no export marker: :mod:`prx_data.stream.foreign`)
-    has no report to check, and its columns are resolved per bucket.
+    A tree another writer made (no export marker or report, or adopted:
+    :mod:`prx_data.stream.foreign`) has no report to check, and its columns are
+    resolved per bucket.
     """
     world = world or World.detect()
     if spec.tier is not None:
         layout.declare_flat_tier(spec.root, spec.tier)
-    plain = not layout._has_proof(spec.root)
+    from prx_data.export import adopt
+
+    plain = adopt.is_foreign_tree(spec.root)
     mapping = dict(spec.columns or {})
     if plain:  # ids as adopted: skip lists name samples by them
-        from prx_data.export.adopt import read_record
-
-        rec = read_record(spec.root)
+        rec = adopt.read_record(spec.root)
         if rec is not None:
             mapping["id"] = rec.get("id_column") or ""  # "": synthetic ids
     if storage.is_remote(spec.root):
