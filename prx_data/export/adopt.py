@@ -42,7 +42,7 @@ from prx_data.export import layout
 from prx_data.export.layout import ForeignTreeError
 
 RECORD_FORMAT = "prx-data adoption"
-SHARDS_NAME = "shards"
+SHARDS_NAME = layout.ADOPTED_SHARDS_NAME
 #: Column names tried, in order, when no --id-column is given.
 DEFAULT_ID_COLUMNS = ("id",)
 

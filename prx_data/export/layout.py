@@ -656,6 +656,8 @@ def rel_join(root: str, rel: str) -> str:
 ADOPT_DIR = "_prx"
 #: The adoption record: JSON text (not *.json: streaming's merge_index would take it).
 ADOPTION_NAME = "_prx/adoption"
+#: Per adopted bucket, ``_prx/<tier>/<ar>/shards``: sha256 of its index.json, shard hashes.
+ADOPTED_SHARDS_NAME = "shards"
 _DECLARED_FLAT: dict[str, int] = {}
 
 
@@ -839,12 +841,28 @@ def check_manifest_shards(path: str, part: str, shards) -> None:
             )
 
 
-def read_adopted_manifest(path: str, shards: set[str], batch_rows: int | None = None):
+def read_adopted_manifest(root: str, bucket: str, shards: set[str], batch_rows: int | None = None):
     """An adopted bucket's manifest, its shard names checked against the bucket's index.
 
-    ``batch_rows`` yields it a bounded batch at a time instead (an iterator of tables).
+    Refused when the bucket's ``index.json`` is not the one adopted (its sha256
+    in ``_prx/<bucket>/shards``): a rewritten bucket's manifest would name the
+    wrong samples. ``batch_rows`` yields it a bounded batch at a time instead
+    (an iterator of tables).
     """
     import pyarrow.compute as pc
+
+    path = adopted_manifest(root, bucket)
+    record = storage.join(root, ADOPT_DIR, *bucket.split("/"), ADOPTED_SHARDS_NAME)
+    index = rel_join(root, f"{bucket}/{INDEX_NAME}")
+    try:
+        want = json.loads(storage.read_bytes(record)).get("index_sha256")
+    except (FileNotFoundError, ValueError, AttributeError):
+        want = None
+    if want != hashlib.sha256(storage.read_bytes(index)).hexdigest():
+        raise ForeignTreeError(
+            f"{index}: not the index adopted (or {record} is missing), so the manifest may name "
+            f"the wrong samples; run python -m prx_data.adopt {root} again"
+        )
 
     def checked(t: pa.Table) -> pa.Table:
         bad = set(pc.unique(t["shard"]).to_pylist()) - shards
@@ -876,7 +894,7 @@ def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
         adopted = adopted_manifest(export_root, bucket)
         if storage.exists(adopted):  # an adopted tree: one manifest per bucket
             names = {e["raw_data"]["basename"] for e in read_index_entries(export_root, bucket)}
-            t = read_adopted_manifest(adopted, names)
+            t = read_adopted_manifest(export_root, bucket, names)
             tables.append(t.append_column("bucket", pa.array([bucket] * len(t), pa.string())))
             continue
         rels = [r for r in storage.list_files(rel_join(export_root, bucket), MANIFEST_NAME)]

@@ -638,7 +638,7 @@ def iter_manifests(
     known = {s.basename for s in shards}
     adopted = layout.adopted_manifest(root, bucket)
     if storage.exists(adopted):  # an adopted tree: one manifest per bucket
-        yield from layout.read_adopted_manifest(adopted, known, batch_rows)
+        yield from layout.read_adopted_manifest(root, bucket, known, batch_rows)
         return
     _check_parts(root, bucket, shards)
     parts = _parts(shards)
@@ -752,7 +752,7 @@ def ids_at(root: str, positions: Mapping[tuple[str, str], Iterable[int]]) -> pa.
     for (bucket, part), wanted in sorted(by_part.items()):
         if adopted[bucket]:
             path = layout.adopted_manifest(root, bucket)
-            t = layout.read_adopted_manifest(path, set(indexes[bucket]))
+            t = layout.read_adopted_manifest(root, bucket, set(indexes[bucket]))
         else:
             path = layout.rel_join(root, f"{bucket}/{part}/{MANIFEST_NAME}")
             try:
