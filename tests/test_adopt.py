@@ -150,6 +150,11 @@ def test_loader_names_the_columns_it_needs(flat):
 
     with pytest.raises(ForeignTreeError, match=r"no column 'caption'.*columns=\{'image'"):
         _ids(DatasetSpec(flat, tier=512))
+    from prx_data.train.data import EncodedBucketedDataset
+
+    spec = DatasetSpec(flat, tier=512, columns={"caption": "prompt"})
+    with pytest.raises(ForeignTreeError, match="encoded 'jpeg'.*decode on the CPU"):
+        EncodedBucketedDataset(spec, tier=512, batch_size=2)
 
 
 def _one_line(main, argv: list[str], capsys) -> str:

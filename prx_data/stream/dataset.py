@@ -695,6 +695,12 @@ class BucketedDataset(StreamingDataset):
                         )
                     )
                     if b.foreign is not None:
+                        if not self.decode_images and b.foreign.image_encoding != "bytes":
+                            raise foreign_tree.ForeignTreeError(
+                                f"{b.local}: image column {b.foreign.image!r} is encoded "
+                                f"{b.foreign.image_encoding!r}, which streaming decodes on the "
+                                "CPU; decoding on the device needs 'bytes': decode on the CPU"
+                            )
                         fshape = foreign_tree.run_shape(b.bucket, tier, bucket_spec)
                         self.stream_foreign.append((b.foreign, fshape))
                         shape = fshape or (0, 0)  # 0: as stored

@@ -37,6 +37,8 @@ class ForeignColumns:
     id: str | None  # None: synthetic ids <bucket>/<shard>:<index>
     width: str | None
     height: str | None
+    #: ``bytes`` stays encoded (for decoding on the GPU); the others streaming decodes to PIL.
+    image_encoding: str = "bytes"
 
 
 def resolve_columns(
@@ -60,8 +62,8 @@ def resolve_columns(
             raise ForeignTreeError(
                 f"{index_path}: the loader needs an image and a caption per sample, and has no "
                 f"column {col!r} for {key!r} (columns: {listed}); map yours with "
-                f"DatasetSpec(columns={{'image': ..., {caption_columns[0]!r}: ...}}) or "
-                "data.columns in the training config"
+                f"DatasetSpec(columns={{'image': ..., {caption_columns[0]!r}: ...}}) "
+                "(data.datasets[].columns in a training config)"
                 if caption_columns
                 else f"{index_path}: no column {col!r} for {key!r} (columns: {listed})"
             )
@@ -85,6 +87,7 @@ def resolve_columns(
         optional("id", ("str",)),
         optional("width", _INT),
         optional("height", _INT),
+        have[image],
     )
 
 

@@ -119,6 +119,8 @@ def build_dataset(cfg: DataConfig, batch_size: int, holdout: Any = None) -> Stre
             choose=d.choose,
             skip_lists=list(d.skip_lists) if d.skip_lists is not None else None,
             holdout=holdout,
+            tier=d.tier,
+            columns=dict(d.columns) if d.columns is not None else None,
         )
         for d in cfg.datasets
     ]
