@@ -14,11 +14,20 @@ picks up the rest. Every row ends with a status: ``ok`` (caption stored),
 every row that is not ``ok`` has the reason in ``<column>_error`` (e.g.
 ``image: empty_file``, ``image: not_an_image``, ``image: truncated``,
 ``backend: http 503``, ``flagged: looping``).
+
+With ``schema_file`` (``--schema``) the job asks for structured attributes
+instead (:mod:`prx_data.columns.structured`): the schema guides generation
+where the backend can, every output is parsed and validated, and
+``<column>`` is a struct column typed from the schema. An output that is
+not JSON or fails the schema gets status ``invalid`` (``truncated`` when the
+token limit cut it off) with the validator's message in ``<column>_error``,
+and is never stored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
@@ -31,7 +40,7 @@ from prx_data.columns.backends import (
     make_spec,
 )
 from prx_data.columns.images import DEFAULT_MAX_PIXELS, fit_image
-from prx_data.columns.prompts import load_prompt
+from prx_data.columns.prompts import load_attributes_prompt, load_prompt
 from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
@@ -74,6 +83,8 @@ class CaptionConfig:
     commit_every: int = 16
     storage_options: dict | None = None
     progress: bool = True
+    #: A JSON schema file: write structured attributes (a struct column) instead of captions.
+    schema_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.column in (S.ID, S.IMAGE, S.CAPTION):
@@ -89,6 +100,10 @@ class CaptionConfig:
             raise ValueError(f"limit must be >= 0, got {self.limit}")
         if self.only and not self.redo:
             raise ValueError("only needs statuses to redo (e.g. redo=('looping',))")
+        if self.schema_file is not None:
+            from prx_data.columns.structured import load_schema
+
+            load_schema(self.schema_file)  # a bad schema stops here, before any work
 
 
 # --- the caption graph --------------------------------------------------------
@@ -170,20 +185,118 @@ class CaptionActor:
             backend.close()
 
 
+class AttributesActor:
+    """Holds one backend; asks for JSON attributes, validates them and builds the struct.
+
+    ``<column>_error`` gets the validator's full message for the row; the run
+    report counts the coarse reason (``invalid: schema``, ``invalid: not JSON``).
+    """
+
+    def __init__(self, spec: BackendSpec, prompt: str, column: str, schema_json: str):
+        from prx_data.columns.structured import Validator
+
+        self.backend = spec.build()
+        self.prompt = prompt
+        self.column = column
+        self.status = status_column(column)
+        self.error = error_column(column)
+        self.validator = Validator(json.loads(schema_json))
+        self.guard = FailureGuard()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        images = batch[_IMAGE_OK].to_pylist()
+        reasons = batch[REASON].to_pylist()
+        details = list(reasons)
+        todo = [i for i, im in enumerate(images) if im is not None]
+        gens = self.backend([Request(self.prompt, images[i]) for i in todo])
+        self.guard.update(gens)
+        values: list[dict | None] = [None] * len(images)
+        statuses = [checks.ERROR] * len(images)
+
+        def flag(i: int, status: str, why: str) -> None:
+            statuses[i] = status
+            details[i] = f"{status}: {why}"
+            reasons[i] = f"{status}: {why.split(':', 1)[0]}"
+
+        for i, g in zip(todo, gens, strict=True):
+            if g.error is not None:
+                details[i] = reasons[i] = f"backend: {g.error}"[:120]
+            elif not checks.clean(g.text):
+                statuses[i] = checks.EMPTY
+                details[i] = reasons[i] = f"flagged: {checks.EMPTY}"
+            else:
+                value, why = self.validator.parse(g.text)
+                if value is None:
+                    cut = g.finish_reason == "length"
+                    flag(i, checks.TRUNCATED if cut else checks.INVALID, why or "")
+                else:
+                    statuses[i], values[i] = checks.OK, value
+        array, unfit = self.validator.to_arrow(values)
+        for i, why in enumerate(unfit):
+            if why is not None:
+                flag(i, checks.INVALID, why)
+        return pa.table(
+            {
+                S.ID: batch[S.ID],
+                self.column: array,
+                self.status: pa.array(statuses, pa.string()),
+                self.error: pa.array(
+                    [
+                        None if st == checks.OK else d
+                        for st, d in zip(statuses, details, strict=True)
+                    ],
+                    pa.string(),
+                ),
+                REASON: pa.array(reasons, pa.string()),
+            }
+        )
+
+    def __del__(self):
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.close()
+
+
 def caption_job(
-    cfg: CaptionConfig, spec: BackendSpec, prompt: str, limits: checks.LoopLimits
+    cfg: CaptionConfig,
+    spec: BackendSpec,
+    prompt: str,
+    limits: checks.LoopLimits,
+    schema: dict | None = None,
 ) -> ColumnJob:
-    """The column job: pending rows -> prepared images -> captions, statuses and reasons."""
+    """The column job: pending rows -> prepared images -> captions (or attributes), statuses
+    and reasons."""
+    from prx_data.columns.structured import arrow_type, canonical
     from prx_data.table.lance_ops import open_table
 
     existing = open_table(cfg.table, cfg.storage_options).schema.names
     st = status_column(cfg.column)
     where = pending_filter(existing, st, cfg.column, cfg.redo, include_missing=not cfg.only)
+    if schema is None:
+        value_type: pa.DataType = pa.string()
+        actor = Step(
+            CaptionActor,
+            constructor_args=(spec, prompt, cfg.column, limits),
+            batch_size=spec.batch_size,
+            actors=spec.replicas,
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
+        )
+    else:
+        value_type = arrow_type(schema)
+        actor = Step(
+            AttributesActor,
+            constructor_args=(spec, prompt, cfg.column, canonical(schema)),
+            batch_size=spec.batch_size,
+            actors=spec.replicas,
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
+        )
     return ColumnJob(
         table=cfg.table,
         outputs=pa.schema(
             [
-                pa.field(cfg.column, pa.string()),
+                pa.field(cfg.column, value_type),
                 pa.field(st, pa.string()),
                 pa.field(error_column(cfg.column), pa.string()),
             ]
@@ -196,14 +309,7 @@ def caption_job(
                 batch_size=spec.batch_size,
                 zero_copy_batch=True,
             ),
-            Step(
-                CaptionActor,
-                constructor_args=(spec, prompt, cfg.column, limits),
-                batch_size=spec.batch_size,
-                actors=spec.replicas,
-                num_cpus=spec.num_cpus,
-                num_gpus=spec.num_gpus,
-            ),
+            actor,
         ],
         where=where,
         limit=cfg.limit,
@@ -225,9 +331,17 @@ def run_caption(
     """Caption the rows of ``cfg.table`` that lack ``cfg.column``; returns the report.
 
     ``spec`` overrides the backend named in ``cfg`` (any :class:`Backend`
-    subclass works, e.g. for benchmarks).
+    subclass works, e.g. for benchmarks). With ``cfg.schema_file`` the schema
+    is added to the spec's generation settings (guided decoding), also to a
+    given ``spec``.
     """
-    prompt = load_prompt(cfg.prompt_file)
+    from prx_data.columns.structured import canonical, load_schema
+
+    schema = load_schema(cfg.schema_file) if cfg.schema_file else None
+    if schema is None:
+        prompt = load_prompt(cfg.prompt_file)
+    else:
+        prompt = load_attributes_prompt(cfg.prompt_file, schema)
     if spec is None:
         spec = make_spec(
             cfg.backend,
@@ -237,5 +351,7 @@ def run_caption(
             replicas=cfg.replicas,
             batch_size=cfg.batch_size,
         )
+    if schema is not None:
+        spec = replace(spec, generation=replace(spec.generation, json_schema=canonical(schema)))
     ensure_ray()
-    return run_column_job(caption_job(cfg, spec, prompt, limits or checks.LoopLimits()))
+    return run_column_job(caption_job(cfg, spec, prompt, limits or checks.LoopLimits(), schema))

@@ -86,6 +86,32 @@ def make_enriched_table(uri: str) -> str:
     return uri
 
 
+def make_scored_table(uri: str) -> dict[str, float | None]:
+    """The explore table with image quality, a CLIP-like embedding with planted near
+    duplicates (red0..red2 within cosine 0.95 of each other; red3 and the other colours
+    not) and a ``clip_score``; returns the scores by id."""
+    make_explore_table(uri)
+    compute_quality(uri, progress=False)
+    ids = [f"t/{c}{i}" for c in ("red", "green", "blue") for i in range(4)]
+    axis = {"red": 0, "green": 1, "blue": 2}
+    vecs = []
+    for i in ids:
+        v = np.zeros(4, np.float32)
+        v[axis[i[2:-1]]] = 1.0
+        v[3] = {"0": 0.0, "1": 0.05, "2": 0.1, "3": 0.6}[i[-1]]
+        vecs.append(v / np.linalg.norm(v))
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate(vecs), pa.float32()), 4)
+    update_column(uri, "clip_image_embedding", pa.table({"id": ids, "clip_image_embedding": emb}))
+    scores: dict[str, float | None] = {i: float(n) / 10 for n, i in enumerate(ids)}
+    scores["t/green2"] = None
+    update_column(
+        uri,
+        "clip_score",
+        pa.table({"id": ids, "clip_score": pa.array([scores[i] for i in ids], pa.float32())}),
+    )
+    return scores
+
+
 @contextlib.contextmanager
 def running_server(uri: str, **kw):
     """Yield the base URL of an explorer on 127.0.0.1 (any free port)."""

@@ -161,9 +161,10 @@ def _one_line(main, argv: list[str], capsys) -> str:
     """The CLI's refusal: exit status 2 and one ``error:`` line (a traceback fails the test)."""
     capsys.readouterr()
     assert main(argv) == 2
-    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+    got = capsys.readouterr()
+    lines = [x for x in (got.out + got.err).splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
 
 
 def test_refusals_are_one_line(tiered, flat, tmp_path, capsys):
@@ -186,8 +187,9 @@ def test_refusals_are_one_line(tiered, flat, tmp_path, capsys):
     p = subprocess.run(
         [sys.executable, "-m", "prx_data.planner", *plan], capture_output=True, text=True, env=env
     )
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip().count("\n") == 0 and "refusing shard name" in p.stderr
+    said = (p.stdout + p.stderr).strip()
+    assert p.returncode == 2 and "Traceback" not in said
+    assert said.count("\n") == 0 and "refusing shard name" in said
     # A flat tree without a tier; skips add / verify before adoption; a pickle column.
     assert "--tier" in _one_line(adopt, [flat], capsys)
     ids = tmp_path / "ids.txt"

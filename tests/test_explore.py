@@ -18,6 +18,7 @@ from tests.explore_kit import (
     big_png,
     make_enriched_table,
     make_explore_table,
+    make_scored_table,
     running_server,
 )
 
@@ -515,3 +516,107 @@ def test_cli_build_indexes_is_opt_in_and_no_index_is_a_no_op(monkeypatch, capsys
     with pytest.raises(SystemExit):
         explore_cli.main(["--table", "t", "--page-size", "1000"])
     assert "page size" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    uri = str(tmp_path_factory.mktemp("scored") / "t.lance")
+    scores = make_scored_table(uri)
+    with running_server(uri) as (url, _srv):
+        yield url, scores
+
+
+def test_filter_and_sort_by_any_numeric_column(scored):
+    url, scores = scored
+    meta = api(url, "/api/meta")
+    assert meta["scores"] == [
+        "image_quality.std",
+        "image_quality.entropy",
+        "image_quality.flat",
+        "clip_score",
+    ]
+    ranked = sorted((v, k) for k, v in scores.items() if v is not None)
+    res = api(url, "/api/search", sort="clip_score", order="desc", k="5")
+    assert [r["id"] for r in res["results"]] == [k for _, k in ranked[::-1][:5]]
+    assert res["sort"] == "clip_score" and res["order"] == "desc"
+    low = api(url, "/api/search", sort="clip_score", order="asc", **{"min.clip_score": "0.3"})
+    got = [r["id"] for r in low["results"]]
+    assert got == [k for v, k in ranked if v >= 0.3 - 1e-6]
+    page2 = api(url, "/api/search", sort="clip_score", order="asc", k="4", offset="4")
+    assert [r["id"] for r in page2["results"]] == [k for _, k in ranked[4:8]]
+    # Unscored rows come last either way.
+    everything = api(url, "/api/search", sort="clip_score", k="200")["results"]
+    assert [r["id"] for r in everything][: len(ranked)] == [k for _, k in ranked[::-1]]
+    # Struct fields filter and sort like columns.
+    std = api(url, "/api/search", sort="image_quality.std", order="desc", k="200")["results"]
+    vals = [r["scores"]["image_quality.std"] for r in std if "image_quality.std" in r["scores"]]
+    assert vals == sorted(vals, reverse=True) and len(vals) >= 12
+    cut = sorted(vals)[len(vals) // 2]
+    high = api(url, "/api/search", k="200", **{"min.image_quality.std": repr(cut)})["results"]
+    assert all(r["scores"]["image_quality.std"] >= cut for r in high) and high
+    for bad in (
+        "sort=caption",
+        "sort=clip_score&order=up",
+        f"sort=clip_score&offset={explore.MAX_SORTED_OFFSET + 1}",
+        "min.image_quality.std=x",
+    ):
+        status, _, body = get(f"{url}/api/search?{bad}")
+        assert status == 400, (bad, body)
+
+
+def test_cluster_view_shows_near_duplicates_and_the_kept_one(scored):
+    url, _ = scored
+    from prx_data.skips.semdedup import DEFAULT_THRESHOLD
+
+    assert explore.CLUSTER_COSINE == DEFAULT_THRESHOLD
+    meta = api(url, "/api/meta")
+    assert meta["cluster_column"] == "clip_image_embedding"
+    res = api(url, "/api/cluster", id="t/red0")
+    # red0..red2 are within cosine 0.95 of red0; red3 and the other colours are not.
+    assert [m["id"] for m in res["members"]] == ["t/red1", "t/red0", "t/red2"]  # largest first
+    assert res["keeper"] == "t/red1" and res["cosine"] == DEFAULT_THRESHOLD
+    assert all(m["cosine"] >= DEFAULT_THRESHOLD for m in res["members"])
+    loose = api(url, "/api/cluster", id="t/red0", cosine="0.5")
+    assert {m["id"] for m in loose["members"]} == {f"t/red{i}" for i in range(4)}
+    assert api(url, "/api/cluster", id="t/xss")["error"] == "no vector for this image"
+    for bad in ("cosine=2", "cosine=x", "k=0"):
+        status, _, _ = get(f"{url}/api/cluster?id=t/red0&{bad}")
+        assert status == 400
+
+
+def test_structured_attributes_are_drop_down_filters(tmp_path):
+    import pyarrow as pa
+
+    from prx_data.table.lance_ops import update_column
+
+    uri = str(tmp_path / "t.lance")
+    make_explore_table(uri)
+    ids = [f"t/{c}{i}" for c in ("red", "green", "blue") for i in range(4)]
+    st = pa.struct(
+        [
+            pa.field("style", pa.string()),
+            pa.field("subjects", pa.list_(pa.string())),
+            pa.field("text_present", pa.bool_()),
+        ]
+    )
+    values = [
+        {"style": "photo" if i.startswith("t/red") else "illustration", "subjects": ["object"],
+         "text_present": i.endswith("0")}
+        for i in ids
+    ]  # fmt: skip
+    update_column(uri, "attributes", pa.table({"id": ids, "attributes": pa.array(values, st)}))
+    with running_server(uri) as (url, _srv):
+        labels = api(url, "/api/meta")["labels"]
+        assert labels["attributes.style"] == ["illustration", "photo"]
+        assert labels["attributes.text_present"] == ["false", "true"]
+        photos = api(url, "/api/search", **{"label.attributes.style": "photo"})["results"]
+        assert sorted(r["id"] for r in photos) == [f"t/red{i}" for i in range(4)]
+        assert photos[0]["labels"]["attributes.style"] == "photo"
+        text = api(
+            url,
+            "/api/search",
+            **{"label.attributes.text_present": "true", "label.attributes.style": "illustration"},
+        )["results"]
+        assert sorted(r["id"] for r in text) == ["t/blue0", "t/green0"]
+        status, _, body = get(f"{url}/api/search?label.attributes.text_present=yes")
+        assert status == 400 and b"true or false" in body

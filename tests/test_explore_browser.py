@@ -13,7 +13,13 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tests.explore_kit import XSS_CAPTION, make_enriched_table, make_explore_table, running_server
+from tests.explore_kit import (
+    XSS_CAPTION,
+    make_enriched_table,
+    make_explore_table,
+    make_scored_table,
+    running_server,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 #: A foreign name the browser resolves to loopback, as a DNS-rebinding attack makes it do.
@@ -217,6 +223,52 @@ def test_cards_id_search_duplicates_and_paging(tmp_path):
             page.wait_for_selector("#status:has-text('2 images (browse)')")
             assert _ids(page, "#results") == ["t/red1", "t/red2"]
             assert page.locator("select#label-dup_of").count() == 0
+            assert errors == []
+        finally:
+            browser.close()
+
+
+def test_score_filter_sort_and_cluster_strip(tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    uri = str(tmp_path / "scored.lance")
+    scores = make_scored_table(uri)
+    ranked = [k for v, k in sorted((v, k) for k, v in scores.items() if v is not None)]
+    with running_server(uri, page_size=5) as (url, _), sync_api.sync_playwright() as p:
+        browser = _launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "/")
+            page.wait_for_selector("body[data-ready='1']")
+            # Sort by a score, high first: the cards come in score order and show the value.
+            page.select_option("#score", "clip_score")
+            page.select_option("#sort", "desc")
+            page.wait_for_selector(f"#results figure.card[data-id='{ranked[-1]}']:first-child")
+            assert _ids(page, "#results", sort=False) == ranked[::-1][:5]
+            first = page.locator("#results figure.card").first
+            assert first.locator(".chip.score").text_content() == "clip_score: 1.10"
+            # A minimum narrows the grid; low first reverses it.
+            page.fill("#score-min", "0.8")
+            page.select_option("#sort", "asc")
+            page.wait_for_selector("#status:has-text('4 images (browse)')")
+            assert _ids(page, "#results", sort=False) == ranked[-4:]
+            assert "min.clip_score=0.8" in page.url and "sort=clip_score" in page.url
+            # A card's near duplicates side by side, the one semantic dedup keeps marked.
+            page.fill("#score-min", "")
+            page.select_option("#score", "")
+            page.fill("#q", "t/red0")
+            page.wait_for_selector("#results[data-query='t/red0']")
+            page.click("#results figure.card[data-id='t/red0']")
+            page.click("#show-cluster")
+            page.wait_for_selector("#cluster[data-for='t/red0']")
+            assert _ids(page, "#cluster", sort=False) == ["t/red1", "t/red0", "t/red2"]
+            kept = page.locator("#cluster figure.card[data-id='t/red1'] .badge.kept")
+            assert kept.is_visible()
+            assert "semantic dedup keeps t/red1" in page.text_content("#cluster-head")
+            page.wait_for_load_state("networkidle")
+            os.makedirs(ARTIFACTS, exist_ok=True)
+            page.screenshot(path=os.path.join(ARTIFACTS, "explore_cluster.png"), full_page=True)
             assert errors == []
         finally:
             browser.close()

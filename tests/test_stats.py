@@ -104,3 +104,52 @@ def test_plot_axes_fit_the_data_and_fragments_show_bytes(tmp_path):
     assert [a[3] for a in frag] == ["rows", "MB"]  # rows and bytes per fragment
     assert all(float(t).is_integer() for a in frag for t in a[1])
     assert plt.get_fignums() == []
+
+
+def test_every_numeric_column_is_plotted_with_marked_thresholds(tmp_path, capsys):
+    """Float columns and float struct fields are found from the schema; --mark counts exactly."""
+    uri = _table(str(tmp_path))
+    n = len(SIZES)
+    aesthetic = [3.0, 4.0, 5.0, 5.5, 6.0, None, 7.0]
+    quality = [{"std": float(10 * i), "entropy": 1.0, "flat": 0.1} for i in range(n)]
+    from prx_data.table.lance_ops import update_column
+
+    ids = [f"s/{i}" for i in range(n)]
+    update_column(
+        uri,
+        "aesthetic_score",
+        pa.table({"id": ids, "aesthetic_score": pa.array(aesthetic, pa.float32())}),
+    )
+    qtype = pa.struct([pa.field(f, pa.float32()) for f in ("std", "entropy", "flat")])
+    update_column(
+        uri, "image_quality", pa.table({"id": ids, "image_quality": pa.array(quality, qtype)})
+    )
+    assert stats.numeric_columns(lance.dataset(uri).schema) == [
+        "aesthetic_score",
+        "image_quality.std",
+        "image_quality.entropy",
+        "image_quality.flat",
+    ]
+    out = str(tmp_path / "out")
+    args = ["--table", uri, "--out", out, "--mark", "aesthetic=5", "--mark", "image_quality.std=25"]
+    assert stats_cli.main(args) == 0
+    with open(os.path.join(out, "scores.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out, "stats.json")) as f:
+        scores = json.load(f)["scores"]
+    assert set(scores) == {
+        "aesthetic_score",
+        "image_quality.std",
+        "image_quality.entropy",
+        "image_quality.flat",
+    }
+    [m] = scores["aesthetic_score"]["marks"]
+    assert (m["threshold"], m["above"], m["below"]) == (5.0, 4, 2)
+    assert m["share_above"] == pytest.approx(4 / 6)
+    assert scores["image_quality.std"]["marks"][0]["above"] == 4  # 30, 40, 50, 60
+    assert "marks" not in scores["image_quality.flat"]
+    text = capsys.readouterr().out
+    assert ">= 5: 4 (66.7%), below: 2" in text
+    for bad in ("nope=1", "aesthetic", "aesthetic=high"):
+        assert stats_cli.main(["--table", uri, "--out", out, "--mark", bad]) == 2
+    assert "no numeric column 'nope'" in capsys.readouterr().err

@@ -30,21 +30,35 @@ def build_parser() -> argparse.ArgumentParser:
             "never stored as captions) and written back once per fragment: COLUMN holds the caption, "
             "COLUMN_status one of ok|empty|looping|truncated|error and COLUMN_error why a row is "
             "not ok (e.g. 'image: empty_file', 'image: not_an_image', 'image: truncated'). "
-            "Rerunning fills only the rows still missing, so a killed run can simply be restarted."
+            "Rerunning fills only the rows still missing, so a killed run can simply be restarted. "
+            "With --schema FILE (a JSON schema) the job writes structured attributes instead: a "
+            "struct column typed from the schema (default column: attributes), generation guided "
+            "by the schema (vllm: guided decoding; openai: response_format json_schema), every "
+            "output validated on every backend; outputs that are not JSON or fail the schema get "
+            "status 'invalid' with the reason in COLUMN_error and are not stored."
         ),
     )
     p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...)")
     p.add_argument(
         "--column",
-        default="caption_vlm",
+        default=None,
         help="column to write the captions to; its status goes to COLUMN_status "
-        "(default: %(default)s)",
+        "(default: caption_vlm, or attributes with --schema)",
+    )
+    p.add_argument(
+        "--schema",
+        default=None,
+        metavar="FILE",
+        help="JSON schema of structured attributes to ask for (an object schema; e.g. "
+        "configs/attributes.schema.json). Supported: type object/array/string/boolean/"
+        "integer/number, properties, required, enum, items, additionalProperties, bounds",
     )
     p.add_argument(
         "--prompt-file",
         default=None,
         help="text file with the instruction (default: the packaged prx_data/columns/prompts_txt/caption.txt, "
-        "one dense, visually grounded paragraph of ~100-200 words)",
+        "one dense, visually grounded paragraph of ~100-200 words; with --schema: attributes.txt, "
+        "whose {schema} is replaced by the schema)",
     )
     p.add_argument(
         "--max-pixels",
@@ -88,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             table=args.table,
             backend=args.backend,
             model=args.model,
-            column=args.column,
+            column=args.column or ("attributes" if args.schema else "caption_vlm"),
+            schema_file=args.schema,
             prompt_file=args.prompt_file,
             max_pixels=args.max_pixels,
             limit=args.limit,

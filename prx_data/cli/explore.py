@@ -19,8 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.explore",
         description="Browse a Lance image table in the browser: live caption search, a "
-        "thumbnail grid, click an image for visually similar ones, and filters for tier, "
-        "aspect-ratio bucket and label columns. The table is left unchanged unless "
+        "thumbnail grid, click an image for visually similar ones and its near duplicates side "
+        "by side, filters for tier, aspect-ratio bucket and label columns, and a range filter "
+        "and sort on any score (numeric column). The table is left unchanged unless "
         "--build-indexes is given; without it the explorer lists what it would build.",
     )
     p.add_argument("--table", required=True, help="Lance table URI")

@@ -15,6 +15,11 @@ an error). The Ray pipelines build one backend per actor from a picklable
   ``AutoModelForImageTextToText`` (or ``AutoTokenizer`` +
   ``AutoModelForCausalLM`` for text-only jobs); it also runs on CPU.
 
+A JSON schema in :class:`GenerationConfig` (``json_schema``, structured
+attributes) becomes vLLM guided decoding or the endpoint's
+``response_format``; transformers generates unconstrained, and the job
+validates every output either way (:mod:`prx_data.columns.structured`).
+
 Heavy imports (torch, transformers, vllm) happen inside the backends, so
 importing this module is cheap.
 """
@@ -53,8 +58,19 @@ class GenerationConfig:
     #: Ignored by the ``openai`` backend unless the server accepts it.
     repetition_penalty: float = 1.0
     seed: int | None = None
+    #: A JSON schema (as JSON text, :func:`prx_data.columns.structured.canonical`) the
+    #: output must follow: vLLM guided decoding, or the endpoint's ``response_format``.
+    #: The transformers backend generates unconstrained; the job validates every output.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
+        if self.json_schema is not None:
+            try:
+                ok = isinstance(json.loads(self.json_schema), dict)
+            except json.JSONDecodeError:
+                ok = False
+            if not ok:
+                raise ValueError("json_schema must be a JSON object, as text")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -196,6 +212,14 @@ def chat_messages(request: Request) -> list[dict]:
             ],
         }
     ]
+
+
+def response_format(json_schema: str, name: str = "attributes") -> dict:
+    """OpenAI's structured-output request field for a schema (``vllm serve`` and SGLang take it)."""
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": name, "schema": json.loads(json_schema), "strict": True},
+    }
 
 
 # --- transformers -----------------------------------------------------------
@@ -460,6 +484,8 @@ class OpenAIBackend(Backend):
                 body["seed"] = g.seed
             if g.repetition_penalty != 1.0:
                 body["repetition_penalty"] = g.repetition_penalty
+            if g.json_schema is not None:
+                body["response_format"] = response_format(g.json_schema)
             body.update(self.extra_body)
             payloads.append(body)
         return payloads
@@ -530,12 +556,18 @@ class VLLMBackend(Backend):
         from vllm import LLM, SamplingParams
 
         g = self.generation
+        extra: dict[str, Any] = {}
+        if g.json_schema is not None:
+            from vllm.sampling_params import GuidedDecodingParams
+
+            extra["guided_decoding"] = GuidedDecodingParams(json=json.loads(g.json_schema))
         self.sampling = SamplingParams(
             max_tokens=g.max_tokens,
             temperature=g.temperature,
             top_p=g.top_p,
             repetition_penalty=g.repetition_penalty,
             seed=g.seed,
+            **extra,
         )
         self.llm = LLM(model=model, **self.engine_kwargs)
 

@@ -19,8 +19,10 @@ EMPTY = "empty"
 LOOPING = "looping"
 TRUNCATED = "truncated"
 ERROR = "error"
+#: Structured output (``--schema``) that is not JSON or fails the schema.
+INVALID = "invalid"
 #: Every status a row can get, in order of precedence.
-STATUSES = (ERROR, EMPTY, LOOPING, TRUNCATED, OK)
+STATUSES = (ERROR, EMPTY, LOOPING, TRUNCATED, INVALID, OK)
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)

@@ -13,8 +13,11 @@ from pathlib import Path
 CAPTION_PROMPT = "caption.txt"
 CLASSIFY_PROMPT = "classify.txt"
 CLASSIFY_RULES = "classify_rules.txt"
+ATTRIBUTES_PROMPT = "attributes.txt"
 #: Placeholder the classification prompt must contain.
 CAPTION_SLOT = "{caption}"
+#: Where the attributes prompt takes the JSON schema (appended when a prompt lacks it).
+SCHEMA_SLOT = "{schema}"
 
 
 def default_path(name: str) -> Path:
@@ -47,3 +50,18 @@ def load_classify_prompt(path: str | Path | None = None) -> str:
 def fill_caption(template: str, caption: str) -> str:
     """Insert a caption into the template (plain replace: captions may hold braces)."""
     return template.replace(CAPTION_SLOT, caption)
+
+
+def load_attributes_prompt(path: str | Path | None, schema: dict) -> str:
+    """The structured-attributes prompt with the schema (indented JSON) at ``{schema}``.
+
+    A prompt file without the slot gets the schema appended, so the model sees
+    it even where the backend cannot enforce it (transformers).
+    """
+    import json
+
+    text = load_prompt(path, ATTRIBUTES_PROMPT)
+    body = json.dumps(schema, indent=2)
+    if SCHEMA_SLOT in text:
+        return text.replace(SCHEMA_SLOT, body)
+    return f"{text}\n\nJSON schema:\n{body}"

@@ -6,7 +6,11 @@ the id; click an image to see visually similar ones (vector search on the
 source's embedding or the pixel descriptor). Filters: tier, aspect-ratio
 bucket, image quality, drop-downs for label columns with few values, and
 typed exact-match fields for columns with unbounded values (``id`` prefix,
-``dup_of``).
+``dup_of``), and a numeric column (scores, image-quality fields, numeric
+attributes: every float column and struct field) with a min/max range and a
+sort, high or low first. The cluster view shows an image's near duplicates
+side by side: its neighbours by the CLIP image embedding above semantic
+dedup's cosine threshold, with the member semdedup would keep marked.
 
 Paging is by offset, so a page costs one bounded scan whatever the table
 size. Thumbnails for a page are made by a small background pool as soon as
@@ -52,6 +56,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from PIL import Image
 
 from prx_data.columns import descriptors
@@ -63,7 +68,7 @@ from prx_data.core.errors import PrxDataError
 from prx_data.core.imaging import ImageError, decode, open_image
 from prx_data.table import lance_ops as T
 from prx_data.table import search
-from prx_data.table.resolution import is_score_column
+from prx_data.table.resolution import column_sql, numeric_columns
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -96,6 +101,12 @@ REQUEST_TIMEOUT_S = 20.0
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 #: Deepest full-text result a page can reach (BM25 top-k is computed up to here).
 MAX_RANKED = 10_000
+#: Deepest ``offset`` of a page sorted by a score: each such page is a top-k sort of
+#: ``offset + k`` rows, so it is bounded far below :data:`MAX_OFFSET`.
+MAX_SORTED_OFFSET = 10_000
+#: Default cosine of the cluster view: semantic dedup's default threshold
+#: (``prx_data.skips.semdedup.DEFAULT_THRESHOLD``), so the view shows what it would merge.
+CLUSTER_COSINE = 0.95
 #: The dedup job's column: the keeper's id on duplicates, null elsewhere.
 DUP_OF = "dup_of"
 CSP = (
@@ -248,12 +259,22 @@ class Explorer:
         # A label with one value in the whole sample tells nothing on a card (still a filter).
         self.card_labels = [c for c, values in self.labels.items() if len(values) > 1]
         self.has_quality = Q.COLUMN in ds.schema.names
-        # Score columns (python -m prx_data.score): range filters and values on cards.
-        self.scores = [f.name for f in ds.schema if is_score_column(f.name, f.type)]
+        # Numeric columns and struct fields (scores, image quality, numeric attributes):
+        # range filters, sorting and values on cards.
+        self.scores = numeric_columns(ds.schema)
+        # The cluster view compares CLIP image embeddings (what semantic dedup clusters).
+        clip = search.CLIP_IMAGE_COLUMN in ds.schema.names
+        self.cluster_column = search.CLIP_IMAGE_COLUMN if clip else self.vector
 
     def _label_columns(self) -> tuple[dict[str, list[str]], list[str]]:
-        """String columns: few distinct values (in a sample) -> drop-down; else a typed field."""
+        """String columns: few distinct values (in a sample) -> drop-down; else a typed field.
+
+        String and boolean fields of struct columns (structured attributes such
+        as ``attributes.style``, ``attributes.text_present``) with few values
+        are drop-downs too, named ``<column>.<field>``.
+        """
         labels: dict[str, list[str]] = {}
+        self.bool_labels: set[str] = set()
         cols = [
             f.name
             for f in self.ds.schema
@@ -271,6 +292,23 @@ class Explorer:
                     labels[c] = sorted(values.to_pylist())
                 elif len(values) > MAX_LABEL_VALUES:
                     fields.append(c)
+        nested = [
+            (f.name, c.name, pa.types.is_boolean(c.type))
+            for f in self.ds.schema
+            if pa.types.is_struct(f.type) and f.name not in NOT_LABELS
+            for c in (f.type.field(i) for i in range(f.type.num_fields))
+            if "." not in c.name and (pa.types.is_string(c.type) or pa.types.is_boolean(c.type))
+        ]
+        if nested:
+            sample = self.ds.to_table(columns=sorted({h for h, _, _ in nested}), limit=20_000)
+            for head, name, is_bool in nested:
+                values = pc.struct_field(sample[head], name).drop_null().unique().to_pylist()
+                key = f"{head}.{name}"
+                if is_bool and values:
+                    labels[key] = ["false", "true"]
+                    self.bool_labels.add(key)
+                elif 0 < len(values) <= MAX_LABEL_VALUES:
+                    labels[key] = sorted(values)
         return labels, fields
 
     # -- queries ---------------------------------------------------------------------
@@ -288,6 +326,8 @@ class Explorer:
             "quality": list(QUALITY_FILTERS) if self.has_quality else [],
             "quality_column": Q.COLUMN if self.has_quality else None,
             "scores": self.scores,
+            "cluster_column": self.cluster_column,
+            "cluster_cosine": CLUSTER_COSINE,
             "page_size": self.cfg.page_size,
         }
 
@@ -298,6 +338,16 @@ class Explorer:
             if k.startswith("label.") and k[len("label.") :] in self.labels
         }
         clauses = []
+        for col in [c for c in labels if "." in c]:  # struct fields: attributes
+            value = labels.pop(col)
+            if not value:
+                continue
+            if col in self.bool_labels:
+                if value not in ("true", "false"):
+                    raise ValueError(f"label.{col} must be true or false, got {value[:20]!r}")
+                clauses.append(f"{column_sql(col)} = {value}")
+            else:
+                clauses.append(f"{column_sql(col)} = {search.sql_str(value)}")
         base = search.filter_sql(
             tier=params.get("tier") or None, aspect=params.get("aspect") or None, labels=labels
         )
@@ -328,16 +378,32 @@ class Explorer:
                         bound = float("nan")
                     if bound != bound or bound in (float("inf"), float("-inf")):
                         raise ValueError(f"{key}{col} must be a number, got {value!r}")
-                    clauses.append(f"{T.quote(col)} {op} {bound!r}")
+                    clauses.append(f"{column_sql(col)} {op} {bound!r}")
         return " AND ".join(clauses) or None
 
     def _columns(self) -> list[str]:
         names = self.ds.schema.names
-        want = [S.ID, S.WIDTH, S.HEIGHT, *self.captions, *self.labels, *self.fields]
+        want = [S.ID, S.WIDTH, S.HEIGHT, *self.captions, *self.fields]
+        want += [c.split(".", 1)[0] for c in self.labels]
         if self.has_quality:
             want.append(Q.COLUMN)
-        want += self.scores
+        want += [c.split(".", 1)[0] for c in self.scores]
         return [c for c in dict.fromkeys(want) if c in names]
+
+    def _sort(self, params: dict[str, str]) -> tuple[str, bool] | None:
+        """``sort=<numeric column>`` and ``order=desc|asc`` (default desc); None without sort."""
+        col = (params.get("sort") or "").strip()
+        order = (params.get("order") or "desc").strip()
+        if not col:
+            return None
+        if col not in self.scores:
+            raise ValueError(
+                f"cannot sort by {col[:60]!r}: use one of the numeric columns "
+                + (", ".join(self.scores) or "(the table has none)")
+            )
+        if order not in ("asc", "desc"):
+            raise ValueError(f"order must be asc or desc, not {order[:20]!r}")
+        return col, order == "asc"
 
     def _rows(self, t: pa.Table, score: str | None = None) -> list[dict[str, Any]]:
         out = []
@@ -347,12 +413,16 @@ class Explorer:
                 "id": r[S.ID],
                 "caption": r.get(S.CAPTION),
                 "captions": {c: r.get(c) for c in self.captions},
-                "labels": {c: r.get(c) for c in self.card_labels if r.get(c) is not None},
+                "labels": {
+                    c: (str(v).lower() if isinstance(v, bool) else v)
+                    for c in self.card_labels
+                    if (v := _value(r, c)) is not None
+                },
                 "dup_of": r.get(DUP_OF),
                 "width": r.get(S.WIDTH),
                 "height": r.get(S.HEIGHT),
                 "quality": q,
-                "scores": {c: r.get(c) for c in self.scores if r.get(c) is not None},
+                "scores": {c: v for c in self.scores if (v := _value(r, c)) is not None},
                 "low_information": bool(
                     q and Q.is_low_information(q["std"], q["entropy"], q["flat"])
                 ),
@@ -385,7 +455,8 @@ class Explorer:
         self.refresh()
         q = (params.get("q") or "").strip()
         k = int_param(params, "k", self.cfg.page_size, 1, MAX_PAGE)
-        offset = int_param(params, "offset", 0, 0, MAX_OFFSET)
+        sort = self._sort(params)
+        offset = int_param(params, "offset", 0, 0, MAX_SORTED_OFFSET if sort else MAX_OFFSET)
         where = self._filter(params)
         cols = self._columns()
         page: dict[str, Any] = {"query": q, "offset": offset, "k": k}
@@ -395,12 +466,24 @@ class Explorer:
             exact = self._rows(self.ds.to_table(columns=cols, filter=id_where, limit=1))
         if q and self.text_columns:
             t = self._ranked(q, where, cols, offset + k + 1, k)
+            if sort:  # the ranked window (the best MAX_RANKED hits), reordered by the score
+                t = _sorted(t, *sort)
             rows = self._rows(t.slice(offset, k + 1), "_score")
             page["mode"] = "text"
         elif q:
             rows, page["mode"] = [], "id"
         else:
-            t = self.ds.to_table(columns=cols, filter=where, offset=offset, limit=k + 1)
+            order = None
+            if sort:  # a top-k sort (offset + k + 1 rows held); ties and nulls in a fixed order
+                from lance.dataset import ColumnOrdering
+
+                order = [
+                    ColumnOrdering(sort[0], ascending=sort[1], nulls_first=False),
+                    ColumnOrdering(S.ID, ascending=True),
+                ]
+            t = self.ds.to_table(
+                columns=cols, filter=where, offset=offset, limit=k + 1, order_by=order
+            )
             rows = self._rows(t)
             page["mode"] = "browse"
         more = len(rows) > k
@@ -408,6 +491,9 @@ class Explorer:
         if exact:  # the query is a row id: show that row, not captions that share its words
             rows, more, page["mode"] = exact, False, "id"
         page["results"] = rows
+        if sort:
+            page["sort"], page["order"] = sort[0], "asc" if sort[1] else "desc"
+            more = more and offset + k <= MAX_SORTED_OFFSET
         page["next_offset"] = offset + k if more else None
         return page
 
@@ -453,6 +539,51 @@ class Explorer:
         except KeyError:
             return {"id": row_id, "results": [], "error": "no vector for this image"}
         return {"id": row_id, "results": self._rows(t, "_distance")}
+
+    def cluster(self, params: dict[str, str]) -> dict[str, Any]:
+        """An image and its near duplicates side by side: the cluster semantic dedup would merge.
+
+        The semdedup job stores no cluster ids (it writes a skip list and a
+        report), so the view is the image's nearest neighbours by the CLIP image
+        embedding (else the table's vector column) with cosine >= ``cosine``,
+        the image itself included, ordered as semdedup ranks members: largest
+        width x height first, then smallest id. The first is the one it keeps.
+        """
+        row_id = params.get("id") or ""
+        k = int_param(params, "k", 24, 1, MAX_PAGE)
+        raw = (params.get("cosine") or "").strip()
+        try:
+            cosine = float(raw) if raw else CLUSTER_COSINE
+        except ValueError:
+            cosine = float("nan")
+        if not -1.0 <= cosine <= 1.0:
+            raise ValueError(f"cosine must be a number from -1 to 1, got {raw[:40]!r}")
+        col = self.cluster_column
+        out: dict[str, Any] = {"id": row_id, "column": col, "cosine": cosine, "members": []}
+        if col is None:
+            return {**out, "error": "no vector column"}
+        vec = search.vector_of(self.ds, row_id, col)
+        if vec is None:
+            return {**out, "error": "no vector for this image"}
+        t = search.vector_search(self.ds, vec, k=k + 1, column=col, columns=self._columns())
+        t = t.filter(pc.less_equal(t["_distance"], 1.0 - cosine + 1e-6))
+        members = self._rows(t, "_distance")
+        for m in members:
+            m["cosine"] = round(1.0 - float(m.pop("score")), 4)
+        if row_id not in {m["id"] for m in members}:  # an ANN index may miss the query itself
+            members = (
+                self._rows(
+                    self.ds.to_table(
+                        columns=self._columns(),
+                        filter=f"{S.ID} = {search.sql_str(row_id)}",
+                        limit=1,
+                    )
+                )
+                + members
+            )
+            members[0]["cosine"] = 1.0
+        members.sort(key=lambda m: (-((m["width"] or 0) * (m["height"] or 0)), m["id"]))
+        return {**out, "members": members, "keeper": members[0]["id"] if members else None}
 
     def row(self, row_id: str) -> dict[str, Any] | None:
         cols = [
@@ -541,6 +672,27 @@ class Explorer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _value(row: dict[str, Any], column: str) -> Any:
+    """A row's value of ``column`` or ``struct.field`` (None when missing)."""
+    head, _, field = column.partition(".")
+    v = row.get(head)
+    if field:
+        v = v.get(field) if isinstance(v, dict) else None
+    return v
+
+
+def _sorted(t: pa.Table, column: str, ascending: bool) -> pa.Table:
+    """``t`` by ``column`` (or ``struct.field``), nulls last, ties by id."""
+    head, _, field = column.partition(".")
+    key = t[head]
+    if field:
+        key = pc.struct_field(key, field)
+    t = t.append_column("__sort", key)
+    order = "ascending" if ascending else "descending"
+    t = t.sort_by([("__sort", order), (S.ID, "ascending")], null_placement="at_end")
+    return t.drop_columns(["__sort"])
 
 
 def int_param(params: dict[str, str], name: str, default: int, lo: int, hi: int) -> int:
@@ -844,6 +996,8 @@ def make_handler(app: Explorer) -> type[BaseHTTPRequestHandler]:
                 self._json(app.search(params))
             elif path == "/api/similar":
                 self._json(app.similar(params))
+            elif path == "/api/cluster":
+                self._json(app.cluster(params))
             elif path == "/api/row":
                 row = app.row(params.get("id", ""))
                 self._json(row if row is not None else {"error": "not found"}, 200 if row else 404)

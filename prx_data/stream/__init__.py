@@ -13,15 +13,19 @@ from prx_data.stream.dataset import (
     discover_buckets,
     fetch_catalog,
     load_sources,
+    plan_sources,
 )
+from prx_data.stream.planner import PlanSpec
 
 __all__ = [
     "BucketSource",
     "BucketedDataset",
     "DatasetSpec",
+    "PlanSpec",
     "SkipMDSReader",
     "SkipStream",
     "discover_buckets",
     "fetch_catalog",
     "load_sources",
+    "plan_sources",
 ]

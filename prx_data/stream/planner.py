@@ -25,12 +25,14 @@ small for a unit is left out with a warning (or refused with
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec
 from prx_data.core.errors import PrxDataError
 from prx_data.export import layout
 
@@ -43,6 +45,52 @@ MIX_TOLERANCE = 0.01
 
 class PlanError(PrxDataError, ValueError):
     """A configuration that streaming would crash on or silently mishandle."""
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """The settings that decide a bucketed epoch, spelt once.
+
+    ``DataConfig.plan_spec`` (train YAML), ``BucketedDataset`` (its keyword
+    arguments build one), :func:`plan_buckets` and ``python -m prx_data.planner``
+    all read these, so a preview and a run cannot disagree on a setting. The
+    world (ranks, nodes) is not in it: it is the run's, not the plan's.
+    """
+
+    #: Run resolution tier; with ``include_higher_tiers`` higher tiers are downsized to it.
+    tier: int = 512
+    #: Per-rank batch size.
+    device_batch_size: int = 1
+    include_higher_tiers: bool = False
+    batching_method: str = "per_stream"
+    #: DataLoader workers per rank (0 counts as 1); the epoch is sized for them.
+    num_workers: int = 1
+    #: None: the number of physical nodes (streaming's default).
+    num_canonical_nodes: int | None = None
+    replication: int | None = None
+    epoch_size: int | None = None
+    shuffle: bool = True
+    shuffle_seed: int = 9176
+    #: None: streaming's default for the canonical node count.
+    shuffle_block_size: int | None = None
+    #: Buckets too small for one planning unit: "error" or "drop" (with a warning).
+    small_buckets: str = "error"
+    bucket_spec: BucketSpec = DEFAULT_SPEC
+
+    def tiers(self) -> list[int]:
+        """The tiers streamed: the run tier, and higher ones when asked (unknown tier: error)."""
+        try:
+            self.bucket_spec.shapes(self.tier)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        return [
+            t
+            for t in self.bucket_spec.tiers
+            if t == self.tier or (self.include_higher_tiers and t > self.tier)
+        ]
+
+    def replace(self, **changes: Any) -> PlanSpec:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -137,6 +185,8 @@ class Plan:
     mix: list[DatasetPlan] = field(default_factory=list)
     #: Non-fatal findings (left-out buckets, a mix off by more than a point); also logged.
     warnings: list[str] = field(default_factory=list)
+    #: The settings this plan was made from (the fields above are their resolved values).
+    spec: PlanSpec | None = None
 
     @property
     def epoch_size(self) -> int:
@@ -338,24 +388,20 @@ def split_units(
 
 def plan_buckets(
     datasets: Sequence[DatasetCount],
+    spec: PlanSpec | None = None,
     *,
-    device_batch_size: int,
     world_size: int = 1,
     num_nodes: int = 1,
-    num_workers: int = 1,
-    num_canonical_nodes: int | None = None,
-    replication: int | None = None,
-    batching_method: str = "per_stream",
-    epoch_size: int | None = None,
-    shuffle: bool = True,
-    shuffle_block_size: int | None = None,
-    small_buckets: str = "error",
+    **settings: Any,
 ) -> Plan:
     """Plan one epoch. Does not raise for bucket-level problems; call :meth:`Plan.check`.
 
-    ``world_size`` counts ranks, ``num_nodes`` physical nodes, ``num_workers`` the
-    DataLoader workers per rank (0 counts as 1). ``num_canonical_nodes`` defaults
-    to ``num_nodes`` as in streaming; fix it explicitly to resume on other node counts.
+    ``spec`` holds the settings; keyword ``settings`` (the :class:`PlanSpec`
+    field names: ``device_batch_size``, ``num_workers``, ...) build one or
+    override its fields. ``world_size`` counts ranks, ``num_nodes`` physical
+    nodes; ``num_workers`` is the DataLoader workers per rank (0 counts as 1).
+    ``num_canonical_nodes`` defaults to ``num_nodes`` as in streaming; fix it
+    explicitly to resume on other node counts.
 
     Allocation is per dataset first (whole units, largest remainder over the
     datasets when weights are proportions), then per bucket inside each dataset
@@ -363,6 +409,21 @@ def plan_buckets(
     than one unit. ``small_buckets="error"`` refuses a plan that leaves a bucket
     out; ``"drop"`` leaves it out with a warning.
     """
+    if spec is None:
+        if "device_batch_size" not in settings:
+            raise TypeError("plan_buckets needs spec=PlanSpec(...) or device_batch_size=")
+        spec = PlanSpec(**settings)
+    elif settings:
+        spec = spec.replace(**settings)
+    device_batch_size = spec.device_batch_size
+    num_workers = spec.num_workers
+    num_canonical_nodes = spec.num_canonical_nodes
+    replication = spec.replication
+    batching_method = spec.batching_method
+    epoch_size = spec.epoch_size
+    shuffle = spec.shuffle
+    shuffle_block_size = spec.shuffle_block_size
+    small_buckets = spec.small_buckets
     if batching_method not in BATCHING_METHODS:
         raise PlanError(
             f"batching_method={batching_method!r} does not keep one shape per batch; "
@@ -458,6 +519,7 @@ def plan_buckets(
         problems=problems,
         mix=mix,
         warnings=warnings,
+        spec=spec,
     )
     _explain(plan, small_buckets)
     if not plan.active and not problems:

@@ -43,7 +43,8 @@ class TableReport:
     fragments: dict[str, Any] = field(default_factory=dict)
     #: Image-quality distribution when the table has the column (see prx_data.core.quality).
     quality: dict[str, Any] = field(default_factory=dict)
-    #: Per score column (``*_score``, ``*_p_<class>``: python -m prx_data.score): a histogram.
+    #: Per numeric column (:func:`numeric_columns`: scores, quality fields, ...): a histogram,
+    #: percentiles and, for ``--mark`` thresholds, the rows above and below.
     scores: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,7 +67,10 @@ def _sizes(uri: str, storage_options: dict | None) -> tuple[np.ndarray, np.ndarr
 
 
 def compute(
-    uri: str, spec: BucketSpec = DEFAULT_SPEC, storage_options: dict | None = None
+    uri: str,
+    spec: BucketSpec = DEFAULT_SPEC,
+    storage_options: dict | None = None,
+    marks: dict[str, list[float]] | None = None,
 ) -> TableReport:
     """Bucket every readable row; count drops by reason (``unreadable`` for probe errors)."""
     w, h, unreadable = _sizes(uri, storage_options)
@@ -103,7 +107,7 @@ def compute(
         short_side=pct,
         fragments=T.table_stats(uri, storage_options),
         quality=quality_summary(uri, storage_options),
-        scores=score_summary(uri, storage_options),
+        scores=score_summary(uri, storage_options, marks=marks),
     )
 
 
@@ -112,20 +116,86 @@ def is_score_column(name: str, dtype: pa.DataType) -> bool:
     return pa.types.is_floating(dtype) and (name.endswith("_score") or "_p_" in name)
 
 
-def score_summary(uri: str, storage_options: dict | None = None, bins: int = 40) -> dict:
-    """A histogram and percentiles per score column, streamed one column at a time."""
+def numeric_columns(schema: pa.Schema) -> list[str]:
+    """Every floating-point column and struct field (``image_quality.std``), from the schema.
+
+    The score jobs' outputs (``clip_score``, ``aesthetic_score``,
+    ``watermark_p_<class>``), image-quality measures, numeric attributes and
+    any float a user added: the columns stats plots and the explorer filters
+    and sorts by. Fields of a struct are named ``<column>.<field>`` (one level),
+    as Lance SQL reads them.
+    """
+    out: list[str] = []
+    for f in schema:
+        if pa.types.is_floating(f.type):
+            out.append(f.name)
+        elif pa.types.is_struct(f.type):
+            out += [
+                f"{f.name}.{c.name}"
+                for c in (f.type.field(i) for i in range(f.type.num_fields))
+                if pa.types.is_floating(c.type) and "." not in c.name
+            ]
+    return out
+
+
+def column_sql(name: str) -> str:
+    """A column or ``struct.field`` name from :func:`numeric_columns`, quoted for Lance SQL."""
+    return ".".join(T.quote(part) for part in name.split(".", 1))
+
+
+def _is_probability(name: str) -> bool:
+    return "_p_" in name.rsplit(".", 1)[-1]
+
+
+def parse_marks(specs: list[str] | tuple[str, ...], columns: list[str]) -> dict[str, list[float]]:
+    """``["aesthetic=5", "clip_score=0.25"]`` -> {column: [thresholds]}.
+
+    A name matches a column exactly, else ``<name>_score`` (``aesthetic`` ->
+    ``aesthetic_score``). Anything else is a ValueError naming the columns.
+    """
+    marks: dict[str, list[float]] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        name = name.strip()
+        try:
+            t = float(value)
+        except ValueError:
+            t = float("nan")
+        if not sep or t != t or t in (float("inf"), float("-inf")):
+            raise ValueError(f"--mark takes COLUMN=NUMBER (e.g. aesthetic_score=5), got {spec!r}")
+        col = name if name in columns else f"{name}_score"
+        if col not in columns:
+            raise ValueError(
+                f"--mark {spec!r}: no numeric column {name!r}; the table has: "
+                + (", ".join(columns) or "none")
+            )
+        marks.setdefault(col, []).append(t)
+    return marks
+
+
+def score_summary(
+    uri: str,
+    storage_options: dict | None = None,
+    bins: int = 40,
+    marks: dict[str, list[float]] | None = None,
+) -> dict:
+    """A histogram, percentiles and the share at each marked threshold per numeric column.
+
+    Streamed one column at a time (float32 values, the column alone in memory).
+    ``marks`` ({column: [thresholds]}) adds, per threshold, the exact count of
+    rows ``>=`` and ``<`` it among the scored rows.
+    """
     ds = T.open_table(uri, storage_options)
+    marks = marks or {}
     out: dict[str, Any] = {}
-    for f in ds.schema:
-        if not is_score_column(f.name, f.type):
-            continue
+    for name in numeric_columns(ds.schema):
         parts = [
-            b.column(0).drop_null().to_numpy(zero_copy_only=False).astype(np.float64)
-            for b in ds.scanner(columns=[f.name], batch_size=1 << 16).to_batches()
+            b.column(0).drop_null().to_numpy(zero_copy_only=False).astype(np.float32)
+            for b in ds.scanner(columns={"v": name}, batch_size=1 << 16).to_batches()
         ]
-        v = np.concatenate(parts) if parts else np.zeros(0)
+        v = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         v = v[np.isfinite(v)]
-        if "_p_" in f.name:
+        if _is_probability(name):
             edges = np.linspace(0.0, 1.0, bins + 1)
         elif len(v):
             lo, hi = float(v.min()), float(v.max())
@@ -133,7 +203,7 @@ def score_summary(uri: str, storage_options: dict | None = None, bins: int = 40)
         else:
             edges = np.linspace(0.0, 1.0, bins + 1)
         counts, _ = np.histogram(np.clip(v, edges[0], edges[-1]), bins=edges)
-        out[f.name] = {
+        entry: dict[str, Any] = {
             "scored": int(len(v)),
             "edges": edges.tolist(),
             "counts": counts.tolist(),
@@ -141,6 +211,19 @@ def score_summary(uri: str, storage_options: dict | None = None, bins: int = 40)
             if len(v)
             else {},
         }
+        if name in marks:
+            entry["marks"] = []
+            for t in marks[name]:
+                above = int((v >= np.float32(t)).sum())
+                entry["marks"].append(
+                    {
+                        "threshold": t,
+                        "above": above,
+                        "below": int(len(v)) - above,
+                        "share_above": above / len(v) if len(v) else 0.0,
+                    }
+                )
+        out[name] = entry
     return out
 
 
@@ -291,6 +374,18 @@ def plot(report: TableReport, out_dir: str, spec: BucketSpec = DEFAULT_SPEC) -> 
             ax.bar(e[:-1], sc["counts"], width=np.diff(e), align="edge", color="#4c78a8")
             ax.set_title(f"{name} ({sc['scored']:,} rows)", fontsize=9)
             ax.set_yscale("symlog", linthresh=10)
+            for m in sc.get("marks", []):
+                ax.axvline(m["threshold"], color="#e45756", ls="--", lw=1)
+                ax.text(
+                    m["threshold"],
+                    1.0,
+                    f" {m['share_above']:.1%} >= {m['threshold']:g}\n"
+                    f" {1 - m['share_above']:.1%} below",
+                    transform=ax.get_xaxis_transform(),
+                    color="#e45756",
+                    va="top",
+                    fontsize=8,
+                )
         for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
         paths.append(_save(fig, out_dir, "scores.png"))
@@ -335,13 +430,23 @@ def format_report(report: TableReport) -> str:
     for name, sc in report.scores.items():
         pct = "  ".join(f"{k} {v:.3g}" for k, v in sc["percentiles"].items())
         lines.append(f"score {name}: {sc['scored']:,} rows  {pct}")
+        for m in sc.get("marks", []):
+            lines.append(
+                f"  >= {m['threshold']:g}: {m['above']:,} ({m['share_above']:.1%}), "
+                f"below: {m['below']:,}"
+            )
     lines += ["", T.format_stats(report.fragments)]
     return "\n".join(lines)
 
 
-def run(uri: str, out_dir: str, spec: BucketSpec = DEFAULT_SPEC) -> TableReport:
+def run(
+    uri: str,
+    out_dir: str,
+    spec: BucketSpec = DEFAULT_SPEC,
+    marks: dict[str, list[float]] | None = None,
+) -> TableReport:
     """Compute, plot, write ``stats.json``; returns the report."""
-    report = compute(uri, spec)
+    report = compute(uri, spec, marks=marks)
     plot(report, out_dir, spec)
     with open(os.path.join(out_dir, STATS_NAME), "w", encoding="utf-8") as f:
         json.dump(report.to_dict(), f, indent=2, default=str)

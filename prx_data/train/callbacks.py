@@ -100,20 +100,9 @@ class ResumeGuard(Callback):
         return {**self.expected, "eval_holdout": self.holdout}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        got = state.get("eval_holdout", "none")
-        if got != self.holdout:
-            raise ValueError(
-                f"eval: the checkpoint's training stream held out {got!r} (fraction/salt) but "
-                f"this run holds out {self.holdout!r}; the sample space would change and the "
-                "resume would not be exact. Keep eval.source/holdout_fraction/holdout_salt"
-            )
-        for key, want in self.expected.items():
-            got = state.get(key)
-            if got is not None and int(got) != want:
-                raise ValueError(
-                    f"data.{key}: the checkpoint was written with {key}={got} but this run has "
-                    f"{want}; an exact resume needs the same value (the world size may change)"
-                )
+        from prx_data.stream.resume import check_layout
+
+        check_layout(state, self.expected, self.holdout)
 
 
 class SampleIdLogger(Callback):

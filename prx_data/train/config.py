@@ -170,6 +170,29 @@ class DataConfig:
     #: called as fn(data_config, device_batch_size) and must return a StreamingDataset.
     factory: str | None = None
 
+    def plan_spec(self, device_batch_size: int):
+        """The run's ``prx_data.stream.planner.PlanSpec``: what the loader and the planner plan.
+
+        The YAML keys stay flat here; the spec is their one typed meaning
+        (``shuffle_block_size`` comes from ``streaming:``).
+        """
+        from prx_data.stream.planner import PlanSpec
+
+        return PlanSpec(
+            tier=self.tier,
+            device_batch_size=device_batch_size,
+            include_higher_tiers=self.include_higher_tiers,
+            batching_method=self.batching_method,
+            num_workers=self.num_workers or 1,
+            num_canonical_nodes=self.num_canonical_nodes,
+            replication=self.replication,
+            epoch_size=self.epoch_size,
+            shuffle=self.shuffle,
+            shuffle_seed=self.shuffle_seed,
+            shuffle_block_size=self.streaming.get("shuffle_block_size"),
+            small_buckets=self.small_buckets,
+        )
+
 
 @dataclass
 class OptimizerConfig:

@@ -104,13 +104,26 @@ def build_dataset(cfg: DataConfig, batch_size: int, holdout: Any = None) -> Stre
                 "data.factory cannot apply the eval hold-out slice; use eval.source=export"
             )
         return _load_factory(cfg.factory)(cfg, batch_size)
+    cls = EncodedBucketedDataset if cfg.decode == "device" else BucketedDataset
+    columns = tuple(dict.fromkeys(c.name for c in cfg.caption_columns))
+    streaming = dict(cfg.streaming)
+    streaming.pop("shuffle_block_size", None)  # in the spec
+    return cls(
+        dataset_specs(cfg, holdout),
+        spec=cfg.plan_spec(batch_size),
+        caption_columns=columns,
+        on_change=cfg.on_change,
+        **streaming,
+    )
+
+
+def dataset_specs(cfg: DataConfig, holdout: Any = None) -> list:
+    """The ``DatasetSpec`` of each of ``cfg.datasets`` (what the loader and the planner read)."""
     if not cfg.datasets:
         raise ValueError("data.datasets: at least one dataset (export root) is required")
     from prx_data.stream.dataset import DatasetSpec
 
-    cls = EncodedBucketedDataset if cfg.decode == "device" else BucketedDataset
-
-    specs = [
+    return [
         DatasetSpec(
             root=d.root,
             local=d.local,
@@ -124,24 +137,6 @@ def build_dataset(cfg: DataConfig, batch_size: int, holdout: Any = None) -> Stre
         )
         for d in cfg.datasets
     ]
-    columns = tuple(dict.fromkeys(c.name for c in cfg.caption_columns))
-    return cls(
-        specs,
-        tier=cfg.tier,
-        batch_size=batch_size,
-        include_higher_tiers=cfg.include_higher_tiers,
-        caption_columns=columns,
-        batching_method=cfg.batching_method,
-        shuffle=cfg.shuffle,
-        shuffle_seed=cfg.shuffle_seed,
-        num_canonical_nodes=cfg.num_canonical_nodes,
-        replication=cfg.replication,
-        epoch_size=cfg.epoch_size,
-        num_workers=cfg.num_workers,
-        small_buckets=cfg.small_buckets,
-        on_change=cfg.on_change,
-        **dict(cfg.streaming),
-    )
 
 
 class EncodedBucketedDataset(BucketedDataset):

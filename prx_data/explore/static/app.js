@@ -27,6 +27,12 @@ function params(extra) {
     const v = $("field-" + col).value.trim();
     if (v) p.set("field." + col, v);
   }
+  const score = $("score").value;
+  if (score) {
+    if ($("score-min").value.trim()) p.set("min." + score, $("score-min").value.trim());
+    if ($("score-max").value.trim()) p.set("max." + score, $("score-max").value.trim());
+    if ($("sort").value) { p.set("sort", score); p.set("order", $("sort").value); }
+  }
   for (const [k, v] of Object.entries(extra || {})) p.set(k, v);
   return p;
 }
@@ -113,6 +119,12 @@ function card(item, onClick) {
   if (item.low_information) cap.appendChild(el("span", "badge blank", "blank"));
   const chips = el("div", "chips");
   for (const [k, v] of Object.entries(item.labels || {})) chips.appendChild(el("span", "chip", k + ": " + v));
+  const score = $("score").value;
+  if (score && item.scores && item.scores[score] != null) {
+    chips.appendChild(el("span", "chip score", score + ": " + Number(item.scores[score]).toPrecision(3)));
+  }
+  if (item.cosine != null) chips.appendChild(el("span", "chip score", "cosine " + item.cosine.toFixed(3)));
+  if (item.kept) chips.appendChild(el("span", "badge kept", "kept"));
   if (chips.children.length) cap.appendChild(chips);
   if (item.dup_of != null) {
     const d = el("div", "dup", "duplicate of ");
@@ -169,6 +181,10 @@ async function showSimilar(item) {
   }
   $("similar-panel").hidden = false;
   $("selected-id").textContent = item.id;
+  state.selected = item;
+  $("show-cluster").hidden = !state.meta.cluster_column;
+  $("cluster-head").hidden = true;
+  $("cluster").replaceChildren();
   $("selected").textContent = item.caption == null ? "" : item.caption;
   const panel = $("neighbours");
   panel.dataset.for = "";
@@ -182,6 +198,29 @@ async function showSimilar(item) {
     if (data.error) $("selected").textContent += " (" + data.error + ")";
   } catch (e) {
     $("selected").textContent = "error: " + e.message;
+  }
+}
+
+// Near duplicates side by side: the neighbours semantic dedup would merge, the kept one marked.
+async function showCluster() {
+  const item = state.selected;
+  if (!item) return;
+  const strip = $("cluster");
+  strip.dataset.for = "";
+  strip.replaceChildren();
+  const head = $("cluster-head");
+  head.hidden = false;
+  head.textContent = "loading near duplicates\u2026";
+  try {
+    const data = await getJSON("/api/cluster?" + new URLSearchParams({ id: item.id }));
+    for (const m of data.members) m.kept = m.id === data.keeper;
+    strip.replaceChildren(...data.members.map((it) => card(it, showSimilar)));
+    strip.dataset.for = item.id;
+    head.textContent = data.error ? data.error
+      : data.members.length + " image(s) at cosine \u2265 " + data.cosine + " on " + data.column
+        + "; semantic dedup keeps " + data.keeper;
+  } catch (e) {
+    head.textContent = "error: " + e.message;
   }
 }
 
@@ -200,6 +239,8 @@ async function init() {
   const qnames = { low: "low-information", ok: "not low-information", unmeasured: "not measured" };
   for (const v of meta.quality) option($("quality"), v, qnames[v] || v);
   $("quality-filter").hidden = !meta.quality.length;
+  for (const c of meta.scores) option($("score"), c, c);
+  $("score-filter").hidden = !meta.scores.length;
   state.labels = meta.labels;
   for (const [col, values] of Object.entries(meta.labels)) {
     const label = el("label", null, col + " ");
@@ -228,13 +269,21 @@ async function init() {
   const url = new URLSearchParams(location.search);
   if (url.get("q")) $("q").value = url.get("q");
   for (const [k, v] of url.entries()) {
+    if (k === "sort") $("score").value = v;
+    if (k === "order") $("sort").value = v;
+    if (k.startsWith("min.") || k.startsWith("max.")) {
+      $("score").value = k.slice(4);
+      $(k.startsWith("min.") ? "score-min" : "score-max").value = v;
+    }
     const target = k.startsWith("label.") ? $("label-" + k.slice(6))
       : k.startsWith("field.") ? $("field-" + k.slice(6))
         : ["tier", "aspect", "quality"].includes(k) ? $(k) : null;
     if (target) target.value = v;
   }
   $("q").addEventListener("input", later);
-  for (const id of ["tier", "aspect", "quality"]) $(id).addEventListener("change", () => runSearch(0));
+  for (const id of ["tier", "aspect", "quality", "score", "sort"]) $(id).addEventListener("change", () => runSearch(0));
+  for (const id of ["score-min", "score-max"]) $(id).addEventListener("input", later);
+  $("show-cluster").addEventListener("click", showCluster);
   $("prev").addEventListener("click", () => runSearch(Math.max(0, state.offset - meta.page_size)));
   $("next").addEventListener("click", () => { if (state.next != null) runSearch(state.next); });
   $("close-similar").addEventListener("click", () => { $("similar-panel").hidden = true; });

@@ -1,0 +1,184 @@
+"""Find an export's buckets, and copy a remote export's catalog into the node's cache.
+
+The catalog is what a loader reads before streaming: the bucket indexes, the
+report and the chosen skip-list sidecars. Local rank 0 of each node fetches it
+into the local cache directory and writes a catalog file last; the other ranks
+of the node wait for that file and make no remote request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from prx_data.core import storage
+from prx_data.core.schema import REPORT_NAME
+from prx_data.export import layout
+from prx_data.skips import sidecar as skiplist
+from prx_data.stream import cache as shard_cache
+
+if TYPE_CHECKING:
+    from prx_data.stream.dataset import DatasetSpec
+
+#: Written last by the node's fetching rank; the other ranks wait for it.
+CATALOG_PREFIX = "_prx_catalog."
+FETCH_TIMEOUT_S = 600.0
+
+
+def discover_buckets(root: str, tiers: Sequence[int]) -> list[str]:
+    """Bucket names of the given tiers that exist under an export root (local or remote)."""
+    return layout.list_buckets(root, tiers)
+
+
+def _catalog_name(tiers: Sequence[int], names: Sequence[str] | None) -> str:
+    key = json.dumps([sorted(tiers), None if names is None else sorted(names)])
+    return CATALOG_PREFIX + hashlib.sha1(key.encode()).hexdigest()[:12] + ".txt"
+
+
+def _check_names(root: str, found: set[str], names: Sequence[str] | None) -> None:
+    if names:
+        missing = sorted(set(names) - found)
+        if missing:
+            raise skiplist.SkipListError(
+                f"skip list(s) {missing} not found under {root} (found: {sorted(found) or 'none'})"
+            )
+
+
+def _check_orphans(
+    root: str, orphans: Sequence[skiplist.SidecarProblem], names: Sequence[str] | None
+) -> None:
+    """Stray ``*.skip`` files are never applied: refuse if they claim a requested list, else warn."""
+    if not orphans or names == []:
+        return
+    wanted = {n.lower() for n in names or []}
+    hit = [o for o in orphans if o.claimed is not None and o.claimed.lower() in wanted]
+    if hit:
+        raise skiplist.SkipListError(
+            f"{root}: {len(hit)} sidecar(s) of a requested skip list cannot be applied:\n  "
+            + "\n  ".join(o.text() for o in hit[:10])
+            + "\nrebuild them with python -m prx_data.skips add, or delete them"
+        )
+    more = f" (and {len(orphans) - 5} more)" if len(orphans) > 5 else ""
+    warnings.warn(
+        f"{root}: {len(orphans)} stray sidecar(s) are not applied: "
+        + "; ".join(o.text() for o in orphans[:5])
+        + more
+        + ". Run python -m prx_data.skips list to see them all.",
+        stacklevel=3,
+    )
+
+
+def fetch_catalog(
+    spec: DatasetSpec,
+    tiers: Sequence[int],
+    local: str,
+    *,
+    is_leader: bool,
+    timeout: float = FETCH_TIMEOUT_S,
+) -> list[str]:
+    """Copy a remote export's bucket indexes and chosen sidecars into ``local``, once per node.
+
+    The leader (local rank 0) lists and fetches, refreshes the cache (stale
+    sidecars are removed) and writes a catalog file last; other ranks wait
+    for that file and make no remote request. Returns the bucket names.
+    """
+    names = spec.skip_lists
+    marker = os.path.join(local, _catalog_name(tiers, names))
+    if not is_leader:
+        _node_barrier()
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(marker):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{marker}: local rank 0 did not finish fetching skip lists")
+            time.sleep(0.05)
+        with open(marker) as f:
+            text = f.read()
+        if text.startswith(_ERROR):
+            raise RuntimeError(f"local rank 0 failed to fetch {spec.root}: {text[len(_ERROR) :]}")
+        return [line for line in text.splitlines() if line]
+    if os.path.exists(marker):
+        os.remove(marker)
+    try:
+        buckets = _fetch(spec, tiers, local)
+    except Exception as e:
+        # Tell the waiting ranks why, instead of leaving them at the barrier.
+        storage.write_bytes_atomic(marker, f"{_ERROR}{type(e).__name__}: {e}".encode())
+        _node_barrier()
+        raise
+    storage.write_bytes_atomic(marker, "".join(b + "\n" for b in buckets).encode())
+    _node_barrier()
+    return buckets
+
+
+_ERROR = "ERROR "
+
+
+def _node_barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
+    names = spec.skip_lists
+    buckets = discover_buckets(spec.root, tiers)
+    report_uri = storage.join(spec.root, REPORT_NAME)
+    report = storage.read_bytes(report_uri) if storage.exists(report_uri) else None
+    # A cached shard is reused only if it belongs to the current index entry (stream/cache.py).
+    tracked = shard_cache.is_tracked(local)
+    cached_report = os.path.join(local, REPORT_NAME)
+    same_report = report is not None and _read_local(cached_report) == report
+    found: set[str] = set()
+    orphans: list[skiplist.SidecarProblem] = []
+    for bucket in buckets:
+        remote_b = layout.rel_join(spec.root, bucket)
+        local_b = os.path.join(local, *bucket.split("/"))
+        index_uri = storage.join(remote_b, layout.INDEX_NAME)
+        index = storage.read_bytes(index_uri)
+        try:
+            obj = json.loads(index)
+        except ValueError as e:
+            raise layout.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
+        entries = layout.check_index_entries(index_uri, obj, plain=True)
+        cached = shard_cache.read_cached_index(local_b, layout.INDEX_NAME) if tracked else None
+        shard_cache.drop_stale_shards(local_b, cached, entries, same_report=same_report)
+        # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.
+        storage.write_bytes_atomic(os.path.join(local_b, layout.INDEX_NAME), index)
+        shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
+        listed, stray = skiplist.scan_sidecars(spec.root, bucket, shards)
+        orphans += stray
+        found |= set(listed)
+        chosen = list(listed) if names is None else [n for n in names if n in listed]
+        want = {skiplist.sidecar_basename(b, n) for n in chosen for b in listed[n]}
+        for rel in storage.list_files(local_b, skiplist.SUFFIX):
+            if rel.replace(os.sep, "/") not in want:
+                os.remove(os.path.join(local_b, rel))
+
+        def get(rel: str, remote_b: str = remote_b, local_b: str = local_b) -> None:
+            data = storage.read_bytes(storage.join(remote_b, *rel.split("/")))
+            storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
+
+        layout.map_io(get, sorted(want), True)
+    # Last: the cached report dates the cached shards of an index without hashes.
+    if report is not None:  # the loader's completeness check reads the cached copy
+        storage.write_bytes_atomic(cached_report, report)
+    elif os.path.exists(cached_report):
+        os.remove(cached_report)
+    shard_cache.mark_tracked(local)
+    _check_orphans(spec.root, orphans, names)
+    _check_names(spec.root, found, names)
+    return buckets
+
+
+def _read_local(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
