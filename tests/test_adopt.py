@@ -71,8 +71,8 @@ def _digest(root: str) -> dict[str, str]:
     return out
 
 
-def _ids(spec, **kw) -> tuple[list[str], set]:
-    run = run_rank(spec, rank=0, world_size=1, batch_size=2, tier=512, shuffle=False, **kw)
+def _ids(spec, batch_size: int = 2, **kw) -> tuple[list[str], set]:
+    run = run_rank(spec, rank=0, world_size=1, batch_size=batch_size, tier=512, shuffle=False, **kw)
     return [i for b in run.batches for i in b], {s for s in run.shapes}
 
 
@@ -237,3 +237,16 @@ def test_remote_tree_adopts_and_streams(tiered, s3_bucket, tmp_path):
     ids, _ = _ids(DatasetSpec(root, local=str(tmp_path / "cache")))
     want = {f"x/{ar}/{i}" for ar in SHAPES for i in range(PER_BUCKET)} - gone
     assert sorted(ids) == sorted(want)
+
+
+def test_holdout_on_an_adopted_tree(tiered):
+    from prx_data.stream.holdout import Holdout
+
+    adopt_tree(tiered)
+    sides = [
+        _ids(DatasetSpec(tiered, holdout=Holdout(0.4, keep=k)), batch_size=1)[0]
+        for k in ("train", "eval")
+    ]
+    train, held = (set(x) for x in sides)
+    assert train and held and not train & held
+    assert train | held == {f"x/{ar}/{i}" for ar in SHAPES for i in range(PER_BUCKET)}
