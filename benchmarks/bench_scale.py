@@ -12,7 +12,9 @@ byte-identical to one ``MDSWriter`` writes.
 
 For each size (each in a fresh process) it times, where the operation exists:
 
-  finalize   merge every part index into the bucket indexes, write the report
+  pack       the pack stage: each bucket's parts into shards of ``--shard-size``
+             (driver threads, no Ray start-up); the later operations see packed trees
+  finalize   merge every pack index into the bucket indexes, write the report
   resume     resume planning: tree check, unit markers, stale-part sweep
   skips_add  ``skips add --ids`` with 1% of the ids
   holdout    building a 1% hold-out skip set for every bucket (what each rank does)
@@ -53,6 +55,7 @@ ID_WIDTH = 12
 OPS = (
     "fabricate",
     "resume",
+    "pack",
     "finalize",
     "skips_add",
     "holdout",
@@ -135,7 +138,7 @@ class BucketTemplate:
         entry = {"samples": len(ids), "raw_data": raw, "zip_data": None, **self.config}
         with open(os.path.join(pdir, "index.json"), "w") as f:
             json.dump({"version": 2, "shards": [entry]}, f, sort_keys=True)
-        layout.write_manifest(bdir, part, ids)
+        return layout.write_manifest(bdir, part, ids)
 
     def check_against_mdswriter(self, work: str) -> None:
         """A fabricated part must be byte-identical to what MDSWriter writes for the same samples."""
@@ -182,7 +185,8 @@ def fabricate(root: str, n: int, per_part: int, work: str) -> dict:
                 break
             ids = [_sid(i) for i in range(next_id, next_id + k)]
             next_id += k
-            t.write_part(os.path.join(root, *t.bucket.split("/")), part, ids)
+            bdir = os.path.join(root, *t.bucket.split("/"))
+            result.bucket_bytes[t.bucket] = t.write_part(bdir, part, ids)
             result.buckets[t.bucket] = k
             result.written += k
         result.rows = result.written
@@ -285,11 +289,14 @@ def run_loader(root: str, kind: str, batch: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def one_size(n: int, per_part: int, work: str, rewrite: bool, batch: int) -> dict:
+def one_size(
+    n: int, per_part: int, work: str, rewrite: bool, batch: int, shard_size: int = 1 << 26
+) -> dict:
     """Every operation at one size (run in its own process); returns {op: figures}."""
-
+    import pipelines.write_mds as pipeline
     from prx_data.cli.verify import check_sidecar
     from prx_data.export import layout
+    from prx_data.export.pack import plan_packs
     from prx_data.export.unit import ExportConfig, done_parts, finalize
     from prx_data.export.verify import verify_export
     from prx_data.skips import sidecar as skiplist
@@ -307,9 +314,24 @@ def one_size(n: int, per_part: int, work: str, rewrite: bool, batch: int) -> dic
         assert not layout.foreign_entries(root)
         finished = done_parts(root)
         layout.remove_stale_parts(root, set(finished), (TIER,))
-    cfg = ExportConfig(table="(bench_scale)", out=root, caption_columns=("caption",), tiers=(TIER,))
+    cfg = ExportConfig(
+        table="(bench_scale)",
+        out=root,
+        caption_columns=("caption",),
+        tiers=(TIER,),
+        shard_size=shard_size,
+    )
+    ordered = {p: finished[p] for p in sorted(finished)}
+    packed = None
+    if shard_size:
+        pipeline.DRIVER_PACK_BYTES = 1 << 62  # the pack's own work, not a Ray start on 2 cores
+        with measured(res, "pack"):
+            plan = plan_packs(root, ordered, shard_size)
+            packed = pipeline.run_packs(cfg, plan)
+        res["pack"]["packs"] = len(plan)
+        print(f"  ({len(plan):,} packs)", flush=True)
     with measured(res, "finalize"):
-        report = finalize(cfg, {p: finished[p] for p in sorted(finished)}, 0.0)
+        report = finalize(cfg, ordered, 0.0, packs=packed)
     assert report.samples_written == n, report.samples_written
     rng = np.random.default_rng(0)
     all_ids = [_sid(i) for i in range(n)]
@@ -397,6 +419,9 @@ def main() -> None:
     p.add_argument("--sizes", nargs="+", type=float, default=[1e4, 1e5])
     p.add_argument("--per-part", type=int, default=40, help="samples per part (unit x bucket)")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument(
+        "--shard-size", type=int, default=1 << 26, help="pack target bytes (0: leave unpacked)"
+    )
     p.add_argument("--no-rewrite-above", type=float, default=None, metavar="N")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the figures here")
@@ -409,7 +434,7 @@ def main() -> None:
     os.environ["TQDM_DISABLE"] = "1"
     if args._size:
         rewrite = args.no_rewrite_above is None or args._size <= args.no_rewrite_above
-        res = one_size(args._size, args.per_part, args.work, rewrite, args.batch)
+        res = one_size(args._size, args.per_part, args.work, rewrite, args.batch, args.shard_size)
         print("RESULT " + json.dumps(res))
         return
     sizes = sorted(int(s) for s in args.sizes)
@@ -420,6 +445,7 @@ def main() -> None:
         for n in sizes:
             cmd = [sys.executable, os.path.abspath(__file__), "--_size", str(n), "--work", work]
             cmd += ["--per-part", str(args.per_part), "--batch", str(args.batch)]
+            cmd += ["--shard-size", str(args.shard_size)]
             if args.no_rewrite_above is not None:
                 cmd += ["--no-rewrite-above", str(int(args.no_rewrite_above))]
             out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)

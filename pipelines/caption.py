@@ -44,19 +44,13 @@ from prx_data.columns.prompts import load_attributes_prompt, load_prompt
 from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
+from prx_data.core.errors import UsageError
 from prx_data.core.runtime import ensure_ray
+from prx_data.core.schema import error_column, status_column
 
 #: Internal column carrying why a row was flagged (counted in the report).
 REASON = "__reason"
 _IMAGE_OK = "__image"
-
-
-def status_column(column: str) -> str:
-    return f"{column}_status"
-
-
-def error_column(column: str) -> str:
-    return f"{column}_error"
 
 
 @dataclass
@@ -88,18 +82,18 @@ class CaptionConfig:
 
     def __post_init__(self) -> None:
         if self.column in (S.ID, S.IMAGE, S.CAPTION):
-            raise ValueError(f"refusing to write captions into the {self.column!r} column")
+            raise UsageError(f"refusing to write captions into the {self.column!r} column")
         bad = set(self.redo) - set(checks.STATUSES)
         if bad:
-            raise ValueError(
+            raise UsageError(
                 f"unknown status(es) to redo: {sorted(bad)}; choose from {checks.STATUSES}"
             )
         if self.max_pixels < 28 * 28:
-            raise ValueError(f"max_pixels must be at least 784, got {self.max_pixels}")
+            raise UsageError(f"max_pixels must be at least 784, got {self.max_pixels}")
         if self.limit is not None and self.limit < 0:
-            raise ValueError(f"limit must be >= 0, got {self.limit}")
+            raise UsageError(f"limit must be >= 0, got {self.limit}")
         if self.only and not self.redo:
-            raise ValueError("only needs statuses to redo (e.g. redo=('looping',))")
+            raise UsageError("only needs statuses to redo (e.g. redo=('looping',))")
         if self.schema_file is not None:
             from prx_data.columns.structured import load_schema
 

@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import pyarrow as pa
 
-from pipelines.caption import REASON, error_column
+from pipelines.caption import REASON
 from prx_data.columns import labels as L
 from prx_data.columns.backends import (
     BackendSpec,
@@ -40,7 +40,9 @@ from prx_data.columns.prompts import fill_caption, load_classify_prompt
 from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
+from prx_data.core.errors import UsageError
 from prx_data.core.runtime import ensure_ray
+from prx_data.core.schema import error_column
 
 _RULE = "__rule"
 
@@ -76,16 +78,16 @@ class ClassifyConfig:
 
     def __post_init__(self) -> None:
         if self.column in (S.ID, S.IMAGE, S.CAPTION, self.source_column):
-            raise ValueError(f"refusing to write labels into the {self.column!r} column")
+            raise UsageError(f"refusing to write labels into the {self.column!r} column")
         bad = set(self.redo) - {*L.LABELS, L.UNKNOWN}
         if bad:
-            raise ValueError(f"unknown label(s) to redo: {sorted(bad)}")
+            raise UsageError(f"unknown label(s) to redo: {sorted(bad)}")
         if not self.rules_only and not (self.backend and self.model):
-            raise ValueError("a backend and a model are required unless rules_only is set")
+            raise UsageError("a backend and a model are required unless rules_only is set")
         if self.rules_only and not self.use_rules:
-            raise ValueError("rules_only needs the rules")
+            raise UsageError("rules_only needs the rules")
         if self.only and not self.redo:
-            raise ValueError("only needs labels to redo (e.g. redo=('unknown',))")
+            raise UsageError("only needs labels to redo (e.g. redo=('unknown',))")
 
 
 @lru_cache(maxsize=8)
@@ -176,7 +178,7 @@ def classify_job(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | 
 
     existing = open_table(cfg.table, cfg.storage_options).schema.names
     if cfg.source_column not in existing:
-        raise ValueError(f"table {cfg.table!r} has no column {cfg.source_column!r} to classify")
+        raise UsageError(f"table {cfg.table!r} has no column {cfg.source_column!r} to classify")
     where = pending_filter(
         existing,
         cfg.column,

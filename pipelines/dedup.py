@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.core import schema as S
 from prx_data.core.clusters import export_skips, find_duplicates
+from prx_data.core.errors import UsageError
 from prx_data.skips.dedup import (
     DUP_OF,
     DedupConfig,
@@ -40,7 +41,7 @@ from prx_data.skips.dedup import (
 )
 
 PHASH = "phash"
-PHASH_ERROR = "phash_error"
+PHASH_ERROR = S.error_column(PHASH)
 _READ_COLUMNS = [S.ID, S.IMAGE, S.WIDTH, S.HEIGHT]
 
 
@@ -65,9 +66,9 @@ class PhashJobConfig:
 
     def __post_init__(self) -> None:
         if self.engine not in ("ray", "local"):
-            raise ValueError(f"engine must be 'ray' or 'local', got {self.engine!r}")
+            raise UsageError(f"engine must be 'ray' or 'local', got {self.engine!r}")
         if self.batch_size < 1 or self.commit_every < 1:
-            raise ValueError("batch_size and commit_every must be >= 1")
+            raise UsageError("batch_size and commit_every must be >= 1")
 
 
 @dataclass
@@ -178,7 +179,7 @@ def run_dedup(cfg: DedupConfig) -> DedupReport:
         ).to_dict()
     ds = open_table(cfg.table, cfg.storage_options)
     if PHASH not in ds.schema.names:
-        raise ValueError(f"table {cfg.table!r} has no {PHASH!r} column; run without --no-compute")
+        raise UsageError(f"table {cfg.table!r} has no {PHASH!r} column; run without --no-compute")
     cols = [S.ID, PHASH, S.WIDTH, S.HEIGHT] + (
         [PHASH_ERROR] if PHASH_ERROR in ds.schema.names else []
     )

@@ -45,6 +45,7 @@ import pyarrow.compute as pc
 
 from prx_data.core import schema as S
 from prx_data.core import storage
+from prx_data.core.errors import AlreadyExists, UsageError
 from prx_data.core.runtime import ensure_ray
 from prx_data.ingest import (
     NOTES,
@@ -160,7 +161,7 @@ def _merge_fields(base: list[pa.Field], extra: list[pa.Field], where: str) -> li
     for f in extra:
         if f.name in by_name:
             if by_name[f.name].type != f.type:
-                raise ValueError(
+                raise UsageError(
                     f"column {f.name!r} is {by_name[f.name].type} in {where} but {f.type} in a source"
                 )
             continue
@@ -176,7 +177,7 @@ def output_schema(extra_fields: list[pa.Field], existing: pa.Schema | None) -> p
         return pa.schema(fields)
     for f in fields:
         if f.name in existing.names and existing.field(f.name).type != f.type:
-            raise ValueError(
+            raise UsageError(
                 f"column {f.name!r} is {existing.field(f.name).type} in the table but "
                 f"{f.type} in this ingest; ingest into a new table or cast the source"
             )
@@ -223,18 +224,6 @@ class _Tally:
         for c in self.unit_counts.values():
             total.update(c)
         return dict(total)
-
-
-_PINNED: dict[tuple, Any] = {}
-
-
-def _pinned(uri: str, version: int, storage_options: dict | None, run: str):
-    """The table as the ingest found it, opened once per worker process and run."""
-    key = (uri, version, json.dumps(storage_options, sort_keys=True), run)
-    if key not in _PINNED:
-        _PINNED.clear()
-        _PINNED[key] = T.open_table(uri, storage_options, version)
-    return _PINNED[key]
 
 
 def ids_in_table(ds, ids: list[str]) -> set[str]:
@@ -321,7 +310,7 @@ def _load_batch(batch: pa.Table, tally, schema: pa.Schema, check: dict | None = 
                     if k and (unit.source in check["sources"] or not i.startswith(prefix))
                 ]
                 if ask:
-                    ds = _pinned(
+                    ds = T.pinned_table(
                         check["uri"], check["version"], check["storage_options"], check["run"]
                     )
                     found = ids_in_table(ds, ask)
@@ -550,12 +539,12 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
     import ray.data
 
     if cfg.mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
+        raise UsageError(f"mode must be one of {MODES}, got {cfg.mode!r}")
     t0 = time.perf_counter()
     specs: list[SourceSpec] = [parse_source(s, cfg.fmt) for s in cfg.sources]
     exists = T.table_exists(cfg.table_uri, cfg.storage_options)
     if cfg.mode == "create" and exists:
-        raise FileExistsError(
+        raise AlreadyExists(
             f"table {cfg.table_uri!r} exists; use --mode append or --mode overwrite"
         )
     appending = cfg.mode == "append" and exists

@@ -13,6 +13,12 @@ Skip lists (:mod:`prx_data.skips.lists`) survive every export of a table:
 (refusing, before anything is deleted, a list whose ids cannot be recovered
 unless ``drop_lists`` names it), and every export, fresh or not, binds every
 registered list to its new shards by row id before its report is written.
+
+Between the units and the merge, the pack stage (:mod:`prx_data.export.pack`)
+concatenates each bucket's parts into shards of about ``shard_size``: one
+Ray task per pack, or threads on the driver when the whole export is small
+(:data:`DRIVER_PACK_BYTES`), since a Ray Data stage costs seconds to start.
+The merge, and the skip lists bound after it, then see only packs.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from prx_data.core import storage
 from prx_data.core.imaging import check_codec
 from prx_data.core.runtime import ensure_ray, unit_dataset
 from prx_data.core.storage import storage_env
-from prx_data.export.layout import foreign_entries, list_top, remove_stale_parts
+from prx_data.export.layout import foreign_entries, imap_bounded, list_top, remove_stale_parts
 from prx_data.export.lock import ExportLock
+from prx_data.export.pack import Pack, done_packs, plan_packs, write_pack
 from prx_data.export.unit import (
     ExportConfig,
     ExportError,
@@ -54,6 +61,13 @@ from prx_data.export.unit import (
 #: or 16 per CPU on 318 photos; 8 keeps parts of a small table at tens of rows.
 #: Tables above ``rows_per_task`` x units are cut by ``rows_per_task`` anyway.
 UNITS_PER_CPU = 8
+
+#: Exports whose shards total at most this many bytes are packed by threads on the
+#: driver (reading and writing a few hundred MB is shorter than starting a Ray Data
+#: stage); larger ones by one Ray task per pack, on every CPU of the cluster.
+DRIVER_PACK_BYTES = 256 << 20
+#: Threads packing on the driver (each holds at most one pack's shard in memory).
+DRIVER_PACK_THREADS = 2
 
 
 def auto_min_units(ray_address: str | None = None, num_cpus: int | None = None) -> int:
@@ -101,6 +115,52 @@ class _ExportTask:
         unit = WorkUnit(int(row["fragment_id"]), int(row["start"]), int(row["count"]))
         result = export_unit(self.cfg, unit)
         return {"part": result.part, "result": result.to_json()}
+
+
+class _PackTask:
+    """Callable shipped to Ray workers: writes one pack, returns it."""
+
+    def __init__(self, cfg: ExportConfig):
+        self.cfg = cfg
+
+    def __call__(self, row: dict) -> dict:
+        return {"pack": write_pack(self.cfg, Pack.from_json(row["pack"])).to_json()}
+
+
+def run_packs(
+    cfg: ExportConfig,
+    packs: list[Pack],
+    *,
+    check=lambda: None,
+    ray_address: str | None = None,
+    num_cpus: int | None = None,
+    progress: bool = False,
+) -> dict[str, dict[str, int]]:
+    """Write every pack; returns {bucket: {pack: samples}} for :func:`finalize`.
+
+    The driver handles one small record per pack (never a sample): a plan, a
+    task and a result each.
+    """
+    bar = tqdm(total=len(packs), desc="pack", unit="pack", disable=not progress, file=sys.stderr)
+    if sum(p.nbytes for p in packs) <= DRIVER_PACK_BYTES:
+        done = imap_bounded(lambda p: write_pack(cfg, p), packs, DRIVER_PACK_THREADS)
+    else:
+        ensure_ray(ray_address, num_cpus)
+        remote_args: dict = {"num_cpus": 1}
+        env = storage_env()
+        if env:
+            remote_args["runtime_env"] = {"env_vars": env}
+        ds = unit_dataset([{"pack": p.to_json()} for p in packs]).map(_PackTask(cfg), **remote_args)
+        done = (Pack.from_json(row["pack"]) for row in ds.iter_rows())
+    out: dict[str, dict[str, int]] = {}
+    for p in done:
+        check()
+        out.setdefault(p.bucket, {})[p.name] = p.samples
+        bar.update(1)
+    bar.close()
+    if sum(len(v) for v in out.values()) != len(packs):
+        raise RuntimeError(f"{len(packs)} packs planned, {sum(map(len, out.values()))} reported")
+    return {b: dict(sorted(v.items())) for b, v in sorted(out.items())}
 
 
 def run_export(
@@ -174,8 +234,8 @@ def _run_locked(
     cfg = prepare_output(cfg, overwrite=overwrite, resume=resume)
     units = plan_units(cfg)
     finished = done_parts(cfg.out) if resume else {}
-    if resume:
-        remove_stale_parts(cfg.out, set(finished), cfg.tiers)
+    if resume:  # packs with a marker are kept; half-written ones go with unfinished parts
+        remove_stale_parts(cfg.out, set(finished) | done_packs(cfg.out), cfg.tiers)
     todo = [u for u in units if u.part not in finished]
     results: dict[str, UnitResult] = {p: r for p, r in finished.items()}
     if todo:
@@ -208,6 +268,17 @@ def _run_locked(
     if missing:
         raise RuntimeError(f"{len(missing)} work units did not report back: {sorted(missing)[:5]}")
     lock.check()
+    ordered = {p: results[p] for p in sorted(expected)}
+    packed = None
+    if cfg.shard_size > 0:
+        packed = run_packs(
+            cfg,
+            plan_packs(cfg.out, ordered, cfg.shard_size),
+            check=lock.check,
+            ray_address=ray_address,
+            num_cpus=num_cpus,
+            progress=progress,
+        )
 
     def bind_lists() -> dict:
         lock.check()
@@ -217,11 +288,7 @@ def _run_locked(
             raise ExportError(str(e)) from None
 
     report = finalize(
-        cfg,
-        {p: results[p] for p in sorted(expected)},
-        time.perf_counter() - t0,
-        bind_lists,
-        check=lock.check,
+        cfg, ordered, time.perf_counter() - t0, bind_lists, check=lock.check, packs=packed
     )
     release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
     return report

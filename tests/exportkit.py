@@ -21,6 +21,17 @@ FakeExport = SampleExport
 make_export = make_sample_export
 
 
+def finalize_reference(cfg, results: dict):
+    """Pack and merge units run in this process, as ``run_export`` does (an undisturbed run)."""
+    from pipelines.write_mds import run_packs
+    from prx_data.export.pack import plan_packs
+    from prx_data.export.unit import finalize
+
+    ordered = {p: results[p] for p in sorted(results)}
+    packs = run_packs(cfg, plan_packs(cfg.out, ordered, cfg.shard_size)) if cfg.shard_size else None
+    return finalize(cfg, ordered, 0.0, packs=packs)
+
+
 def upload_tree(local_root: str, remote_root: str) -> None:
     """Copy a local export tree to an ``s3://`` URI (for the remote tests)."""
     from prx_data.core import storage

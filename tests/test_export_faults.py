@@ -24,7 +24,7 @@ from prx_data.export import layout
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.unit import ExportConfig
 from tests import badinputs
-from tests.exportkit import pinned_cli_args, spawn_cli
+from tests.exportkit import finalize_reference, pinned_cli_args, spawn_cli
 from tests.s3proxy import relay, send_error
 
 pytestmark = pytest.mark.ray
@@ -268,14 +268,14 @@ def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
     file of its parts but no marker in another. The export still finishes, byte-identical
     to an undisturbed run of the same plan."""
     from pipelines import write_mds
-    from prx_data.export.unit import export_unit, finalize, plan_units, prepare_output
+    from prx_data.export.unit import export_unit, plan_units, prepare_output
     from tests.tablekit import make_table
 
     table = str(tmp_path / "t.lance")
     sizes = [(600, 600), (1200, 600), (600, 600), (600, 1200)]
     make_table(table, [(f"s/{i}", _jpeg(s), f"cap {i}") for i, s in enumerate(sizes)])
     ref = prepare_output(ExportConfig(table=table, out=str(tmp_path / "ref"), rows_per_task=2))
-    finalize(ref, {u.part: export_unit(ref, u) for u in plan_units(ref)}, 0.0)  # undisturbed
+    finalize_reference(ref, {u.part: export_unit(ref, u) for u in plan_units(ref)})  # undisturbed
     first, second = sorted(u.part for u in plan_units(ref))
     crashes = {first: "write_manifest", second: "marker_path"}
     flags = str(tmp_path / "died")

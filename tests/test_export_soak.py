@@ -27,7 +27,8 @@ from prx_data.cli import verify as verify_cli
 from prx_data.core import storage
 from prx_data.export import layout
 from prx_data.export.layout import ExportError, content_digest, is_complete
-from prx_data.export.unit import ExportConfig, export_unit, finalize, plan_units, prepare_output
+from prx_data.export.unit import ExportConfig, export_unit, plan_units, prepare_output
+from tests.exportkit import finalize_reference
 from tests.s3proxy import relay
 
 pytestmark = [pytest.mark.faults, pytest.mark.remote, pytest.mark.ray]
@@ -251,7 +252,7 @@ def test_fault_soak_ends_with_one_writer_and_identical_bytes(
     # The undisturbed run: every unit in this process, no Ray, no store.
     ref = prepare_output(ExportConfig(table=soak_table, out=str(tmp_path / "ref"), **pinned))
     units = sorted(plan_units(ref), key=lambda u: u.part)
-    finalize(ref, {u.part: export_unit(ref, u) for u in units}, 0.0)
+    finalize_reference(ref, {u.part: export_unit(ref, u) for u in units})
 
     rng = random.Random(seed)
     crashes = {}

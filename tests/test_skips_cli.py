@@ -82,12 +82,17 @@ def test_rewrite_threshold_and_verified_output(export, tmp_path):
     run = run_rank(out, rank=0, world_size=1, batch_size=1, tier=512, shuffle=False)
     assert {i for b in run.batches for i in b} == kept
     # The verification is real: against the unfiltered source the new export differs.
-    from prx_data.skips.rewrite import _verify
-    from prx_data.stream.dataset import SkipMDSReader
+    from prx_data.skips import rewrite as R
 
-    unfiltered = [(b, {}) for b in S.list_buckets(root)]
-    with pytest.raises(AssertionError, match="differs from the filtered source"):
-        _verify(root, out, unfiltered, str(tmp_path / "v"), SkipMDSReader)
+    class Unfiltered:  # test double: a "skip-aware" view that skips nothing
+        @staticmethod
+        def wrap(reader, skipped):
+            return reader
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(R, "SkipMDSReader", Unfiltered)
+        with pytest.raises(AssertionError, match="differs from the filtered source"):
+            rewrite_export(root, str(tmp_path / "o2"))
     # And the CLI refuses to write over it.
     assert main(["rewrite", root, out, "--force"]) == 2
 

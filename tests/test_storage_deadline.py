@@ -129,3 +129,39 @@ def test_a_deadline_passes_answers_and_errors_through():
             storage.with_deadline("gs://b/x", "read", gate.wait, 0.05)
     finally:
         gate.set()
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    "job, argv",
+    [("verify", ["s3://bucket/ex", "--no-progress"]), ("skips", ["list", "s3://bucket/ex"])],
+)
+def test_the_verify_and_skips_clis_say_a_silent_store_in_one_line(job, argv, silent_store, capsys):
+    import importlib
+
+    main = importlib.import_module(f"prx_data.cli.{job}").main
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: s3://bucket/ex") and "S3_READ_TIMEOUT_S" in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.faults
+def test_ingest_parquet_reads_run_under_a_deadline(silent_store, monkeypatch):
+    """Planning (the footer) and unit reads of a remote parquet source are cut off too."""
+    from prx_data.ingest import parquet
+
+    fs = pafs.S3FileSystem(
+        endpoint_override=silent_store.url.removeprefix("http://"),
+        scheme="http",
+        request_timeout=60,
+        connect_timeout=60,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+    )
+    monkeypatch.setattr(storage, "filesystem", lambda path: (fs, path.split("://", 1)[1]))
+    monkeypatch.setenv("STORAGE_DEADLINE_S", "0.5")
+    with pytest.raises(StorageTimeout, match=r"s3://bucket within 0\.5 s.*STORAGE_DEADLINE_S"):
+        parquet._open("s3://bucket/src/part-0.parquet")

@@ -117,3 +117,40 @@ def test_is_safe_mds_encoding_reads_the_encodings_name():
         assert C.is_safe_mds_encoding(enc), enc
     for enc in ("pkl", "pkl:x", "PKL", " pkl", "ndarray:nonsense", "no-such", 7, None):
         assert not C.is_safe_mds_encoding(enc), enc
+
+
+def test_get_hash_matches_the_hashes_mdswriter_records(tmp_path):
+    """``verify --deep`` recomputes the index's shard hashes with this function."""
+    out = str(tmp_path / "mds")
+    with MDSWriter(out=out, columns={"x": "int"}, hashes=["sha1", "xxh64"]) as w:
+        for i in range(5):
+            w.write({"x": i})
+    with open(os.path.join(out, "index.json")) as f:
+        raw = json.load(f)["shards"][0]["raw_data"]
+    with open(os.path.join(out, raw["basename"]), "rb") as f:
+        data = f.read()
+    assert {algo: C.get_hash(algo, data) for algo in raw["hashes"]} == raw["hashes"]
+
+
+def test_no_streaming_internals_outside_the_compat_module():
+    """Only this module (and the writer's import shim) may import ``streaming.<private>``."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    allowed = {"prx_data/core/streaming_compat.py", "prx_data/core/mds_writer.py"}
+    found = []
+    for path in sorted([*root.glob("prx_data/**/*.py"), *root.glob("pipelines/**/*.py")]):
+        rel = path.relative_to(root).as_posix()
+        if rel in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [f"{rel}:{node.lineno}: {n}" for n in names if n.startswith("streaming.")]
+    assert not found, found

@@ -207,14 +207,14 @@ def run_column_job(args: argparse.Namespace, make_config: Callable[[], Any], run
     """
     import sys
 
-    from prx_data.columns.backends import BackendUnavailable
-    from prx_data.core.runtime import RayStartError, ensure_ray
+    from prx_data.core.errors import PrxDataError
+    from prx_data.core.runtime import ensure_ray
 
     try:
         cfg = make_config()
         ensure_ray(args.ray_address)
         report = run(cfg)
-    except (BackendUnavailable, RayStartError, ValueError, FileNotFoundError) as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.summary())

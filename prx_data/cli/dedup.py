@@ -7,8 +7,7 @@ import sys
 
 from pipelines.dedup import PHASH_ERROR, run_dedup
 from prx_data.core.buckets import DEFAULT_TIERS
-from prx_data.core.errors import add_max_error_rate, error_rate_status
-from prx_data.core.runtime import RayStartError
+from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
 from prx_data.skips.dedup import (
     DEFAULT_REPORT,
     DEFAULT_SKIP_NAME,
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         report = run_dedup(cfg)
-    except RayStartError as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table_text())

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from prx_data.core.errors import Conflict, NotFound, PrxDataError
 from prx_data.download import fetch as F
 from prx_data.download.job import FAILED, DownloadConfig, run_download
 
@@ -195,14 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         from prx_data.table.lance_ops import table_exists
 
         if not table_exists(args.table):
-            raise ValueError(f"no Lance table at {args.table!r}: ingest the URL list first")
+            raise NotFound(f"no Lance table at {args.table!r}: ingest the URL list first")
         report = run_download(cfg)
-    except ValueError as e:
-        print(f"download: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # the table changed under the run: what is committed stays
+    except Conflict as e:  # the table changed under the run: what is committed stays
         print(f"download: {e}", file=sys.stderr)
         return 1
+    except PrxDataError as e:
+        print(f"download: {e}", file=sys.stderr)
+        return 2
     print(report.text())
     if args.report_json:
         with open(args.report_json, "w", encoding="utf-8") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prx_data.core.errors import PrxDataError
 from prx_data.explore.app import (
     AUTO_DESCRIPTOR_ROWS,
     DEFAULT_HOST,
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             build_indexes=args.build_indexes,
             allowed_hosts=tuple(args.allow_host),
         )
-    except ValueError as e:
+    except PrxDataError as e:
         p.error(str(e))
     server = serve(cfg)
     host, port = server.server_address[:2]

@@ -18,8 +18,7 @@ from pipelines.ingest import (
     IngestReport,
     ingest,
 )
-from prx_data.core.errors import add_max_error_rate, error_rate_status
-from prx_data.core.runtime import RayStartError
+from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
 from prx_data.ingest import FORMATS
 
 __all__ = ["IngestReport", "ingest", "main"]
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             **reader_options,
         )
-    except RayStartError as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())

@@ -7,7 +7,7 @@ import sys
 
 from prx_data.cli.reporting import emit_report, print_error
 from prx_data.columns.scores import CLIP_IMAGE_COLUMN, SCORERS, ScoreConfig
-from prx_data.core.errors import add_max_error_rate, error_rate_status
+from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from prx_data.columns.scores import run_score
-    from prx_data.core.runtime import RayStartError
 
     try:
         cfg = ScoreConfig(
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
         )
         report = run_score(cfg)
-    except (RayStartError, ValueError, FileNotFoundError, OSError) as e:
+    except PrxDataError as e:
         print_error(e)
         return 2
     emit_report(report, args.report_json)

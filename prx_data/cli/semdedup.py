@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from prx_data.cli.reporting import emit_report, print_error
+from prx_data.core.errors import PrxDataError
 from prx_data.skips.semdedup import (
     DEFAULT_REPORT_THRESHOLDS,
     DEFAULT_SKIP_NAME,
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             skip_name=args.skip_name,
         )
         report = run_semdedup(cfg)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except PrxDataError as e:
         print_error(e)
         return 2
     emit_report(report, args.report_json)

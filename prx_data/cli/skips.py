@@ -110,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--force", action="store_true", help="rewrite even below the threshold")
     rw.add_argument("--no-verify", action="store_true", help="skip the sample-by-sample comparison")
     rw.add_argument(
+        "--max-local-bytes",
+        metavar="SIZE",
+        help="local disk the rewrite may stage at once, e.g. 8G or 500M (default: "
+        "$PRX_REWRITE_DISK, else 8G); buckets stream shard by shard within it",
+    )
+    rw.add_argument(
+        "--work-dir", metavar="DIR", help="where to stage shards (default: the temp directory)"
+    )
+    rw.add_argument(
         "--drop-lists",
         metavar="NAME",
         action="append",
@@ -244,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     force=args.force,
                     verify=not args.no_verify,
                     drop_lists=args.drop_lists,
+                    max_local=args.max_local_bytes,
+                    work_dir=args.work_dir,
                 )
             except RewriteRefused as e:
                 print(f"error: {e}", file=sys.stderr)
@@ -259,16 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if r.warnings:
                 print(f"{sum(r.warnings.values())} streaming warnings, see the report")
             print(f"report: {r.out}/report.json")
-    except (
-        PrxDataError,
-        skiplist.SkipListError,
-        idlists.ListError,
-        FileExistsError,
-        FileNotFoundError,
-        KeyError,
-        IndexError,
-        ValueError,
-    ) as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if problems:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from prx_data.core.errors import PrxDataError
 from prx_data.table.lance_ops import (
     DEFAULT_TARGET_ROWS_PER_FRAGMENT,
     compact,
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.names:
                 unpin(ds, name)
                 print(f"removed tag {name}")
-    except FileNotFoundError as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

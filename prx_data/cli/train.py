@@ -17,6 +17,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from prx_data.core.errors import PrxDataError
+
 EPILOG = """\
 overrides:
   Dotted keys into the YAML, values parsed as YAML, list items by index:
@@ -116,7 +118,7 @@ def compare_main(argv: Sequence[str]) -> int:
 
     try:
         png, text = compare(args.run_a, args.run_b, args.out, tuple(args.labels or (None, None)))
-    except ValueError as exc:
+    except PrxDataError as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
     print(text)
@@ -129,11 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "compare":
         return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from prx_data.train.config import ConfigError, load_config, to_yaml
+    from prx_data.train.config import load_config, to_yaml
 
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as exc:
+    except PrxDataError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:

@@ -94,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res = verify_export(
-        args.export, deep=args.deep, check_sidecar=check_sidecar, progress=args.progress
-    )
+    try:
+        res = verify_export(
+            args.export, deep=args.deep, check_sidecar=check_sidecar, progress=args.progress
+        )
+    except PrxDataError as e:  # a store that stops answering, an export that is not one
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(
             json.dumps(

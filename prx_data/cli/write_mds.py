@@ -6,11 +6,9 @@ import argparse
 import sys
 
 from prx_data.core.buckets import DEFAULT_TIERS, DROP_ASPECT_RATIO, DROP_TOO_SMALL
-from prx_data.core.errors import add_max_error_rate, error_rate_status
+from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
 from prx_data.core.imaging import DRAFT_MARGIN
-from prx_data.core.runtime import RayStartError
-from prx_data.core.storage import StorageTimeout, StorageUnreachable
-from prx_data.export.unit import DEFAULT_HASHES, ExportConfig, ExportError
+from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
 
 EPILOG = """\
 output layout:
@@ -130,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Maximum shard size in bytes before a new shard starts (default: 64 MiB).",
     )
     p.add_argument(
+        "--shard-size",
+        type=int,
+        default=1 << 26,
+        help="Target bytes of a bucket's shards: once the work units are done, each bucket's "
+        "parts are packed into shards of about this size, copying the encoded samples "
+        "(default: 64 MiB, Mosaic's recommended 50-100 MB; 0 keeps one small part per unit "
+        "and bucket).",
+    )
+    p.add_argument(
         "--rows-per-task",
         type=int,
         default=1000,
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         compression=args.compression,
         hashes=args.hashes,
         size_limit=args.size_limit,
+        shard_size=args.shard_size,
         rows_per_task=args.rows_per_task,
         min_units=args.min_units,
         filter=args.filter,
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=args.progress,
             drop_lists=tuple(args.drop_lists),
         )
-    except (ExportError, RayStartError, StorageTimeout, StorageUnreachable) as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table_text())

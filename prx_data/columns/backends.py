@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import PrxDataError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,11 @@ class GenerationConfig:
             if not ok:
                 raise ValueError("json_schema must be a JSON object, as text")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise UsageError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass
@@ -416,9 +416,9 @@ class OpenAIBackend(Backend):
         import requests
 
         if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+            raise UsageError(f"concurrency must be >= 1, got {concurrency}")
         if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+            raise UsageError(f"max_retries must be >= 0, got {max_retries}")
         self._requests = requests
         self.url = base_url.rstrip("/") + "/chat/completions"
         key = api_key or os.environ.get(api_key_env)
@@ -584,12 +584,12 @@ class VLLMBackend(Backend):
     def engine_args(engine_kwargs: dict | None, text_only: bool = False) -> dict:
         """Defaults merged with the user's ``engine_kwargs`` (validated, no vllm import)."""
         if not isinstance(engine_kwargs or {}, dict):
-            raise ValueError(f"engine_kwargs must be a dict, got {type(engine_kwargs).__name__}")
+            raise UsageError(f"engine_kwargs must be a dict, got {type(engine_kwargs).__name__}")
         kwargs = dict(engine_kwargs or {})
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
             v = kwargs.get(key, 1)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"engine_kwargs[{key!r}] must be a positive integer, got {v!r}")
+                raise UsageError(f"engine_kwargs[{key!r}] must be a positive integer, got {v!r}")
         if not text_only:
             kwargs.setdefault("limit_mm_per_prompt", {"image": 1})
         if VLLMBackend.gpus_per_replica(kwargs) > 1:
@@ -646,15 +646,15 @@ class BackendSpec:
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+            raise UsageError(f"replicas must be >= 1, got {self.replicas}")
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+            raise UsageError(f"batch_size must be >= 1, got {self.batch_size}")
         params = inspect.signature(self.cls.__init__).parameters
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             unknown = sorted(set(self.options) - set(params) - {"self", "model", "generation"})
             if unknown:
                 allowed = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
-                raise ValueError(
+                raise UsageError(
                     f"unknown option(s) {unknown} for the {self.cls.name} backend; "
                     f"allowed: {allowed}"
                 )
@@ -681,9 +681,9 @@ def make_spec(
     I/O-bound and takes a quarter CPU.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+        raise UsageError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
     if not model:
-        raise ValueError("a model name or path is required")
+        raise UsageError("a model name or path is required")
     cls = BACKENDS[backend]
     cls.check_available()
     opts = dict(options or {})

@@ -11,10 +11,7 @@ from collections import Counter
 import pyarrow as pa
 
 from prx_data.core.descriptor import COLUMN, VECTOR_TYPE, describe_many
-
-
-def error_column(column: str) -> str:
-    return f"{column}_error"
+from prx_data.core.schema import error_column
 
 
 def describe_batch(batch: pa.Table, column: str = COLUMN) -> pa.Table:

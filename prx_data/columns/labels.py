@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prx_data.columns.prompts import CLASSIFY_RULES, default_path
+from prx_data.core.errors import UsageError, read_user_text
 
 VISUAL = "visual"
 TEXT = "text"
@@ -83,14 +84,14 @@ class RuleFilter:
         """Parse a rules file (``label: regex`` or ``text: quoted_words >= N`` per line)."""
         p = Path(path) if path else default_path(CLASSIFY_RULES)
         rules: list[Rule] = []
-        for lineno, raw in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        for lineno, raw in enumerate(read_user_text(str(p), "rules file").splitlines(), 1):
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
             label, sep, body = line.partition(":")
             label, body = label.strip().lower(), body.strip()
             if not sep or label not in LABELS or not body:
-                raise ValueError(
+                raise UsageError(
                     f"{p}:{lineno}: expected '<visual|text|nsfw>: <regex>', got {raw!r}"
                 )
             m = re.fullmatch(r"quoted_words\s*>=\s*(\d+)", body)
@@ -100,7 +101,7 @@ class RuleFilter:
             try:
                 rules.append(Rule(label, pattern=re.compile(body, re.IGNORECASE)))
             except re.error as e:
-                raise ValueError(f"{p}:{lineno}: bad regular expression: {e}") from None
+                raise UsageError(f"{p}:{lineno}: bad regular expression: {e}") from None
         return cls(rules)
 
     def __call__(self, caption: str | None) -> str | None:

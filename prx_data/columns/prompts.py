@@ -10,6 +10,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from prx_data.core.errors import NotFound, UsageError
+
 CAPTION_PROMPT = "caption.txt"
 CLASSIFY_PROMPT = "classify.txt"
 CLASSIFY_RULES = "classify_rules.txt"
@@ -31,9 +33,9 @@ def load_prompt(path: str | Path | None, default: str = CAPTION_PROMPT) -> str:
     try:
         text = p.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
-        raise FileNotFoundError(f"prompt file not found: {p}") from None
+        raise NotFound(f"prompt file not found: {p}") from None
     if not text:
-        raise ValueError(f"prompt file is empty: {p}")
+        raise UsageError(f"prompt file is empty: {p}")
     return text
 
 
@@ -41,7 +43,7 @@ def load_classify_prompt(path: str | Path | None = None) -> str:
     """The text-only classification prompt; it must contain ``{caption}``."""
     text = load_prompt(path, CLASSIFY_PROMPT)
     if CAPTION_SLOT not in text:
-        raise ValueError(
+        raise UsageError(
             f"classification prompt must contain {CAPTION_SLOT!r} where the caption goes"
         )
     return text

@@ -58,6 +58,7 @@ import pyarrow.compute as pc
 
 from prx_data.columns.writeback import ColumnReport, count_into
 from prx_data.core import storage
+from prx_data.core.errors import Conflict, UsageError
 from prx_data.table.pins import column_pin, pinned
 
 ROWADDR = "_rowaddr"
@@ -130,17 +131,17 @@ class ColumnJob:
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+            raise UsageError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if not len(self.outputs):
-            raise ValueError("a column job needs at least one output column")
+            raise UsageError("a column job needs at least one output column")
         if ROWADDR in self.outputs.names:
-            raise ValueError(f"{ROWADDR} is not an output column")
+            raise UsageError(f"{ROWADDR} is not an output column")
         if self.limit is not None and self.limit < 0:
-            raise ValueError(f"limit must be >= 0, got {self.limit}")
+            raise UsageError(f"limit must be >= 0, got {self.limit}")
         if self.commit_every < 1 or self.batch_size < 1:
-            raise ValueError("commit_every and batch_size must be >= 1")
+            raise UsageError("commit_every and batch_size must be >= 1")
         if self.rows_per_unit is not None and self.rows_per_unit < 1:
-            raise ValueError("rows_per_unit must be >= 1 (or None)")
+            raise UsageError("rows_per_unit must be >= 1 (or None)")
 
     @property
     def job_name(self) -> str:
@@ -171,7 +172,7 @@ def ensure_columns(uri: str, outputs: pa.Schema, storage_options: dict | None = 
     names = ds.schema.names
     for f in outputs:
         if f.name in names and ds.schema.field(f.name).type != f.type:
-            raise ValueError(
+            raise UsageError(
                 f"column {f.name!r} is {ds.schema.field(f.name).type} in {uri!r}, "
                 f"this job writes {f.type}"
             )
@@ -238,22 +239,11 @@ def unit_rows(job: ColumnJob, pending: int) -> int | None:
     return min(job.rows_per_unit, fair) if job.rows_per_unit else fair
 
 
-_DATASETS: dict[tuple, Any] = {}
-
-
 def _pinned(uri: str, version: int, storage_options: dict | None, run: str = ""):
-    """The pinned dataset, opened once per process and run (workers run many units).
+    """The pinned dataset, from the process's one cache (:func:`lance_ops.pinned_table`)."""
+    from prx_data.table.lance_ops import pinned_table
 
-    ``run`` is unique per job run: a table deleted and made again at the same
-    path can reach the same version number, and must not be served from cache.
-    """
-    key = (uri, version, json.dumps(storage_options, sort_keys=True), run)
-    ds = _DATASETS.get(key)
-    if ds is None:
-        if len(_DATASETS) > 8:
-            _DATASETS.clear()
-        ds = _DATASETS[key] = _open(uri, storage_options, version)
-    return ds
+    return pinned_table(uri, version, storage_options, run)
 
 
 def read_unit(
@@ -456,7 +446,7 @@ def commit_fragments(
         )
     except Exception as e:
         if "conflict" in str(e).lower():
-            raise RuntimeError(
+            raise Conflict(
                 f"the fragments of {uri!r} changed while the column job ran (compaction, "
                 f"deletion or another job on the same column): {str(e).splitlines()[0]}. "
                 "Rerun the job: it continues from what is committed."

@@ -33,16 +33,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from prx_data.core.errors import UsageError
+from prx_data.core.schema import error_column
 from prx_data.table.search import CLIP_IMAGE_COLUMN
 
 SCORERS = ("clip", "aesthetic", "watermark", "nsfw")
 #: The CLIP image embedding's default column (:data:`CLIP_IMAGE_COLUMN`):
 #: :func:`prx_data.table.search.vector_column` finds it.
 __all__ = ["CLIP_IMAGE_COLUMN", "SCORERS", "ScoreConfig", "ScoreReport", "run_score"]
-
-
-def error_column(prefix: str) -> str:
-    return f"{prefix}_error"
 
 
 def class_column(prefix: str, label: str) -> str:
@@ -290,14 +288,14 @@ def load_state_dict(path: str) -> dict[str, np.ndarray]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(
+        raise UsageError(
             f"{path!r} is not a weights-only torch state dict ({type(e).__name__}); "
             "save the head's state_dict() with torch.save or as .safetensors"
         ) from None
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict):
-        raise ValueError(f"{path!r} holds a {type(obj).__name__}, not a state dict")
+        raise UsageError(f"{path!r} holds a {type(obj).__name__}, not a state dict")
     return {k: v.detach().float().numpy() for k, v in obj.items() if hasattr(v, "detach")}
 
 
@@ -323,15 +321,15 @@ class LinearHead:
             ws.append(w)
             bs.append(np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b, np.float32))
         if not ws:
-            raise ValueError(f"{source} has no 2-d '*weight' tensors: not a linear head")
+            raise UsageError(f"{source} has no 2-d '*weight' tensors: not a linear head")
         for a, b in zip(ws, ws[1:], strict=False):
             if a.shape[0] != b.shape[1]:
-                raise ValueError(
+                raise UsageError(
                     f"{source}: layer shapes {a.shape} -> {b.shape} do not chain; "
                     "the head must be linear layers in key order"
                 )
         if ws[-1].shape[0] != 1:
-            raise ValueError(f"{source}: the last layer has {ws[-1].shape[0]} outputs, not 1")
+            raise UsageError(f"{source}: the last layer has {ws[-1].shape[0]} outputs, not 1")
         return cls(tuple(ws), tuple(bs))
 
     @property
@@ -357,7 +355,7 @@ def aesthetic_batch(
     if valid.any():
         dim = col.type.list_size
         if dim != head.input_dim:
-            raise ValueError(
+            raise UsageError(
                 f"{embedding_column!r} has {dim} dimensions, the head {path!r} takes "
                 f"{head.input_dim}: use the CLIP model the head was trained on"
             )
@@ -412,9 +410,9 @@ class ScoreConfig:
 
     def __post_init__(self) -> None:
         if self.scorer not in SCORERS:
-            raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
+            raise UsageError(f"scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
         if self.replicas < 1 or self.batch_size < 1:
-            raise ValueError("replicas and batch_size must be >= 1")
+            raise UsageError("replicas and batch_size must be >= 1")
 
     @property
     def column_prefix(self) -> str:
@@ -476,14 +474,25 @@ class ScoreReport:
         }
 
 
+def _model_config(model: str):
+    """The model's config; a name that resolves to no model fails here, in one line."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model)
+    except OSError as e:  # how transformers reports an unknown id or a directory without a model
+        raise UsageError(
+            f"--model {model!r}: {str(e).splitlines()[0]} (give a Hugging Face model id or a "
+            "local model directory)"
+        ) from None
+
+
 def score_outputs(cfg: ScoreConfig) -> tuple[pa.Schema, list[str], str]:
     """(output schema, columns read, value column that marks a row done) for ``cfg``."""
     p = cfg.column_prefix
     err = pa.field(error_column(p), pa.string())
     if cfg.scorer == "clip":
-        from transformers import AutoConfig
-
-        dim = int(AutoConfig.from_pretrained(cfg.model).projection_dim)
+        dim = int(_model_config(cfg.model).projection_dim)
         schema = pa.schema(
             [
                 pa.field(f"{p}_image_embedding", vector_type(dim)),
@@ -497,12 +506,10 @@ def score_outputs(cfg: ScoreConfig) -> tuple[pa.Schema, list[str], str]:
         _head(cfg.model)  # a bad file fails here, in one line, before any work
         schema = pa.schema([pa.field(f"{p}_score", pa.float32()), err])
         return schema, [cfg.embedding_column], f"{p}_score"
-    from transformers import AutoConfig
-
-    labels = class_labels(AutoConfig.from_pretrained(cfg.model))
+    labels = class_labels(_model_config(cfg.model))
     cols = [class_column(p, label) for label in labels]
     if len(set(cols)) != len(cols):
-        raise ValueError(f"the class names of {cfg.model!r} collide as columns: {cols}")
+        raise UsageError(f"the class names of {cfg.model!r} collide as columns: {cols}")
     schema = pa.schema(
         [pa.field(f"{p}_label", pa.string()), *(pa.field(c, pa.float32()) for c in cols), err]
     )
@@ -520,9 +527,9 @@ def build_job(cfg: ScoreConfig, **overrides: Any):
     for col in read:
         if col not in names and col != cfg.caption_column:
             hint = " (run the clip scorer first)" if cfg.scorer == "aesthetic" else ""
-            raise ValueError(f"{cfg.table!r} has no column {col!r}{hint}")
+            raise UsageError(f"{cfg.table!r} has no column {col!r}{hint}")
     if cfg.scorer == "clip" and cfg.caption_column not in names:
-        raise ValueError(f"{cfg.table!r} has no caption column {cfg.caption_column!r}")
+        raise UsageError(f"{cfg.table!r} has no caption column {cfg.caption_column!r}")
     where = f"{T.quote(done)} IS NULL" if done in names else None
     if cfg.scorer == "aesthetic":
         has = f"{T.quote(cfg.embedding_column)} IS NOT NULL"

@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from prx_data.core.errors import UsageError
+
 DEFAULT_TIERS: tuple[int, ...] = (512, 1024, 2048, 4096)
 #: Patches per side at tier T is T / PATCH_DIVISOR, i.e. a 16x16 grid for a square image.
 PATCH_DIVISOR = 16
@@ -58,10 +60,10 @@ class BucketSpec:
 
     def __post_init__(self) -> None:
         if not self.tiers or sorted(set(self.tiers)) != list(self.tiers):
-            raise ValueError(f"tiers must be strictly increasing, got {self.tiers}")
+            raise UsageError(f"tiers must be strictly increasing, got {self.tiers}")
         for t in self.tiers:
             if t % self.patch_divisor:
-                raise ValueError(f"tier {t} is not divisible by patch_divisor={self.patch_divisor}")
+                raise UsageError(f"tier {t} is not divisible by patch_divisor={self.patch_divisor}")
         for t in self.tiers:
             self._shapes[t] = tier_shapes(t, self.grid, self.patch_divisor)
 
@@ -70,7 +72,7 @@ class BucketSpec:
         try:
             return self._shapes[tier]
         except KeyError:
-            raise ValueError(f"unknown tier {tier}; configured tiers are {self.tiers}") from None
+            raise UsageError(f"unknown tier {tier}; configured tiers are {self.tiers}") from None
 
     def floor_pixels(self, tier: int) -> float:
         """Smallest pixel count that may serve `tier` (upscale at most `max_upscale`)."""
@@ -162,10 +164,6 @@ def same_ratio_shape(bucket: Bucket, tier: int, spec: BucketSpec = DEFAULT_SPEC)
     return spec.shapes(tier)[idx]
 
 
-def all_buckets(spec: BucketSpec = DEFAULT_SPEC) -> list[Bucket]:
-    return [Bucket(t, w, h) for t in spec.tiers for (w, h) in spec.shapes(t)]
-
-
 def parse_bucket_name(name: str, spec: BucketSpec = DEFAULT_SPEC) -> Bucket:
     """Inverse of :func:`bucket_name` against the configured shape table."""
     tier_s, _, ar = name.strip("/").partition("/")
@@ -173,4 +171,4 @@ def parse_bucket_name(name: str, spec: BucketSpec = DEFAULT_SPEC) -> Bucket:
     for w, h in spec.shapes(tier):
         if aspect_label(w, h) == ar:
             return Bucket(tier, w, h)
-    raise ValueError(f"{name!r} is not a bucket of tier {tier}")
+    raise UsageError(f"{name!r} is not a bucket of tier {tier}")

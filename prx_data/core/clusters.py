@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_data.core.errors import UsageError
 from prx_data.core.phash import hamming
 
 #: Multi-index hashing splits the 64 bits into radius + 1 blocks; past this the
@@ -96,7 +97,7 @@ def _group_equal(hashes: np.ndarray) -> tuple[np.ndarray, int]:
 def _cluster(hashes: np.ndarray, radius: int) -> tuple[np.ndarray, int]:
     """Dense labels with the multi-member clusters first: ``labels < m`` marks rows with copies."""
     if not 0 <= radius <= MAX_RADIUS:
-        raise ValueError(f"radius must be between 0 and {MAX_RADIUS}, got {radius}")
+        raise UsageError(f"radius must be between 0 and {MAX_RADIUS}, got {radius}")
     hashes = np.asarray(hashes, np.uint64).reshape(-1)
     if radius == 0 or len(hashes) < 2:
         return _group_equal(hashes)

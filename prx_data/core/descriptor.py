@@ -25,6 +25,7 @@ from PIL import Image
 from scipy.fft import dctn
 
 from prx_data.core.imaging import ImageError, decode
+from prx_data.core.schema import error_column
 
 DIM = 128
 #: Bump when the recipe changes, so stored descriptors can be recomputed.
@@ -40,11 +41,6 @@ _WEIGHTS = {"dct": 1.0, "colour": 1.0, "grad": 0.7, "bright": 0.3}
 def _unit(v: np.ndarray) -> np.ndarray:
     n = float(np.linalg.norm(v))
     return v / n if n > 1e-12 else v
-
-
-def describe_rgb(rgb: np.ndarray) -> np.ndarray:
-    """Descriptor of an HxWx3 uint8 array (any size)."""
-    return describe_image(Image.fromarray(np.ascontiguousarray(rgb, dtype=np.uint8)))
 
 
 def describe_image(im: Image.Image) -> np.ndarray:
@@ -79,7 +75,7 @@ def describe_image(im: Image.Image) -> np.ndarray:
 
 
 #: Column holding why a row has no descriptor (null where it has one).
-ERROR_COLUMN = f"{COLUMN}_error"
+ERROR_COLUMN = error_column(COLUMN)
 #: Reason for a row without image bytes.
 MISSING = "missing_image"
 

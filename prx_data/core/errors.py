@@ -21,8 +21,47 @@ class PrxDataError(Exception):
     """
 
 
+class UsageError(PrxDataError, ValueError):
+    """A bad argument, setting or input value: the message names it and what to give instead."""
+
+
+class NotFound(PrxDataError, FileNotFoundError):
+    """A table, export or file the user named is not there."""
+
+
+class AlreadyExists(PrxDataError, FileExistsError):
+    """A destination the user named already holds something the job will not replace."""
+
+
+class UnknownName(PrxDataError, KeyError):
+    """A bucket, shard, row or column the user named is not in the data."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; this one is a sentence
+        return Exception.__str__(self)
+
+
+class OutOfRange(PrxDataError, IndexError):
+    """A position the user gave lies outside what it points into."""
+
+
+class Conflict(PrxDataError, RuntimeError):
+    """The data changed under a run (another writer): what is committed stays; run it again."""
+
+
 class ErrorRateExceeded(PrxDataError, RuntimeError):
     """More items failed than ``--max-error-rate`` allows."""
+
+
+def read_user_text(path: str, what: str) -> str:
+    """The text of a file the user named; a missing or unreadable one is a one-line error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise NotFound(f"{what} {path!r} does not exist: check the path") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise UsageError(f"{what} {path!r} cannot be read: {why}") from None
 
 
 def error_rate_arg(value: str) -> float:

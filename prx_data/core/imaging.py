@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import PrxDataError, UsageError
 
 # Truncated files must fail loudly rather than decode to grey.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -308,7 +308,7 @@ def _filter(resample: str) -> Image.Resampling:
     try:
         return RESAMPLE[resample]
     except KeyError:
-        raise ValueError(f"unknown resample {resample!r}; choose from {list(RESAMPLE)}") from None
+        raise UsageError(f"unknown resample {resample!r}; choose from {list(RESAMPLE)}") from None
 
 
 def encode(
@@ -327,7 +327,7 @@ def encode(
     elif fmt == "png":
         im.save(buf, "PNG", compress_level=1)
     else:
-        raise ValueError(f"unknown output format {fmt!r}; use 'jpeg' or 'png'")
+        raise UsageError(f"unknown output format {fmt!r}; use 'jpeg' or 'png'")
     return buf.getvalue()
 
 
@@ -410,9 +410,9 @@ def prepare_vips(
     if src_size is None:
         src_size = (info.width, info.height)
     if fmt not in ("jpeg", "png"):
-        raise ValueError(f"unknown output format {fmt!r}; use 'jpeg' or 'png'")
+        raise UsageError(f"unknown output format {fmt!r}; use 'jpeg' or 'png'")
     if subsampling not in _VIPS_SUBSAMPLE:
-        raise ValueError("the vips codec supports subsampling -1 (4:2:0), 0 (4:4:4) or 2 (4:2:0)")
+        raise UsageError("the vips codec supports subsampling -1 (4:2:0), 0 (4:4:4) or 2 (4:2:0)")
     pyvips = _vips()
     try:
         im = pyvips.Image.thumbnail_buffer(
@@ -447,17 +447,17 @@ def prepare_vips(
 def check_codec(codec: str, resample: str = "lanczos", draft_margin: float = DRAFT_MARGIN) -> None:
     """Raise ValueError for an unknown codec or filter, or a setting the codec cannot use."""
     if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; choose from {CODECS}")
+        raise UsageError(f"unknown codec {codec!r}; choose from {CODECS}")
     _filter(resample)
     if codec == "vips" and resample != "lanczos":
-        raise ValueError(f"the vips codec resamples with Lanczos3 only, not {resample!r}")
+        raise UsageError(f"the vips codec resamples with Lanczos3 only, not {resample!r}")
     if not draft_margin >= 1.0:  # also refuses NaN
-        raise ValueError(
+        raise UsageError(
             f"draft margin {draft_margin} is below 1.0: the image would be decoded smaller "
             "than the bucket and enlarged again; use 1.0 or more"
         )
     if codec == "vips" and draft_margin != DRAFT_MARGIN:
-        raise ValueError("the vips codec keeps libvips' own shrink-on-load margin (2x)")
+        raise UsageError("the vips codec keeps libvips' own shrink-on-load margin (2x)")
 
 
 def prepare_with(codec: str, data: bytes, dst_w: int, dst_h: int, **kwargs) -> Prepared:

@@ -102,10 +102,6 @@ def to_hex(h: int | np.integer) -> str:
     return f"{int(h):016x}"
 
 
-def from_hex(s: str) -> int:
-    return int(s, 16)
-
-
 def to_bits(h: int | np.integer) -> np.ndarray:
     """The 8x8 boolean block (row-major, like ``imagehash.ImageHash.hash``)."""
     return ((np.uint64(h) & _WEIGHTS) != 0).reshape(HASH_SIZE, HASH_SIZE)

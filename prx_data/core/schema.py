@@ -27,6 +27,16 @@ EMBEDDING = "embedding"  # optional fixed-size float32 vector
 JOB_COLUMN_SUFFIXES = ("_status", "_error")
 
 
+def status_column(column: str) -> str:
+    """``caption_vlm`` -> ``caption_vlm_status``: the job's per-row outcome."""
+    return column + JOB_COLUMN_SUFFIXES[0]
+
+
+def error_column(column: str) -> str:
+    """``caption_vlm`` -> ``caption_vlm_error``: why the job failed on a row (null when not)."""
+    return column + JOB_COLUMN_SUFFIXES[1]
+
+
 def is_job_column(name: str) -> bool:
     """True for a column job's status or failure-reason column."""
     return name.endswith(JOB_COLUMN_SUFFIXES)
@@ -60,6 +70,33 @@ MDS_COLUMNS: dict[str, str] = {
     "tier": "int32",
     "bucket": "str",  # e.g. "1024/1.000"
 }
+
+
+def mds_sample(
+    *,
+    image: bytes,
+    id: str,
+    width: int,
+    height: int,
+    crop_box: tuple[float, float, float, float],
+    tier: int,
+    bucket: str,
+) -> dict[str, object]:
+    """One exported sample keyed as :data:`MDS_COLUMNS` (the one place that spells the keys)."""
+    left, top, right, bottom = crop_box
+    return {
+        "image": image,
+        "id": id,
+        "width": int(width),
+        "height": int(height),
+        "crop_left": float(left),
+        "crop_top": float(top),
+        "crop_right": float(right),
+        "crop_bottom": float(bottom),
+        "tier": int(tier),
+        "bucket": bucket,
+    }
+
 
 #: Per-part manifest next to the shards: (shard basename, index in shard, id).
 #: Lets skip lists be built from row ids without reading any image bytes.

@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import PrxDataError, UsageError
 
 #: Environment variables that select object-storage endpoints, credentials and deadlines.
 STORAGE_ENV_PREFIXES = ("S3_", "AWS_", "GOOGLE_", "GCS_", "AZURE_", "OCI_", "STORAGE_")
@@ -102,9 +102,9 @@ def _env_number(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds/attempts") from None
+        raise UsageError(f"{name}={raw!r} is not a number of seconds/attempts") from None
     if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
+        raise UsageError(f"{name}={raw!r} must be positive")
     return value
 
 
@@ -357,7 +357,7 @@ def delete(path: str) -> None:
             return
         _, prefix = _s3_prefix(path)
         if not prefix:
-            raise ValueError(f"{path}: refusing to delete a whole bucket")
+            raise UsageError(f"{path}: refusing to delete a whole bucket")
         batch: list[dict] = []
         for rel, _ in _s3_walk(path, recursive=True, keep_markers=True):
             batch.append({"Key": prefix + rel})
@@ -389,6 +389,14 @@ def _s3_delete_batch(path: str, bucket: str, objects: list[dict]) -> None:
 
 def _s3_walk(root: str, recursive: bool, keep_markers: bool = False) -> Iterator[tuple[str, int]]:
     """(path relative to ``root``, size) of every object under an S3 prefix, page by page."""
+    for rel, obj in _s3_objects(root, recursive, keep_markers):
+        yield rel, int(obj.get("Size", 0))
+
+
+def _s3_objects(
+    root: str, recursive: bool, keep_markers: bool = False
+) -> Iterator[tuple[str, dict]]:
+    """(path relative to ``root``, listing entry) of every object under an S3 prefix."""
     from botocore.exceptions import ClientError
 
     bucket, prefix = _s3_prefix(root)
@@ -405,7 +413,7 @@ def _s3_walk(root: str, recursive: bool, keep_markers: bool = False) -> Iterator
         for obj in page.get("Contents", ()):
             rel = obj["Key"][len(prefix) :]
             if keep_markers or (rel and not rel.endswith("/")):  # "dir/" markers are no files
-                yield rel, int(obj.get("Size", 0))
+                yield rel, obj
         if not page.get("IsTruncated"):
             return
         kwargs["ContinuationToken"] = page["NextContinuationToken"]
@@ -433,6 +441,67 @@ def list_files(root: str, suffix: str = "", recursive: bool = True) -> list[str]
 def file_sizes(root: str) -> dict[str, int]:
     """{``/``-separated path relative to ``root``: size} of every file under it."""
     return {r.replace("\\", "/"): size for r, size in _walk(root, recursive=True)}
+
+
+@dataclass(frozen=True)
+class FileVersion:
+    """What a listing says about one file: its size and a tag that changes with its bytes.
+
+    ``tag`` is the S3 ETag, or the modification time elsewhere; None when the
+    store gives neither (the file must then be read to tell).
+    """
+
+    size: int
+    tag: str | None
+
+
+def file_versions(root: str) -> dict[str, FileVersion]:
+    """{``/``-separated path relative to ``root``: version} of every file under it (one listing)."""
+    if _is_s3(root):
+        return {
+            rel: FileVersion(int(obj.get("Size", 0)), obj.get("ETag"))
+            for rel, obj in _s3_objects(root, recursive=True)
+        }
+    fs, p = filesystem(root)
+
+    def infos() -> list:
+        return fs.get_file_info(pafs.FileSelector(p, recursive=True, allow_not_found=True))
+
+    rel = posixpath.relpath if is_remote(root) else os.path.relpath
+    got = with_deadline(root, "list", infos) if is_remote(root) else infos()
+    return {
+        rel(i.path, p).replace("\\", "/"): FileVersion(
+            int(i.size), None if i.mtime_ns is None else str(i.mtime_ns)
+        )
+        for i in got
+        if i.type == pafs.FileType.File
+    }
+
+
+def file_version(path: str) -> FileVersion | None:
+    """The version of one file (a HEAD on S3), or None when there is none."""
+    if _is_s3(path):
+        from botocore.exceptions import ClientError
+
+        bucket, key = _bucket_key(path)
+        if not key.rstrip("/"):
+            return None
+        try:
+            r = s3_call(path, "stat", lambda: s3_client().head_object(Bucket=bucket, Key=key))
+        except ClientError as e:
+            if _not_found(e):
+                return None
+            raise
+        return FileVersion(int(r.get("ContentLength", 0)), r.get("ETag"))
+    fs, p = filesystem(path)
+
+    def info():
+        return fs.get_file_info(p)
+
+    i = with_deadline(path, "stat", info) if is_remote(path) else info()
+    if i.type != pafs.FileType.File:
+        return None
+    return FileVersion(int(i.size), None if i.mtime_ns is None else str(i.mtime_ns))
 
 
 def list_dirs(root: str) -> list[str]:

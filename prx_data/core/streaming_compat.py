@@ -28,7 +28,7 @@ if not _streaming_version.startswith(SUPPORTED):
         f"found {_streaming_version}. Check that MDSReader's constructor and get_item, "
         "Stream.get_shards, Stream.prepare_shard, Reader.evict/set_up_local/get_max_size "
         "(pinned local shards), World.detect, maybe_init_dist, decompress, reader_from_json, "
-        "get_partitions and is_safe_mds_encoding "
+        "get_partitions, get_hash and is_safe_mds_encoding "
         "behave as before (tests/test_streaming_compat.py), then add the version to "
         "prx_data.core.streaming_compat.SUPPORTED; or pin mosaicml-streaming==0.13.0."
     )
@@ -43,6 +43,7 @@ from streaming.base.format.mds.encodings import (  # noqa: E402
     is_mds_encoding_safe,
 )
 from streaming.base.format.mds.reader import MDSReader  # noqa: E402
+from streaming.base.hashing import get_hash  # noqa: E402
 from streaming.base.partition import get_partitions  # noqa: E402
 from streaming.base.world import World  # noqa: E402
 
@@ -52,6 +53,7 @@ __all__ = [
     "MDSReader",
     "World",
     "decompress",
+    "get_hash",
     "get_partitions",
     "is_safe_mds_encoding",
     "maybe_init_dist",

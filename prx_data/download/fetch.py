@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import quote, urljoin, urlsplit
 
+from prx_data.core.errors import UsageError
+
 #: Row statuses: the image is in the row; retries were exhausted; the server
 #: (or the bytes) said no for good; our address/URL policy said no; the
 #: server opted out; another row with the same URL holds (or will hold) it.
@@ -129,7 +131,7 @@ class AddressPolicy:
             ip = _ip(text)
             return ipaddress.ip_network(ip), port
         except ValueError:
-            raise ValueError(
+            raise UsageError(
                 f"allowed address {entry!r} is not an IP, IP:port or network "
                 "(e.g. 127.0.0.1, 127.0.0.1:8080, 10.0.0.0/8)"
             ) from None
@@ -198,11 +200,11 @@ class FetchConfig:
         AddressPolicy(self.allow)
         for name in ("connect_timeout", "read_timeout", "total_timeout"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+                raise UsageError(f"{name} must be > 0")
         if self.max_bytes < 1 or self.threads < 1 or self.per_host < 1:
-            raise ValueError("max_bytes, threads and per_host must be >= 1")
+            raise UsageError("max_bytes, threads and per_host must be >= 1")
         if self.retries < 0 or self.max_redirects < 0 or self.per_host_rate < 0:
-            raise ValueError("retries, max_redirects and per_host_rate must be >= 0")
+            raise UsageError("retries, max_redirects and per_host_rate must be >= 0")
 
 
 @dataclass

@@ -43,10 +43,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_data.core import schema as S
+from prx_data.core.errors import Conflict, UsageError
 from prx_data.download import fetch as F
 
-STATUS = "download_status"
-ERROR = "download_error"
+STATUS = S.status_column("download")
+ERROR = S.error_column("download")
 OUTPUTS = pa.schema([pa.field(STATUS, pa.string()), pa.field(ERROR, pa.string())])
 #: URL column names tried in order when none is given (LAION, COYO, DataComp, CC12M: ``url``).
 URL_NAMES = ("url", "URL", "image_url", "img_url", "src_url")
@@ -91,14 +92,14 @@ class DownloadConfig:
 
     def __post_init__(self) -> None:
         if self.engine not in ("ray", "local"):
-            raise ValueError(f"engine must be 'ray' or 'local', got {self.engine!r}")
+            raise UsageError(f"engine must be 'ray' or 'local', got {self.engine!r}")
         if self.limit is not None and self.limit < 0:
-            raise ValueError("limit must be >= 0")
+            raise UsageError("limit must be >= 0")
         for name in ("batch_size", "rows_per_unit", "commit_rows", "commit_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+                raise UsageError(f"{name} must be >= 1")
         if self.task_cpus <= 0:
-            raise ValueError("task_cpus must be > 0")
+            raise UsageError("task_cpus must be > 0")
 
 
 @dataclass
@@ -203,12 +204,12 @@ def url_column(names: Sequence[str], given: str | None = None) -> str:
     """The table's URL column: ``given``, else the first of :data:`URL_NAMES`."""
     if given is not None:
         if given not in names:
-            raise ValueError(f"column {given!r} is not in the table; it has {list(names)}")
+            raise UsageError(f"column {given!r} is not in the table; it has {list(names)}")
         return given
     for name in URL_NAMES:
         if name in names:
             return name
-    raise ValueError(
+    raise UsageError(
         f"the table has no URL column (looked for {', '.join(URL_NAMES)}); "
         "name it with --url-column"
     )
@@ -396,7 +397,7 @@ class Mover:
             mine = addrs[frags == fid]
             frag = self.ds.get_fragment(int(fid))
             if frag is None:
-                raise RuntimeError(
+                raise Conflict(
                     f"fragment {fid} of {self.cfg.table!r} went away while the download ran "
                     "(compaction?): rerun, it continues from what is committed"
                 )
@@ -414,7 +415,7 @@ class Mover:
             )
         except Exception as e:
             if "conflict" in str(e).lower():
-                raise RuntimeError(
+                raise Conflict(
                     f"{self.cfg.table!r} changed while the download ran (compaction, deletion "
                     f"or another download): {str(e).splitlines()[0]}. Rerun: it continues "
                     "from what is committed."
@@ -511,7 +512,7 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
         c for c in (S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT, S.PROBE_ERROR) if c not in ds.schema.names
     ]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"{cfg.table!r} lacks the table columns {missing}: make it with "
             "`python -m prx_data.ingest` (rows without bytes get probe_error = missing_image)"
         )

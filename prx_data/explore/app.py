@@ -64,7 +64,7 @@ from prx_data.core import descriptor
 from prx_data.core import quality as Q
 from prx_data.core import schema as S
 from prx_data.core.buckets import DEFAULT_SPEC
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import PrxDataError, UsageError
 from prx_data.core.imaging import ImageError, decode, open_image
 from prx_data.table import lance_ops as T
 from prx_data.table import search
@@ -147,16 +147,16 @@ class ExploreConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.page_size <= MAX_PAGE:
-            raise ValueError(f"page size {self.page_size} is out of range: use 1 to {MAX_PAGE}")
+            raise UsageError(f"page size {self.page_size} is out of range: use 1 to {MAX_PAGE}")
         if self.descriptors not in ("auto", "yes", "no"):
-            raise ValueError(f"descriptors must be auto, yes or no, not {self.descriptors!r}")
+            raise UsageError(f"descriptors must be auto, yes or no, not {self.descriptors!r}")
         if self.workers < 1 or self.queue < 0 or self.thumb_queue < 1:
-            raise ValueError("workers and thumb_queue must be at least 1, queue at least 0")
+            raise UsageError("workers and thumb_queue must be at least 1, queue at least 0")
         if not self.thumb_timeout_s > 0:
-            raise ValueError(f"thumb_timeout_s must be positive, not {self.thumb_timeout_s}")
+            raise UsageError(f"thumb_timeout_s must be positive, not {self.thumb_timeout_s}")
         for name in self.allowed_hosts:
             if _host_name(name) is None:
-                raise ValueError(f"allowed host {name!r} is not a host name or IP address")
+                raise UsageError(f"allowed host {name!r} is not a host name or IP address")
 
 
 class RequestError(PrxDataError):

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from PIL import Image
 
+from prx_data.core.errors import UsageError
 from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, ImageError, decode, encode
 
 # --- quality estimation -----------------------------------------------------------------------
@@ -59,7 +60,7 @@ def libjpeg_tables(quality: int, force_baseline: bool = True) -> tuple[np.ndarra
     least 1, and at most 255 for baseline files (Pillow forces baseline).
     """
     if not 1 <= quality <= 100:
-        raise ValueError(f"quality must be 1..100, got {quality}")
+        raise UsageError(f"quality must be 1..100, got {quality}")
     scale = 5000 // quality if quality < 50 else 200 - 2 * quality
     hi = 255 if force_baseline else 32767
     out = []
@@ -157,7 +158,7 @@ def reencode(
     """The image after each requested number of encode/decode cycles with the exporter's encoder."""
     want = sorted(set(cycles))
     if not want or want[0] < 1:
-        raise ValueError(f"cycles must be >= 1, got {cycles}")
+        raise UsageError(f"cycles must be >= 1, got {cycles}")
     out: dict[int, Image.Image] = {}
     cur = im
     for c in range(1, want[-1] + 1):
@@ -211,13 +212,13 @@ class FidelityConfig:
 
     def __post_init__(self) -> None:
         if (self.folder is None) == (self.table is None):
-            raise ValueError("give exactly one of folder or table")
+            raise UsageError("give exactly one of folder or table")
         if not 1 <= self.quality <= 100:
-            raise ValueError(f"quality must be 1..100, got {self.quality}")
+            raise UsageError(f"quality must be 1..100, got {self.quality}")
         if not self.cycles or min(self.cycles) < 1:
-            raise ValueError(f"cycles must be >= 1, got {self.cycles}")
+            raise UsageError(f"cycles must be >= 1, got {self.cycles}")
         if self.limit < 1:
-            raise ValueError("limit must be >= 1")
+            raise UsageError("limit must be >= 1")
 
 
 @dataclass

@@ -19,11 +19,14 @@ the loader and the tests all read and write the same thing.
       <tier>/<ar>/<part>/shard.NNNNN.mds[.zstd]
       <tier>/<ar>/<part>/ids.parquet   manifest: shard (as in the merged index), index, id
       <tier>/<ar>/<part>/shard.NNNNN.mds.<name>.skip   skip-list sidecars
+      _progress/packed/<tier>/<ar>/<pack>  a written pack (JSON: its unit parts, counts)
       _lists/<name>.parquet            a skip list's row ids + provenance (sidecars derive from it)
       _lists/registry                  URI of the table's list registry (JSON text)
       _lists/.lock                     serialises list updates (a lease object on s3://)
 
-``<part>`` names a work unit, ``f<fragment:06d>-<start:09d>`` (:func:`part_name`).
+``<part>`` names a work unit, ``f<fragment:06d>-<start:09d>`` (:func:`part_name`), or,
+once the pack stage ran, a pack of consecutive unit parts of the bucket,
+``p<ordinal:06d>-<first unit part>`` (:func:`pack_name`, :mod:`prx_data.export.pack`).
 The merged index is built by :func:`merge_bucket`, our documented equivalent
 of ``streaming.base.util.merge_index``: it prefixes each shard basename with
 its part, sorts parts, writes with sorted keys and replaces the file
@@ -51,7 +54,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prx_data.core import storage
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import NotFound, PrxDataError
 from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
 
 T = TypeVar("T")
@@ -63,10 +66,19 @@ def part_name(fragment_id: int, start: int) -> str:
     return f"f{fragment_id:06d}-{start:09d}"
 
 
+def pack_name(ordinal: int, first_part: str) -> str:
+    """A pack's directory name: its place in the bucket and the first unit part it holds."""
+    return f"p{ordinal:06d}-{first_part}"
+
+
 # Every name pattern here is used with ``fullmatch`` (``$`` would accept a trailing newline)
 # and spells digits ``[0-9]`` (``\d`` also matches other scripts' digits, e.g. ``٥١٢``).
 #: What :func:`part_name` produces (widths are minimums: more fragments widen them).
-PART_PATTERN = r"f[0-9]{6,}-[0-9]{9,}"
+UNIT_PART_PATTERN = r"f[0-9]{6,}-[0-9]{9,}"
+#: What :func:`pack_name` produces: a pack of consecutive unit parts (``prx_data.export.pack``).
+PACK_PATTERN = rf"p[0-9]{{6,}}-{UNIT_PART_PATTERN}"
+#: A part directory of a bucket: a work unit's part, or a pack of them.
+PART_PATTERN = rf"(?:{UNIT_PART_PATTERN}|{PACK_PATTERN})"
 #: A shard file as MDSWriter names it, raw or compressed (streaming's compression extensions).
 SHARD_FILE_PATTERN = r"shard\.[0-9]{5,}\.mds(?:\.(?:br|bz2|gz|snappy|zstd))?"
 _PART_RE = re.compile(PART_PATTERN)
@@ -308,15 +320,21 @@ DROPPED_DIR = "_progress/dropped"
 #: Where a work unit stages its parts on a local --out (one folder per attempt).
 WRITING_DIR = "_progress/writing"
 
+#: A skip-list name (used with ``fullmatch``; ``$`` would accept a trailing newline). Names
+#: become file-name parts: a sidecar is ``<shard basename>.<name>`` + :data:`SIDECAR_SUFFIX`,
+#: a list's ids are ``_lists/<name>.parquet``.
+LIST_NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,63}"
+LIST_NAME_RE = re.compile(LIST_NAME_PATTERN)
+#: Suffix of a skip-list sidecar next to its shard (:mod:`prx_data.skips.sidecar`).
+SIDECAR_SUFFIX = ".skip"
+
 #: The export's skip lists as row ids (:mod:`prx_data.skips.lists`): one parquet per list
 #: (never ``*.json``: streaming's ``merge_index`` would take it for an index), the
 #: reference to the table's registry, and the lock that serialises updates.
 LISTS_DIR = "_lists"
 LISTS_REF_NAME = "registry"
 LISTS_LOCK_NAME = ".lock"
-LISTS_FILE_RE = re.compile(
-    r"(registry|\.lock|[a-z0-9][a-z0-9._-]{0,63}\.parquet)(\.tmp-[0-9a-f]+)?"
-)
+LISTS_FILE_RE = re.compile(rf"(registry|\.lock|{LIST_NAME_PATTERN}\.parquet)(\.tmp-[0-9a-f]+)?")
 
 #: Top-level files an export may contain besides tier directories.
 _EXPORT_ENTRIES_EXTRA = {
@@ -332,7 +350,7 @@ _EXPORT_ENTRIES_EXTRA = {
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
 #: (Part directories themselves match ``_PART_RE``, the pattern :func:`part_name` makes.)
 _PART_FILE_RE = re.compile(
-    rf"({SHARD_FILE_PATTERN}(\.[a-z0-9][a-z0-9._-]{{0,63}}\.skip)?|index\.json"
+    rf"({SHARD_FILE_PATTERN}(\.{LIST_NAME_PATTERN}{re.escape(SIDECAR_SUFFIX)})?|index\.json"
     r"|ids\.parquet)(\.tmp-[0-9a-f]+)?"
 )
 
@@ -463,6 +481,7 @@ def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
     :func:`foreign_entries` first. The report goes first, so a kill part-way
     leaves a tree the loader and ``verify`` see as unfinished. A symbolic link
     is never followed: a linked tier, bucket or part is left alone, and so is its target.
+    ``keep`` holds part names (kept in every bucket) and ``<tier>/<ar>/<pack>`` paths.
     """
     for name in (REPORT_NAME, "report.txt"):
         storage.delete(storage.join(out, name))
@@ -473,7 +492,7 @@ def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
             bits = rel.split("/")
             if not _allowed_bucket_path(bits):
                 continue
-            if len(bits) == 4 and bits[2] not in keep:
+            if len(bits) == 4 and bits[2] not in keep and "/".join(bits[:3]) not in keep:
                 stale.add("/".join(bits[:3]))
             elif len(bits) == 3:  # a merge from an earlier attempt; redone at the end
                 stale.add(rel)
@@ -499,7 +518,8 @@ def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
                 ppath = os.path.join(bdir, part)
                 if os.path.islink(ppath):
                     continue
-                if os.path.isdir(ppath) and _PART_RE.fullmatch(part) and part not in keep:
+                kept = part in keep or f"{tier}/{ar}/{part}" in keep
+                if os.path.isdir(ppath) and _PART_RE.fullmatch(part) and not kept:
                     remove_tree(ppath)
                     removed += 1
                 elif os.path.isdir(ppath):
@@ -529,10 +549,15 @@ def _remove_temp_files(directory: str) -> None:
                 os.remove(os.path.join(dirpath, f))
 
 
-def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> None:
-    """ids.parquet: (shard basename as in the merged index, index in shard, id)."""
+def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> int:
+    """ids.parquet: (shard basename as in the merged index, index in shard, id).
+
+    Returns the part's shard bytes (uncompressed), which the pack stage plans by.
+    """
     shard_col, idx_col = [], []
+    nbytes = 0
     for shard in load_index(storage.join(bucket_dir, part, INDEX_NAME), in_part=True):
+        nbytes += int(shard["raw_data"]["bytes"])
         base = posixpath.join(part, shard["raw_data"]["basename"])
         shard_col += [base] * shard["samples"]
         idx_col += list(range(shard["samples"]))
@@ -550,6 +575,7 @@ def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> None:
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     storage.write_bytes_atomic(storage.join(bucket_dir, part, MANIFEST_NAME), buf.getvalue())
+    return nbytes
 
 
 def merge_bucket(
@@ -603,7 +629,7 @@ def content_digest(out: str) -> str:
         if (
             rel.startswith((PROGRESS_DIR, LISTS_DIR))
             or rel in (REPORT_NAME, "report.txt", DROPPED_NAME, LOCK_NAME, LEASE_NAME)
-            or rel.endswith(".skip")
+            or rel.endswith(SIDECAR_SUFFIX)
         ):
             continue
         h.update(rel.encode())
@@ -750,7 +776,7 @@ def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) 
         # Our own checks (rewrite, verify) need our layout; readers take any confined name.
         entries = load_index(path, export_columns=export_columns, plain=not export_columns)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no merged index; is {root!r} an export root?") from None
+        raise NotFound(f"{path}: no merged index; is {root!r} an export root?") from None
     if not storage.is_remote(root):  # a name outside our layout must not be a link out
         names = [
             e[k]["basename"]
@@ -970,14 +996,3 @@ def check_bucket_complete(
             f"{REPORT_NAME} counted {expected}; the export was changed after it finished or did "
             f"not finish. Check it with `python -m prx_data.verify {root}`; {_OVERRIDE_HINT}"
         )
-
-
-def write_completion(out: str, buckets: Mapping[str, int], **extra) -> None:
-    """``report.json`` for a tree written by another tool than the exporter (e.g. a rewrite).
-
-    It carries the per-bucket sample counts the loader checks; without a
-    ``units`` count there are no progress markers to compare.
-    """
-    body = {"buckets": dict(sorted(buckets.items())), "samples_written": sum(buckets.values())}
-    body.update(extra)
-    storage.write_bytes_atomic(storage.join(out, REPORT_NAME), json.dumps(body, indent=2).encode())

@@ -31,7 +31,7 @@ from streaming import MDSWriter
 
 from prx_data.core import storage
 from prx_data.core.buckets import parse_bucket_name
-from prx_data.core.schema import MDS_COLUMNS
+from prx_data.core.schema import MDS_COLUMNS, mds_sample
 from prx_data.export import layout
 from prx_data.export.unit import ExportConfig, UnitResult, done_parts, finalize
 
@@ -104,18 +104,15 @@ def make_sample_export(
                 for i in range(start, min(n, start + samples_per_part)):
                     sid = f"{name}/{bucket_name}/{i}"
                     colour = (i % 251, (i // 251) % 251, 7)
-                    sample = {
-                        "image": _jpeg(bucket.width, bucket.height, colour),
-                        "id": sid,
-                        "width": bucket.width * 2,
-                        "height": bucket.height * 2,
-                        "crop_left": 0.0,
-                        "crop_top": 0.0,
-                        "crop_right": float(bucket.width * 2),
-                        "crop_bottom": float(bucket.height * 2),
-                        "tier": bucket.tier,
-                        "bucket": bucket_name,
-                    }
+                    sample = mds_sample(
+                        image=_jpeg(bucket.width, bucket.height, colour),
+                        id=sid,
+                        width=bucket.width * 2,
+                        height=bucket.height * 2,
+                        crop_box=(0.0, 0.0, float(bucket.width * 2), float(bucket.height * 2)),
+                        tier=bucket.tier,
+                        bucket=bucket_name,
+                    )
                     for c in caption_columns:
                         sample[c] = f"{c} of {sid}"
                     w.write(sample)

@@ -24,17 +24,18 @@ import time
 import uuid
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 
 from prx_data.core import storage
 from prx_data.core.buckets import DEFAULT_TIERS, BucketSpec, assign_bucket
+from prx_data.core.errors import NotFound
 from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, DRAFT_MARGIN, ImageError, prepare_with
 from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
-from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME, is_job_column
+from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME, is_job_column, mds_sample
 from prx_data.export.layout import (
     CONFIG_NAME,
     DROPPED_DIR,
@@ -98,6 +99,10 @@ class ExportConfig:
     compression: str | None = None
     hashes: tuple[str, ...] = DEFAULT_HASHES
     size_limit: int = 1 << 26
+    #: Target bytes of a bucket's shards: after the units, consecutive parts of a bucket
+    #: are packed into shards of about this size (``prx_data.export.pack``); 0 keeps one
+    #: part per unit and bucket. Shards still end at ``size_limit``.
+    shard_size: int = 1 << 26
     rows_per_task: int = 1000
     #: Plan at least this many work units, so that a small table still keeps every core
     #: busy (None: ``rows_per_task`` alone). ``pipelines.write_mds`` sets it from the
@@ -133,6 +138,8 @@ class UnitResult:
     rows: int = 0
     written: int = 0
     buckets: dict[str, int] = field(default_factory=dict)
+    #: Shard bytes (uncompressed) of the unit's part in each bucket: what the pack plans by.
+    bucket_bytes: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
@@ -208,14 +215,13 @@ class ExportReport:
 
 
 def open_table(uri: str, version: int | None = None):
-    import lance
+    """:func:`prx_data.table.lance_ops.open_table`, failing as an :class:`ExportError`."""
+    from prx_data.table import lance_ops
 
     try:
-        return lance.dataset(uri, version=version)
-    except (ValueError, OSError) as e:
-        raise ExportError(
-            f"cannot open Lance table {uri!r}: {e}. Create one with `python -m prx_data.ingest DIR --table {uri}`."
-        ) from None
+        return lance_ops.open_table(uri, version=version)
+    except NotFound as e:
+        raise ExportError(str(e)) from None
 
 
 def check_table_columns(uri: str, schema: pa.Schema) -> None:
@@ -583,18 +589,15 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                 except ImageError as e:
                     drop(row, e.reason, e.detail)
                     continue
-                sample = {
-                    "image": prepared.data,
-                    "id": str(row["id"]),
-                    "width": int(w),
-                    "height": int(h),
-                    "crop_left": prepared.crop_box[0],
-                    "crop_top": prepared.crop_box[1],
-                    "crop_right": prepared.crop_box[2],
-                    "crop_bottom": prepared.crop_box[3],
-                    "tier": b.tier,
-                    "bucket": b.name,
-                }
+                sample = mds_sample(
+                    image=prepared.data,
+                    id=str(row["id"]),
+                    width=w,
+                    height=h,
+                    crop_box=prepared.crop_box,
+                    tier=b.tier,
+                    bucket=b.name,
+                )
                 for c in caption_cols:
                     sample[c] = _clean_caption(row.get(c), cfg.max_caption_chars, notes, c)
                 writer = writers.get(b.name)
@@ -620,7 +623,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
         for writer in writers.values():
             writer.finish()
     for name, id_list in ids.items():
-        write_manifest(storage.join(stage, name), unit.part, id_list)
+        result.bucket_bytes[name] = write_manifest(storage.join(stage, name), unit.part, id_list)
         result.buckets[name] = len(id_list)
     if local and ids:
         _publish_parts(cfg.out, stage, unit.part, sorted(ids))
@@ -746,6 +749,7 @@ def finalize(
     seconds: float,
     lists_hook: Callable[[], dict[str, dict[str, int]]] | None = None,
     check: Callable[[], None] = lambda: None,
+    packs: Mapping[str, Mapping[str, int]] | None = None,
 ) -> ExportReport:
     """Merge every bucket (checked against the units' counts), then the dropped rows and report.
 
@@ -753,6 +757,8 @@ def finalize(
     written (the skip lists, which live a layer above, bind to the merged
     indexes); what it returns goes into the report's ``lists``. ``check`` (the
     run lock's) runs before every write: a lost lease stops the run there.
+    ``packs`` ({bucket: {pack: samples}}, from :mod:`prx_data.export.pack`) names
+    the part directories the buckets hold once packed, in place of the units' parts.
     """
     per_bucket: dict[str, list[str]] = {}
     per_part: dict[str, dict[str, int]] = {}
@@ -769,6 +775,9 @@ def finalize(
             per_bucket.setdefault(name, []).append(r.part)
             per_part.setdefault(name, {})[r.part] = n
             counts[name] += n
+    if packs is not None:
+        per_part = {name: dict(packed) for name, packed in packs.items()}
+        per_bucket = {name: list(packed) for name, packed in per_part.items()}
     for name, parts in sorted(per_bucket.items()):
         merged = merge_bucket(
             storage.join(cfg.out, name), parts, expected=per_part[name], check=check

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,9 +39,11 @@ from prx_data.export.layout import (
     _SHARD_RE,
     _TIER_RE,
     INDEX_NAME,
+    LIST_NAME_RE,
     LISTS_DIR,
     LISTS_FILE_RE,
     PROGRESS_DIR,
+    SIDECAR_SUFFIX,
     ShardInfo,
     columns_problem,
     imap_bounded,
@@ -55,7 +56,6 @@ from prx_data.export.layout import (
 
 #: A shard basename as the merged index records it (``<part>/shard.NNNNN.mds[.ext]``).
 SHARD_RE = _SHARD_RE
-SIDECAR_SUFFIX = ".skip"
 
 #: ``check_sidecar(path, data, shard, name) -> problems`` (messages, empty when fine).
 SidecarCheck = Callable[[str, bytes, ShardInfo, str], list[str]]
@@ -315,7 +315,7 @@ def _sizes(bdir: str) -> dict[str, int]:
 
 
 def _rehash(bdir: str, on_disk: dict, files: dict, sizes: dict, res: VerifyResult) -> None:
-    from streaming.base.hashing import get_hash
+    from prx_data.core.streaming_compat import get_hash
 
     jobs = [(b, v) for b, v in sorted(on_disk.items()) if v[0] in files]
 
@@ -358,7 +358,7 @@ def _verify_sidecars(
             continue
         res.sidecars += 1
         base, name = match
-        if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
+        if not LIST_NAME_RE.fullmatch(name):
             found.append([Problem(path, f"sidecar name {name!r} is not a valid skip-list name")])
         elif check_sidecar is not None:
             found.append((path, base, name))

@@ -15,6 +15,7 @@ from types import ModuleType
 
 import pyarrow as pa
 
+from prx_data.core.errors import UsageError
 from prx_data.ingest import folder, lance_table, parquet, twintar, webdataset
 from prx_data.ingest.common import NOTES, Counts, Plan, WorkUnit, conform
 
@@ -70,7 +71,7 @@ def detect_format(path: str) -> str:
             return kind
     if folder.is_folder(path):
         return folder.KIND
-    raise ValueError(
+    raise UsageError(
         f"cannot tell the format of {path!r}; pass --format (one of {', '.join(FORMATS)})"
     )
 
@@ -79,7 +80,7 @@ def plan_source(spec: SourceSpec, **options) -> Plan:
     """Plan one source. ``options`` are reader-specific keyword arguments."""
     fmt = spec.fmt or detect_format(spec.path)
     if fmt not in READERS:
-        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     mod = READERS[fmt]
     accepted = inspect.signature(mod.plan).parameters
     kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}

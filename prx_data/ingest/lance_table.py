@@ -13,7 +13,6 @@ import os
 import posixpath
 from dataclasses import asdict
 
-import lance
 import pyarrow as pa
 
 from prx_data.core import schema as S
@@ -25,6 +24,7 @@ from prx_data.ingest.parquet import (
     extra_fields,
     rows_from_batch,
 )
+from prx_data.table.lance_ops import open_table
 
 KIND = "lance"
 DEFAULT_ITEMS_PER_UNIT = 4096
@@ -48,7 +48,7 @@ def plan(
     items_per_unit: int = DEFAULT_ITEMS_PER_UNIT,
     storage_options: dict | None = None,
 ) -> Plan:
-    ds = lance.dataset(path, storage_options=storage_options)
+    ds = open_table(path, storage_options)
     roles = detect_roles(
         ds.schema,
         image_column=image_column,
@@ -94,7 +94,7 @@ def plan(
 def load(unit: WorkUnit, counts: Counts) -> pa.Table:
     a = unit.args
     roles = Roles(**{**a["roles"], "keep": tuple(a["roles"]["keep"])})
-    ds = lance.dataset(a["uri"], version=a["version"], storage_options=a.get("storage_options"))
+    ds = open_table(a["uri"], a.get("storage_options"), a["version"])
     columns = [c for c in (roles.image, roles.caption, roles.key, roles.embedding) if c] + list(
         roles.keep
     )

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from prx_data.core import schema as S
 from prx_data.core import storage
+from prx_data.core.errors import UsageError
 from prx_data.ingest.common import (
     CAPTION_KEYS,
     IMAGE_EXTENSIONS,
@@ -104,7 +105,7 @@ def detect_roles(
     names = schema.names
     for given in (image_column, path_column, caption_column, key_column, embedding_column):
         if given is not None and given not in names:
-            raise ValueError(f"column {given!r} not in the source; it has {names}")
+            raise UsageError(f"column {given!r} not in the source; it has {names}")
     types = {f.name: f.type for f in schema}
     image = image_column or _pick(
         names, IMAGE_NAMES, lambda n: _is_binary(types[n]) or _is_hf_image(types[n])
@@ -135,7 +136,7 @@ def detect_roles(
     if embedding is not None:
         t = types[embedding]
         if not _is_float_list(t):
-            raise ValueError(f"embedding column {embedding!r} is {t}, not a list of floats")
+            raise UsageError(f"embedding column {embedding!r} is {t}, not a list of floats")
         if pa.types.is_fixed_size_list(t):
             dim = t.list_size
     used = {image, path, caption, key, embedding} - {None}
@@ -268,10 +269,18 @@ def detect(path: str) -> bool:
 
 
 def _open(path: str) -> pq.ParquetFile:
+    """The file with its footer read; on a remote store under :func:`storage.with_deadline`."""
     if storage.is_remote(path):
         fs, p = storage.filesystem(path)
-        return pq.ParquetFile(fs.open_input_file(p))
+        return storage.with_deadline(path, "open", lambda: pq.ParquetFile(fs.open_input_file(p)))
     return pq.ParquetFile(path)
+
+
+def _read_row_groups(pf: pq.ParquetFile, path: str, groups: list[int]) -> pa.Table:
+    """``pf.read_row_groups``; on a remote store a stalled read fails instead of hanging."""
+    if storage.is_remote(path):
+        return storage.with_deadline(path, "read", lambda: pf.read_row_groups(groups))
+    return pf.read_row_groups(groups)
 
 
 def plan(
@@ -287,7 +296,7 @@ def plan(
 ) -> Plan:
     files = _files(path)
     if not files:
-        raise ValueError(f"no parquet files at {path!r}")
+        raise UsageError(f"no parquet files at {path!r}")
     root = path if not path.endswith(".parquet") else posixpath.dirname(path)
     source = source or posixpath.basename(strip_ext(path.rstrip("/"))) or "parquet"
     first = _open(files[0])
@@ -310,7 +319,7 @@ def plan(
     for f in files:
         pf = first if f == files[0] else _open(f)
         if pf.schema_arrow.names != schema.names:
-            raise ValueError(f"{f} has columns {pf.schema_arrow.names}, unlike {files[0]}")
+            raise UsageError(f"{f} has columns {pf.schema_arrow.names}, unlike {files[0]}")
         # Positional keys: "<row>" for one file, "<file without extension>/<row>" for a folder.
         prefix = "" if len(files) == 1 and f == path else strip_ext(posixpath.relpath(f, root))
         start = 0
@@ -353,7 +362,7 @@ def load(unit: WorkUnit, counts: Counts) -> pa.Table:
     a = unit.args
     roles = Roles(**{**a["roles"], "keep": tuple(a["roles"]["keep"])})
     pf = _open(a["file"])
-    table = pf.read_row_groups(a["row_groups"])
+    table = _read_row_groups(pf, a["file"], a["row_groups"])
     rows = RowBuilder(unit.source, counts)
     base_dir = (
         posixpath.dirname(a["file"])

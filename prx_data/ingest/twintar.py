@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from prx_data.core.errors import UsageError
 from prx_data.ingest.common import (
     METADATA,
     SOURCE_FILE,
@@ -103,7 +104,7 @@ def read_keys(path: str) -> frozenset[str]:
             if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
         ]
         if not names:
-            raise ValueError(f"key list {path!r} has no string column")
+            raise UsageError(f"key list {path!r} has no string column")
         col = table[names[0]]
     return frozenset(k for k in col.to_pylist() if k is not None)
 
@@ -113,7 +114,7 @@ def plan(path: str, source: str | None = None, *, keys: str | None = None) -> Pl
     mods = _modalities(root)
     image_dir = _image_dir(mods)
     if image_dir is None:
-        raise ValueError(f"{path!r} has no image modality folder (one of {IMAGE_DIRS})")
+        raise UsageError(f"{path!r} has no image modality folder (one of {IMAGE_DIRS})")
     counts = Counts()
     others = [m for m in mods if m != image_dir]
     shards = _shards(root, image_dir, counts)

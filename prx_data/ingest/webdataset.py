@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from prx_data.core import storage
+from prx_data.core.errors import UsageError
 from prx_data.ingest.common import (
     IMAGE_EXTENSIONS,
     METADATA,
@@ -73,7 +74,7 @@ def detect(path: str) -> bool:
 def plan(path: str, source: str | None = None) -> Plan:
     tars = list_tars(path)
     if not tars:
-        raise ValueError(f"no tar files at {path!r}")
+        raise UsageError(f"no tar files at {path!r}")
     root = path if os.path.isdir(path) else os.path.dirname(path)
     if source is None:
         base = path.rstrip("/")

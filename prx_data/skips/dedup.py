@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.clusters import MAX_RADIUS, Clusters  # noqa: F401 (re-exported)
+from prx_data.core.errors import UsageError
 
 DUP_OF = "dup_of"
 DEFAULT_SKIP_NAME = "dedup"
@@ -64,7 +65,7 @@ class DedupConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.radius <= MAX_RADIUS:
-            raise ValueError(f"radius must be between 0 and {MAX_RADIUS}, got {self.radius}")
+            raise UsageError(f"radius must be between 0 and {MAX_RADIUS}, got {self.radius}")
         if self.export is not None:
             from prx_data.skips.sidecar import validate_name
 

@@ -52,7 +52,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from prx_data.core import storage
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import NotFound, OutOfRange, PrxDataError, UnknownName
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export import layout
 from prx_data.skips import sidecar as SL
@@ -186,11 +186,11 @@ class Registry:
         return cls(registry_uri(table))
 
     def _open(self):
-        import lance
+        from prx_data.table.lance_ops import open_table
 
         try:
-            ds = lance.dataset(self.uri, storage_options=self.options)
-        except (ValueError, OSError, FileNotFoundError):
+            ds = open_table(self.uri, self.options)
+        except NotFound:
             return None
         missing = set(REGISTRY_SCHEMA.names) - set(ds.schema.names)
         if missing:
@@ -739,11 +739,13 @@ def ids_at(root: str, positions: Mapping[tuple[str, str], Iterable[int]]) -> pa.
                 _check_parts(root, bucket, shards)
         info = indexes[bucket].get(shard)
         if info is None:
-            raise KeyError(f"shard {shard!r} is not in the index of bucket {bucket!r} under {root}")
+            raise UnknownName(
+                f"shard {shard!r} is not in the index of bucket {bucket!r} under {root}"
+            )
         arr = np.unique(np.asarray(list(idx), np.int64))
         if len(arr) and (arr[0] < 0 or arr[-1] >= info.samples):
             bad = int(arr[-1] if arr[-1] >= info.samples else arr[0])
-            raise IndexError(
+            raise OutOfRange(
                 f"{bucket}/{shard}: sample index {bad} is outside 0..{info.samples - 1}"
             )
         part = "" if adopted[bucket] else shard.split("/")[0]

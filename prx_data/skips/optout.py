@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from prx_data.core.errors import UsageError
+
 #: Above this skipped share an export is worth rewriting (the PRX recipe).
 REWRITE_HINT_SHARE = 0.10
 
@@ -32,7 +34,7 @@ def read_id_file(path: str, column: str = "id") -> list[str]:
         fs, p = storage.filesystem(path)
         t = pq.read_table(p, filesystem=fs)
         if column not in t.column_names:
-            raise ValueError(f"{path}: no column {column!r} (has {t.column_names})")
+            raise UsageError(f"{path}: no column {column!r} (has {t.column_names})")
         return [v for v in t[column].to_pylist() if v]
     text = storage.read_bytes(path).decode("utf-8-sig")
     out = []
@@ -76,7 +78,7 @@ def resolve_source_ids(
     if source is not None:
         return {k: [f"{source}/{k}"] for k in keys}
     if table is None:
-        raise ValueError("source ids need --source NAME or --table URI to become row ids")
+        raise UsageError("source ids need --source NAME or --table URI to become row ids")
     import pyarrow as pa
     import pyarrow.compute as pc
 

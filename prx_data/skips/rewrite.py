@@ -24,22 +24,27 @@ one of their ids (also ids the registry holds and the sidecars do not yet).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import posixpath
+import queue
+import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
 from prx_data.core import storage
-from prx_data.core.errors import PrxDataError
-from prx_data.core.schema import REPORT_NAME
+from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
+from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
 from prx_data.export import layout
 from prx_data.skips import lists as idlists
@@ -153,6 +158,89 @@ class _QuietStreaming(logging.Handler):
         super().close()
 
 
+#: Default bound on the bytes a rewrite stages on local disk (``--max-local-bytes``).
+DEFAULT_MAX_LOCAL_BYTES = 8 << 30
+#: Environment setting for the bound when the flag is not given (``8G``, ``500M``, bytes).
+DISK_ENV = "PRX_REWRITE_DISK"
+#: Source shards fetched at once, within the bound, while the current one is rewritten.
+FETCH_THREADS = 4
+#: Staged bytes reserved per part for its index and manifest (plus per shard and per id).
+_META_BYTES = (8 << 10, 1 << 10, 64)
+
+
+class RewriteDiskError(PrxDataError, ValueError):
+    """One shard needs more local disk than the rewrite may stage."""
+
+
+class RewriteVerifyError(PrxDataError, AssertionError):
+    """A written sample differs from the filtered source: a bug, never bad input."""
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """``8G``, ``500M``, ``64k`` (binary units) or a plain byte count; positive."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmgt]?)(?:i?b)?", text.strip().lower())
+    value = int(float(m.group(1)) * units[m.group(2)]) if m else 0
+    if value <= 0:
+        raise UsageError(f"{what} {text!r} is not a positive size (e.g. 8G, 500M, 1048576)")
+    return value
+
+
+def max_local_bytes(value: int | str | None = None) -> int:
+    """The staging bound: ``value``, else ``PRX_REWRITE_DISK``, else 8 GiB."""
+    if value is None:
+        raw = os.environ.get(DISK_ENV)
+        return parse_bytes(raw, DISK_ENV) if raw else DEFAULT_MAX_LOCAL_BYTES
+    return value if isinstance(value, int) and value > 0 else parse_bytes(str(value))
+
+
+class _Stopped(Exception):
+    """The staging area closed while a fetch waited for room (the rewrite is ending)."""
+
+
+class Staging:
+    """The local directory a rewrite stages shards in, holding at most ``limit`` bytes.
+
+    Every staged file is reserved before it is written and released once it is
+    deleted, so a fetch ahead waits for room instead of filling the disk. Each
+    write is reported to :meth:`written` (a test hook: it can measure the disk).
+    """
+
+    def __init__(self, directory: str, limit: int) -> None:
+        self.directory = directory
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def reserve(self, n: int, stop: threading.Event | None = None) -> None:
+        """Wait until ``n`` more bytes fit; raise :class:`_Stopped` once ``stop`` is set."""
+        if n > self.limit:  # would wait forever (callers check first, with the shard named)
+            raise RewriteDiskError(f"{n:,} bytes do not fit in {self.limit:,} of local disk")
+        with self._cond:
+            while self.used + n > self.limit:
+                if stop is not None and stop.is_set():
+                    raise _Stopped
+                self._cond.wait(0.1)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+    def written(self, path: str) -> None:
+        """Called after each file written under :attr:`directory`."""
+
+
+def _staged_bytes(root: str, entry: dict) -> int:
+    """Local bytes a source shard takes while it is read (0: read in place)."""
+    if not storage.is_remote(root) and not entry.get("zip_data"):
+        return 0
+    return int(entry["raw_data"]["bytes"])
+
+
 def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
     """A local directory holding this shard's raw file (downloaded / decompressed if needed)."""
     raw = entry["raw_data"]["basename"]
@@ -175,14 +263,70 @@ def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
     return dest
 
 
-def _readers(root: str, bucket: str, tmp: str):
-    """(entry, MDS reader) for every shard of a bucket, in index order.
+class _Fetcher:
+    """Source shards of one bucket, fetched ahead in order, each reserved in the bound first.
 
-    The index is checked (again: it may have changed since the plan) before any
-    reader exists: the exporter's columns only, so no encoding can run code.
+    Iterating yields ``(entry, reader, release)``; calling ``release`` deletes
+    the staged file and frees its room. Reservations are taken in shard order,
+    so the shard the rewrite waits for is always the oldest one and never
+    starves (each shard alone fits: checked before anything is written).
     """
-    for entry in layout.read_index_entries(root, bucket, export_columns=True):
-        yield entry, reader_from_json(_materialize(root, bucket, entry, tmp), None, entry)
+
+    def __init__(self, root: str, bucket: str, entries: list[dict], staging: Staging) -> None:
+        self.root, self.bucket, self.staging = root, bucket, staging
+        self.tmp = os.path.join(staging.directory, "in")
+        self.pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="rewrite-fetch")
+        self.stop = threading.Event()
+        self.ready: queue.Queue = queue.Queue()
+        self.room = threading.Semaphore(2 * FETCH_THREADS)  # readers waiting, also unstaged
+        self.thread = threading.Thread(target=self._schedule, args=(entries,), daemon=True)
+        self.thread.start()
+
+    def _schedule(self, entries: list[dict]) -> None:
+        try:
+            for entry in entries:
+                n = _staged_bytes(self.root, entry)
+                while not self.room.acquire(timeout=0.1):
+                    if self.stop.is_set():
+                        raise _Stopped
+                self.staging.reserve(n, self.stop)
+                self.ready.put((entry, n, self.pool.submit(self._get, entry)))
+        except _Stopped:
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self.ready.put(e)
+        self.ready.put(None)
+
+    def _get(self, entry: dict):
+        directory = _materialize(self.root, self.bucket, entry, self.tmp)
+        if _staged_bytes(self.root, entry):
+            self.staging.written(os.path.join(directory, *entry["raw_data"]["basename"].split("/")))
+        return directory, reader_from_json(directory, None, entry)
+
+    def __iter__(self):
+        while True:
+            item = self.ready.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            entry, n, future = item
+            directory, reader = future.result()
+            self.room.release()
+
+            def release(entry=entry, n=n, directory=directory) -> None:
+                if n:
+                    path = os.path.join(directory, *entry["raw_data"]["basename"].split("/"))
+                    if os.path.exists(path):
+                        os.remove(path)
+                    self.staging.release(n)
+
+            yield entry, reader, release
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _check_empty_destination(out: str) -> None:
@@ -195,12 +339,12 @@ def _check_empty_destination(out: str) -> None:
     if kind == pafs.FileType.NotFound:
         return
     if kind != pafs.FileType.Directory:
-        raise FileExistsError(f"{out} is a file; choose an empty destination directory")
+        raise AlreadyExists(f"{out} is a file; choose an empty destination directory")
     found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
     if found:
         names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
         what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
-        raise FileExistsError(f"{out} is not empty (it holds {what}); choose an empty destination")
+        raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
 
 
 def rewrite_export(
@@ -212,6 +356,8 @@ def rewrite_export(
     force: bool = False,
     verify: bool = True,
     drop_lists: Sequence[str] = (),
+    max_local: int | str | None = None,
+    work_dir: str | None = None,
 ) -> RewriteResult:
     """Write ``out``: the export at ``root`` without the samples of the lists it applies.
 
@@ -222,9 +368,14 @@ def rewrite_export(
     carried to ``out`` by row id; a list whose ids cannot be recovered makes it
     refuse, naming the list, unless it is in ``drop_lists``. With ``verify``,
     every sample of the new export is compared to the filtered view of the old one.
-    """
-    from streaming import MDSWriter
 
+    Buckets are rewritten one after another and shard by shard: at most
+    ``max_local`` bytes (:func:`max_local_bytes`) are staged in ``work_dir``
+    (the system's temp directory by default) at once. A remote source shard is
+    fetched, read and deleted; a new shard for a remote ``out`` is checked,
+    uploaded and deleted as soon as the writer closes it. Anything in ``out``
+    before ``report.json`` (written last) is an unfinished rewrite.
+    """
     _check_empty_destination(out)
     t0 = time.monotonic()
     buckets = layout.list_buckets(root)
@@ -240,9 +391,15 @@ def rewrite_export(
     total = skipped = 0
     plan = []
     samples: dict[str, int] = {}
+    room: dict[str, tuple[int, int]] = {}  # {bucket: (largest staged source, output room)}
+    remote_out = storage.is_remote(out)
     applied: set[str] = set()
     for bucket in buckets:
-        shards = layout.read_index(root, bucket, export_columns=True)  # before anything is written
+        # Before anything is written; the raw entries once, for the local disk it needs too.
+        entries = layout.read_index_entries(root, bucket, export_columns=True)
+        room[bucket] = _room(root, bucket, entries, remote_out)
+        shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
+        del entries
         listing = skiplist.list_sidecars(root, bucket, shards)
         known |= set(listing)
         applied |= set(listing) if names is None else set(names) & set(listing)
@@ -277,9 +434,11 @@ def rewrite_export(
             f"only {share:.1%} of {total} samples are skipped (threshold {threshold:.0%}); skip lists "
             "cost nothing at load time. Pass --force to rewrite anyway."
         )
-    remote_out = storage.is_remote(out)
-    work = tempfile.mkdtemp(prefix="prx-rewrite-")
-    stage = os.path.join(work, "out") if remote_out else out
+    limit = max_local_bytes(max_local)
+    for bucket, need in room.items():
+        _check_room(root, bucket, need, limit)
+    work = tempfile.mkdtemp(prefix="prx-rewrite-", dir=work_dir)
+    staging = Staging(work, limit)
     written = 0
     per_bucket: dict[str, int] = {}
     dropped: list[str] = []
@@ -287,65 +446,17 @@ def rewrite_export(
     try:
         bar = tqdm(total=total - skipped, desc="rewrite", unit="sample")
         for bucket, skips in plan:
-            bucket_out = os.path.join(stage, *bucket.split("/"))
-            parts: dict[str, list] = {}
-            for entry, reader in _readers(root, bucket, os.path.join(work, "in")):
-                part = posixpath.dirname(entry["raw_data"]["basename"])
-                if not part:
-                    raise ValueError(
-                        f"{root}/{bucket}: shard {entry['raw_data']['basename']!r} is not inside a "
-                        "part directory; not an export written by prx_data.write_mds"
-                    )
-                parts.setdefault(part, []).append((entry, reader))
-            kept_parts = []
-            for part, items in parts.items():
-                kept = sum(
-                    reader.samples - len(skips.get(entry["raw_data"]["basename"], ()))
-                    for entry, reader in items
-                )
-                if not kept:  # no empty part: its shard-less index would only add noise
-                    continue
-                kept_parts.append(part)
-                first = items[0][0]
-                columns = dict(zip(first["column_names"], first["column_encodings"], strict=True))
-                pdir = os.path.join(bucket_out, *part.split("/"))
-                ids: list[str] = []
-                with MDSWriter(
-                    out=pdir,
-                    columns=columns,
-                    compression=first.get("compression"),
-                    hashes=list((first["raw_data"].get("hashes") or {}).keys()) or None,
-                    size_limit=first.get("size_limit") or (1 << 26),
-                ) as w:
-                    for entry, reader in items:
-                        skip = skips.get(entry["raw_data"]["basename"])
-                        dead = set() if skip is None else set(skip.tolist())
-                        keep = [i for i in range(reader.samples) if i not in dead]
-                        for i in keep:
-                            sample = reader.get_item(i)
-                            w.write(sample)
-                            ids.append(sample.get("id", ""))
-                            written += 1
-                            bar.update()
-                layout.write_manifest(bucket_out, part, ids)
-                per_bucket[bucket] = per_bucket.get(bucket, 0) + len(ids)
-            if kept_parts:
-                layout.merge_bucket(bucket_out, sorted(kept_parts))
+            n = _rewrite_bucket(root, out, bucket, skips, staging, verify, bar)
+            if n:
+                per_bucket[bucket] = n
+                written += n
             else:
                 # Streaming refuses an index with no shards: every sample was skipped, so the
                 # bucket is left out and the report says so.
                 dropped.append(bucket)
         bar.close()
-        if verify:
-            _verify(root, stage, plan, os.path.join(work, "in"), SkipMDSReader, set(dropped))
-        # The lists not applied, re-bound by row id to the new shards.
-        lists_carried = idlists.sync_lists(stage, reg, carried=carried, skip=applied)
-        if remote_out:
-            for rel in storage.list_files(stage):
-                if rel == os.path.join(layout.LISTS_DIR, layout.LISTS_LOCK_NAME):
-                    continue  # the local lock file; object storage uses a lease
-                with open(os.path.join(stage, rel), "rb") as f:
-                    storage.write_bytes_atomic(storage.join(out, *rel.split(os.sep)), f.read())
+        # The lists not applied, re-bound by row id to the new shards (after every bucket).
+        lists_carried = idlists.sync_lists(out, reg, carried=carried, skip=applied)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         quiet.close()
@@ -374,39 +485,227 @@ def rewrite_export(
     return result
 
 
-def _verify(root: str, new_root: str, plan, tmp: str, skip_reader, dropped=frozenset()) -> None:
-    """Every sample of the new export equals the next kept sample of the old one, in order.
+def _room(root: str, bucket: str, entries: list[dict], remote_out: bool) -> tuple[int, int]:
+    """(largest source shard staged, room held for the output) of one bucket, in bytes.
 
-    A dropped bucket must have had nothing to keep.
+    A source shard is staged when it is remote or compressed. For a remote
+    ``out``, one finished output shard is on disk at a time (never larger than
+    its source part nor than the size limit), twice when it is compressed (it
+    is checked decompressed), plus the part's index and manifest.
     """
-    for bucket, skips in plan:
+    source = max((_staged_bytes(root, e) for e in entries), default=0)
+    out = 0
+    if remote_out:
+        for items in _parts(root, bucket, entries).values():
+            first = items[0]
+            raw = sum(int(e["raw_data"]["bytes"]) for e in items)
+            one = min(raw, int(first.get("size_limit") or raw))
+            samples = sum(int(e["samples"]) for e in items)
+            meta = _META_BYTES[0] + _META_BYTES[1] * len(items) + _META_BYTES[2] * samples
+            out = max(out, (2 if first.get("compression") else 1) * one + meta)
+    return source, out
 
-        def old_samples(bucket=bucket, skips=skips):
-            for entry, reader in _readers(root, bucket, tmp):
-                skip = skips.get(entry["raw_data"]["basename"])
-                view = reader if skip is None else skip_reader.wrap(reader, skip)
-                for i in range(view.samples):
-                    yield view.get_item(i)
 
-        def new_samples(bucket=bucket):
-            if bucket in dropped:
-                return
-            for _entry, reader in _readers(new_root, bucket, tmp):
-                for i in range(reader.samples):
-                    yield reader.get_item(i)
+def _check_room(root: str, bucket: str, need: tuple[int, int], limit: int) -> None:
+    """Refuse a bound that one shard of ``bucket`` and its output do not fit in."""
+    if sum(need) > limit:
+        raise RewriteDiskError(
+            f"{root}/{bucket}: one shard needs {sum(need):,} bytes of local disk (a "
+            f"{need[0]:,}-byte source shard and {need[1]:,} bytes for its output) but the "
+            f"rewrite may stage {limit:,}; raise --max-local-bytes (or {DISK_ENV})"
+        )
 
-        sentinel = object()
-        olds, news = old_samples(), new_samples()
-        n = 0
+
+def _parts(root: str, bucket: str, entries: list[dict]) -> dict[str, list[dict]]:
+    """The bucket's shard entries by part directory, in index order."""
+    parts: dict[str, list[dict]] = {}
+    for entry in entries:
+        part = posixpath.dirname(entry["raw_data"]["basename"])
+        if not part:
+            raise UsageError(
+                f"{root}/{bucket}: shard {entry['raw_data']['basename']!r} is not inside a "
+                "part directory; not an export written by prx_data.write_mds"
+            )
+        parts.setdefault(part, []).append(entry)
+    return parts
+
+
+def _rewrite_bucket(
+    root: str, out: str, bucket: str, skips: dict, staging: Staging, verify: bool, bar
+) -> int:
+    """Write ``bucket``'s kept samples to ``out``, shard by shard; returns how many.
+
+    Each new shard is compared, sample by sample, with the kept samples of the
+    source read through the skip-aware reader (``verify``), then moved to a
+    remote ``out``. The bucket's index is merged once its parts are all written.
+    """
+    import streaming
+
+    remote_out = storage.is_remote(out)
+    # Checked (again: it may have changed since the plan) before any reader exists: the
+    # exporter's columns only, so no encoding can run code.
+    entries = layout.read_index_entries(root, bucket, export_columns=True)
+    kept_parts = {
+        part: items
+        for part, items in _parts(root, bucket, entries).items()
+        # No empty part: its shard-less index would only add noise.
+        if sum(e["samples"] - len(skips.get(e["raw_data"]["basename"], ())) for e in items)
+    }
+    if not kept_parts:
+        return 0
+    bucket_out = (
+        os.path.join(staging.directory, "out", *bucket.split("/"))
+        if remote_out
+        else os.path.join(out, *bucket.split("/"))
+    )
+    # The output's room is held for the whole bucket, before any source shard is reserved:
+    # the shard the writer waits for then always fits (reservations are in shard order).
+    need = _room(root, bucket, entries, remote_out)
+    _check_room(root, bucket, need, staging.limit)  # the index may have changed since the plan
+    staging.reserve(need[1])
+    sink = _sink_class(streaming.MDSWriter)
+    fetcher = _Fetcher(root, bucket, [e for items in kept_parts.values() for e in items], staging)
+    shards = iter(fetcher)
+    count = 0
+    try:
+        for part, items in kept_parts.items():
+            first = items[0]
+            columns = dict(zip(first["column_names"], first["column_encodings"], strict=True))
+            pdir = os.path.join(bucket_out, *part.split("/"))
+            ids: list[str] = []
+            check = _ShardCheck(pdir, staging, verify, f"{out}/{bucket}/{part}")
+            remote_part = storage.join(out, *bucket.split("/"), *part.split("/"))
+
+            def on_shard(entry: dict, n: int, check=check, remote_part=remote_part) -> None:
+                path = check(entry, n)
+                if remote_out:
+                    rel = os.path.relpath(path, check.pdir).replace(os.sep, "/")
+                    with open(path, "rb") as f:
+                        storage.write_bytes_atomic(storage.join(remote_part, rel), f.read())
+                    os.remove(path)
+
+            with sink(
+                on_shard=on_shard,
+                out=pdir,
+                columns=columns,
+                compression=first.get("compression"),
+                hashes=list((first["raw_data"].get("hashes") or {}).keys()) or None,
+                size_limit=first.get("size_limit") or (1 << 26),
+            ) as w:
+                for _ in items:
+                    entry, reader, release = next(shards)
+                    skip = skips.get(entry["raw_data"]["basename"])
+                    dead = set() if skip is None else set(skip.tolist())
+                    if verify:
+                        view = reader if skip is None else SkipMDSReader.wrap(reader, skip)
+                        check.expect([view.get_item(i) for i in range(view.samples)])
+                    for i in range(reader.samples):
+                        if i in dead:
+                            continue
+                        sample = reader.get_item(i)
+                        w.write(sample)
+                        ids.append(sample.get("id", ""))
+                        bar.update()
+                    release()
+            check.done()
+            layout.write_manifest(bucket_out, part, ids)
+            if remote_out:
+                for name in (layout.INDEX_NAME, MANIFEST_NAME):
+                    path = os.path.join(pdir, name)
+                    staging.written(path)
+                    with open(path, "rb") as f:
+                        storage.write_bytes_atomic(storage.join(remote_part, name), f.read())
+                shutil.rmtree(pdir)
+            count += len(ids)
+    finally:
+        fetcher.close()
+        staging.release(need[1])
+    # Reads the parts' indexes back from ``out`` (in parallel when remote): the same bytes.
+    layout.merge_bucket(storage.join(out, *bucket.split("/")), sorted(kept_parts))
+    if remote_out:
+        shutil.rmtree(bucket_out, ignore_errors=True)
+    return count
+
+
+def _sink_class(base: type) -> type:
+    """``base`` (streaming's ``MDSWriter``) handing each shard it closes to ``on_shard``."""
+
+    class _Sink(base):
+        def __init__(self, *, on_shard, **kwargs) -> None:
+            self._on_shard = on_shard
+            super().__init__(**kwargs)
+
+        def flush_shard(self) -> None:
+            n = len(self.new_samples)
+            super().flush_shard()
+            self._on_shard(self.shards[-1], n)
+
+    return _Sink
+
+
+class _ShardCheck:
+    """Compares each new shard, sample by sample, with the source's kept samples in order.
+
+    ``expect`` queues the filtered source view of each source shard (read
+    before the staged file is deleted; about a shard's worth waits in memory); a new shard is read back from
+    disk with streaming's reader, as a loader would. A mismatch, a missing or an
+    extra sample raises :class:`RewriteVerifyError`.
+    """
+
+    def __init__(self, pdir: str, staging: Staging, enabled: bool, where: str) -> None:
+        self.pdir, self.staging, self.enabled, self.where = pdir, staging, enabled, where
+        self.pending: collections.deque = collections.deque()
+        self.sources: collections.deque = collections.deque()
+        self.n = 0
+
+    def expect(self, samples) -> None:
+        self.sources.append(samples)
+
+    def _next_expected(self):
         while True:
-            a, b = next(olds, sentinel), next(news, sentinel)
-            if a is sentinel and b is sentinel:
-                break
-            if a is sentinel or b is sentinel or a != b:
-                raise AssertionError(
-                    f"{new_root}/{bucket}: sample {n} differs from the filtered source"
-                )
-            n += 1
+            if self.pending:
+                return self.pending.popleft()
+            if not self.sources:
+                return _MISSING
+            self.pending.extend(self.sources.popleft())
+
+    def __call__(self, entry: dict, n: int) -> str:
+        """Check a closed shard; returns its file on disk (raw, or compressed)."""
+        raw = entry["raw_data"]["basename"]
+        zipped = (entry.get("zip_data") or {}).get("basename")
+        path = os.path.join(self.pdir, *(zipped or raw).split("/"))
+        self.staging.written(path)
+        if not self.enabled:
+            return path
+        check_dir, raw_path = self.pdir, None
+        if zipped:
+            check_dir = os.path.join(self.staging.directory, "check")
+            raw_path = os.path.join(check_dir, *raw.split("/"))
+            os.makedirs(os.path.dirname(raw_path), exist_ok=True)
+            with open(path, "rb") as f, open(raw_path, "wb") as g:
+                g.write(decompress(entry["compression"], f.read()))
+            self.staging.written(raw_path)
+        try:
+            reader = reader_from_json(check_dir, None, entry)
+            for i in range(n):
+                want = self._next_expected()
+                if want is _MISSING or reader.get_item(i) != want:
+                    self._fail()
+                self.n += 1
+        finally:
+            if raw_path is not None:
+                os.remove(raw_path)
+        return path
+
+    def done(self) -> None:
+        if self.enabled and self._next_expected() is not _MISSING:
+            self._fail()
+
+    def _fail(self):
+        raise RewriteVerifyError(f"{self.where}: sample {self.n} differs from the filtered source")
+
+
+_MISSING = object()
 
 
 # --- CLI ---------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_data.core.errors import UsageError
 from prx_data.table.search import CLIP_IMAGE_COLUMN
 
 DEFAULT_SKIP_NAME = "semdedup"
@@ -71,9 +72,9 @@ class SemDedupConfig:
     def __post_init__(self) -> None:
         for t in (self.threshold, *self.report_thresholds):
             if not -1.0 <= t <= 1.0:
-                raise ValueError(f"cosine thresholds lie in [-1, 1], got {t}")
+                raise UsageError(f"cosine thresholds lie in [-1, 1], got {t}")
         if self.cluster_size < 1 or self.train_rows < 1 or self.iters < 1 or self.batch_rows < 1:
-            raise ValueError("cluster_size, train_rows, iters and batch_rows must be >= 1")
+            raise UsageError("cluster_size, train_rows, iters and batch_rows must be >= 1")
 
 
 @dataclass
@@ -272,7 +273,7 @@ def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
     ds = open_table(cfg.table, cfg.storage_options)
     col = cfg.embedding_column
     if col not in ds.schema.names or not pa.types.is_fixed_size_list(ds.schema.field(col).type):
-        raise ValueError(
+        raise UsageError(
             f"{cfg.table!r} has no vector column {col!r}; run `python -m prx_data.score clip "
             f"--table {cfg.table} --model ...` first, or name one with --embedding-column"
         )

@@ -38,8 +38,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prx_data.core import storage
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import (
+    OutOfRange,
+    PrxDataError,
+    UnknownName,
+    UsageError,
+    read_user_text,
+)
 from prx_data.export.layout import (
+    LIST_NAME_RE,
+    SIDECAR_SUFFIX,
     ShardInfo,
     list_buckets,
     list_suffix,
@@ -51,9 +59,9 @@ from prx_data.export.layout import (
 from prx_data.table.lance_ops import query_ids
 
 MAGIC = b"PRXSKIP1"
-SUFFIX = ".skip"
-#: Used with ``fullmatch`` (``$`` would accept a trailing newline).
-NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+#: The naming contract lives with the export tree (:mod:`prx_data.export.layout`).
+SUFFIX = SIDECAR_SUFFIX
+NAME_RE = LIST_NAME_RE
 
 
 class SkipListError(PrxDataError, ValueError):
@@ -63,7 +71,7 @@ class SkipListError(PrxDataError, ValueError):
 def validate_name(name: str) -> str:
     """Skip-list names become file-name parts: lower-case ``[a-z0-9._-]``, at most 64 chars."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.endswith(".json"):
-        raise ValueError(
+        raise UsageError(
             f"invalid skip-list name {name!r}: use 1-64 characters from [a-z0-9._-], "
             "starting with a letter or digit (e.g. 'dedup', 'optout-2026-11')"
         )
@@ -202,19 +210,28 @@ class SidecarProblem:
 
 
 def scan_sidecars(
-    root: str, bucket: str, shards: Sequence[ShardInfo]
+    root: str,
+    bucket: str,
+    shards: Sequence[ShardInfo],
+    files: Iterable[str] | None = None,
 ) -> tuple[dict[str, list[str]], list[SidecarProblem]]:
     """One listing of a bucket: ``{list: [shard basenames]}`` and the orphan ``*.skip`` files.
 
     An orphan is a file that cannot belong to any list of this bucket: a list
     name that is not valid (``Dedup``: names are lower-case), or a shard the
     index does not have. Such files are never applied, so they are reported.
+    ``files`` (``/``-separated paths in the bucket) is a listing the caller made.
     """
     known = {s.basename for s in shards}
     out: dict[str, list[str]] = {}
     orphans: list[SidecarProblem] = []
     bucket_dir = rel_join(root, bucket)
-    for rel in list_suffix(bucket_dir, SUFFIX):
+    listed = (
+        list_suffix(bucket_dir, SUFFIX)
+        if files is None
+        else sorted(f for f in files if f.endswith(SUFFIX))
+    )
+    for rel in listed:
         stem = rel[: -len(SUFFIX)]
         # The shard basename is the longest known prefix ending in ".mds".
         pos = stem.find(".mds.")
@@ -308,22 +325,22 @@ def load_skips(
 def read_indices_file(path: str) -> dict[tuple[str, str], list[int]]:
     """Lines ``<bucket> <shard basename> <index>`` (whitespace separated; ``#`` comments)."""
     out: dict[tuple[str, str], list[int]] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 3 or not re.fullmatch(r"[0-9]+", parts[2]):
-                raise ValueError(f"{path}:{n}: expected '<bucket> <shard> <index>', got {line!r}")
-            out.setdefault((parts[0], parts[1]), []).append(int(parts[2]))
+    for n, line in enumerate(read_user_text(path, "indices file").splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 3 or not re.fullmatch(r"[0-9]+", parts[2]):
+            raise UsageError(f"{path}:{n}: expected '<bucket> <shard> <index>', got {line!r}")
+        out.setdefault((parts[0], parts[1]), []).append(int(parts[2]))
     return out
 
 
 def read_ids_file(path: str) -> list[str]:
     """One row id per line; blank lines ignored."""
-    with open(path) as f:
-        return [s for s in (line.strip() for line in f) if s]
+    return [
+        s for s in (line.strip() for line in read_user_text(path, "ids file").splitlines()) if s
+    ]
 
 
 # --- library API ---------------------------------------------------------------------------
@@ -371,14 +388,14 @@ def add_skips(
         existing = set(list_sidecars(export_root, bucket, list(shards.values())).get(name, []))
         for base, arrs in sorted(per_shard.items()):
             if base not in shards:
-                raise KeyError(
+                raise UnknownName(
                     f"shard {base!r} is not in the index of bucket {bucket!r} under {export_root}"
                 )
             info = shards[base]
             idx = np.unique(np.concatenate(arrs)) if arrs else np.zeros(0, np.int64)
             if len(idx) and (idx[0] < 0 or idx[-1] >= info.samples):
                 bad = int(idx[-1] if idx[-1] >= info.samples else idx[0])
-                raise IndexError(
+                raise OutOfRange(
                     f"{bucket}/{base}: sample index {bad} is outside 0..{info.samples - 1}"
                 )
             jobs.append((bucket, info, idx, base in existing))

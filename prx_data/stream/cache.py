@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prx_data.core import storage
+from prx_data.core.errors import UsageError
 
 #: Written at the cache root once the cache follows the invariant above.
 TRACKED_NAME = "_prx_cache.v1"
@@ -122,7 +123,7 @@ def predownload_within_cache(
     most = fits // max(1, workers) - 2
     if most < 1:
         need = max(1, workers) * 3 * max_shard_bytes
-        raise ValueError(
+        raise UsageError(
             f"cache_limit {cache_limit} bytes holds {fits} of the largest remote shards "
             f"({max_shard_bytes} bytes) for {max(1, workers)} DataLoader worker(s): raise "
             f"cache_limit to at least {need} bytes"
@@ -130,7 +131,7 @@ def predownload_within_cache(
     if predownload is None:
         return most
     if predownload > most:
-        raise ValueError(
+        raise UsageError(
             f"predownload={predownload} looks further ahead than cache_limit {cache_limit} "
             f"bytes holds ({fits} of the largest remote shards, {max_shard_bytes} bytes, for "
             f"{max(1, workers)} worker(s)); an evicted shard would stall the epoch: use "

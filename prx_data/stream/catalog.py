@@ -3,7 +3,8 @@
 The catalog is what a loader reads before streaming: the bucket indexes, the
 report and the chosen skip-list sidecars. Local rank 0 of each node fetches it
 into the local cache directory and writes a catalog file last; the other ranks
-of the node wait for that file and make no remote request.
+of the node wait for that file and make no remote request. Only files that
+changed since the node's last fetch are downloaded (:mod:`prx_data.stream.fetched`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prx_data.core.schema import REPORT_NAME
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.stream import cache as shard_cache
+from prx_data.stream.fetched import CatalogCache
 
 if TYPE_CHECKING:
     from prx_data.stream.dataset import DatasetSpec
@@ -128,8 +130,9 @@ def _node_barrier() -> None:
 def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     names = spec.skip_lists
     buckets = discover_buckets(spec.root, tiers)
-    report_uri = storage.join(spec.root, REPORT_NAME)
-    report = storage.read_bytes(report_uri) if storage.exists(report_uri) else None
+    # Only files whose version changed since the last fetch are downloaded (stream/fetched.py).
+    fetched = CatalogCache(spec.root, local)
+    report = fetched.report()
     # A cached shard is reused only if it belongs to the current index entry (stream/cache.py).
     tracked = shard_cache.is_tracked(local)
     cached_report = os.path.join(local, REPORT_NAME)
@@ -140,7 +143,8 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
         remote_b = layout.rel_join(spec.root, bucket)
         local_b = os.path.join(local, *bucket.split("/"))
         index_uri = storage.join(remote_b, layout.INDEX_NAME)
-        index = storage.read_bytes(index_uri)
+        listing = fetched.bucket_listing(bucket)
+        index = fetched.read(f"{bucket}/{layout.INDEX_NAME}", listing.get(layout.INDEX_NAME))
         try:
             obj = json.loads(index)
         except ValueError as e:
@@ -151,25 +155,18 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
         # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.
         storage.write_bytes_atomic(os.path.join(local_b, layout.INDEX_NAME), index)
         shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
-        listed, stray = skiplist.scan_sidecars(spec.root, bucket, shards)
+        listed, stray = skiplist.scan_sidecars(spec.root, bucket, shards, listing)
         orphans += stray
         found |= set(listed)
         chosen = list(listed) if names is None else [n for n in names if n in listed]
         want = {skiplist.sidecar_basename(b, n) for n in chosen for b in listed[n]}
-        for rel in storage.list_files(local_b, skiplist.SUFFIX):
-            if rel.replace(os.sep, "/") not in want:
-                os.remove(os.path.join(local_b, rel))
-
-        def get(rel: str, remote_b: str = remote_b, local_b: str = local_b) -> None:
-            data = storage.read_bytes(storage.join(remote_b, *rel.split("/")))
-            storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
-
-        layout.map_io(get, sorted(want), True)
+        fetched.sync_sidecars(bucket, want, listing)
     # Last: the cached report dates the cached shards of an index without hashes.
     if report is not None:  # the loader's completeness check reads the cached copy
         storage.write_bytes_atomic(cached_report, report)
     elif os.path.exists(cached_report):
         os.remove(cached_report)
+    fetched.finish(buckets, tiers)
     shard_cache.mark_tracked(local)
     _check_orphans(spec.root, orphans, names)
     _check_names(spec.root, found, names)

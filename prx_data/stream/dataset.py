@@ -43,6 +43,7 @@ from prx_data.core.buckets import (
     parse_bucket_name,
     same_ratio_shape,
 )
+from prx_data.core.errors import NotFound, UnknownName, UsageError
 from prx_data.core.streaming_compat import World, maybe_init_dist
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
@@ -161,7 +162,7 @@ def load_sources(
             mapping["id"] = rec.get("id_column") or ""  # "": synthetic ids
     if storage.is_remote(spec.root):
         if not spec.local:
-            raise ValueError(
+            raise UsageError(
                 f"{spec.root}: a remote root needs DatasetSpec.local (a cache directory)"
             )
         buckets = fetch_catalog(spec, tiers, spec.local, is_leader=world.is_local_leader)
@@ -170,7 +171,7 @@ def load_sources(
         buckets = discover_buckets(spec.root, tiers)
         base = spec.root
     if not buckets:
-        raise FileNotFoundError(f"no buckets of tier(s) {list(tiers)} under {spec.root}")
+        raise NotFound(f"no buckets of tier(s) {list(tiers)} under {spec.root}")
     out = []
     found: set[str] = set()
     report = None
@@ -260,7 +261,7 @@ def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[Da
         datasets = [datasets]
     out = [d if isinstance(d, DatasetSpec) else DatasetSpec(root=d) for d in datasets]
     if not out:
-        raise ValueError("give at least one dataset")
+        raise UsageError("give at least one dataset")
     return out
 
 
@@ -379,9 +380,9 @@ class BucketedDataset(StreamingDataset):
         **streaming_kwargs: Any,
     ) -> None:
         if on_change not in ON_CHANGE:
-            raise ValueError(f"on_change must be one of {ON_CHANGE}, got {on_change!r}")
+            raise UsageError(f"on_change must be one of {ON_CHANGE}, got {on_change!r}")
         if streaming_kwargs.get("allow_unsafe_types"):
-            raise ValueError(
+            raise UsageError(
                 "BucketedDataset refuses allow_unsafe_types=True: it streams only safe column "
                 "encodings (no pickle, which runs code from the data); re-export the data with a "
                 "safe encoding"
@@ -511,7 +512,7 @@ class BucketedDataset(StreamingDataset):
         }
         for c in self.caption_columns:
             if c not in raw:
-                raise KeyError(
+                raise UnknownName(
                     f"caption column {c!r} is not in the export (columns: {sorted(raw)})"
                 )
             item[c] = raw[c]

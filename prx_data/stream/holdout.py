@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prx_data.core import storage
+from prx_data.core.errors import UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
@@ -60,9 +61,9 @@ class Holdout:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction < 1.0:
-            raise ValueError(f"hold-out fraction must be in (0, 1), got {self.fraction}")
+            raise UsageError(f"hold-out fraction must be in (0, 1), got {self.fraction}")
         if self.keep not in SIDES:
-            raise ValueError(f"hold-out side {self.keep!r} is not one of {SIDES}")
+            raise UsageError(f"hold-out side {self.keep!r} is not one of {SIDES}")
 
     @property
     def key(self) -> str:

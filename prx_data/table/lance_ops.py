@@ -14,6 +14,7 @@ commands.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_data.core import schema as S
+from prx_data.core.errors import NotFound, UsageError
 from prx_data.table.pins import list_tags
 
 #: Compaction target: the PRX team saw slow scans with thousands of 100k-row
@@ -39,8 +41,8 @@ def quote(column: str) -> str:
 
 def table_exists(uri: str, storage_options: dict | None = None) -> bool:
     try:
-        lance.dataset(uri, storage_options=storage_options)
-    except (ValueError, OSError, FileNotFoundError):
+        open_table(uri, storage_options)
+    except NotFound:
         return False
     return True
 
@@ -48,11 +50,45 @@ def table_exists(uri: str, storage_options: dict | None = None) -> bool:
 def open_table(
     uri: str, storage_options: dict | None = None, version: int | None = None
 ) -> lance.LanceDataset:
-    """Open a Lance table, with a clear error when there is none at ``uri``."""
+    """The one way the project opens a Lance table, with a clear error when there is none.
+
+    ``storage_options=None`` takes them from the environment
+    (:func:`lance_storage_options`), so an S3-compatible endpoint set once
+    reaches every job, worker and version it opens.
+    """
+    opts = lance_storage_options(uri) if storage_options is None else storage_options
     try:
-        return lance.dataset(uri, version=version, storage_options=storage_options)
-    except (ValueError, OSError, FileNotFoundError) as e:
-        raise FileNotFoundError(f"no Lance table at {uri!r}: {e}") from None
+        return lance.dataset(uri, version=version, storage_options=opts)
+    except (ValueError, OSError) as e:
+        at = f"version {version} of " if version is not None else ""
+        raise NotFound(
+            f"no Lance table at {at}{uri!r}: {str(e).splitlines()[0] if str(e) else e!r}. "
+            "Check the URI (and S3_ENDPOINT_URL for s3://), or create the table with "
+            "`python -m prx_data.ingest SOURCE --table URI`"
+        ) from None
+
+
+#: Tables opened at a pinned version, per process: ``(uri, version, options, run) -> dataset``.
+_PINNED: dict[tuple, lance.LanceDataset] = {}
+#: Enough for the few tables one worker reads at once; the oldest goes first.
+PINNED_TABLES_MAX = 8
+
+
+def pinned_table(
+    uri: str, version: int, storage_options: dict | None = None, run: str = ""
+) -> lance.LanceDataset:
+    """The table at ``version``, opened once per process and run (a worker serves many units).
+
+    ``run`` is unique per job run: a table deleted and made again at the same
+    path can reach the same version number, and must not be served from cache.
+    """
+    key = (uri, version, json.dumps(storage_options, sort_keys=True), run)
+    ds = _PINNED.get(key)
+    if ds is None:
+        while len(_PINNED) >= PINNED_TABLES_MAX:
+            _PINNED.pop(next(iter(_PINNED)))
+        ds = _PINNED[key] = open_table(uri, storage_options, version)
+    return ds
 
 
 def _dedupe_last(values: pa.Table, key: str) -> pa.Table:
@@ -93,16 +129,16 @@ def update_column(
         values = pa.Table.from_batches([values])
     for name in (key, column):
         if name not in values.column_names:
-            raise ValueError(
+            raise UsageError(
                 f"values must have columns {key!r} and {column!r}, got {values.column_names}"
             )
     if column == key:
-        raise ValueError(f"cannot update the key column {key!r}")
+        raise UsageError(f"cannot update the key column {key!r}")
     if column == S.IMAGE:
-        raise ValueError("update_column never rewrites image bytes; write a new table instead")
+        raise UsageError("update_column never rewrites image bytes; write a new table instead")
     ds = open_table(uri, storage_options)
     if key not in ds.schema.names:
-        raise ValueError(f"table {uri!r} has no key column {key!r}")
+        raise UsageError(f"table {uri!r} has no key column {key!r}")
     values = _dedupe_last(values.select([key, column]), key)
     if column not in ds.schema.names:
         field = values.schema.field(column)
@@ -113,7 +149,7 @@ def update_column(
         try:
             values = values.set_column(1, column, values[column].cast(target_type))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise ValueError(
+            raise UsageError(
                 f"values for {column!r} ({values.schema.field(column).type}) do not fit the "
                 f"table's type {target_type}: {e}"
             ) from None
@@ -165,7 +201,7 @@ def rows_missing(
     ds = open_table(uri, storage_options)
     missing = [c for c in columns if c not in ds.schema.names]
     if missing:
-        raise ValueError(f"table {uri!r} has no columns {missing}")
+        raise UsageError(f"table {uri!r} has no columns {missing}")
     clauses = []
     if column in ds.schema.names:
         clauses.append(f"{quote(column)} IS NULL")
@@ -299,7 +335,8 @@ def lance_storage_options(uri: str) -> dict[str, str] | None:
 
 def query_ids(table_uri: str, where: str) -> list[str]:
     """Row ids of a Lance table matching a SQL filter (only the ``id`` column is read)."""
-    import lance
-
-    ds = lance.dataset(table_uri, storage_options=lance_storage_options(table_uri))
-    return ds.to_table(columns=["id"], filter=where)["id"].to_pylist()
+    ds = open_table(table_uri)
+    try:
+        return ds.to_table(columns=["id"], filter=where)["id"].to_pylist()
+    except ValueError as e:  # lance reports a filter it cannot parse or bind this way
+        raise UsageError(f"filter {where!r} on {table_uri}: {str(e).splitlines()[0]}") from None

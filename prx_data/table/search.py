@@ -27,6 +27,7 @@ from lance.query import MatchQuery, MultiMatchQuery
 from prx_data.core import descriptor
 from prx_data.core import schema as S
 from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec, aspect_label
+from prx_data.core.errors import UnknownName, UsageError
 from prx_data.table import lance_ops as T
 
 DEFAULT_RRF_K = 60
@@ -158,7 +159,7 @@ def text_search(
         )
     targets = list(search_columns or [c for c in caption_columns(ds) if c in indexed_columns(ds)])
     if not targets:
-        raise ValueError("no full-text index on a caption column; run build_indexes() first")
+        raise UsageError("no full-text index on a caption column; run build_indexes() first")
     ftq = MatchQuery(query, targets[0]) if len(targets) == 1 else MultiMatchQuery(query, targets)
     return ds.to_table(
         columns=[*cols, "_score"],
@@ -184,7 +185,7 @@ def vector_search(
     ds = _ds(table)
     column = column or vector_column(ds)
     if column is None:
-        raise ValueError("the table has no vector column; compute descriptors first")
+        raise UsageError("the table has no vector column; compute descriptors first")
     cols = list(columns or [c for c in RESULT_COLUMNS if c in ds.schema.names])
     q = np.asarray(vector, dtype=np.float32)
     nearest: dict[str, Any] = {"column": column, "q": q, "k": k, "metric": "cosine"}
@@ -224,7 +225,7 @@ def similar(
     column = column or vector_column(ds)
     vec = vector_of(ds, row_id, column)
     if vec is None:
-        raise KeyError(f"{row_id!r} is not in the table or has no vector")
+        raise UnknownName(f"{row_id!r} is not in the table or has no vector")
     res = vector_search(ds, vec, k=k + 1, column=column, columns=columns, filter=filter)
     return res.filter(pc.not_equal(res[S.ID], row_id)).slice(0, k)
 
@@ -325,7 +326,7 @@ def filter_sql(
         else:
             t = int(tier)
             if t not in tiers:
-                raise ValueError(f"unknown tier {t}; tiers are {tiers}")
+                raise UsageError(f"unknown tier {t}; tiers are {tiers}")
             clauses.append(f"{px} >= {math.ceil(spec.floor_pixels(t) - 1e-6)}")
             nxt = tiers.index(t) + 1
             if nxt < len(tiers):
@@ -338,7 +339,7 @@ def filter_sql(
         else:
             ranges = aspect_ranges(spec)
             if aspect not in ranges:
-                raise ValueError(f"unknown aspect bucket {aspect!r}; choose from {sorted(ranges)}")
+                raise UsageError(f"unknown aspect bucket {aspect!r}; choose from {sorted(ranges)}")
             lo, hi = ranges[aspect]
             clauses.append(f"CAST({S.WIDTH} AS DOUBLE) >= {lo!r} * {S.HEIGHT}")
             op = "<=" if hi == spec.max_aspect else "<"

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from prx_data.core.errors import UsageError
+
 #: Lower is better for every metric compared here.
 ORDER = ("FID", "CMMD", "DINO-MMD", "FlowLoss")
 
@@ -34,7 +36,7 @@ def metrics_dir(path: str | Path) -> Path:
     for cand in (p, p / "metrics", p / "checkpoints" / "metrics"):
         if cand.is_dir() and any(cand.glob("*-ba*.json")):
             return cand
-    raise ValueError(
+    raise UsageError(
         f"{path}: no evaluation results (gen-ba*.json / eval-ba*.json) there or in its "
         "metrics/ or checkpoints/metrics/ folder; pass the run folder, its save_folder or "
         "metrics.folder of a run trained with eval (and metrics) enabled"
@@ -50,7 +52,7 @@ def load_run(path: str | Path, label: str | None = None) -> RunMetrics:
             batch = int(rec["batch"])
             values = dict(rec["metrics"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{f}: not an evaluation record ({exc})") from None
+            raise UsageError(f"{f}: not an evaluation record ({exc})") from None
         for name, value in values.items():
             series.setdefault(str(name), {})[batch] = float(value)
     return RunMetrics(label or Path(path).name, folder, series)

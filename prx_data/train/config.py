@@ -20,7 +20,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import PrxDataError, read_user_text
 
 
 class ConfigError(PrxDataError, ValueError):
@@ -461,7 +461,7 @@ def load_config(
     OmegaConf.set_struct(schema.data.streaming, False)
     cfg: DictConfig = schema
     if path is not None:
-        text = Path(path).read_text()
+        text = read_user_text(str(path), "config file")
         try:
             loaded = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:

@@ -1,0 +1,304 @@
+"""The pack stage: a bucket's unit parts, concatenated into shards of about ``shard_size``.
+
+A work unit writes one part per bucket it touches, so a large table gives
+millions of small shards (a unit of 1,000 rows over 25 buckets: 40 samples,
+a few MB, per part), against Mosaic's 50-100 MB. After every unit is done
+and before the buckets are merged, consecutive parts of a bucket (in part
+order) are grouped into packs of at most ``shard_size`` bytes
+(:func:`plan_packs`), and each pack is written (:func:`write_pack`) by
+feeding the parts' MDS samples, as encoded bytes, to streaming's
+``MDSWriter``: the JPEG is never decoded or re-encoded, ``size_limit``,
+compression and hashes are the export's, and the pack gets its manifest and
+index like a part. The plan is a function of the units' counts (their
+markers), so a rerun, a ``--resume`` and a cluster of any size write the same
+packs with the same bytes.
+
+Durability follows the units: on a local ``--out`` a pack is staged under
+``_progress/writing``, fsynced and renamed into its bucket; on object storage
+its objects are PUT (each durable) after clearing an earlier attempt's. Then
+its marker ``_progress/packed/<tier>/<ar>/<pack>`` is written, and only then
+are the unit parts it holds deleted. A kill at any point leaves a tree
+without a report: ``--resume`` keeps packs with a marker, removes those
+without (:func:`layout.remove_stale_parts`), and packs again from the parts,
+which are still there.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from prx_data.core import storage
+from prx_data.core.schema import MANIFEST_NAME
+from prx_data.export.layout import (
+    INDEX_NAME,
+    PACK_PATTERN,
+    PROGRESS_DIR,
+    ExportError,
+    check_manifest_shards,
+    imap_bounded,
+    io_workers,
+    load_index,
+    pack_name,
+    remove_tree,
+    write_manifest,
+)
+from prx_data.export.unit import (
+    ExportConfig,
+    UnitResult,
+    _fsync,
+    _publish_parts,
+    _stage_dir,
+)
+
+#: Where a written pack leaves its marker: ``_progress/packed/<tier>/<ar>/<pack>``.
+PACKED_DIR = f"{PROGRESS_DIR}/packed"
+_MARKER_RE = re.compile(rf"[0-9]+/[0-9]+\.[0-9]{{3}}/{PACK_PATTERN}")
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Consecutive unit parts of one bucket, written as one pack directory."""
+
+    bucket: str
+    name: str
+    parts: tuple[str, ...]
+    samples: int
+    #: The parts' shard bytes (uncompressed): what the plan groups by.
+    nbytes: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Pack:
+        d = json.loads(text)
+        return cls(**{**d, "parts": tuple(d["parts"])})
+
+    @property
+    def key(self) -> str:
+        """``<tier>/<ar>/<pack>``: the pack's path under the export (unique, unlike its name)."""
+        return f"{self.bucket}/{self.name}"
+
+
+def marker_path(out: str, pack: Pack) -> str:
+    return storage.join(out, *PACKED_DIR.split("/"), *pack.key.split("/"))
+
+
+def done_packs(out: str) -> set[str]:
+    """``<tier>/<ar>/<pack>`` of every pack with a marker (one listing of ``_progress/packed``)."""
+    root = storage.join(out, *PACKED_DIR.split("/"))
+    return {
+        r
+        for r in (x.replace("\\", "/") for x in storage.list_files(root))
+        if _MARKER_RE.fullmatch(r)
+    }
+
+
+def _part_bytes(out: str, bucket: str, part: str) -> int:
+    """Shard bytes of a part from its index (a marker written before units recorded them)."""
+    index = storage.join(out, *bucket.split("/"), part, INDEX_NAME)
+    return sum(int(e["raw_data"]["bytes"]) for e in load_index(index, in_part=True))
+
+
+def plan_packs(out: str, results: Mapping[str, UnitResult], shard_size: int) -> list[Pack]:
+    """Per bucket, its parts in name order, cut greedily into runs of at most ``shard_size`` bytes.
+
+    A part larger than ``shard_size`` is a pack of its own; a bucket with one
+    part is one pack. Only the units' results are read (plus the index of a
+    part whose marker predates ``bucket_bytes``): arithmetic over the parts,
+    the same on every cluster and every rerun.
+    """
+    per_bucket: dict[str, list[tuple[str, int, int]]] = {}
+    unknown: list[tuple[str, str]] = []
+    for part in sorted(results):
+        r = results[part]
+        for bucket, n in r.buckets.items():
+            b = r.bucket_bytes.get(bucket)
+            if b is None:
+                unknown.append((bucket, part))
+            per_bucket.setdefault(bucket, []).append((part, n, -1 if b is None else b))
+    if unknown:
+        looked_up = dict(
+            zip(
+                unknown,
+                imap_bounded(lambda bp: _part_bytes(out, *bp), unknown, io_workers(out)),
+                strict=True,
+            )
+        )
+        per_bucket = {
+            bucket: [(p, n, looked_up.get((bucket, p), b)) for p, n, b in parts]
+            for bucket, parts in per_bucket.items()
+        }
+    packs = []
+    for bucket in sorted(per_bucket):
+        runs: list[list[tuple[str, int, int]]] = []
+        size = 0
+        for item in per_bucket[bucket]:
+            if runs and runs[-1] and size + item[2] <= shard_size:
+                runs[-1].append(item)
+                size += item[2]
+            else:
+                runs.append([item])
+                size = item[2]
+        for k, run in enumerate(runs):
+            packs.append(
+                Pack(
+                    bucket=bucket,
+                    name=pack_name(k, run[0][0]),
+                    parts=tuple(p for p, _, _ in run),
+                    samples=sum(n for _, n, _ in run),
+                    nbytes=sum(b for _, _, b in run),
+                )
+            )
+    return packs
+
+
+# --- writing one pack -----------------------------------------------------------------------
+
+
+class _Encoded(bytes):
+    """One sample exactly as MDS encoded it in a part's shard."""
+
+
+@functools.cache
+def _encoded_writer() -> type:
+    """``MDSWriter`` taking already-encoded samples: its shards, sizes, hashes, compression."""
+    from prx_data.core.mds_writer import mds_writer
+
+    class EncodedMDSWriter(mds_writer()):
+        def encode_sample(self, sample) -> bytes:
+            if not isinstance(sample, _Encoded):
+                raise TypeError("the pack writer takes encoded samples only")
+            return bytes(sample)
+
+    return EncodedMDSWriter
+
+
+def _shard_samples(part_dir: str, entry: dict) -> list[_Encoded]:
+    """The encoded samples of one part shard, its bytes checked against the part's index."""
+    from streaming.base.hashing import get_hash
+
+    from prx_data.core.streaming_compat import decompress
+
+    info = entry.get("zip_data") or entry["raw_data"]
+    path = storage.join(part_dir, info["basename"])
+    data = storage.read_bytes(path)
+    bad = len(data) != int(info["bytes"]) or any(
+        get_hash(algo, data) != want for algo, want in sorted((info.get("hashes") or {}).items())
+    )
+    if bad:
+        raise ExportError(
+            f"{path}: the shard's bytes differ from what its index records (size or hash); "
+            "the part was changed after its unit wrote it. Start again with --overwrite."
+        )
+    if entry.get("zip_data"):
+        data = decompress(entry["compression"], data)
+    n = int(np.frombuffer(data, np.uint32, 1, 0)[0]) if len(data) >= 4 else -1
+    if n != int(entry["samples"]) or len(data) < 4 * (n + 2):
+        raise ExportError(f"{path}: holds {n} samples, its index records {entry['samples']}")
+    offsets = np.frombuffer(data, np.uint32, n + 1, 4).tolist()
+    return [_Encoded(data[offsets[i] : offsets[i + 1]]) for i in range(n)]
+
+
+def _part_ids(part_dir: str, part: str, entries: Sequence[dict]) -> list[str]:
+    """The part's row ids in sample order, its manifest checked against its index."""
+    import pyarrow.parquet as pq
+
+    path = storage.join(part_dir, MANIFEST_NAME)
+    t = pq.read_table(io.BytesIO(storage.read_bytes(path)), columns=["shard", "index", "id"])
+    check_manifest_shards(path, part, t["shard"])
+    want_shards, want_index = [], []
+    for e in entries:
+        want_shards += [f"{part}/{e['raw_data']['basename']}"] * int(e["samples"])
+        want_index += range(int(e["samples"]))
+    if t["shard"].to_pylist() != want_shards or t["index"].to_pylist() != want_index:
+        raise ExportError(f"{path}: the manifest's rows do not match the part's index")
+    return t["id"].to_pylist()
+
+
+def _write_samples(cfg: ExportConfig, pack: Pack, bucket_dir: str, dest: str) -> list[str]:
+    """Feed every sample of the pack's parts, in part order, to one writer at ``dest``."""
+    writer = None
+    ids: list[str] = []
+    try:
+        for part in pack.parts:
+            part_dir = storage.join(bucket_dir, part)
+            entries = load_index(storage.join(part_dir, INDEX_NAME), in_part=True)
+            for entry in entries:
+                columns = dict(zip(entry["column_names"], entry["column_encodings"], strict=True))
+                if writer is None:
+                    writer = _encoded_writer()(
+                        out=dest,
+                        columns=columns,
+                        compression=cfg.compression,
+                        hashes=list(cfg.hashes) or None,
+                        size_limit=cfg.size_limit,
+                    )
+                elif columns != writer.columns:
+                    raise ExportError(
+                        f"{part_dir}: columns {sorted(columns)} differ from the pack's "
+                        f"{sorted(writer.columns)}; start again with --overwrite"
+                    )
+                for sample in _shard_samples(part_dir, entry):
+                    writer.write(sample)
+            ids += _part_ids(part_dir, part, entries)
+    finally:
+        if writer is not None:
+            writer.finish()
+    if len(ids) != pack.samples:
+        raise ExportError(
+            f"{bucket_dir}: pack {pack.name} holds {len(ids)} samples, its units wrote {pack.samples}"
+        )
+    return ids
+
+
+def write_pack(cfg: ExportConfig, pack: Pack) -> Pack:
+    """Write one pack (unless its marker says it is written), then delete the parts it holds.
+
+    Idempotent: a retried or resumed pack either finds its marker (and only
+    finishes deleting its parts) or writes the pack again from the parts.
+    """
+    local = not storage.is_remote(cfg.out)
+    tier, ar = pack.bucket.split("/")
+    bucket_dir = storage.join(cfg.out, tier, ar)
+    marker = marker_path(cfg.out, pack)
+    try:
+        done = Pack.from_json(storage.read_bytes(marker))
+    except FileNotFoundError:
+        done = None
+    if done is not None and done != pack:
+        raise ExportError(
+            f"{marker}: the pack was written from other parts ({done.parts[:3]}...) than "
+            "this run plans; another run changed this export. Start again with --overwrite."
+        )
+    if done is None:
+        if local:
+            stage = _stage_dir(cfg.out, f"{tier}-{ar}-{pack.name}")
+            dest_bucket = os.path.join(stage, tier, ar)
+        else:
+            storage.delete(storage.join(bucket_dir, pack.name))  # an earlier attempt's objects
+            dest_bucket = bucket_dir
+        ids = _write_samples(cfg, pack, bucket_dir, storage.join(dest_bucket, pack.name))
+        write_manifest(dest_bucket, pack.name, ids)
+        if local:
+            _publish_parts(cfg.out, stage, pack.name, [pack.bucket])
+        storage.write_bytes_atomic(marker, pack.to_json().encode())
+        if local:
+            _fsync(os.path.dirname(marker))
+    # The pack is durable: the unit parts it holds (written by this export's units) go.
+    for part in pack.parts:
+        if local:
+            remove_tree(os.path.join(bucket_dir, part))
+        else:
+            storage.delete(storage.join(bucket_dir, part))
+    if local:
+        _fsync(bucket_dir)
+    return pack

@@ -1,0 +1,123 @@
+"""One error base: a user's mistake is one line and a non-zero exit; a bug keeps its traceback.
+
+CLIs catch :class:`PrxDataError` only, so an exception of any other type that
+escapes the library (a ``KeyError`` from a bug, say) is not printed as an
+"error:" line that looks like bad input.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from prx_data.core import errors
+
+
+def _cli(job: str):
+    return importlib.import_module(f"prx_data.cli.{job}").main
+
+
+def test_user_error_classes_keep_their_standard_bases():
+    for cls, base in [
+        (errors.UsageError, ValueError),
+        (errors.NotFound, FileNotFoundError),
+        (errors.AlreadyExists, FileExistsError),
+        (errors.UnknownName, KeyError),
+        (errors.OutOfRange, IndexError),
+        (errors.Conflict, RuntimeError),
+    ]:
+        assert issubclass(cls, errors.PrxDataError) and issubclass(cls, base)
+    assert str(errors.UnknownName("shard 'x' is not in the index")) == (
+        "shard 'x' is not in the index"
+    )
+
+
+def _user_errors(tmp_path):
+    missing = str(tmp_path / "nothing-here")
+    table = str(tmp_path / "t.lance")
+    return {
+        "skips-ids-file": (
+            "skips",
+            ["add", str(tmp_path), "dedup", "--ids", missing],
+            "ids file",
+        ),
+        "skips-bad-name": ("skips", ["add", str(tmp_path), "Dedup", "--ids", "IDS"], "Dedup"),
+        "skips-bad-where": (
+            "skips",
+            ["add", str(tmp_path), "dedup", "--table", table, "--where", "no_such_col > 1"],
+            "no_such_col",
+        ),
+        "table-missing": ("table", ["stats", missing], "no Lance table at"),
+        "download-missing": ("download", ["--table", missing], "ingest the URL list first"),
+        "train-config-missing": ("train", [missing], "config file"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "skips-ids-file",
+        "skips-bad-name",
+        "skips-bad-where",
+        "table-missing",
+        "download-missing",
+        "train-config-missing",
+    ],
+)
+def test_a_user_error_is_one_line_and_a_non_zero_exit(case, tmp_path, capsys):
+    from tests.ingest_data import jpeg
+    from tests.tablekit import make_table
+
+    make_table(str(tmp_path / "t.lance"), [("t/a", jpeg(32, 32), "a")])
+    (tmp_path / "IDS").write_text("t/a\n")
+    job, argv, says = _user_errors(tmp_path)[case]
+    argv = [str(tmp_path / "IDS") if a == "IDS" else a for a in argv]
+    assert _cli(job)(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert says in err
+
+
+def _boom(exc: type[BaseException]):
+    def raise_it(*args, **kwargs):
+        raise exc("an injected bug")
+
+    return raise_it
+
+
+@pytest.mark.parametrize(
+    "job, argv, target, exc",
+    [
+        ("skips", ["list", "ROOT"], "prx_data.skips.sidecar.list_skip_lists", KeyError),
+        (
+            "skips",
+            ["add", "ROOT", "dedup", "--indices", "IDX"],
+            "prx_data.skips.lists.ids_at",
+            IndexError,
+        ),
+        ("table", ["stats", "ROOT"], "prx_data.cli.table.table_stats", FileNotFoundError),
+        (
+            "score",
+            ["clip", "--table", "T", "--model", "m"],
+            "prx_data.columns.scores.run_score",
+            ValueError,
+        ),
+        ("semdedup", ["--table", "T"], "prx_data.skips.semdedup.run_semdedup", OSError),
+        ("download", ["--table", "T"], "prx_data.cli.download.run_download", RuntimeError),
+        (
+            "optout",
+            ["--export", "ROOT", "--name", "o", "--ids", "IDX"],
+            "prx_data.cli.optout.add_optout",
+            KeyError,
+        ),
+    ],
+)
+def test_an_injected_bug_keeps_its_traceback(job, argv, target, exc, tmp_path, monkeypatch):
+    (tmp_path / "IDX").write_text("512/1.000 p0/shard.00000.mds 0\n")
+    module, name = target.rsplit(".", 1)
+    monkeypatch.setattr(importlib.import_module(module), name, _boom(exc))
+    monkeypatch.setattr("prx_data.table.lance_ops.table_exists", lambda *a, **k: True)
+    subs = {"ROOT": str(tmp_path), "IDX": str(tmp_path / "IDX"), "T": str(tmp_path / "t.lance")}
+    with pytest.raises(exc, match="an injected bug"):
+        _cli(job)([subs.get(a, a) for a in argv])
