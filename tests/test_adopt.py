@@ -209,7 +209,7 @@ def test_refusals_are_one_line(tiered, flat, tmp_path, capsys):
     # A tree of ours (here: a report.json, as skips rewrite leaves) is never adopted.
     ours = tmp_path / "ours"
     _write(str(ours / "512" / "1.000"), "1.000", range(2))
-    layout.write_completion(str(ours), {"512/1.000": 2})
+    (ours / "report.json").write_text(json.dumps({"buckets": {"512/1.000": 2}}))
     assert "needs no adoption" in _one_line(adopt, [str(ours)], capsys)
 
 

@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         res = adopt_tree(args.root, tier=args.tier, id_column=args.id_column)
-    except (PrxDataError, FileNotFoundError, PermissionError) as e:
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report_text(res), end="")

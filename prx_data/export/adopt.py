@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,8 +88,8 @@ def read_record(root: str) -> dict | None:
 
 def detect_layout(root: str, tier: int | None) -> tuple[str, int | None]:
     """``("tiered", None)`` or ``("flat", tier)``; refuses what is neither, saying why."""
-    if not storage.exists(root):
-        raise ForeignTreeError(f"{root}: does not exist")
+    if not storage.exists(root) or not (storage.is_remote(root) or os.path.isdir(root)):
+        raise ForeignTreeError(f"{root}: no such folder; give the root of an MDS bucket tree")
     if _ours(root) and not storage.exists(record_path(root)):
         raise ForeignTreeError(
             f"{root}: an export written by prx_data.write_mds (or skips rewrite: it has "
@@ -417,9 +418,25 @@ def is_foreign_tree(root: str) -> bool:
     return storage.exists(record_path(root)) or not _ours(root)
 
 
+def _has_buckets(root: str) -> bool:
+    """Some ``<tier>/<ar>/index.json`` or ``<ar>/index.json`` under ``root``."""
+    if not storage.is_remote(root) and not os.path.isdir(root):
+        return False
+    for d in storage.list_dirs(root):
+        if layout._AR_RE.fullmatch(d) and storage.exists(storage.join(root, d, layout.INDEX_NAME)):
+            return True
+        if layout._TIER_RE.fullmatch(d) and any(
+            layout._AR_RE.fullmatch(a)
+            and storage.exists(storage.join(root, d, a, layout.INDEX_NAME))
+            for a in storage.list_dirs(storage.join(root, d))
+        ):
+            return True
+    return False
+
+
 def is_plain_tree(root: str) -> bool:
     """An MDS tree another writer made that was not adopted (no id manifests)."""
-    return not storage.exists(record_path(root)) and not _ours(root)
+    return not storage.exists(record_path(root)) and not _ours(root) and _has_buckets(root)
 
 
 __all__ = [
