@@ -204,10 +204,10 @@ def du(path: str) -> int:
 def run_prx(args, port: int, work: str, faults: dict[int, str]) -> dict:
     import ray
 
+    from pipelines.download import DownloadConfig, run_download
     from pipelines.ingest import ingest
     from prx_data.core.runtime import ensure_ray
     from prx_data.download import fetch as F
-    from prx_data.download.job import DownloadConfig, run_download
 
     src = os.path.join(work, "urls_prx.parquet")
     write_urls(src, port, "a", args.urls)

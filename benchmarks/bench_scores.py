@@ -1,6 +1,6 @@
 """Score jobs and semantic dedup at scale.
 
-1. **Score-job overhead** (:mod:`prx_data.columns.scores` through the column
+1. **Score-job overhead** (:mod:`pipelines.score` through the column
    runner): ``--rows`` rows of tiny images over fragments of
    ``--rows-per-fragment``.
    - ``aesthetic``: the real aesthetic job over a stored 16-d embedding with a
@@ -40,6 +40,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipelines import score as SJ  # noqa: E402
 from prx_data.columns import scores as SC  # noqa: E402
 from prx_data.core import schema as S  # noqa: E402
 from prx_data.core.runtime import ensure_ray  # noqa: E402
@@ -79,7 +80,7 @@ def bench_score_jobs(args, root: Path) -> dict:
             continue
         uri = str(root / f"{scorer}.lance")
         make_table(uri, args.rows, args.rows_per_fragment)
-        cfg = SC.ScoreConfig(
+        cfg = SJ.ScoreConfig(
             uri,
             scorer,
             model,
@@ -91,7 +92,7 @@ def bench_score_jobs(args, root: Path) -> dict:
             commit_every=64,
         )
         t0 = time.perf_counter()
-        rep = SC.run_score(cfg)
+        rep = SJ.run_score(cfg)
         s = time.perf_counter() - t0
         assert rep.rows == args.rows and not rep.failed, rep.text()
         out[scorer] = {

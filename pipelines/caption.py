@@ -53,7 +53,7 @@ REASON = "__reason"
 _IMAGE_OK = "__image"
 
 
-@dataclass
+@dataclass(frozen=True)
 class CaptionConfig:
     """One captioning run. ``backend_options`` go to the backend's constructor."""
 

@@ -47,7 +47,7 @@ from prx_data.core.schema import error_column
 _RULE = "__rule"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClassifyConfig:
     """One labelling run. ``backend``/``model`` may be None with ``rules_only``."""
 

@@ -46,6 +46,7 @@ import pyarrow.compute as pc
 from prx_data.core import schema as S
 from prx_data.core import storage
 from prx_data.core.errors import AlreadyExists, UsageError
+from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import ensure_ray
 from prx_data.ingest import (
     NOTES,
@@ -83,7 +84,7 @@ LOAD_TASK_CPUS = 0.5
 WRITE_TASK_CPUS = 0.25
 
 
-@dataclass
+@dataclass(frozen=True)
 class IngestConfig:
     """Options of one ingest run (see ``python -m prx_data.ingest --help``)."""
 
@@ -103,7 +104,7 @@ class IngestConfig:
 
 
 @dataclass
-class IngestReport:
+class IngestReport(FailureCounts):
     """What happened: rows written, counts by reason, fragment hygiene, speed."""
 
     table: str
@@ -120,6 +121,21 @@ class IngestReport:
     #: Units that could not be read at all: unit, kind, path, error, message.
     failures: list[dict[str, Any]] = field(default_factory=list)
 
+    counted = "work units"
+    job_label = "ingest"
+
+    @property
+    def failed(self) -> int:
+        """Work units (files, tars, fragments) that could not be read at all."""
+        return len(self.failures)
+
+    @property
+    def total(self) -> int:
+        return self.units
+
+    def failure_details(self, report_json: str | None = None) -> str:
+        return "the failed units above (all of them with --json)"
+
     @property
     def rows_per_second(self) -> float:
         return self.rows_written / self.seconds if self.seconds > 0 else 0.0
@@ -128,6 +144,9 @@ class IngestReport:
         d = asdict(self)
         d["rows_per_second"] = round(self.rows_per_second, 1)
         return d
+
+    def text(self) -> str:
+        return self.format()
 
     def format(self) -> str:
         lines = [

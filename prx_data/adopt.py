@@ -1,11 +1,5 @@
-"""``python -m prx_data.adopt``: id manifests and shard hashes for an MDS tree of another writer.
+"""``python -m prx_data.adopt``: the ``adopt`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.adopt`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.adopt import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("adopt", __name__)

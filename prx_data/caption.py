@@ -1,11 +1,5 @@
-"""``python -m prx_data.caption``: re-caption images with a VLM and write the column back.
+"""``python -m prx_data.caption``: the ``caption`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.caption`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.caption import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("caption", __name__)

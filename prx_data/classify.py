@@ -1,11 +1,5 @@
-"""``python -m prx_data.classify``: label captions visual / text / nsfw and write the column back.
+"""``python -m prx_data.classify``: the ``classify`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.classify`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.classify import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("classify", __name__)

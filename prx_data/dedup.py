@@ -1,11 +1,5 @@
-"""``python -m prx_data.dedup``: perceptual-hash dedup: dup_of column and a 'dedup' skip list.
+"""``python -m prx_data.dedup``: the ``dedup`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.dedup`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.dedup import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("dedup", __name__)

@@ -1,11 +1,5 @@
-"""``python -m prx_data.demo``: the export path end to end on an embedded sample.
+"""``python -m prx_data.demo``: the ``demo`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.demo`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.demo import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("demo", __name__)

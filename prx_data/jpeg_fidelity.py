@@ -1,11 +1,5 @@
-"""``python -m prx_data.jpeg_fidelity``: measure JPEG re-encode fidelity; estimate JPEG quality.
+"""``python -m prx_data.jpeg_fidelity``: the ``jpeg_fidelity`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.jpeg_fidelity`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.jpeg_fidelity import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("jpeg_fidelity", __name__)

@@ -1,11 +1,5 @@
-"""``python -m prx_data.optout``: add an opt-out skip list to an export.
+"""``python -m prx_data.optout``: the ``optout`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.optout`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.optout import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("optout", __name__)

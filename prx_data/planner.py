@@ -1,11 +1,5 @@
-"""``python -m prx_data.planner``: preflight: batches per bucket, tail drops, fatal configurations.
+"""``python -m prx_data.planner``: the ``planner`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.planner`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.planner import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("planner", __name__)

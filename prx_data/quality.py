@@ -1,11 +1,5 @@
-"""``python -m prx_data.quality``: measure blank and near-blank images into a table column.
+"""``python -m prx_data.quality``: the ``quality`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.quality`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.quality import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("quality", __name__)

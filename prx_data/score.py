@@ -1,11 +1,5 @@
-"""``python -m prx_data.score``: CLIP, aesthetic, watermark and NSFW scores into table columns.
+"""``python -m prx_data.score``: the ``score`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.score`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.score import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("score", __name__)

@@ -1,11 +1,5 @@
-"""``python -m prx_data.search``: full-text, vector and hybrid search over a table; builds the indexes.
+"""``python -m prx_data.search``: the ``search`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.search`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.search import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("search", __name__)

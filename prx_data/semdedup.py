@@ -1,11 +1,5 @@
-"""``python -m prx_data.semdedup``: embedding-cluster dedup and a 'semdedup' skip list.
+"""``python -m prx_data.semdedup``: the ``semdedup`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.semdedup`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.semdedup import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("semdedup", __name__)

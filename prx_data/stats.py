@@ -1,11 +1,5 @@
-"""``python -m prx_data.stats``: resolution / aspect-ratio / tier distribution of a table, with plots.
+"""``python -m prx_data.stats``: the ``stats`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.stats`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.stats import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("stats", __name__)

@@ -1,11 +1,5 @@
-"""``python -m prx_data.verify``: check an export's report, indexes, shards, manifests and sidecars.
+"""``python -m prx_data.verify``: the ``verify`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.verify`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.verify import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("verify", __name__)

@@ -1,11 +1,5 @@
-"""``python -m prx_data.write_mds``: export a table to resolution/aspect-ratio bucketed MDS.
+"""``python -m prx_data.write_mds``: the ``write_mds`` job of :data:`prx_data.cli.JOBS`."""
 
-A shim: the argument parsing lives in :mod:`prx_data.cli.write_mds`.
-"""
+from prx_data.cli import shim
 
-import sys
-
-from prx_data.cli.write_mds import main
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = shim("write_mds", __name__)

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
-from prx_data.columns.quality import compute_quality
+from pipelines.quality import compute_quality
 from prx_data.explore.app import ExploreConfig, serve
 from prx_data.table.lance_ops import update_column
 from tests.tablekit import make_table

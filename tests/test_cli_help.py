@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import subprocess
 import sys
 
@@ -74,3 +75,73 @@ def test_readme_lists_every_job_with_its_purpose():
     }
     assert set(rows) == {f"python -m prx_data.{job}" for job in JOBS}
     assert all(rows.values())  # each with its one line
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    return [
+        s
+        for a in parser._actions
+        if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+        for s in a.option_strings
+    ]
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_every_job_has_one_shape_and_both_spellings(job, capsys):
+    """``prx-data JOB --help`` lists the options of ``build_parser()``; the shim is the table's."""
+    module = importlib.import_module(f"prx_data.cli.{job}")
+    assert callable(getattr(module, "build_parser", None)), f"prx_data.cli.{job}: no build_parser"
+    parser = module.build_parser()
+    assert isinstance(parser, argparse.ArgumentParser)
+    from prx_data.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([job, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    missing = [s for s in _option_strings(parser) if s not in out]
+    assert not missing, f"prx-data {job} --help does not mention {missing}"
+    # ``python -m prx_data.<job>`` is a shim over this same entry of the table.
+    shim = importlib.import_module(f"prx_data.{job}")
+    if hasattr(shim, "main"):
+        assert shim.main is module.main
+    else:  # a stage package: its __main__ shim runs the job
+        assert importlib.util.find_spec(f"prx_data.{job}.__main__") is not None
+
+
+def test_dispatcher_help_lists_every_job_with_its_summary(capsys):
+    from prx_data.cli import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for job in JOBS.values():
+        assert any(
+            line.split()[:1] == [job.name] and job.summary in line for line in out.splitlines()
+        ), job.name
+
+
+def test_cli_package_holds_only_jobs_and_helpers():
+    """A module of ``prx_data/cli`` is a job of the table, or a helper that says so by name."""
+    from pathlib import Path
+
+    import prx_data.cli
+
+    names = {p.stem for p in Path(prx_data.cli.__file__).parent.glob("*.py")}
+    helpers = {"__init__", "reporting"} | {n for n in names if n.startswith("_")}
+    assert names - helpers == set(JOBS)
+
+
+def test_every_documented_python_m_spelling_is_a_job():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    found = {
+        m.group(1)
+        for doc in docs
+        for m in re.finditer(r"python -m prx_data\.([A-Za-z_][A-Za-z0-9_.]*)", doc.read_text())
+    }
+    assert found, "no `python -m prx_data.<job>` in the docs: the pattern is stale"
+    unknown = sorted(name for name in found if name.rstrip(".") not in JOBS)
+    assert not unknown, f"documented spellings with no job in prx_data.cli.JOBS: {unknown}"

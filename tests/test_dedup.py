@@ -16,7 +16,6 @@ from prx_data.cli import dedup as DC
 from prx_data.core import clusters as C
 from prx_data.core.phash import hamming
 from prx_data.export import layout
-from prx_data.skips import dedup as D
 from prx_data.skips import sidecar as SL
 from tests.dedup_images import jpeg, make_image
 from tests.tablekit import make_table
@@ -141,7 +140,7 @@ def dup_table(tmp_path):
 def test_job_writes_dup_of_and_is_resumable(dup_table, tmp_path):
     uri, expected = dup_table
     report_path = tmp_path / "r.json"
-    cfg = D.DedupConfig(
+    cfg = PD.DedupConfig(
         table=uri, engine="local", tiers=TIERS, report=str(report_path), progress=False
     )
     r = PD.run_dedup(cfg)
@@ -183,12 +182,12 @@ def test_radius_catches_reencoded_copy(tmp_path):
     ]
     uri = str(tmp_path / "r.lance")
     make_table(uri, items)
-    r0 = PD.run_dedup(D.DedupConfig(table=uri, engine="local", radius=0, progress=False))
+    r0 = PD.run_dedup(PD.DedupConfig(table=uri, engine="local", radius=0, progress=False))
     d = lance.dataset(uri).to_table(columns=["id", "phash"])
     h = dict(zip(d["id"].to_pylist(), d["phash"].to_pylist(), strict=True))
     assert int(hamming(h["a/orig"], h["a/q20"])) == 2
     assert r0.removed == 0 and dup_of(uri)["a/q20"] is None
-    r2 = PD.run_dedup(D.DedupConfig(table=uri, engine="local", radius=2, progress=False))
+    r2 = PD.run_dedup(PD.DedupConfig(table=uri, engine="local", radius=2, progress=False))
     assert r2.removed == 1 and r2.phash_job["rows_pending"] == 0
     assert dup_of(uri)["a/q20"] == "a/orig" and dup_of(uri)["a/other"] is None
 
@@ -209,7 +208,7 @@ def test_export_gets_dedup_skip_list(dup_table, tmp_path):
     stale_id = "pic/07"
     b, s, x = where[stale_id]
     SL.add_skips(out, "dedup", {(b, s): [x]})
-    cfg = D.DedupConfig(table=uri, export=out, engine="local", report=None, progress=False)
+    cfg = PD.DedupConfig(table=uri, export=out, engine="local", report=None, progress=False)
     r = PD.run_dedup(cfg)
     assert r.grouped_by == "export"
     skipped = set()

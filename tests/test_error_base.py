@@ -100,10 +100,10 @@ def _boom(exc: type[BaseException]):
         (
             "score",
             ["clip", "--table", "T", "--model", "m"],
-            "prx_data.columns.scores.run_score",
+            "pipelines.score.run_score",
             ValueError,
         ),
-        ("semdedup", ["--table", "T"], "prx_data.skips.semdedup.run_semdedup", OSError),
+        ("semdedup", ["--table", "T"], "pipelines.semdedup.run_semdedup", OSError),
         ("download", ["--table", "T"], "prx_data.cli.download.run_download", RuntimeError),
         (
             "optout",

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipelines.quality import compute_quality
 from prx_data.cli import quality as quality_cli
 from prx_data.cli import skips as skips_cli
-from prx_data.columns.quality import compute_quality
 from prx_data.core import quality as Q
 from prx_data.export.unit import ExportConfig, export_unit, finalize, plan_units, prepare_output
 from prx_data.table import resolution

@@ -14,6 +14,7 @@ import lance
 import numpy as np
 import pytest
 
+from pipelines import score as SJ
 from prx_data.columns import scores as SC
 from prx_data.columns.runner import checkpoint_root
 from tests.dedup_images import jpeg, make_image, png
@@ -60,8 +61,8 @@ def data_files(uri: str) -> dict[str, str]:
     }
 
 
-def cfg(uri: str, scorer: str, models: dict, **kw) -> SC.ScoreConfig:
-    return SC.ScoreConfig(
+def cfg(uri: str, scorer: str, models: dict, **kw) -> SJ.ScoreConfig:
+    return SJ.ScoreConfig(
         table=uri, scorer=scorer, model=models[scorer], engine="local", progress=False, **kw
     )
 
@@ -74,7 +75,7 @@ def columns(uri: str, *names: str) -> dict[str, list]:
 def test_every_scorer_adds_columns_without_rewriting_image_data(tmp_path, models):
     uri = table(tmp_path)
     before = data_files(uri)
-    reports = {s: SC.run_score(cfg(uri, s, models)) for s in SC.SCORERS}
+    reports = {s: SJ.run_score(cfg(uri, s, models)) for s in SC.SCORERS}
     after = data_files(uri)
     assert {k: after[k] for k in before} == before  # image files byte for byte
 
@@ -119,7 +120,7 @@ def test_every_scorer_adds_columns_without_rewriting_image_data(tmp_path, models
     assert len(hits) == 3 and "t/00" not in hits["id"].to_pylist()
 
     # Done rows are not redone; a second run has nothing pending.
-    assert SC.run_score(cfg(uri, "clip", models)).rows == 1  # only the failed row is retried
+    assert SJ.run_score(cfg(uri, "clip", models)).rows == 1  # only the failed row is retried
 
 
 NAMES = ["clip_image_embedding", "clip_score", "watermark_p_watermark", "watermark_label"]
@@ -138,8 +139,8 @@ def same_scores(a: str, b: str) -> None:
 def test_scores_are_deterministic_whatever_the_batching(tmp_path, models):
     a, b = table(tmp_path, "a.lance"), table(tmp_path, "b.lance")
     for scorer in ("clip", "watermark"):
-        SC.run_score(cfg(a, scorer, models))
-        SC.run_score(cfg(b, scorer, models, batch_size=5, commit_every=1))
+        SJ.run_score(cfg(a, scorer, models))
+        SJ.run_score(cfg(b, scorer, models, batch_size=5, commit_every=1))
     same_scores(a, b)
 
 
@@ -147,8 +148,8 @@ def test_scores_are_deterministic_whatever_the_batching(tmp_path, models):
 def test_ray_actors_give_the_same_scores_as_local(tmp_path, models, ray_local):
     a, b = table(tmp_path, "a.lance"), table(tmp_path, "b.lance")
     for scorer in ("clip", "watermark"):
-        SC.run_score(cfg(a, scorer, models))
-        SC.run_score(SC.ScoreConfig(b, scorer, models[scorer], progress=False))
+        SJ.run_score(cfg(a, scorer, models))
+        SJ.run_score(SJ.ScoreConfig(b, scorer, models[scorer], progress=False))
     same_scores(a, b)
 
 
@@ -156,15 +157,15 @@ KILL = textwrap.dedent(
     """
     import os, sys
     sys.path.insert(0, {root!r})
-    from prx_data.columns import scores as SC
+    from pipelines import score as SJ
 
     def kill(fragment, done):
         if done == 2:
             os._exit(9)  # like SIGKILL: nothing committed, two fragments checkpointed
 
-    cfg = SC.ScoreConfig({uri!r}, "clip", {model!r}, engine="local", progress=False,
+    cfg = SJ.ScoreConfig({uri!r}, "clip", {model!r}, engine="local", progress=False,
                          commit_every=100)
-    SC.run_score(cfg, on_fragment=kill)
+    SJ.run_score(cfg, on_fragment=kill)
     """
 )
 
@@ -179,10 +180,10 @@ def test_killed_score_job_resumes_and_matches_an_uninterrupted_run(tmp_path, mod
     assert lance.dataset(uri).count_rows("clip_image_embedding IS NOT NULL") == 0
     assert len(os.listdir(checkpoint_root(uri, "score-clip"))) == 2
 
-    rep = SC.run_score(cfg(uri, "clip", models))
+    rep = SJ.run_score(cfg(uri, "clip", models))
     assert rep.recovered_rows == 2 * PER_FRAGMENT
     assert rep.rows == ROWS - 2 * PER_FRAGMENT + 1  # + the undecodable row: retried each run
-    SC.run_score(cfg(ref, "clip", models))
+    SJ.run_score(cfg(ref, "clip", models))
     got, want = columns(uri, "clip_score"), columns(ref, "clip_score")
     np.testing.assert_allclose(
         np.array(got["clip_score"], float), np.array(want["clip_score"], float), rtol=1e-5
@@ -207,7 +208,7 @@ def test_cli_runs_reports_and_rejects_bad_heads_in_one_line(tmp_path, models, ca
     assert "16 dimensions" in capsys.readouterr().err
     import torch
 
-    torch.save({"head": SC.ScoreReport("t", "x", [])}, tmp_path / "pickled.pt")
+    torch.save({"head": SJ.ScoreReport("t", "x", [])}, tmp_path / "pickled.pt")
     assert main(["aesthetic", "--model", str(tmp_path / "pickled.pt"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "weights-only" in err and len(err.splitlines()) == 1

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 from PIL import ImageEnhance
 
+from pipelines import semdedup as SJ
 from prx_data.columns.descriptors import compute_descriptors
 from prx_data.export import layout
 from prx_data.skips import semdedup as SD
@@ -54,10 +55,10 @@ def planted(tmp_path):
 def test_planted_near_duplicates_found_and_the_largest_kept(planted, tmp_path):
     out = str(tmp_path / "export")
     export_in_process(planted, out)
-    cfg = SD.SemDedupConfig(
+    cfg = SJ.SemDedupConfig(
         planted, export=out, embedding_column="pixel_descriptor", cluster_size=4
     )
-    rep = SD.run_semdedup(cfg)
+    rep = SJ.run_semdedup(cfg)
     assert rep.rows == 22 and rep.clusters > 1 and rep.threshold == SD.DEFAULT_THRESHOLD
     assert rep.removed == len(PLANTED)
     assert {e["id"]: e["kept"] for e in rep.examples} == PLANTED
@@ -85,7 +86,7 @@ def test_planted_near_duplicates_found_and_the_largest_kept(planted, tmp_path):
     assert set(LS.list_ids(out, "semdedup").to_pylist()) == set(PLANTED)
     # Deterministic: a second run gives the same sidecars, byte for byte.
     before = {r: open(f"{out}/{r}", "rb").read() for r in SL.storage.list_files(out, ".skip")}
-    SD.run_semdedup(cfg)
+    SJ.run_semdedup(cfg)
     after = {r: open(f"{out}/{r}", "rb").read() for r in SL.storage.list_files(out, ".skip")}
     assert before == after
 

@@ -1,44 +1,111 @@
-"""``prx-data JOB [args]``: the same jobs as ``python -m prx_data.JOB``."""
+"""The one table of jobs: ``prx-data JOB [args]`` and ``python -m prx_data.JOB`` both come from it.
+
+Each job is a module ``prx_data.cli.<name>`` with ``build_parser()`` and
+``main(argv=None) -> int``. The ``python -m prx_data.<name>`` spellings are
+two-line shims (top-level modules, or a stage's ``__main__``) that look their
+job up here, so a job cannot be reachable one way and not the other.
+Modules whose name starts with ``_`` (and :mod:`prx_data.cli.reporting`) are
+helpers, not jobs.
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
-JOBS = {
-    "ingest": "load sources (folders, parquet, WebDataset, twin tars, Lance) into a Lance table",
-    "download": "fetch the images of URL-only rows (LAION-style parquet) into the table",
-    "table": "table maintenance: stats (rows, fragments), compact, the tags that pin versions in use",
-    "search": "full-text, vector and hybrid search over a table; builds the indexes",
-    "stats": "resolution / aspect-ratio / tier distribution of a table, with plots",
-    "explore": "small web explorer over a table (loopback by default)",
-    "quality": "measure blank / near-blank images into an image_quality column",
-    "caption": "re-caption images with a VLM and write the column back",
-    "classify": "label captions visual / text / nsfw and write the column back",
-    "score": "CLIP embeddings and score, aesthetic, watermark, NSFW scores into columns",
-    "dedup": "perceptual-hash dedup: dup_of column and a 'dedup' skip list",
-    "semdedup": "embedding-cluster dedup: a 'semdedup' skip list, share removed per threshold",
-    "optout": "add an opt-out skip list to an export",
-    "write_mds": "export a table to resolution/aspect-ratio bucketed MDS",
-    "adopt": "id manifests and shard hashes for an MDS tree another writer made (skip lists)",
-    "verify": "check an export: report, indexes, shards (--deep: hashes), manifests, sidecars",
-    "skips": "manage sidecar skip lists of an export (add, list, stats, remove, rewrite)",
-    "planner": "preflight: batches per bucket, tail drops, fatal configurations",
-    "jpeg_fidelity": "measure JPEG re-encode fidelity; estimate JPEG quality",
-    "train": "Composer training run from a YAML config",
-    "demo": "the export path end to end on an embedded sample",
+
+@dataclass(frozen=True)
+class Job:
+    """One entry of the table: the name both spellings use, and its one-line summary."""
+
+    name: str
+    summary: str
+
+    @property
+    def module(self) -> str:
+        """The CLI module (argument parsing over the library): ``prx_data.cli.<name>``."""
+        return f"prx_data.cli.{self.name}"
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        return int(self.load().main(argv) or 0)
+
+
+JOBS: dict[str, Job] = {
+    job.name: job
+    for job in (
+        Job(
+            "ingest",
+            "load sources (folders, parquet, WebDataset, twin tars, Lance) into a Lance table",
+        ),
+        Job("download", "fetch the images of URL-only rows (LAION-style parquet) into the table"),
+        Job(
+            "table",
+            "table maintenance: stats (rows, fragments), compact, the tags that pin versions in use",
+        ),
+        Job("search", "full-text, vector and hybrid search over a table; builds the indexes"),
+        Job("stats", "resolution / aspect-ratio / tier distribution of a table, with plots"),
+        Job("explore", "small web explorer over a table (loopback by default)"),
+        Job("quality", "measure blank / near-blank images into an image_quality column"),
+        Job("caption", "re-caption images with a VLM and write the column back"),
+        Job("classify", "label captions visual / text / nsfw and write the column back"),
+        Job("score", "CLIP embeddings and score, aesthetic, watermark, NSFW scores into columns"),
+        Job("dedup", "perceptual-hash dedup: dup_of column and a 'dedup' skip list"),
+        Job(
+            "semdedup",
+            "embedding-cluster dedup: a 'semdedup' skip list, share removed per threshold",
+        ),
+        Job("optout", "add an opt-out skip list to an export"),
+        Job("write_mds", "export a table to resolution/aspect-ratio bucketed MDS"),
+        Job(
+            "adopt",
+            "id manifests and shard hashes for an MDS tree another writer made (skip lists)",
+        ),
+        Job(
+            "verify",
+            "check an export: report, indexes, shards (--deep: hashes), manifests, sidecars",
+        ),
+        Job("skips", "manage sidecar skip lists of an export (add, list, stats, remove, rewrite)"),
+        Job("planner", "preflight: batches per bucket, tail drops, fatal configurations"),
+        Job("jpeg_fidelity", "measure JPEG re-encode fidelity; estimate JPEG quality"),
+        Job("train", "Composer training run from a YAML config"),
+        Job("demo", "the export path end to end on an embedded sample"),
+    )
 }
+
+
+def shim(name: str, module_name: str) -> Callable[[list[str] | None], int]:
+    """The body of a ``python -m prx_data.<name>`` module: run the job when executed.
+
+    Returns the job's ``main`` so ``from prx_data.<name> import main`` keeps working.
+    A name missing from :data:`JOBS` is a ``KeyError`` at import: a shim without an entry.
+    """
+    job = JOBS[name]
+    if module_name == "__main__":
+        sys.exit(job.main())
+    return job.load().main
+
+
+def usage() -> str:
+    lines = ["usage: prx-data JOB [options]   (same as: python -m prx_data.JOB)", "", "jobs:"]
+    lines += [f"  {job.name:<14} {job.summary}" for job in JOBS.values()]
+    lines += ["", "prx-data JOB --help shows a job's options."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in JOBS:
-        print("usage: prx-data JOB [options]   (same as: python -m prx_data.JOB)\n\njobs:")
-        for name, what in JOBS.items():
-            print(f"  {name:<14} {what}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: no job {argv[0]!r}; the jobs are listed below", file=sys.stderr)
+        print(usage())
         return 0 if argv[:1] in ([], ["-h"], ["--help"]) else 2
-    module = importlib.import_module(f"prx_data.cli.{argv[0]}")
-    return int(module.main(argv[1:]) or 0)
+    return JOBS[argv[0]].main(argv[1:])
 
 
 if __name__ == "__main__":

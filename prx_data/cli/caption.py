@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.columns import (
+from prx_data.cli._column_args import (
     add_backend_args,
     backend_options_from_args,
     generation_from_args,

@@ -1,18 +1,18 @@
-"""``python -m prx_data.dedup``: argument parsing over :mod:`prx_data.skips.dedup`."""
+"""``python -m prx_data.dedup``: argument parsing over :mod:`pipelines.dedup`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pipelines.dedup import PHASH_ERROR, run_dedup
+from pipelines.dedup import DedupConfig, run_dedup
+from prx_data.cli.reporting import finish
 from prx_data.core.buckets import DEFAULT_TIERS
-from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
+from prx_data.core.errors import PrxDataError, add_max_error_rate
 from prx_data.skips.dedup import (
     DEFAULT_REPORT,
     DEFAULT_SKIP_NAME,
     MAX_RADIUS,
-    DedupConfig,
 )
 
 
@@ -125,19 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report.table_text())
-    if cfg.report:
-        print(f"report: {cfg.report}")
-    # "not_hashed": never tried (--no-compute); every other reason is a failed hash.
-    failed = sum(n for reason, n in report.unhashed.items() if reason != "not_hashed")
-    return error_rate_status(
-        "dedup",
-        failed,
-        report.rows,
-        args.max_error_rate,
-        f"the 'not hashed' reasons above and the {PHASH_ERROR} column of {args.table}",
-        "rows",
-    )
+    footer = f"report: {cfg.report}" if cfg.report else None
+    return finish(report, max_error_rate=args.max_error_rate, footer=footer)
 
 
 if __name__ == "__main__":

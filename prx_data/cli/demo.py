@@ -76,7 +76,7 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
     return report.to_dict()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.demo",
         description="Make a small sample collection, ingest it into Lance and export bucketed MDS "
@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         help="Copies of the 16-size sample grid to generate (default: 2, i.e. 32 images).",
     )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all).")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     run_demo(args.workdir, args.repeats, args.num_cpus)
     return 0

@@ -1,14 +1,14 @@
-"""``python -m prx_data.download``: argument parsing over :mod:`prx_data.download.job`."""
+"""``python -m prx_data.download``: argument parsing over :mod:`pipelines.download`."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from pipelines.download import FAILED, DownloadConfig, run_download
+from prx_data.cli.reporting import finish
 from prx_data.core.errors import Conflict, NotFound, PrxDataError
 from prx_data.download import fetch as F
-from prx_data.download.job import FAILED, DownloadConfig, run_download
 
 #: The politeness and limits options: (flag, its ``FetchConfig`` field, help), in help order.
 #: Each default is the field's; ``--max-mb`` gives ``max_bytes`` in MiB.
@@ -204,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"download: {e}", file=sys.stderr)
         return 2
-    print(report.text())
-    if args.report_json:
-        with open(args.report_json, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2, sort_keys=True)
-    return 0
+    return finish(report, report_json=args.report_json, sort_keys=True)
 
 
 if __name__ == "__main__":

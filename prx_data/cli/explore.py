@@ -16,7 +16,7 @@ from prx_data.explore.app import (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.explore",
         description="Browse a Lance image table in the browser: live caption search, a "
@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Deprecated: leaving the table unchanged is now the default.
     p.add_argument("--no-index", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.no_index:
         print(

@@ -18,7 +18,8 @@ from pipelines.ingest import (
     IngestReport,
     ingest,
 )
-from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
+from prx_data.cli.reporting import finish
+from prx_data.core.errors import PrxDataError, add_max_error_rate
 from prx_data.ingest import FORMATS
 
 __all__ = ["IngestReport", "ingest", "main"]
@@ -129,14 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
-    return error_rate_status(
-        "ingest",
-        len(report.failures),
-        report.units,
-        args.max_error_rate,
-        "the failed units above" + ("" if args.json else " (all of them with --json)"),
-        "work units",
+    return finish(
+        report,
+        max_error_rate=args.max_error_rate,
+        text=json.dumps(report.to_dict(), indent=2) if args.json else None,
     )
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from prx_data.cli.reporting import finish
 from prx_data.skips.optout import add_optout, read_id_file, resolve_source_ids
 
 
@@ -119,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         storage.write_bytes_atomic(path, "".join(k + "\n" for k in report.not_matched).encode())
         report.not_matched_file = path
-    print(report.text())
-    if args.report:
-        storage.write_bytes_atomic(args.report, json.dumps(report.to_dict(), indent=2).encode())
-    return 0
+    return finish(report, report_json=args.report)
 
 
 if __name__ == "__main__":

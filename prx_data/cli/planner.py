@@ -7,6 +7,7 @@ lists and eval hold-out, through ``prx_data.stream.dataset.plan_sources``).
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Sequence
 
@@ -47,9 +48,7 @@ def _parse_dataset(arg: str) -> tuple[str, float | None]:
     return arg, None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.planner",
         description="Preflight a bucketed streaming run: requested vs realised share per "
@@ -117,6 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "per dataset requested/realised share and samples, per bucket samples/skipped/"
         "planned/dropped, epoch size and unit",
     )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         plan = _from_config(p, args) if args.config else _from_flags(p, args)

@@ -1,14 +1,16 @@
-"""``python -m prx_data.quality``: argument parsing over :mod:`prx_data.columns.quality`."""
+"""``python -m prx_data.quality``: argument parsing over :mod:`pipelines.quality`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from prx_data.cli.reporting import finish, print_error
 from prx_data.core import quality
+from prx_data.core.errors import PrxDataError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.quality",
         description="Measure every image's information content (std, grey-level entropy and "
@@ -25,16 +27,23 @@ def main(argv: list[str] | None = None) -> int:
         help="rows measured per write to the table (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    from prx_data.columns.quality import compute_quality
+    return p
 
-    counts = compute_quality(args.table, chunk_rows=args.chunk_rows, progress=not args.no_progress)
-    print(
-        f"measured {counts['written']:,} rows; {counts['unreadable']:,} unreadable (left empty); "
-        f"{counts['low_information']:,} low-information"
-    )
-    print(f'low-information filter: "{quality.LOW_INFORMATION_SQL}"')
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pipelines.quality import QualityConfig, run_quality
+
+    try:
+        report = run_quality(
+            QualityConfig(
+                table=args.table, chunk_rows=args.chunk_rows, progress=not args.no_progress
+            )
+        )
+    except PrxDataError as e:
+        print_error(e)
+        return 2
+    return finish(report)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Output steps the report-printing jobs share: one-line errors and the ``--report-json`` file."""
+"""Output steps every job shares: one-line errors, and :func:`finish` (print, JSON, exit status)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,43 @@ import sys
 from typing import Any
 
 
-def print_error(e: BaseException) -> None:
-    """Print ``error: <first line>`` to stderr (the exception's type when it has no message)."""
-    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+def print_error(e: BaseException, prefix: str = "error") -> None:
+    """Print ``<prefix>: <first line>`` to stderr (the exception's type when it has no message)."""
+    print(f"{prefix}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
 
 
-def emit_report(report: Any, json_path: str | None) -> None:
-    """Print ``report.text()``; with ``json_path``, also write ``report.to_dict()`` there."""
-    print(report.text())
-    if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+def write_json(path: str | None, data: dict, *, sort_keys: bool = False) -> None:
+    """Write ``data`` to ``path`` (local or object storage) whole or not at all; None: nothing."""
+    if path:
+        from prx_data.core import storage
+
+        text = json.dumps(data, indent=2, sort_keys=sort_keys)
+        storage.write_bytes_atomic(path, text.encode())
+
+
+def finish(
+    report: Any,
+    *,
+    report_json: str | None = None,
+    max_error_rate: float | None = None,
+    text: str | None = None,
+    footer: str | None = None,
+    sort_keys: bool = False,
+) -> int:
+    """The end of every job's ``main``: print the report, write it as JSON, return the status.
+
+    ``text`` replaces ``report.text()`` (e.g. ``--json`` output), ``footer`` follows
+    it. The status comes from the report's own failure counts
+    (:class:`prx_data.core.reports.FailureCounts`): 1, with one line on stderr,
+    when more than ``max_error_rate`` of its items failed; else 0.
+    """
+    print(report.text() if text is None else text)
+    if footer:
+        print(footer)
+    write_json(report_json, report.to_dict(), sort_keys=sort_keys)
+    status = getattr(report, "failure", None)
+    message = status(max_error_rate, report_json) if status else None
+    if message:
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+    return 0

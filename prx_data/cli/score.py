@@ -1,13 +1,14 @@
-"""``python -m prx_data.score``: argument parsing over :mod:`prx_data.columns.scores`."""
+"""``python -m prx_data.score``: argument parsing over :mod:`pipelines.score`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from prx_data.cli.reporting import emit_report, print_error
-from prx_data.columns.scores import CLIP_IMAGE_COLUMN, SCORERS, ScoreConfig
-from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
+from pipelines.score import ScoreConfig
+from prx_data.cli.reporting import finish, print_error
+from prx_data.columns.scores import CLIP_IMAGE_COLUMN, SCORERS
+from prx_data.core.errors import PrxDataError, add_max_error_rate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from prx_data.columns.scores import run_score
+    from pipelines.score import run_score
 
     try:
         cfg = ScoreConfig(
@@ -93,15 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print_error(e)
         return 2
-    emit_report(report, args.report_json)
-    return error_rate_status(
-        f"score {args.scorer}",
-        report.failed,
-        report.rows,
-        args.max_error_rate,
-        f"the reasons above, and {report.columns[-1]} in {args.table}",
-        "rows",
-    )
+    return finish(report, report_json=args.report_json, max_error_rate=args.max_error_rate)
 
 
 if __name__ == "__main__":

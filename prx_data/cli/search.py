@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections import Counter
 
@@ -10,9 +11,7 @@ from prx_data.table import lance_ops as T
 from prx_data.table.search import build_indexes, filter_sql, hybrid_search, similar, text_search
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.search",
         description="Query a Lance image table from the shell: caption full-text search, "
@@ -37,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="first build/refresh the full-text, id and vector indexes",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.descriptors:
         failed: Counter = Counter()

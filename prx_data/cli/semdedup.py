@@ -1,17 +1,17 @@
-"""``python -m prx_data.semdedup``: argument parsing over :mod:`prx_data.skips.semdedup`."""
+"""``python -m prx_data.semdedup``: argument parsing over :mod:`pipelines.semdedup`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from prx_data.cli.reporting import emit_report, print_error
+from pipelines.semdedup import SemDedupConfig
+from prx_data.cli.reporting import finish, print_error
 from prx_data.core.errors import PrxDataError
 from prx_data.skips.semdedup import (
     DEFAULT_REPORT_THRESHOLDS,
     DEFAULT_SKIP_NAME,
     DEFAULT_THRESHOLD,
-    SemDedupConfig,
 )
 from prx_data.table.search import CLIP_IMAGE_COLUMN
 
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from prx_data.skips.semdedup import run_semdedup
+    from pipelines.semdedup import run_semdedup
 
     try:
         cfg = SemDedupConfig(
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print_error(e)
         return 2
-    emit_report(report, args.report_json)
-    return 0
+    return finish(report, report_json=args.report_json)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from prx_data.table.resolution import (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.stats",
         description="Resolution, aspect-ratio and tier distribution of a Lance table, with the "
@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         "below it (also in stats.json and the printed table); repeatable; COLUMN may omit "
         "_score (e.g. --mark aesthetic=5.0 --mark clip_score=0.25 --mark watermark_p_watermark=0.5)",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     spec = BucketSpec(tiers=tuple(int(t) for t in args.tiers.split(",")))
     try:

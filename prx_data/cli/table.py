@@ -18,7 +18,7 @@ from prx_data.table.lance_ops import (
 from prx_data.table.pins import describe, list_tags, unpin
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.table",
         description="Fragment hygiene for a Lance table: show fragment stats, or compact small "
@@ -60,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     pu.add_argument("uri", help="Lance table URI (local path or s3://...)")
     pu.add_argument("names", nargs="+", metavar="NAME", help="tag names, as `tags` lists them")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     opts = lance_storage_options(args.uri)
     try:

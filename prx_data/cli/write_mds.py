@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.core.buckets import DEFAULT_TIERS, DROP_ASPECT_RATIO, DROP_TOO_SMALL
-from prx_data.core.errors import PrxDataError, add_max_error_rate, error_rate_status
+from prx_data.cli.reporting import finish
+from prx_data.core.buckets import DEFAULT_TIERS
+from prx_data.core.errors import PrxDataError, add_max_error_rate
 from prx_data.core.imaging import DRAFT_MARGIN
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
 
@@ -201,10 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: Drop reasons that are choices, not failures: they never count toward --max-error-rate.
-POLICY_DROPS = frozenset({"filtered", "unbucketed", DROP_TOO_SMALL, DROP_ASPECT_RATIO})
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pipelines.write_mds import run_export
@@ -243,17 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report.table_text())
-    where = f"{args.out.rstrip('/')}/report.json"
-    print(f"\nreport: {where}")
-    failed = sum(n for reason, n in report.dropped.items() if reason not in POLICY_DROPS)
-    return error_rate_status(
-        "write_mds",
-        failed,
-        report.rows_read,
-        args.max_error_rate,
-        f"the dropped counts by reason in {where}",
-        "rows",
+    return finish(
+        report, max_error_rate=args.max_error_rate, footer=f"\nreport: {report.report_path}"
     )
 
 

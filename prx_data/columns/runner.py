@@ -1,7 +1,7 @@
 """One runner for every column job: pinned version, per fragment, written once, resumable.
 
-Caption, classify, pHash and descriptors all turn some columns of each row
-into new columns. They share this runner, which gives them the same
+Caption, classify, pHash, descriptors, quality and scores all turn some
+columns of each row into new columns. They share this runner, which gives them the same
 guarantees at any table size:
 
 - **Pinned version.** The job reads the version current at its start (after

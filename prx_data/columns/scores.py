@@ -4,7 +4,9 @@ Caption-based labels are a cheap first pass; these look at the pixels. Each
 scorer is one column job (:mod:`prx_data.columns.runner`: pinned version,
 per-fragment write-once, checkpoints, per-row ``<prefix>_error``, Ray Data
 actors holding the model), so the image data files are never rewritten and
-a killed run resumes. Columns (``<prefix>`` defaults to the scorer's name):
+a killed run resumes; the job itself (:class:`pipelines.score.ScoreConfig`,
+:func:`pipelines.score.run_score`) is in :mod:`pipelines.score`, this module
+holds the scorers its steps run. Columns (``<prefix>`` defaults to the scorer's name):
 
 - ``clip``: ``clip_image_embedding`` and ``clip_text_embedding`` (L2-normalised
   ``fixed_size_list<float32, D>``; the image one is the table's vector column
@@ -27,7 +29,7 @@ mode without sampling, so a rerun gives the same numbers.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,7 @@ from prx_data.table.search import CLIP_IMAGE_COLUMN
 SCORERS = ("clip", "aesthetic", "watermark", "nsfw")
 #: The CLIP image embedding's default column (:data:`CLIP_IMAGE_COLUMN`):
 #: :func:`prx_data.table.search.vector_column` finds it.
-__all__ = ["CLIP_IMAGE_COLUMN", "SCORERS", "ScoreConfig", "ScoreReport", "run_score"]
+__all__ = ["CLIP_IMAGE_COLUMN", "SCORERS", "ClassifierScorer", "ClipScorer", "aesthetic_batch"]
 
 
 def class_column(prefix: str, label: str) -> str:
@@ -53,7 +55,7 @@ def vector_type(dim: int) -> pa.DataType:
     return pa.list_(pa.float32(), dim)
 
 
-def _device(device: str) -> str:
+def resolve_device(device: str) -> str:
     if device != "auto":
         return device
     import torch
@@ -147,7 +149,7 @@ class ClipScorer(_ImageScorer):
     ):
         from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-        self.device = _device(device)
+        self.device = resolve_device(device)
         self.model = CLIPModel.from_pretrained(model).eval().to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.processor = AutoImageProcessor.from_pretrained(model, use_fast=True)
@@ -227,7 +229,7 @@ class ClassifierScorer(_ImageScorer):
     def __init__(self, model: str, prefix: str, device: str = "auto"):
         from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-        self.device = _device(device)
+        self.device = resolve_device(device)
         self.model = AutoModelForImageClassification.from_pretrained(model).eval().to(self.device)
         self.processor = AutoImageProcessor.from_pretrained(model, use_fast=True)
         self.labels = class_labels(self.model.config)
@@ -347,7 +349,7 @@ def aesthetic_batch(
     batch: pa.Table, path: str, embedding_column: str, prefix: str, normalise: bool = True
 ) -> pa.Table:
     """The head's score for each stored embedding (null, with a reason, where there is none)."""
-    head = _head(path)
+    head = cached_head(path)
     col = batch[embedding_column].combine_chunks()
     valid = np.asarray(col.is_valid(), bool) if len(col) else np.zeros(0, bool)
     scores = np.full(len(col), np.nan, np.float32)
@@ -373,226 +375,9 @@ def aesthetic_batch(
 _HEADS: dict[str, LinearHead] = {}
 
 
-def _head(path: str) -> LinearHead:
+def cached_head(path: str) -> LinearHead:
     """The head at ``path``, loaded once per process (each Ray worker caches its own)."""
     head = _HEADS.get(path)
     if head is None:
         head = _HEADS[path] = LinearHead.from_state_dict(load_state_dict(path), path)
     return head
-
-
-# --- the job -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ScoreConfig:
-    """One score job: which scorer, its model, where its columns go, how it runs."""
-
-    table: str
-    scorer: str
-    #: A Hugging Face name or a local path (aesthetic: the head's weights file).
-    model: str
-    #: Column prefix (default: the scorer's name).
-    prefix: str | None = None
-    #: aesthetic: the CLIP image embedding it reads.
-    embedding_column: str = CLIP_IMAGE_COLUMN
-    caption_column: str = "caption"
-    device: str = "auto"
-    engine: str = "ray"
-    replicas: int = 1
-    batch_size: int = 64
-    limit: int | None = None
-    commit_every: int = 16
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    storage_options: dict | None = field(default=None, hash=False)
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.scorer not in SCORERS:
-            raise UsageError(f"scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
-        if self.replicas < 1 or self.batch_size < 1:
-            raise UsageError("replicas and batch_size must be >= 1")
-
-    @property
-    def column_prefix(self) -> str:
-        return self.prefix or self.scorer
-
-
-@dataclass
-class ScoreReport:
-    """What a score job did: rows scored, failures by reason, the columns written."""
-
-    table: str
-    scorer: str
-    columns: list[str]
-    pending: int = 0
-    rows: int = 0
-    written: int = 0
-    scored: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-    recovered_rows: int = 0
-    seconds: float = 0.0
-    table_version: int = 0
-    final_version: int = 0
-
-    @property
-    def failed(self) -> int:
-        return sum(self.failures.values())
-
-    def text(self) -> str:
-        rate = self.rows / self.seconds if self.seconds else 0.0
-        lines = [
-            f"{self.scorer}: {self.rows:,} rows in {self.seconds:.1f}s ({rate:,.0f} rows/s), "
-            f"{self.scored:,} scored, {self.failed:,} failed"
-            + (
-                f", {self.recovered_rows:,} recovered from a killed run"
-                if self.recovered_rows
-                else ""
-            ),
-            f"columns: {', '.join(self.columns)} (table version {self.final_version})",
-        ]
-        for reason, n in sorted(self.failures.items(), key=lambda kv: -kv[1])[:10]:
-            lines.append(f"  {n:>8,}  {reason}")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {
-            "table": self.table,
-            "scorer": self.scorer,
-            "columns": self.columns,
-            "pending": self.pending,
-            "rows": self.rows,
-            "written": self.written,
-            "scored": self.scored,
-            "failed": self.failed,
-            "failures": dict(self.failures),
-            "recovered_rows": self.recovered_rows,
-            "seconds": round(self.seconds, 3),
-            "table_version": self.table_version,
-            "final_version": self.final_version,
-        }
-
-
-def _model_config(model: str):
-    """The model's config; a name that resolves to no model fails here, in one line."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model)
-    except OSError as e:  # how transformers reports an unknown id or a directory without a model
-        raise UsageError(
-            f"--model {model!r}: {str(e).splitlines()[0]} (give a Hugging Face model id or a "
-            "local model directory)"
-        ) from None
-
-
-def score_outputs(cfg: ScoreConfig) -> tuple[pa.Schema, list[str], str]:
-    """(output schema, columns read, value column that marks a row done) for ``cfg``."""
-    p = cfg.column_prefix
-    err = pa.field(error_column(p), pa.string())
-    if cfg.scorer == "clip":
-        dim = int(_model_config(cfg.model).projection_dim)
-        schema = pa.schema(
-            [
-                pa.field(f"{p}_image_embedding", vector_type(dim)),
-                pa.field(f"{p}_text_embedding", vector_type(dim)),
-                pa.field(f"{p}_score", pa.float32()),
-                err,
-            ]
-        )
-        return schema, ["image", cfg.caption_column], f"{p}_image_embedding"
-    if cfg.scorer == "aesthetic":
-        _head(cfg.model)  # a bad file fails here, in one line, before any work
-        schema = pa.schema([pa.field(f"{p}_score", pa.float32()), err])
-        return schema, [cfg.embedding_column], f"{p}_score"
-    labels = class_labels(_model_config(cfg.model))
-    cols = [class_column(p, label) for label in labels]
-    if len(set(cols)) != len(cols):
-        raise UsageError(f"the class names of {cfg.model!r} collide as columns: {cols}")
-    schema = pa.schema(
-        [pa.field(f"{p}_label", pa.string()), *(pa.field(c, pa.float32()) for c in cols), err]
-    )
-    return schema, ["image"], f"{p}_label"
-
-
-def build_job(cfg: ScoreConfig, **overrides: Any):
-    """The :class:`~prx_data.columns.runner.ColumnJob` for ``cfg`` (``overrides``: its fields)."""
-    from prx_data.columns.runner import ColumnJob, Step
-    from prx_data.table import lance_ops as T
-
-    outputs, read, done = score_outputs(cfg)
-    ds = T.open_table(cfg.table, cfg.storage_options)
-    names = ds.schema.names
-    for col in read:
-        if col not in names and col != cfg.caption_column:
-            hint = " (run the clip scorer first)" if cfg.scorer == "aesthetic" else ""
-            raise UsageError(f"{cfg.table!r} has no column {col!r}{hint}")
-    if cfg.scorer == "clip" and cfg.caption_column not in names:
-        raise UsageError(f"{cfg.table!r} has no caption column {cfg.caption_column!r}")
-    where = f"{T.quote(done)} IS NULL" if done in names else None
-    if cfg.scorer == "aesthetic":
-        has = f"{T.quote(cfg.embedding_column)} IS NOT NULL"
-        where = f"({where}) AND {has}" if where else has
-    p = cfg.column_prefix
-    gpu = _device(cfg.device).startswith("cuda")
-    if cfg.scorer == "aesthetic":
-        step = Step(
-            aesthetic_batch,
-            kwargs={"path": cfg.model, "embedding_column": cfg.embedding_column, "prefix": p},
-            batch_size=cfg.batch_size,
-        )
-    else:
-        cls = ClipScorer if cfg.scorer == "clip" else ClassifierScorer
-        step = Step(
-            cls,
-            constructor_args=(cfg.model, p, cfg.device)
-            + ((cfg.caption_column,) if cfg.scorer == "clip" else ()),
-            batch_size=cfg.batch_size,
-            actors=cfg.replicas,
-            num_cpus=1,
-            num_gpus=1 if gpu else None,
-        )
-    kwargs: dict[str, Any] = dict(
-        table=cfg.table,
-        outputs=outputs,
-        read_columns=read,
-        steps=[step],
-        where=where,
-        name=f"score-{p}",
-        limit=cfg.limit,
-        engine=cfg.engine,
-        batch_size=cfg.batch_size,
-        commit_every=cfg.commit_every,
-        reason_column=error_column(p),
-        storage_options=cfg.storage_options,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
-        progress=cfg.progress,
-        desc=f"score {cfg.scorer} -> {p}_*",
-    )
-    kwargs.update(overrides)
-    return ColumnJob(**kwargs)
-
-
-def run_score(cfg: ScoreConfig, **overrides: Any) -> ScoreReport:
-    """Run one score job (resumable); ``overrides`` set :class:`ColumnJob` fields (tests, hooks)."""
-    from prx_data.columns.runner import run_column_job
-
-    job = build_job(cfg, **overrides)
-    rep = run_column_job(job)
-    failed = sum(rep.reasons.values())
-    return ScoreReport(
-        table=cfg.table,
-        scorer=cfg.scorer,
-        columns=list(job.outputs.names),
-        pending=rep.pending,
-        rows=rep.rows,
-        written=rep.written,
-        scored=rep.rows - failed,
-        failures=dict(rep.reasons),
-        recovered_rows=rep.recovered_rows,
-        seconds=rep.seconds,
-        table_version=rep.table_version,
-        final_version=rep.final_version,
-    )

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from prx_data.columns.checks import ERROR
+from prx_data.core.reports import FailureCounts
+
 
 def sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
@@ -56,7 +59,7 @@ def pending_filter(
 
 
 @dataclass
-class ColumnReport:
+class ColumnReport(FailureCounts):
     """What a column job did: rows, a count per status/label, reasons, speed."""
 
     table: str
@@ -85,6 +88,31 @@ class ColumnReport:
     #: Fragments a killed run had finished, committed at start without recomputing.
     recovered_fragments: int = 0
     recovered_rows: int = 0
+
+    counted = "rows"
+
+    @property
+    def job_label(self) -> str:
+        return f"column job ({', '.join(self.columns)})"
+
+    @property
+    def failed(self) -> int:
+        """Rows processed in this run whose status is 'error'."""
+        return self.counts.get(ERROR, 0)
+
+    @property
+    def total(self) -> int:
+        return self.rows
+
+    def failure_details(self, report_json: str | None = None) -> str:
+        return (
+            "the reasons above"
+            + (f" and in {report_json}" if report_json else "")
+            + f"; rows with status '{ERROR}' in {', '.join(self.columns)} of {self.table}"
+        )
+
+    def text(self) -> str:
+        return self.summary()
 
     @property
     def rows_per_s(self) -> float:

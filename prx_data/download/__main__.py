@@ -1,7 +1,5 @@
-"""``python -m prx_data.download``: a shim over :mod:`prx_data.cli.download`."""
+"""``python -m prx_data.download``: the ``download`` job of :data:`prx_data.cli.JOBS`."""
 
-import sys
+from prx_data.cli import shim
 
-from prx_data.cli.download import main
-
-sys.exit(main())
+shim("download", __name__)

@@ -1,7 +1,5 @@
-"""``python -m prx_data.explore``: a shim over :mod:`prx_data.cli.explore`."""
+"""``python -m prx_data.explore``: the ``explore`` job of :data:`prx_data.cli.JOBS`."""
 
-import sys
+from prx_data.cli import shim
 
-from prx_data.cli.explore import main
-
-sys.exit(main())
+shim("explore", __name__)

@@ -184,9 +184,7 @@ def _encoded_writer() -> type:
 
 def _shard_samples(part_dir: str, entry: dict) -> list[_Encoded]:
     """The encoded samples of one part shard, its bytes checked against the part's index."""
-    from streaming.base.hashing import get_hash
-
-    from prx_data.core.streaming_compat import decompress
+    from prx_data.core.streaming_compat import decompress, get_hash
 
     info = entry.get("zip_data") or entry["raw_data"]
     path = storage.join(part_dir, info["basename"])

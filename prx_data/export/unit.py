@@ -30,11 +30,18 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 
 from prx_data.core import storage
-from prx_data.core.buckets import DEFAULT_TIERS, BucketSpec, assign_bucket
+from prx_data.core.buckets import (
+    DEFAULT_TIERS,
+    DROP_ASPECT_RATIO,
+    DROP_TOO_SMALL,
+    BucketSpec,
+    assign_bucket,
+)
 from prx_data.core.errors import NotFound
 from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, DRAFT_MARGIN, ImageError, prepare_with
 from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
+from prx_data.core.reports import FailureCounts
 from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME, is_job_column, mds_sample
 from prx_data.export.layout import (
     CONFIG_NAME,
@@ -152,8 +159,12 @@ class UnitResult:
         return cls(**json.loads(text))
 
 
+#: Drop reasons that are choices, not failures: they never count toward --max-error-rate.
+POLICY_DROPS = frozenset({"filtered", "unbucketed", DROP_TOO_SMALL, DROP_ASPECT_RATIO})
+
+
 @dataclass
-class ExportReport:
+class ExportReport(FailureCounts):
     table: str
     out: str
     table_version: int | None
@@ -170,8 +181,30 @@ class ExportReport:
     #: Skip lists applied from the table's registry: {list: {ids, samples, shards}}.
     lists: dict[str, dict[str, int]] = field(default_factory=dict)
 
+    counted = "rows"
+    job_label = "write_mds"
+
+    @property
+    def failed(self) -> int:
+        """Rows dropped for a broken, empty or undecodable image (not by ``--filter`` or size)."""
+        return sum(n for reason, n in self.dropped.items() if reason not in POLICY_DROPS)
+
+    @property
+    def total(self) -> int:
+        return self.rows_read
+
+    @property
+    def report_path(self) -> str:
+        return f"{self.out.rstrip('/')}/{REPORT_NAME}"
+
+    def failure_details(self, report_json: str | None = None) -> str:
+        return f"the dropped counts by reason in {self.report_path}"
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def text(self) -> str:
+        return self.table_text()
 
     def table_text(self) -> str:
         lines = [

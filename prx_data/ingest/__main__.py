@@ -1,7 +1,5 @@
-"""``python -m prx_data.ingest``: a shim over :mod:`prx_data.cli.ingest`."""
+"""``python -m prx_data.ingest``: the ``ingest`` job of :data:`prx_data.cli.JOBS`."""
 
-import sys
+from prx_data.cli import shim
 
-from prx_data.cli.ingest import main
-
-sys.exit(main())
+shim("ingest", __name__)

@@ -1,7 +1,5 @@
-"""``python -m prx_data.skips``: a shim over :mod:`prx_data.cli.skips`."""
+"""``python -m prx_data.skips``: the ``skips`` job of :data:`prx_data.cli.JOBS`."""
 
-import sys
+from prx_data.cli import shim
 
-from prx_data.cli.skips import main
-
-sys.exit(main())
+shim("skips", __name__)

@@ -15,61 +15,31 @@ Steps of ``python -m prx_data.dedup --table URI [--export OUT] [--radius R]``:
 
 Clustering at radius > 0 is single-linkage: A~B and B~C put A, B and C in
 one cluster even when A and C are further apart than ``R``.
+
+This module holds the parts the job calls (group counts, bucket names, the
+skip-list replacement); the job itself (:class:`pipelines.dedup.DedupConfig`,
+:func:`pipelines.dedup.run_dedup`, :class:`pipelines.dedup.DedupReport`) is in
+:mod:`pipelines.dedup`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.clusters import MAX_RADIUS, Clusters  # noqa: F401 (re-exported)
-from prx_data.core.errors import UsageError
 
 DUP_OF = "dup_of"
+#: The perceptual-hash column the dedup job fills, and why a row has none.
+PHASH = "phash"
+PHASH_ERROR = "phash_error"
 DEFAULT_SKIP_NAME = "dedup"
 DEFAULT_REPORT = "dedup-report.json"
 #: Past this skipped share the report suggests rewriting the export (the PRX recipe).
 REWRITE_HINT_SHARE = 0.10
-
-
-# --- the job --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DedupConfig:
-    """One dedup run over a table (and optionally an export made from it)."""
-
-    table: str
-    export: str | None = None
-    radius: int = 0
-    skip_name: str = DEFAULT_SKIP_NAME
-    #: Tiers used to name the bucket a row would get when there is no ``export``.
-    tiers: tuple[int, ...] = DEFAULT_TIERS
-    #: JSON report path (None: do not write one; the CLI defaults to DEFAULT_REPORT).
-    report: str | None = None
-    #: Write the ``dup_of`` column into the table.
-    write_column: bool = True
-    #: Hash rows that lack a ``phash`` first (else only existing hashes are used).
-    compute: bool = True
-    engine: str = "ray"
-    exact: bool = False
-    batch_size: int = 256
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    storage_options: dict | None = None
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.radius <= MAX_RADIUS:
-            raise UsageError(f"radius must be between 0 and {MAX_RADIUS}, got {self.radius}")
-        if self.export is not None:
-            from prx_data.skips.sidecar import validate_name
-
-            validate_name(self.skip_name)
 
 
 @dataclass
@@ -80,73 +50,6 @@ class Group:
     in_clusters: int = 0
     clusters: int = 0
     removed: int = 0
-
-
-@dataclass
-class DedupReport:
-    table: str
-    table_version: int
-    radius: int
-    rows: int
-    hashed: int
-    unhashed: dict[str, int]
-    clusters: int
-    rows_in_clusters: int
-    removed: int
-    largest_cluster: int
-    clusters_spanning_tiers: int
-    #: "export" (sample counts from the export's manifests) or "table" (buckets the rows would get).
-    grouped_by: str
-    tiers: dict[str, Group] = field(default_factory=dict)
-    buckets: dict[str, Group] = field(default_factory=dict)
-    skip_list: dict | None = None
-    phash_job: dict | None = None
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        from dataclasses import asdict
-
-        return asdict(self)
-
-    def table_text(self) -> str:
-        lines = [
-            f"table {self.table} (version {self.table_version}), radius {self.radius}",
-            f"rows {self.rows:,}  hashed {self.hashed:,}  clusters {self.clusters:,}  "
-            f"rows in clusters {self.rows_in_clusters:,}  removed {self.removed:,}  "
-            f"largest cluster {self.largest_cluster}  spanning tiers {self.clusters_spanning_tiers}",
-        ]
-        if self.unhashed:
-            lines.append(
-                "not hashed: " + ", ".join(f"{k} {v}" for k, v in sorted(self.unhashed.items()))
-            )
-        what = "exported samples" if self.grouped_by == "export" else "rows (bucket they would get)"
-        lines.append(
-            f"{'tier / bucket':<22}{'samples':>10}{'clusters':>10}{'removed':>10}{'%':>7}   [{what}]"
-        )
-        for tier, g in self.tiers.items():
-            lines.append(_row(tier, g))
-            for name, b in self.buckets.items():
-                if name.split("/")[0] == tier and name != tier:
-                    lines.append(_row("  " + name, b))
-        if self.skip_list:
-            sl = self.skip_list
-            lines.append(
-                f"skip list {sl['name']!r}: {sl['samples_listed']:,} samples in {sl['shards_written']} shards"
-                f" ({sl['stale_sidecars_removed']} stale sidecars removed)"
-            )
-            share = sl.get("skipped_share_all_lists", 0.0)
-            lines.append(f"all skip lists together leave out {100 * share:.2f}% of the export")
-            if share > REWRITE_HINT_SHARE:
-                lines.append(
-                    f"that is above {100 * REWRITE_HINT_SHARE:.0f}%: consider rewriting it: "
-                    f"python -m prx_data.skips rewrite {sl['export']} NEW_ROOT"
-                )
-        return "\n".join(lines)
-
-
-def _row(name: str, g: Group) -> str:
-    pct = 100.0 * g.removed / g.samples if g.samples else 0.0
-    return f"{name:<22}{g.samples:>10,}{g.clusters:>10,}{g.removed:>10,}{pct:>7.2f}"
 
 
 def group_counts(

@@ -1,7 +1,5 @@
-"""``python -m prx_data.table``: a shim over :mod:`prx_data.cli.table`."""
+"""``python -m prx_data.table``: the ``table`` job of :data:`prx_data.cli.JOBS`."""
 
-import sys
+from prx_data.cli import shim
 
-from prx_data.cli.table import main
-
-sys.exit(main())
+shim("table", __name__)

@@ -1,7 +1,5 @@
-"""``python -m prx_data.train``: a shim over :mod:`prx_data.cli.train`."""
+"""``python -m prx_data.train``: the ``train`` job of :data:`prx_data.cli.JOBS`."""
 
-import sys
+from prx_data.cli import shim
 
-from prx_data.cli.train import main
-
-sys.exit(main())
+shim("train", __name__)

@@ -7,9 +7,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from prx_data.cli.reporting import finish
 from prx_data.columns.backends import BACKENDS, GenerationConfig
-from prx_data.columns.checks import ERROR
-from prx_data.core.errors import add_max_error_rate, error_rate_status
+from prx_data.core.errors import add_max_error_rate
 
 
 def add_backend_args(
@@ -194,12 +194,6 @@ def redo_args(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
     return parse_list(args.redo), False
 
 
-def write_report(path: str | None, report: dict) -> None:
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-
-
 def run_column_job(args: argparse.Namespace, make_config: Callable[[], Any], run: Callable) -> int:
     """The shared tail of the caption/classify CLIs: build, start Ray, run, report.
 
@@ -217,15 +211,4 @@ def run_column_job(args: argparse.Namespace, make_config: Callable[[], Any], run
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report.summary())
-    write_report(args.report_json, report.to_dict())
-    return error_rate_status(
-        f"column job ({', '.join(report.columns)})",
-        report.counts.get(ERROR, 0),
-        report.rows,
-        args.max_error_rate,
-        "the reasons above"
-        + (f" and in {args.report_json}" if args.report_json else "")
-        + f"; rows with status '{ERROR}' in {', '.join(report.columns)} of {report.table}",
-        "rows",
-    )
+    return finish(report, report_json=args.report_json, max_error_rate=args.max_error_rate)

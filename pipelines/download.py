@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 
 from prx_data.core import schema as S
 from prx_data.core.errors import Conflict, UsageError
+from prx_data.core.reports import FailureCounts
 from prx_data.download import fetch as F
 
 STATUS = S.status_column("download")
@@ -103,7 +104,7 @@ class DownloadConfig:
 
 
 @dataclass
-class DownloadReport:
+class DownloadReport(FailureCounts):
     """What a download run did: statuses, reasons, failing hosts, speed, bytes."""
 
     table: str
@@ -130,9 +131,21 @@ class DownloadReport:
     table_version: int = 0
     final_version: int = 0
 
+    job_label = "download"
+    counted = "rows"
+
     @property
     def ok(self) -> int:
         return self.statuses.get(F.OK, 0)
+
+    @property
+    def failed(self) -> int:
+        """Rows left without an image (the open web fails often: no ``--max-error-rate``)."""
+        return sum(self.failures.values())
+
+    @property
+    def total(self) -> int:
+        return self.rows
 
     @property
     def failures(self) -> dict[str, int]:

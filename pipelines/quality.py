@@ -1,0 +1,148 @@
+"""The image-quality column job: fill ``image_quality`` (std, entropy, flat) where it is missing.
+
+Graph (:mod:`prx_data.columns.runner`, like caption, classify, phash and descriptors)::
+
+    read id, image of rows whose image_quality is null      one unit per fragment (or row range)
+      -> measure_batch                                      decode, flatten alpha on white, measure
+      -> driver: each finished fragment's image_quality written once, checkpointed, committed
+
+Only the new column's files are written; a killed run resumes with the rows
+still missing. Unreadable rows keep a null value (counted, and measured
+again by a later run). ``engine="local"`` (the default) runs in this
+process; ``"ray"`` spreads the decoding over Ray Data tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from prx_data.columns.quality import LOW, OK, OUTCOME, UNREADABLE, measure_batch
+from prx_data.columns.runner import ENGINES, ColumnJob, Step, run_column_job
+from prx_data.core import quality
+from prx_data.core import schema as S
+from prx_data.core.reports import FailureCounts
+from prx_data.table import lance_ops as T
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """One measuring run over ``table``."""
+
+    table: str
+    column: str = quality.COLUMN
+    #: Rows per read batch.
+    chunk_rows: int = 2048
+    engine: str = "local"
+    ray_address: str | None = None
+    num_cpus: int | None = None
+    #: Fragments per commit (each finished fragment is checkpointed regardless).
+    commit_every: int = 16
+    storage_options: dict | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
+        if self.column in (S.ID, S.IMAGE, S.CAPTION):
+            raise ValueError(f"refusing to write image quality into the {self.column!r} column")
+
+
+@dataclass
+class QualityReport(FailureCounts):
+    """Rows measured, unreadable (left null) and low-information, in this run."""
+
+    table: str
+    column: str
+    written: int = 0
+    unreadable: int = 0
+    low_information: int = 0
+    seconds: float = 0.0
+    table_version: int = 0
+    final_version: int = 0
+
+    job_label = "quality"
+    counted = "rows"
+
+    @property
+    def failed(self) -> int:
+        return self.unreadable
+
+    @property
+    def total(self) -> int:
+        return self.written + self.unreadable
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "written": self.written,
+            "unreadable": self.unreadable,
+            "low_information": self.low_information,
+        }
+
+    def text(self) -> str:
+        return (
+            f"measured {self.written:,} rows; {self.unreadable:,} unreadable (left empty); "
+            f"{self.low_information:,} low-information\n"
+            f'low-information filter: "{quality.LOW_INFORMATION_SQL}"'
+        )
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def run_quality(cfg: QualityConfig) -> QualityReport:
+    """Measure every row of ``cfg.table`` that lacks ``cfg.column``; resumable."""
+    ds = T.open_table(cfg.table, cfg.storage_options)
+    where = f"{T.quote(cfg.column)} IS NULL" if cfg.column in ds.schema.names else None
+    job = ColumnJob(
+        table=cfg.table,
+        outputs=pa.schema([pa.field(cfg.column, quality.QUALITY_TYPE)]),
+        read_columns=[S.ID, S.IMAGE],
+        steps=[Step(measure_batch, kwargs={"column": cfg.column}, batch_size=cfg.chunk_rows)],
+        where=where,
+        engine=cfg.engine,
+        batch_size=cfg.chunk_rows,
+        commit_every=cfg.commit_every,
+        count_column=OUTCOME,
+        null_as=None,
+        storage_options=cfg.storage_options,
+        ray_address=cfg.ray_address,
+        num_cpus=cfg.num_cpus,
+        progress=cfg.progress,
+        desc=f"image quality -> {cfg.column}",
+    )
+    col = run_column_job(job)
+    return QualityReport(
+        table=cfg.table,
+        column=cfg.column,
+        written=col.counts.get(OK, 0) + col.counts.get(LOW, 0),
+        unreadable=col.counts.get(UNREADABLE, 0),
+        low_information=col.counts.get(LOW, 0),
+        seconds=col.seconds,
+        table_version=col.table_version,
+        final_version=col.final_version,
+    )
+
+
+def compute_quality(
+    uri: str,
+    *,
+    column: str = quality.COLUMN,
+    chunk_rows: int = 2048,
+    progress: bool = True,
+    storage_options: dict | None = None,
+) -> dict[str, int]:
+    """:func:`run_quality` as counts: ``written`` (measured), ``unreadable``, ``low_information``."""
+    cfg = QualityConfig(
+        table=uri,
+        column=column,
+        chunk_rows=chunk_rows,
+        progress=progress,
+        storage_options=storage_options,
+    )
+    return run_quality(cfg).counts()
