@@ -152,10 +152,18 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _refuse_plain_tree(root: str) -> None:
+    from prx_data.export.adopt import refuse_plain_tree
+
+    refuse_plain_tree(root)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     problems: list = []
     try:
+        if args.cmd in ("add", "remove", "sync", "rewrite"):
+            _refuse_plain_tree(args.root)
         if args.cmd == "add":
             if args.table and not args.where:
                 raise SystemExit("--table needs --where")

@@ -621,6 +621,17 @@ class Bound:
     missing: pa.Array | None = None
 
 
+def _check_parts(root: str, bucket: str, shards: Sequence[layout.ShardInfo]) -> None:
+    """Shards outside part folders: a tree another writer made, which has no id manifests yet."""
+    for s in shards:
+        if not layout.PART_SHARD_RE.fullmatch(s.basename):
+            raise ListError(
+                f"{layout.rel_join(root, bucket)}: shard {s.basename!r} is not in a part folder "
+                f"of an export, so the tree has no id manifests; run python -m prx_data.adopt "
+                f"{root} once (it writes them without touching the shards)"
+            )
+
+
 def _parts(shards: Sequence[layout.ShardInfo]) -> list[str]:
     return sorted({s.basename.split("/")[0] for s in shards})
 
@@ -631,6 +642,11 @@ def iter_manifests(
     """The bucket's manifest rows (shard, index, id), a bounded batch at a time."""
     remote = storage.is_remote(root)
     known = {s.basename for s in shards}
+    adopted = layout.adopted_manifest(root, bucket)
+    if storage.exists(adopted):  # an adopted tree: one manifest per bucket
+        yield from layout.read_adopted_manifest(root, bucket, known, batch_rows)
+        return
+    _check_parts(root, bucket, shards)
     parts = _parts(shards)
     step = layout.IO_THREADS * 4 if remote else 64
 
@@ -742,9 +758,14 @@ def ids_at(root: str, positions: Mapping[tuple[str, str], Iterable[int]]) -> pa.
     """
     by_part: dict[tuple[str, str], dict[str, np.ndarray]] = {}
     indexes: dict[str, dict[str, layout.ShardInfo]] = {}
+    adopted: dict[str, bool] = {}
     for (bucket, shard), idx in positions.items():
         if bucket not in indexes:
-            indexes[bucket] = {s.basename: s for s in layout.read_index(root, bucket)}
+            shards = layout.read_index(root, bucket)
+            indexes[bucket] = {s.basename: s for s in shards}
+            adopted[bucket] = storage.exists(layout.adopted_manifest(root, bucket))
+            if not adopted[bucket]:
+                _check_parts(root, bucket, shards)
         info = indexes[bucket].get(shard)
         if info is None:
             raise UnknownName(
@@ -756,17 +777,24 @@ def ids_at(root: str, positions: Mapping[tuple[str, str], Iterable[int]]) -> pa.
             raise OutOfRange(
                 f"{bucket}/{shard}: sample index {bad} is outside 0..{info.samples - 1}"
             )
-        by_part.setdefault((bucket, shard.split("/")[0]), {})[shard] = arr
+        part = "" if adopted[bucket] else shard.split("/")[0]
+        by_part.setdefault((bucket, part), {})[shard] = arr
     found = []
     for (bucket, part), wanted in sorted(by_part.items()):
-        path = layout.rel_join(root, f"{bucket}/{part}/{MANIFEST_NAME}")
-        try:
-            t = pq.read_table(
-                io.BytesIO(storage.read_bytes(path)), columns=["shard", "index", "id"]
-            )
-        except FileNotFoundError:
-            raise ListError(f"{path}: missing manifest, so the samples have no row ids") from None
-        layout.check_manifest_shards(path, part, t["shard"])
+        if adopted[bucket]:
+            path = layout.adopted_manifest(root, bucket)
+            t = layout.read_adopted_manifest(root, bucket, set(indexes[bucket]))
+        else:
+            path = layout.rel_join(root, f"{bucket}/{part}/{MANIFEST_NAME}")
+            try:
+                t = pq.read_table(
+                    io.BytesIO(storage.read_bytes(path)), columns=["shard", "index", "id"]
+                )
+            except FileNotFoundError:
+                raise ListError(
+                    f"{path}: missing manifest, so the samples have no row ids"
+                ) from None
+            layout.check_manifest_shards(path, part, t["shard"])
         for shard, arr in wanted.items():
             rows = t.filter(pc.equal(t["shard"], shard))
             hit = rows.filter(pc.is_in(rows["index"], value_set=pa.array(arr, rows["index"].type)))
