@@ -160,7 +160,6 @@ def bench_semdedup(args) -> dict:
 
 def engine_run(uri: str, engine: str, cpus: int, iters: int, out: str) -> None:
     """One job run in this (fresh) process; figures and removed ids to ``out``."""
-    import resource
     import tracemalloc
 
     from pipelines.semdedup import SemDedupConfig, run_semdedup
@@ -178,13 +177,21 @@ def engine_run(uri: str, engine: str, cpus: int, iters: int, out: str) -> None:
         "seconds": round(seconds, 2),
         "tracemalloc_peak_mb": round(peak / 2**20, 1),
         "arrow_peak_mb": round(pa.default_memory_pool().max_memory() / 2**20, 1),
-        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mb": _peak_rss_mb(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "removed": rep.removed,
         "clusters": rep.clusters,
         "removed_ids": sorted(t[S.ID].filter(removed).to_pylist()),
     }
     Path(out).write_text(json.dumps(res))
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak RSS (``VmHWM``: unlike ``ru_maxrss`` it does not carry the parent's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
 
 
 def bench_semdedup_job(args, root: Path) -> dict:
