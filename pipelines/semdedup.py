@@ -304,11 +304,14 @@ def _run_local(cfg: SemDedupConfig, ds) -> tuple[SemDedupReport, pa.Array]:
     rep = summarise(dups, cfg, ids)
     rep.rows_without_embedding = rows_all - len(meta)
     if cfg.store_columns:
-        values = _values(rowaddr, dups.labels, dups.best)
-        frag_of = rowaddr >> np.uint64(32)
+        by_frag = np.argsort(rowaddr >> np.uint64(32), kind="stable")
+        values = _values(rowaddr, dups.labels, dups.best).take(pa.array(by_frag))
+        frag_of = rowaddr[by_frag] >> np.uint64(32)
         metas = []
         for frag in ds.get_fragments():
-            part = values.filter(pa.array(frag_of == frag.fragment_id))
+            f = np.uint64(frag.fragment_id)
+            a, b = np.searchsorted(frag_of, f), np.searchsorted(frag_of, f, side="right")
+            part = values.slice(a, b - a)
             metas.append(_write_fragment(ds, frag.fragment_id, part, cfg.storage_options))
         _commit(cfg, ds, metas)
     return rep, ids.filter(pa.array(dups.removed(cfg.threshold)))
@@ -516,7 +519,9 @@ def _bucket_task(
         top = top[best[top] >= best[top[9]]]
     if cfg.store_columns:
         rowaddr = t["_rowaddr"].to_numpy()
-        fg = np.array([frag_group[int(f)] for f in (rowaddr >> np.uint64(32)).tolist()], np.int64)
+        keys = np.array(sorted(frag_group), np.uint64)
+        groups_of = np.array([frag_group[int(f)] for f in keys.tolist()], np.int64)
+        fg = groups_of[np.searchsorted(keys, rowaddr >> np.uint64(32))]
         _write_parts(_spill_path(root, "c", bucket), _values(rowaddr, labels, best), fg, groups)
     return {
         "sizes": np.diff(np.r_[starts, len(order)]),
@@ -568,10 +573,13 @@ def _run_ray(cfg: SemDedupConfig, ds) -> tuple[SemDedupReport, pa.Array]:
     if n and k > 1:
         sample = np.sort(rng.choice(n, size=min(n, cfg.train_rows), replace=False))
         base = np.r_[0, np.cumsum(sel)]
-        which = np.searchsorted(base, sample, side="right") - 1
+        cut = np.searchsorted(sample, base)  # the sample is sorted: a slice per fragment
         refs = [
-            remote["_sample_task"].remote(cfg_ref, version, frags[i], sample[which == i] - base[i])
-            for i in np.unique(which).tolist()
+            remote["_sample_task"].remote(
+                cfg_ref, version, frags[i], sample[cut[i] : cut[i + 1]] - base[i]
+            )
+            for i in range(len(frags))
+            if cut[i + 1] > cut[i]
         ]
         vecs = np.concatenate(ray.get(refs))
         centroids = train_centroids(normalise(vecs), k, cfg.iters, cfg.seed)

@@ -144,7 +144,10 @@ def test_ray_and_local_engines_agree_and_store_cluster_columns(planted, tmp_path
 
     images = lance.dataset(planted).to_table(columns=["id", "image"]).sort_by("id")
     files = _image_files(planted)
-    common = dict(embedding_column="pixel_descriptor", cluster_size=4, rows_per_task=8)
+    # A training sample smaller than the table: both engines must draw the same rows.
+    common = dict(
+        embedding_column="pixel_descriptor", cluster_size=4, rows_per_task=8, train_rows=12
+    )
     reps, stored = {}, {}
     for engine in ("local", "ray"):
         out = str(tmp_path / f"export-{engine}")
