@@ -26,10 +26,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from prx_data.skips.dedup import (  # noqa: E402
-    cluster_hashes,
-    find_duplicates,
-)
+from prx_data.core.clusters import cluster_hashes, find_duplicates  # noqa: E402
 
 REPEAT = 3
 

@@ -17,10 +17,18 @@
    pair compared):
    the share of brute-force removals the clustered run also finds (recall)
    and the share it finds that brute force does not (0 by construction).
+3. **The semantic dedup job** (:func:`pipelines.semdedup.run_semdedup`) for
+   each of ``--job-embeddings`` (comma-separated sizes) over a Lance table of
+   those embeddings (``--rows-per-fragment`` rows per fragment), with
+   ``engine=local`` and ``engine=ray``, each in a fresh subprocess: seconds,
+   the driver's peak Python allocations (tracemalloc), peak Arrow pool bytes
+   and peak RSS (Ray workers not counted), the 1-minute load average after,
+   and whether both engines removed the same ids.
 
 Usage::
 
     python benchmarks/bench_scores.py --rows 100000 --embeddings 1000000 --subset 10000
+    python benchmarks/bench_scores.py --skip-jobs --embeddings 0 --job-embeddings 100000,1000000
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -148,6 +158,77 @@ def bench_semdedup(args) -> dict:
     return out
 
 
+def engine_run(uri: str, engine: str, cpus: int, iters: int, out: str) -> None:
+    """One job run in this (fresh) process; figures and removed ids to ``out``."""
+    import tracemalloc
+
+    from pipelines.semdedup import SemDedupConfig, run_semdedup
+
+    if engine == "ray":
+        ensure_ray(num_cpus=cpus)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    rep = run_semdedup(SemDedupConfig(uri, engine=engine, iters=iters))
+    seconds = time.perf_counter() - t0
+    _, peak = tracemalloc.get_traced_memory()
+    t = lance.dataset(uri).to_table(columns=[S.ID, "semdedup_cosine"])
+    removed = pa.compute.greater_equal(t["semdedup_cosine"], rep.threshold).fill_null(False)
+    res = {
+        "seconds": round(seconds, 2),
+        "tracemalloc_peak_mb": round(peak / 2**20, 1),
+        "arrow_peak_mb": round(pa.default_memory_pool().max_memory() / 2**20, 1),
+        "peak_rss_mb": _peak_rss_mb(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "removed": rep.removed,
+        "clusters": rep.clusters,
+        "removed_ids": sorted(t[S.ID].filter(removed).to_pylist()),
+    }
+    Path(out).write_text(json.dumps(res))
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak RSS (``VmHWM``: unlike ``ru_maxrss`` it does not carry the parent's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def bench_semdedup_job(args, root: Path) -> dict:
+    out: dict = {}
+    for n in (int(v) for v in args.job_embeddings.split(",") if v.strip()):
+        x = clustered_embeddings(n)
+        uri = str(root / f"emb{n}.lance")
+        area = np.random.default_rng(1).integers(1, 1000, n)
+        t = pa.table(
+            {
+                S.ID: pa.array([f"e{i:09d}" for i in range(n)]),
+                S.WIDTH: pa.array(area.astype(np.int32)),
+                S.HEIGHT: pa.array(np.ones(n, np.int32)),
+                SC.CLIP_IMAGE_COLUMN: pa.FixedSizeListArray.from_arrays(
+                    pa.array(x.astype(np.float32).ravel()), x.shape[1]
+                ),
+            }
+        )
+        lance.write_dataset(t, uri, max_rows_per_file=args.rows_per_fragment)
+        del x, t
+        row: dict = {}
+        for engine in ("local", "ray"):
+            res_path = root / f"res-{n}-{engine}.json"
+            here = str(Path(__file__).parent)
+            code = (
+                f"import sys; sys.path.insert(0, {here!r}); import bench_scores as B; "
+                f"B.engine_run({uri!r}, {engine!r}, {args.cpus}, {args.iters}, {str(res_path)!r})"
+            )
+            subprocess.run([sys.executable, "-c", code], check=True)
+            row[engine] = json.loads(res_path.read_text())
+        same = row["local"].pop("removed_ids") == row["ray"].pop("removed_ids")
+        row["same_removed_ids"] = same
+        out[str(n)] = row
+        print("semdedup job", n, json.dumps(row), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -162,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         "--scorers", default="aesthetic,watermark", help="score jobs to run (comma-separated)"
     )
     p.add_argument("--skip-jobs", action="store_true", help="only the semantic dedup part")
+    p.add_argument(
+        "--job-embeddings",
+        default="",
+        help="comma-separated table sizes for the semdedup job, local vs ray (default: none)",
+    )
+    p.add_argument("--iters", type=int, default=20, help="k-means iterations of the job runs")
     p.add_argument("--json", default=None, help="write the figures to this file")
     args = p.parse_args(argv)
     res: dict = {}
@@ -170,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine == "ray":
                 ensure_ray(num_cpus=args.cpus)
             res["score_jobs"] = bench_score_jobs(args, Path(d))
-        res["semdedup"] = bench_semdedup(args)
+        if args.embeddings:
+            res["semdedup"] = bench_semdedup(args)
+        if args.job_embeddings:
+            res["semdedup_job"] = bench_semdedup_job(args, Path(d))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

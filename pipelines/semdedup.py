@@ -3,15 +3,36 @@
 The method (spherical k-means, then the best cosine to a better member within
 each cluster) is :mod:`prx_data.skips.semdedup`; this module reads the rows
 (only those of ``--export`` when given), reports the share removed at several
-thresholds and replaces the skip list through
+thresholds, stores each row's cluster and best cosine as columns
+(``semdedup_cluster``, ``semdedup_cosine``; only those columns' files are
+written) and replaces the skip list through
 :func:`prx_data.skips.dedup.replace_skip_list`.
+
+Two engines give the same result:
+
+- ``local``: everything in this process (ids, areas and labels of every row
+  in memory; small tables and tests).
+- ``ray``: the driver holds only the seeded training sample, the centroids
+  and per-cluster summaries. Ray tasks, one per fragment, count the rows,
+  read the sample rows, then read each row's embedding, id and size, assign
+  it and spill ``(cluster, id, area, row address, embedding)`` to Arrow IPC
+  files, one record batch per cluster bucket. One task per bucket ranks its
+  clusters' members and finds the best cosine to a better member
+  (:func:`prx_data.skips.semdedup.best_better`); it returns counts and
+  examples and spills the removed ids and the per-row columns (by fragment
+  group). Tasks per fragment group then write the columns
+  (:func:`prx_data.columns.runner.write_columns`) and the driver commits them
+  in one ``Update``. The spill directory must be visible to every node
+  (``spill_dir``; default a local temporary directory).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +48,20 @@ from prx_data.skips.semdedup import (
     SemDuplicates,
     find_semantic_duplicates,
 )
-from prx_data.table.search import CLIP_IMAGE_COLUMN
+from prx_data.table.search import (
+    CLIP_IMAGE_COLUMN,
+    SEMDEDUP_CLUSTER_COLUMN,
+    SEMDEDUP_COSINE_COLUMN,
+)
+
+ENGINES = ("ray", "local")
+#: The columns the job stores (null for rows that took no part).
+OUTPUTS = pa.schema(
+    [
+        pa.field(SEMDEDUP_CLUSTER_COLUMN, pa.int32()),
+        pa.field(SEMDEDUP_COSINE_COLUMN, pa.float32()),
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -49,8 +83,21 @@ class SemDedupConfig:
     #: Rows fetched per read while assigning clusters.
     batch_rows: int = 65_536
     storage_options: dict | None = field(default=None, hash=False)
+    engine: str = "ray"
+    #: Store ``semdedup_cluster`` / ``semdedup_cosine`` in the table.
+    store_columns: bool = True
+    #: Rows per cluster-bucket task (whole clusters; ray engine).
+    rows_per_task: int = 262_144
+    #: Spilled assignments (ray engine); must be shared by all nodes. None: a temporary dir.
+    spill_dir: str | None = None
+    ray_address: str | None = None
+    num_cpus: int | None = None
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise UsageError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.rows_per_task < 1:
+            raise UsageError("rows_per_task must be >= 1")
         for t in (self.threshold, *self.report_thresholds):
             if not -1.0 <= t <= 1.0:
                 raise UsageError(f"cosine thresholds lie in [-1, 1], got {t}")
@@ -108,45 +155,140 @@ class SemDedupReport(FailureCounts):
 
 
 def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
-    """Cluster the table's embeddings, report every threshold, write the skip list."""
-    from prx_data.core import schema as S
-    from prx_data.table.lance_ops import open_table, quote
+    """Cluster the table's embeddings, report every threshold, store columns, write the skip list."""
+    from prx_data.columns.runner import ensure_columns
 
     start = time.perf_counter()
-    ds = open_table(cfg.table, cfg.storage_options)
+    ds = _open(cfg.table, cfg.storage_options)
     col = cfg.embedding_column
     if col not in ds.schema.names or not pa.types.is_fixed_size_list(ds.schema.field(col).type):
         raise UsageError(
             f"{cfg.table!r} has no vector column {col!r}; run `python -m prx_data.score clip "
             f"--table {cfg.table} --model ...` first, or name one with --embedding-column"
         )
+    if cfg.store_columns:  # metadata only; every read below is pinned to this version
+        ds = _open(cfg.table, cfg.storage_options, ensure_columns(cfg.table, OUTPUTS))
+    run = _run_local if cfg.engine == "local" else _run_ray
+    rep, removed = run(cfg, ds)
+    rep.table = cfg.table
+    if cfg.export is not None:
+        from prx_data.skips.dedup import replace_skip_list
+
+        rep.skip_list = replace_skip_list(
+            cfg.export,
+            cfg.skip_name,
+            pa.table({"id": removed}),  # every one is in the export
+            table=cfg.table,
+            reason=f"semdedup: {col} cosine >= {cfg.threshold:g} to a larger image",
+        )
+    rep.seconds = time.perf_counter() - start
+    return rep
+
+
+def _open(uri: str, storage_options: dict | None, version: int | None = None):
+    from prx_data.table.lance_ops import open_table
+
+    return open_table(uri, storage_options, version)
+
+
+def _thresholds(cfg: SemDedupConfig) -> list[float]:
+    return sorted({*cfg.report_thresholds, cfg.threshold})
+
+
+def _exported(export: str, ids: pa.Array) -> np.ndarray:
+    """Which of ``ids`` the export holds (through its id index)."""
+    from prx_data.export.idindex import lookup_or_manifests
+
+    hits = [c for t in lookup_or_manifests(export, pc.unique(ids)) for c in t["id"].chunks]
+    held = pa.concat_arrays(hits) if hits else pa.array([], pa.string())
+    return pc.is_in(ids, value_set=held).to_numpy(zero_copy_only=False)
+
+
+def _area(t: pa.Table) -> np.ndarray:
+    from prx_data.core import schema as S
+
+    w = t[S.WIDTH].cast(pa.float64()).fill_null(0).to_numpy(zero_copy_only=False)
+    h = t[S.HEIGHT].cast(pa.float64()).fill_null(0).to_numpy(zero_copy_only=False)
+    return (w * h).astype(np.int64)
+
+
+def _vectors(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    flat = arr.flatten().to_numpy(zero_copy_only=False)
+    return flat.reshape(len(arr), arr.type.list_size)
+
+
+def _report(
+    cfg: SemDedupConfig, n: int, sizes: np.ndarray, removed_at: dict[float, int], examples
+) -> SemDedupReport:
+    """The report from per-cluster summaries; ``examples``: (id, kept, cosine) candidates."""
+    sizes = sizes[sizes > 0]
+    ex = sorted(examples, key=lambda e: (-e[2], e[0]))[:10]
+    return SemDedupReport(
+        table=cfg.table,
+        embedding_column=cfg.embedding_column,
+        rows=n,
+        clusters=len(sizes),
+        cluster_sizes={
+            "min": int(sizes.min()) if len(sizes) else 0,
+            "median": int(np.median(sizes)) if len(sizes) else 0,
+            "p90": int(np.percentile(sizes, 90)) if len(sizes) else 0,
+            "max": int(sizes.max()) if len(sizes) else 0,
+        },
+        threshold=cfg.threshold,
+        by_threshold={
+            f"{t:g}": {"removed": r, "fraction": r / n if n else 0.0} for t, r in removed_at.items()
+        },
+        removed=removed_at[cfg.threshold],
+        examples=[{"id": i, "kept": k, "cosine": round(float(c), 4)} for i, k, c in ex],
+    )
+
+
+def summarise(dups: SemDuplicates, cfg: SemDedupConfig, ids: pa.Array) -> SemDedupReport:
+    """Cluster sizes, the rows removed at each threshold, a few example pairs."""
+    n = len(dups.best)
+    sizes = np.bincount(dups.labels) if n else np.zeros(0, np.int64)
+    removed_at = {t: int(dups.removed(t).sum()) for t in _thresholds(cfg)}
+    rm = np.flatnonzero(dups.removed(cfg.threshold))
+    keeper = dups.keeper(cfg.threshold)
+    # Candidates for the ten examples: the highest cosines (ties by id, as the ray engine).
+    top = rm[np.argsort(-dups.best[rm], kind="stable")]
+    if len(top) > 10:
+        top = top[dups.best[top] >= dups.best[top[9]]]
+    examples = [
+        (ids[int(i)].as_py(), ids[int(keeper[i])].as_py(), float(dups.best[i])) for i in top
+    ]
+    return _report(cfg, n, sizes, removed_at, examples)
+
+
+# --- local engine ------------------------------------------------------------------------
+
+
+def _run_local(cfg: SemDedupConfig, ds) -> tuple[SemDedupReport, pa.Array]:
+    """Everything in this process: ids, areas and labels of every row in memory."""
+    from prx_data.core import schema as S
+    from prx_data.table.lance_ops import quote
+
+    col = cfg.embedding_column
     meta = ds.to_table(
         columns=[S.ID, S.WIDTH, S.HEIGHT],
         filter=f"{quote(col)} IS NOT NULL",
-        with_row_address=False,
+        with_row_address=True,
         with_row_id=False,
     )
     rows_all = ds.count_rows()
     offsets = _offsets(ds, col)
     ids = meta[S.ID].combine_chunks()
-    keep = np.ones(len(ids), bool)
-    if cfg.export is not None:  # only the rows the export holds, found through its id index
-        from prx_data.export.idindex import lookup_or_manifests
-
-        hits = [c for t in lookup_or_manifests(cfg.export, pc.unique(ids)) for c in t["id"].chunks]
-        exported = pa.concat_arrays(hits) if hits else pa.array([], pa.string())
-        keep = pc.is_in(ids, value_set=exported).to_numpy(zero_copy_only=False)
+    keep = _exported(cfg.export, ids) if cfg.export is not None else np.ones(len(ids), bool)
     sel = np.flatnonzero(keep)
     ids = ids.take(pa.array(sel))
     offsets = offsets[sel]
-    w = meta[S.WIDTH].cast(pa.float64()).fill_null(0).to_numpy(zero_copy_only=False)[sel]
-    h = meta[S.HEIGHT].cast(pa.float64()).fill_null(0).to_numpy(zero_copy_only=False)[sel]
-    area = (w * h).astype(np.int64)
+    area = _area(meta)[sel]
+    rowaddr = np.asarray(meta["_rowaddr"].combine_chunks(), np.uint64)[sel]
 
     def fetch(rows: np.ndarray) -> np.ndarray:
-        t = ds.take(offsets[rows], columns=[col])
-        arr = t[col].combine_chunks()
-        return arr.flatten().to_numpy(zero_copy_only=False).reshape(len(rows), arr.type.list_size)
+        return _vectors(ds.take(offsets[rows], columns=[col])[col])
 
     dups = find_semantic_duplicates(
         fetch,
@@ -160,22 +302,19 @@ def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
         batch_rows=cfg.batch_rows,
     )
     rep = summarise(dups, cfg, ids)
-    rep.table = cfg.table
     rep.rows_without_embedding = rows_all - len(meta)
-    if cfg.export is not None:
-        from prx_data.skips.dedup import replace_skip_list
-
-        removed = ids.filter(pa.array(dups.removed(cfg.threshold)))
-        rows = pa.table({"id": removed})  # every one is in the export (``keep`` above)
-        rep.skip_list = replace_skip_list(
-            cfg.export,
-            cfg.skip_name,
-            rows,
-            table=cfg.table,
-            reason=f"semdedup: {col} cosine >= {cfg.threshold:g} to a larger image",
-        )
-    rep.seconds = time.perf_counter() - start
-    return rep
+    if cfg.store_columns:
+        by_frag = np.argsort(rowaddr >> np.uint64(32), kind="stable")
+        values = _values(rowaddr, dups.labels, dups.best).take(pa.array(by_frag))
+        frag_of = rowaddr[by_frag] >> np.uint64(32)
+        metas = []
+        for frag in ds.get_fragments():
+            f = np.uint64(frag.fragment_id)
+            a, b = np.searchsorted(frag_of, f), np.searchsorted(frag_of, f, side="right")
+            part = values.slice(a, b - a)
+            metas.append(_write_fragment(ds, frag.fragment_id, part, cfg.storage_options))
+        _commit(cfg, ds, metas)
+    return rep, ids.filter(pa.array(dups.removed(cfg.threshold)))
 
 
 def _offsets(ds, col: str) -> np.ndarray:
@@ -188,39 +327,324 @@ def _offsets(ds, col: str) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def summarise(dups: SemDuplicates, cfg: SemDedupConfig, ids: pa.Array) -> SemDedupReport:
-    """Cluster sizes, the rows removed at each threshold, a few example pairs."""
-    n = len(dups.best)
-    sizes = np.bincount(dups.labels) if n else np.zeros(0, np.int64)
-    sizes = sizes[sizes > 0]
-    thresholds: Sequence[float] = sorted({*cfg.report_thresholds, cfg.threshold})
-    by = {}
-    for t in thresholds:
-        r = int(dups.removed(t).sum())
-        by[f"{t:g}"] = {"removed": r, "fraction": r / n if n else 0.0}
-    rm = np.flatnonzero(dups.removed(cfg.threshold))
-    keeper = dups.keeper(cfg.threshold)
-    ex = rm[np.argsort(-dups.best[rm], kind="stable")][:10]
-    return SemDedupReport(
-        table=cfg.table,
-        embedding_column=cfg.embedding_column,
-        rows=n,
-        clusters=len(sizes),
-        cluster_sizes={
-            "min": int(sizes.min()) if len(sizes) else 0,
-            "median": int(np.median(sizes)) if len(sizes) else 0,
-            "p90": int(np.percentile(sizes, 90)) if len(sizes) else 0,
-            "max": int(sizes.max()) if len(sizes) else 0,
-        },
-        threshold=cfg.threshold,
-        by_threshold=by,
-        removed=len(rm),
-        examples=[
-            {
-                "id": ids[int(i)].as_py(),
-                "kept": ids[int(keeper[i])].as_py(),
-                "cosine": round(float(dups.best[i]), 4),
-            }
-            for i in ex
-        ],
+# --- stored columns ----------------------------------------------------------------------
+
+
+def _values(rowaddr: np.ndarray, labels: np.ndarray, best: np.ndarray) -> pa.Table:
+    """``_rowaddr`` + the stored columns; a cluster's best member has no cosine (null)."""
+    best = np.asarray(best, np.float32)
+    return pa.table(
+        {
+            "_rowaddr": pa.array(np.asarray(rowaddr, np.uint64)),
+            SEMDEDUP_CLUSTER_COLUMN: pa.array(np.asarray(labels, np.int32)),
+            SEMDEDUP_COSINE_COLUMN: pa.array(best, mask=~np.isfinite(best)),
+        }
     )
+
+
+def _write_fragment(ds, fragment: int, values: pa.Table, storage_options=None) -> tuple[str, list]:
+    """The fragment's new column file: ``values`` where given, null for every other row.
+
+    Every physical row is set, so a rerun over fewer rows (another export)
+    leaves no stale value. Returns the fragment metadata (JSON) and field ids.
+    """
+    from prx_data.columns.runner import write_columns
+
+    frag = ds.get_fragment(fragment)
+    n = frag.metadata.physical_rows
+    given = (np.asarray(values["_rowaddr"], np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    rest = np.setdiff1d(np.arange(n), given)
+    nulls = pa.table(
+        {
+            "_rowaddr": pa.array((np.uint64(fragment) << np.uint64(32)) + rest.astype(np.uint64)),
+            SEMDEDUP_CLUSTER_COLUMN: pa.nulls(len(rest), pa.int32()),
+            SEMDEDUP_COSINE_COLUMN: pa.nulls(len(rest), pa.float32()),
+        }
+    )
+    full = pa.concat_tables([values.cast(nulls.schema), nulls])
+    meta, fields = write_columns(ds, frag, full, OUTPUTS, storage_options)
+    return meta.to_json() if not isinstance(meta, str) else meta, [int(f) for f in fields]
+
+
+def _commit(cfg: SemDedupConfig, ds, metas: list[tuple[str, list]]) -> None:
+    from lance.fragment import FragmentMetadata
+
+    from prx_data.columns.runner import commit_fragments
+
+    if not metas:
+        return
+    frags = [
+        FragmentMetadata.from_json(m if isinstance(m, str) else json.dumps(m)) for m, _ in metas
+    ]
+    fields = sorted({f for _, fs in metas for f in fs})
+    commit_fragments(cfg.table, frags, fields, ds.version, cfg.storage_options)
+
+
+# --- ray engine --------------------------------------------------------------------------
+#
+# Tasks get (uri, version, options) and reopen the pinned table themselves; what comes
+# back to the driver is counts, the training sample, per-cluster sizes and examples.
+
+
+def _selected(cfg: SemDedupConfig, version: int, fragment: int, vectors: bool) -> tuple:
+    """The fragment's rows with an embedding (and in the export): table, rows with embedding."""
+    from prx_data.core import schema as S
+    from prx_data.table.lance_ops import quote
+
+    col = cfg.embedding_column
+    frag = _open(cfg.table, cfg.storage_options, version).get_fragment(fragment)
+    cols = [S.ID, S.WIDTH, S.HEIGHT] + ([col] if vectors else [])
+    t = frag.to_table(columns=cols, filter=f"{quote(col)} IS NOT NULL", with_row_address=True)
+    with_vec = t.num_rows
+    if cfg.export is not None and t.num_rows:
+        t = t.filter(pa.array(_exported(cfg.export, t[S.ID].combine_chunks())))
+    return t, with_vec
+
+
+def _count_task(cfg: SemDedupConfig, version: int, fragment: int) -> tuple[int, int]:
+    t, with_vec = _selected(cfg, version, fragment, vectors=False)
+    return t.num_rows, with_vec
+
+
+def _sample_task(cfg: SemDedupConfig, version: int, fragment: int, pos: np.ndarray) -> np.ndarray:
+    t, _ = _selected(cfg, version, fragment, vectors=True)
+    return _vectors(t[cfg.embedding_column].take(pa.array(pos)))
+
+
+def _spill_path(root: str, kind: str, i: int) -> str:
+    return f"{root}/{kind}{i:08d}.arrow"
+
+
+def _write_parts(path: str, table: pa.Table, part: np.ndarray, parts: int) -> np.ndarray:
+    """One Arrow IPC file with record batch ``p`` holding the rows of part ``p``; row counts."""
+    order = np.argsort(part, kind="stable")
+    table, part = table.take(pa.array(order)), part[order]
+    bounds = np.searchsorted(part, np.arange(parts + 1))
+    with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        for p in range(parts):
+            sub = table.slice(bounds[p], bounds[p + 1] - bounds[p]).combine_chunks()
+            w.write_batch(sub.to_batches()[0] if sub.num_rows else _empty_batch(table.schema))
+    return np.diff(bounds)
+
+
+def _empty_batch(schema: pa.Schema) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in schema], schema=schema)
+
+
+def _read_part(paths: list[str], p: int) -> pa.Table | None:
+    batches = []
+    for path in paths:
+        with pa.memory_map(path) as src:
+            b = pa.ipc.open_file(src).get_batch(p)
+            if b.num_rows:
+                batches.append(pa.Table.from_batches([b]).combine_chunks())
+    return pa.concat_tables(batches) if batches else None
+
+
+def _assign_task(
+    cfg: SemDedupConfig,
+    version: int,
+    fragment: int,
+    centroids: np.ndarray | None,
+    k: int,
+    buckets: int,
+    root: str,
+) -> np.ndarray:
+    """Assign the fragment's rows and spill them by cluster bucket; rows per bucket."""
+    from prx_data.core import schema as S
+    from prx_data.skips.semdedup import assign, normalise
+
+    t, _ = _selected(cfg, version, fragment, vectors=True)
+    vec = normalise(_vectors(t[cfg.embedding_column])) if t.num_rows else np.zeros((0, 1))
+    labels = np.zeros(t.num_rows, np.int64)
+    if centroids is not None and t.num_rows:
+        labels = assign(vec, centroids)
+    dim = vec.shape[1]
+    out = pa.table(
+        {
+            "cluster": pa.array(labels),
+            "id": t[S.ID].combine_chunks(),
+            "area": pa.array(_area(t)),
+            "_rowaddr": t["_rowaddr"].combine_chunks(),
+            "vec": pa.FixedSizeListArray.from_arrays(pa.array(vec.astype(np.float32).ravel()), dim),
+        }
+    )
+    return _write_parts(_spill_path(root, "a", fragment), out, labels * buckets // k, buckets)
+
+
+def _bucket_task(
+    cfg: SemDedupConfig, bucket: int, paths: list[str], groups: int, frag_group: dict, root: str
+) -> dict:
+    """Rank the bucket's clusters, best cosine to a better member; spill removed ids and columns."""
+    from prx_data.skips.semdedup import best_better, rank_members
+
+    t = _read_part(paths, bucket)
+    thresholds = _thresholds(cfg)
+    if t is None:
+        return {
+            "sizes": np.zeros(0, np.int64),
+            "removed_at": dict.fromkeys(thresholds, 0),
+            "examples": [],
+            "removed": 0,
+        }
+    labels = t["cluster"].to_numpy()
+    order = rank_members(labels, t["area"].to_numpy(), t["id"])
+    lab = labels[order]
+    starts = np.flatnonzero(np.r_[True, lab[1:] != lab[:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    vec = _vectors(t["vec"])
+    n = t.num_rows
+    best = np.full(n, -np.inf, np.float32)
+    nearest = np.full(n, -1, np.int64)
+    for a, b in zip(starts, ends, strict=True):
+        if b - a < 2:
+            continue
+        rows = order[a:b]
+        cb, ca = best_better(vec[rows])
+        best[rows] = cb
+        nearest[rows] = np.where(ca >= 0, rows[np.maximum(ca, 0)], -1)
+    dups = SemDuplicates(labels, best, nearest)
+    rm = dups.removed(cfg.threshold)
+    keeper = dups.keeper(cfg.threshold)
+    ids = t["id"].combine_chunks()
+    removed_ids = ids.filter(pa.array(rm))
+    with (
+        pa.OSFile(_spill_path(root, "r", bucket), "wb") as f,
+        pa.ipc.new_file(f, pa.schema([("id", ids.type)])) as w,
+    ):
+        w.write_table(pa.table({"id": removed_ids}))
+    idx = np.flatnonzero(rm)
+    top = idx[np.argsort(-best[idx], kind="stable")]
+    if len(top) > 10:
+        top = top[best[top] >= best[top[9]]]
+    if cfg.store_columns:
+        rowaddr = t["_rowaddr"].to_numpy()
+        keys = np.array(sorted(frag_group), np.uint64)
+        groups_of = np.array([frag_group[int(f)] for f in keys.tolist()], np.int64)
+        fg = groups_of[np.searchsorted(keys, rowaddr >> np.uint64(32))]
+        _write_parts(_spill_path(root, "c", bucket), _values(rowaddr, labels, best), fg, groups)
+    return {
+        "sizes": np.diff(np.r_[starts, len(order)]),
+        "removed_at": {th: int((best >= th).sum()) for th in thresholds},
+        "examples": [
+            (ids[int(i)].as_py(), ids[int(keeper[i])].as_py(), float(best[i])) for i in top
+        ],
+        "removed": int(rm.sum()),
+    }
+
+
+def _write_task(
+    cfg: SemDedupConfig, version: int, fragments: list[int], group: int, paths: list[str]
+) -> list[tuple[str, list]]:
+    """Write the stored columns of a group of fragments (one new column file each)."""
+    ds = _open(cfg.table, cfg.storage_options, version)
+    t = _read_part(paths, group) if paths else None
+    if t is None:
+        t = _values(np.zeros(0, np.uint64), np.zeros(0), np.zeros(0))
+    frag_of = t["_rowaddr"].to_numpy() >> np.uint64(32)
+    return [
+        _write_fragment(ds, f, t.filter(pa.array(frag_of == f)), cfg.storage_options)
+        for f in fragments
+    ]
+
+
+def _run_ray(cfg: SemDedupConfig, ds) -> tuple[SemDedupReport, pa.Array]:
+    import ray
+
+    from prx_data.core.runtime import ensure_ray
+    from prx_data.skips.semdedup import normalise, train_centroids
+
+    ensure_ray(cfg.ray_address, cfg.num_cpus)
+    remote = {
+        f.__name__: ray.remote(num_cpus=1)(f)
+        for f in (_count_task, _sample_task, _assign_task, _bucket_task, _write_task)
+    }
+    version = ds.version
+    frags = [f.fragment_id for f in ds.get_fragments()]
+    cfg_ref = ray.put(cfg)
+    counts = ray.get([remote["_count_task"].remote(cfg_ref, version, f) for f in frags])
+    sel = np.array([c[0] for c in counts], np.int64)
+    n = int(sel.sum())
+    rows_without = ds.count_rows() - sum(c[1] for c in counts)
+    # The same seeded sample over the same row order as the local engine.
+    rng = np.random.default_rng(cfg.seed)
+    k = max(1, round(n / cfg.cluster_size)) if n else 1
+    centroids = None
+    if n and k > 1:
+        sample = np.sort(rng.choice(n, size=min(n, cfg.train_rows), replace=False))
+        base = np.r_[0, np.cumsum(sel)]
+        cut = np.searchsorted(sample, base)  # the sample is sorted: a slice per fragment
+        refs = [
+            remote["_sample_task"].remote(
+                cfg_ref, version, frags[i], sample[cut[i] : cut[i + 1]] - base[i]
+            )
+            for i in range(len(frags))
+            if cut[i + 1] > cut[i]
+        ]
+        vecs = np.concatenate(ray.get(refs))
+        centroids = train_centroids(normalise(vecs), k, cfg.iters, cfg.seed)
+    buckets = max(1, min(k, -(-n // cfg.rows_per_task)))
+    groups = max(1, min(len(frags), buckets))
+    frag_group = {f: i * groups // max(1, len(frags)) for i, f in enumerate(frags)}
+    root = cfg.spill_dir or tempfile.mkdtemp(prefix="semdedup-")
+    own = cfg.spill_dir is None
+    try:
+        os.makedirs(root, exist_ok=True)
+        c_ref = ray.put(centroids)
+        per = ray.get(
+            [
+                remote["_assign_task"].remote(cfg_ref, version, f, c_ref, k, buckets, root)
+                for f in frags
+            ]
+        )
+        per_bucket = np.sum(per, axis=0) if per else np.zeros(buckets, np.int64)
+        spills = [_spill_path(root, "a", f) for f in frags]
+        fg_ref = ray.put(frag_group)
+        pending = [
+            remote["_bucket_task"].remote(
+                cfg_ref,
+                b,
+                [p for p, c in zip(spills, per, strict=True) if c[b]],
+                groups,
+                fg_ref,
+                root,
+            )
+            for b in range(buckets)
+            if per_bucket[b]
+        ]
+        sizes, examples = [], []
+        removed_at = dict.fromkeys(_thresholds(cfg), 0)
+        done_buckets = [b for b in range(buckets) if per_bucket[b]]
+        for s in ray.get(pending):
+            sizes.append(s["sizes"])
+            examples = sorted([*examples, *s["examples"]], key=lambda e: (-e[2], e[0]))[:10]
+            for t, r in s["removed_at"].items():
+                removed_at[t] += r
+        rep = _report(
+            cfg, n, np.concatenate(sizes) if sizes else np.zeros(0, np.int64), removed_at, examples
+        )
+        rep.rows_without_embedding = rows_without
+        removed = [c for b in done_buckets for c in _read_ids(_spill_path(root, "r", b))]
+        removed_ids = pa.concat_arrays(removed) if removed else pa.array([], pa.string())
+        if cfg.store_columns:
+            results = [_spill_path(root, "c", b) for b in done_buckets]
+            by_group: dict[int, list[int]] = {}
+            for f in frags:
+                by_group.setdefault(frag_group[f], []).append(f)
+            metas = ray.get(
+                [
+                    remote["_write_task"].remote(cfg_ref, version, fs, g, results)
+                    for g, fs in by_group.items()
+                ]
+            )
+            _commit(cfg, ds, [m for ms in metas for m in ms])
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    return rep, removed_ids
+
+
+def _read_ids(path: str) -> list[pa.Array]:
+    with pa.memory_map(path) as src:
+        t = pa.ipc.open_file(src).read_all()
+    return [c for c in t["id"].chunks if len(c)]

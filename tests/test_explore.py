@@ -620,3 +620,28 @@ def test_structured_attributes_are_drop_down_filters(tmp_path):
         assert sorted(r["id"] for r in text) == ["t/blue0", "t/green0"]
         status, _, body = get(f"{url}/api/search?label.attributes.text_present=yes")
         assert status == 400 and b"true or false" in body
+
+
+def test_cluster_view_shows_the_stored_semdedup_cluster(tmp_path):
+    import lance
+
+    from pipelines.semdedup import SemDedupConfig, run_semdedup
+
+    uri = str(tmp_path / "t.lance")
+    make_scored_table(uri)
+    run_semdedup(SemDedupConfig(uri, cluster_size=4, engine="local"))
+    t = lance.dataset(uri).to_table(columns=["id", "semdedup_cluster"]).to_pydict()
+    cluster = dict(zip(t["id"], t["semdedup_cluster"], strict=True))
+    same = {i for i, c in cluster.items() if c is not None and c == cluster["t/red0"]}
+    with running_server(uri) as (url, _srv):
+        res = api(url, "/api/cluster", id="t/red0")
+        assert res["stored"] is True and res["cluster"] == cluster["t/red0"]
+        ids = [m["id"] for m in res["members"]]
+        assert "t/red0" in ids and set(ids) <= same
+        assert res["keeper"] == ids[0] and all(m["cosine"] >= 0.95 for m in res["members"])
+        assert any(m["semdedup_cosine"] is None for m in res["members"])  # the cluster's best
+        # At any cosine only the stored cluster's members, never a neighbour outside it.
+        everyone = api(url, "/api/cluster", id="t/red0", cosine="-1")
+        assert {m["id"] for m in everyone["members"]} == same
+        # Rows without a stored cluster fall back to nearest neighbours.
+        assert api(url, "/api/cluster", id="t/xss")["error"] == "no vector for this image"

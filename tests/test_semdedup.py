@@ -52,11 +52,14 @@ def planted(tmp_path):
     return uri
 
 
-def test_planted_near_duplicates_found_and_the_largest_kept(planted, tmp_path):
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_planted_near_duplicates_found_and_the_largest_kept(planted, tmp_path, engine, request):
+    if engine == "ray":
+        request.getfixturevalue("ray_local")
     out = str(tmp_path / "export")
     export_in_process(planted, out)
     cfg = SJ.SemDedupConfig(
-        planted, export=out, embedding_column="pixel_descriptor", cluster_size=4
+        planted, export=out, embedding_column="pixel_descriptor", cluster_size=4, engine=engine
     )
     rep = SJ.run_semdedup(cfg)
     assert rep.rows == 22 and rep.clusters > 1 and rep.threshold == SD.DEFAULT_THRESHOLD
@@ -113,9 +116,69 @@ def test_within_cluster_matches_brute_force_and_chains_to_a_kept_row():
 def test_cli_reports_thresholds_and_explains_a_missing_column(planted, capsys):
     from prx_data.cli.semdedup import main
 
-    assert main(["--table", planted, "--embedding-column", "pixel_descriptor"]) == 0
+    assert (
+        main(["--table", planted, "--embedding-column", "pixel_descriptor", "--engine", "local"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "<- chosen" in text and "cosine threshold" in text
-    assert main(["--table", planted]) == 2  # no clip_image_embedding yet
+    assert main(["--table", planted, "--engine", "local"]) == 2  # no clip_image_embedding yet
     err = capsys.readouterr().err
     assert "python -m prx_data.score clip" in err and len(err.splitlines()) == 1
+
+
+def _image_files(uri: str) -> dict[int, list[str]]:
+    """Per fragment, the data files that hold the image column."""
+    import lance
+
+    ds = lance.dataset(uri)
+    fid = ds.lance_schema.field("image").id()
+    return {
+        f.fragment_id: sorted(d.path for d in f.metadata.data_files() if fid in d.field_ids())
+        for f in ds.get_fragments()
+    }
+
+
+def test_ray_and_local_engines_agree_and_store_cluster_columns(planted, tmp_path, ray_local):
+    import lance
+
+    images = lance.dataset(planted).to_table(columns=["id", "image"]).sort_by("id")
+    files = _image_files(planted)
+    # A training sample smaller than the table: both engines must draw the same rows.
+    common = dict(
+        embedding_column="pixel_descriptor", cluster_size=4, rows_per_task=8, train_rows=12
+    )
+    reps, stored = {}, {}
+    for engine in ("local", "ray"):
+        out = str(tmp_path / f"export-{engine}")
+        export_in_process(planted, out)
+        rep = SJ.run_semdedup(SJ.SemDedupConfig(planted, export=out, engine=engine, **common))
+        d = rep.to_dict()
+        d.pop("seconds")
+        reps[engine] = (d, set(_list_ids(out)))
+        stored[engine] = (
+            lance.dataset(planted)
+            .to_table(columns=["id", "semdedup_cluster", "semdedup_cosine"])
+            .sort_by("id")
+        )
+    assert reps["local"][1] == reps["ray"][1] == set(PLANTED)
+    for d in (reps["local"][0], reps["ray"][0]):
+        d.pop("skip_list")
+    assert reps["local"][0] == reps["ray"][0]
+    assert stored["local"].equals(stored["ray"])
+    t = stored["ray"].to_pydict()
+    pairs = zip(t["semdedup_cluster"], t["semdedup_cosine"], strict=True)
+    row = dict(zip(t["id"], pairs, strict=True))
+    for copy, kept in PLANTED.items():
+        assert row[copy][0] == row[kept][0]  # same stored cluster
+        assert row[copy][1] >= SD.DEFAULT_THRESHOLD
+    assert all(c is not None for c, _ in row.values())
+    # Only the new columns' files were written: image files and bytes are as before.
+    assert _image_files(planted) == files
+    assert lance.dataset(planted).to_table(columns=["id", "image"]).sort_by("id").equals(images)
+
+
+def _list_ids(out: str) -> list[str]:
+    from prx_data.skips import lists as LS
+
+    return LS.list_ids(out, "semdedup").to_pylist()

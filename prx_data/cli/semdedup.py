@@ -84,6 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_SKIP_NAME,
         help="skip-list name on the export (default: %(default)s)",
     )
+    p.add_argument(
+        "--engine",
+        choices=("ray", "local"),
+        default="ray",
+        help="ray: tasks per fragment and per cluster bucket (local Ray or --ray-address); "
+        "local: all in this process, for small tables (default: %(default)s)",
+    )
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: local)")
+    p.add_argument(
+        "--spill-dir",
+        default=None,
+        help="where the ray engine spills assignments; must be shared by all nodes "
+        "(default: a local temporary directory)",
+    )
+    p.add_argument(
+        "--no-columns",
+        dest="store_columns",
+        action="store_false",
+        help="do not store semdedup_cluster / semdedup_cosine in the table",
+    )
     p.add_argument("--report-json", default=None, help="also write the report to this JSON file")
     return p
 
@@ -104,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             iters=args.iters,
             seed=args.seed,
             skip_name=args.skip_name,
+            engine=args.engine,
+            ray_address=args.ray_address,
+            spill_dir=args.spill_dir,
+            store_columns=args.store_columns,
         )
         report = run_semdedup(cfg)
     except PrxDataError as e:

@@ -107,6 +107,8 @@ MAX_SORTED_OFFSET = 10_000
 #: Default cosine of the cluster view: semantic dedup's default threshold
 #: (``prx_data.skips.semdedup.DEFAULT_THRESHOLD``), so the view shows what it would merge.
 CLUSTER_COSINE = 0.95
+#: Members of a stored cluster the view reads (clusters average ``cluster_size`` rows).
+MAX_CLUSTER_MEMBERS = 4096
 #: The dedup job's column: the keeper's id on duplicates, null elsewhere.
 DUP_OF = "dup_of"
 CSP = (
@@ -543,8 +545,9 @@ class Explorer:
     def cluster(self, params: dict[str, str]) -> dict[str, Any]:
         """An image and its near duplicates side by side: the cluster semantic dedup would merge.
 
-        The semdedup job stores no cluster ids (it writes a skip list and a
-        report), so the view is the image's nearest neighbours by the CLIP image
+        When semantic dedup stored the image's cluster (``semdedup_cluster``),
+        the view shows that cluster's members (:meth:`_stored_cluster`).
+        Otherwise it is the image's nearest neighbours by the CLIP image
         embedding (else the table's vector column) with cosine >= ``cosine``,
         the image itself included, ordered as semdedup ranks members: largest
         width x height first, then smallest id. The first is the one it keeps.
@@ -562,6 +565,9 @@ class Explorer:
         out: dict[str, Any] = {"id": row_id, "column": col, "cosine": cosine, "members": []}
         if col is None:
             return {**out, "error": "no vector column"}
+        stored = self._stored_cluster(row_id, col, cosine, k)
+        if stored is not None:
+            return {**out, **stored}
         vec = search.vector_of(self.ds, row_id, col)
         if vec is None:
             return {**out, "error": "no vector for this image"}
@@ -584,6 +590,48 @@ class Explorer:
             members[0]["cosine"] = 1.0
         members.sort(key=lambda m: (-((m["width"] or 0) * (m["height"] or 0)), m["id"]))
         return {**out, "members": members, "keeper": members[0]["id"] if members else None}
+
+    def _stored_cluster(self, row_id: str, col: str, cosine: float, k: int) -> dict | None:
+        """The image's cluster as semantic dedup stored it (``semdedup_cluster``), else None.
+
+        Members are ranked as semdedup ranks them; the kept one is the first
+        within ``cosine`` of the image, and the view lists the members within
+        ``cosine`` of it (each with its stored best cosine to a better member).
+        """
+        import numpy as np
+
+        cl, best = search.SEMDEDUP_CLUSTER_COLUMN, search.SEMDEDUP_COSINE_COLUMN
+        if cl not in self.ds.schema.names:
+            return None
+        me = self.ds.to_table(columns=[cl], filter=f"{S.ID} = {search.sql_str(row_id)}", limit=1)
+        if me.num_rows == 0 or me[cl][0].as_py() is None:
+            return None
+        c = int(me[cl][0].as_py())
+        cols = list(dict.fromkeys([*self._columns(), best, col]))
+        t = self.ds.to_table(
+            columns=cols,
+            filter=f"{T.quote(cl)} = {c} AND {T.quote(col)} IS NOT NULL",
+            limit=MAX_CLUSTER_MEMBERS,
+        )
+        ids = t[S.ID].to_pylist()
+        if row_id not in ids:
+            return None
+        area = [
+            (w or 0) * (h or 0)
+            for w, h in zip(t[S.WIDTH].to_pylist(), t[S.HEIGHT].to_pylist(), strict=True)
+        ]
+        order = sorted(range(len(ids)), key=lambda i: (-area[i], ids[i]))
+        vec = np.asarray(t[col].combine_chunks().flatten(), np.float32).reshape(len(ids), -1)
+        vec = vec / np.maximum(np.linalg.norm(vec, axis=1, keepdims=True), 1e-12)
+        near = vec @ vec[ids.index(row_id)]
+        kept = next(i for i in order if near[i] >= cosine - 1e-6)
+        to_kept = vec @ vec[kept]
+        pick = [i for i in order if to_kept[i] >= cosine - 1e-6][:k]
+        members = self._rows(t.take(pick))
+        for m, i in zip(members, pick, strict=True):
+            m["cosine"] = round(float(to_kept[i]), 4)
+            m["semdedup_cosine"] = t[best][i].as_py()
+        return {"members": members, "keeper": ids[kept], "cluster": c, "stored": True}
 
     def row(self, row_id: str) -> dict[str, Any] | None:
         cols = [

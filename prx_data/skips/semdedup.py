@@ -107,7 +107,12 @@ def train_centroids(sample: np.ndarray, k: int, iters: int = 20, seed: int = 0) 
 
 
 def assign(x: np.ndarray, centroids: np.ndarray, block: int = 16_384) -> np.ndarray:
-    """Nearest centroid (cosine) of each normalised row, in blocks of rows."""
+    """Nearest centroid (cosine) of each normalised row, in blocks of rows.
+
+    The block shrinks with ``k`` so a block's similarities stay within 256 MiB
+    (k = 10^5 at 10^8 rows).
+    """
+    block = min(block, max(256, (1 << 26) // max(1, len(centroids))))
     out = np.empty(len(x), np.int64)
     for s in range(0, len(x), block):
         out[s : s + block] = (x[s : s + block] @ centroids.T).argmax(axis=1)
