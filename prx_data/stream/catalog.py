@@ -14,8 +14,8 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -94,32 +94,53 @@ def fetch_catalog(
     names = spec.skip_lists
     marker = os.path.join(local, _catalog_name(tiers, names))
     if not is_leader:
-        _node_barrier()
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(marker):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{marker}: local rank 0 did not finish fetching skip lists")
-            time.sleep(0.05)
-        with open(marker) as f:
-            text = f.read()
-        if text.startswith(_ERROR):
-            raise RuntimeError(f"local rank 0 failed to fetch {spec.root}: {text[len(_ERROR) :]}")
+        text = wait_for_leader(marker, timeout, f"fetching {spec.root}")
         return [line for line in text.splitlines() if line]
+
+    def fetch() -> tuple[list[str], bytes]:
+        buckets = _fetch(spec, tiers, local)
+        return buckets, "".join(b + "\n" for b in buckets).encode()
+
+    return lead(marker, fetch)
+
+
+_ERROR = "ERROR "
+_T = TypeVar("_T")
+
+
+def wait_for_leader(marker: str, timeout: float, what: str) -> str:
+    """A non-leader rank: wait for the leader's ``marker`` and return its text.
+
+    The leader writes the marker last, or an error line when its work failed,
+    so a waiting rank fails with the leader's reason instead of timing out.
+    """
+    _node_barrier()
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(marker):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{marker}: local rank 0 did not finish {what}")
+        time.sleep(0.05)
+    with open(marker) as f:
+        text = f.read()
+    if text.startswith(_ERROR):
+        raise RuntimeError(f"local rank 0 failed {what}: {text[len(_ERROR) :]}")
+    return text
+
+
+def lead(marker: str, work: Callable[[], tuple[_T, bytes]]) -> _T:
+    """The leader rank: run ``work`` (result, marker body), then write the marker for the others."""
     if os.path.exists(marker):
         os.remove(marker)
     try:
-        buckets = _fetch(spec, tiers, local)
+        result, body = work()
     except Exception as e:
         # Tell the waiting ranks why, instead of leaving them at the barrier.
         storage.write_bytes_atomic(marker, f"{_ERROR}{type(e).__name__}: {e}".encode())
         _node_barrier()
         raise
-    storage.write_bytes_atomic(marker, "".join(b + "\n" for b in buckets).encode())
+    storage.write_bytes_atomic(marker, body)
     _node_barrier()
-    return buckets
-
-
-_ERROR = "ERROR "
+    return result
 
 
 def _node_barrier() -> None:

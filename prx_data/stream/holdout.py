@@ -27,7 +27,6 @@ import io
 import json
 import os
 import posixpath
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -294,7 +293,7 @@ def holdout_skips(
     ranks wait for it and read the sets (a missing one is computed, never
     guessed).
     """
-    from prx_data.stream.catalog import _node_barrier
+    from prx_data.stream.catalog import lead, wait_for_leader
 
     if cache is None:
         return {b: _pair(hold, held_set(hold, root, b, s), s) for b, s in shards.items()}
@@ -303,23 +302,13 @@ def holdout_skips(
     marker = os.path.join(cache, HOLDOUT_DIR, hold.key, f"_ready.{digest}")
     out = {}
     if not is_leader:
-        _node_barrier()
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(marker):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{marker}: local rank 0 did not finish the hold-out")
-            time.sleep(0.05)
-        with open(marker) as f:
-            text = f.read()
-        if text.startswith(_ERROR):
-            raise RuntimeError(f"local rank 0 failed the hold-out of {root}: {text[len(_ERROR) :]}")
+        wait_for_leader(marker, timeout, f"the hold-out of {root}")
         for b, s in shards.items():
             held = _read_held(_cache_path(cache, hold, b, keys[b]), s)
             out[b] = _pair(hold, held if held is not None else held_set(hold, root, b, s), s)
         return out
-    if os.path.exists(marker):
-        os.remove(marker)
-    try:
+
+    def compute() -> tuple[None, bytes]:
         for b, s in shards.items():
             path = _cache_path(cache, hold, b, keys[b])
             held = _read_held(path, s)
@@ -327,12 +316,9 @@ def holdout_skips(
                 held = held_set(hold, root, b, s)
                 _write_held(path, held, s)
             out[b] = _pair(hold, held, s)
-    except Exception as e:
-        storage.write_bytes_atomic(marker, f"{_ERROR}{type(e).__name__}: {e}".encode())
-        _node_barrier()
-        raise
-    storage.write_bytes_atomic(marker, b"ok\n")
-    _node_barrier()
+        return None, b"ok\n"
+
+    lead(marker, compute)
     return out
 
 
