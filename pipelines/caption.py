@@ -130,42 +130,38 @@ def prepare_images(batch: pa.Table, max_pixels: int) -> pa.Table:
     )
 
 
-class CaptionActor:
-    """Holds one backend; captions a batch and applies the output checks."""
+class _BackendActor:
+    """One backend per actor; the column, status and error columns a batch returns."""
 
-    def __init__(self, spec: BackendSpec, prompt: str, column: str, limits: checks.LoopLimits):
+    def __init__(self, spec: BackendSpec, prompt: str, column: str):
         self.backend = spec.build()
         self.prompt = prompt
         self.column = column
         self.status = status_column(column)
         self.error = error_column(column)
-        self.limits = limits
         self.guard = FailureGuard()
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def _generate(self, batch: pa.Table) -> tuple[list, list, list[int], list]:
+        """(images, reasons, rows sent, generations) for the rows that decoded."""
         images = batch[_IMAGE_OK].to_pylist()
         reasons = batch[REASON].to_pylist()
         todo = [i for i, im in enumerate(images) if im is not None]
         gens = self.backend([Request(self.prompt, images[i]) for i in todo])
         self.guard.update(gens)
-        captions: list[str | None] = [None] * len(images)
-        statuses = [checks.ERROR] * len(images)
-        for i, g in zip(todo, gens, strict=True):
-            status, text = checks.check(g.text, g.finish_reason, g.error, self.limits)
-            statuses[i], captions[i] = status, text
-            if status == checks.ERROR:
-                reasons[i] = f"backend: {g.error}"[:120]
-            elif status != checks.OK:
-                reasons[i] = f"flagged: {status}"
+        return images, reasons, todo, gens
+
+    def _table(
+        self, batch: pa.Table, values: pa.Array, statuses: list[str], errors: list, reasons: list
+    ) -> pa.Table:
         return pa.table(
             {
                 S.ID: batch[S.ID],
-                self.column: pa.array(captions, pa.string()),
+                self.column: values,
                 self.status: pa.array(statuses, pa.string()),
                 self.error: pa.array(
                     [
-                        None if st == checks.OK else r
-                        for st, r in zip(statuses, reasons, strict=True)
+                        None if st == checks.OK else e
+                        for st, e in zip(statuses, errors, strict=True)
                     ],
                     pa.string(),
                 ),
@@ -179,7 +175,28 @@ class CaptionActor:
             backend.close()
 
 
-class AttributesActor:
+class CaptionActor(_BackendActor):
+    """Holds one backend; captions a batch and applies the output checks."""
+
+    def __init__(self, spec: BackendSpec, prompt: str, column: str, limits: checks.LoopLimits):
+        super().__init__(spec, prompt, column)
+        self.limits = limits
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        images, reasons, todo, gens = self._generate(batch)
+        captions: list[str | None] = [None] * len(images)
+        statuses = [checks.ERROR] * len(images)
+        for i, g in zip(todo, gens, strict=True):
+            status, text = checks.check(g.text, g.finish_reason, g.error, self.limits)
+            statuses[i], captions[i] = status, text
+            if status == checks.ERROR:
+                reasons[i] = f"backend: {g.error}"[:120]
+            elif status != checks.OK:
+                reasons[i] = f"flagged: {status}"
+        return self._table(batch, pa.array(captions, pa.string()), statuses, reasons, reasons)
+
+
+class AttributesActor(_BackendActor):
     """Holds one backend; asks for JSON attributes, validates them and builds the struct.
 
     ``<column>_error`` gets the validator's full message for the row; the run
@@ -189,21 +206,12 @@ class AttributesActor:
     def __init__(self, spec: BackendSpec, prompt: str, column: str, schema_json: str):
         from prx_data.columns.structured import Validator
 
-        self.backend = spec.build()
-        self.prompt = prompt
-        self.column = column
-        self.status = status_column(column)
-        self.error = error_column(column)
+        super().__init__(spec, prompt, column)
         self.validator = Validator(json.loads(schema_json))
-        self.guard = FailureGuard()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        images = batch[_IMAGE_OK].to_pylist()
-        reasons = batch[REASON].to_pylist()
+        images, reasons, todo, gens = self._generate(batch)
         details = list(reasons)
-        todo = [i for i, im in enumerate(images) if im is not None]
-        gens = self.backend([Request(self.prompt, images[i]) for i in todo])
-        self.guard.update(gens)
         values: list[dict | None] = [None] * len(images)
         statuses = [checks.ERROR] * len(images)
 
@@ -229,26 +237,7 @@ class AttributesActor:
         for i, why in enumerate(unfit):
             if why is not None:
                 flag(i, checks.INVALID, why)
-        return pa.table(
-            {
-                S.ID: batch[S.ID],
-                self.column: array,
-                self.status: pa.array(statuses, pa.string()),
-                self.error: pa.array(
-                    [
-                        None if st == checks.OK else d
-                        for st, d in zip(statuses, details, strict=True)
-                    ],
-                    pa.string(),
-                ),
-                REASON: pa.array(reasons, pa.string()),
-            }
-        )
-
-    def __del__(self):
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            backend.close()
+        return self._table(batch, array, statuses, details, reasons)
 
 
 def caption_job(
