@@ -207,7 +207,7 @@ def adopt_tree(root: str, *, tier: int | None = None, id_column: str | None = No
     with no buckets, unsafe names or encodings, an id column that is not
     ``str``, and empty or repeated ids within a bucket.
     """
-    from streaming.base.hashing import get_hash
+    from prx_data.core.streaming_compat import get_hash
 
     t0 = time.monotonic()
     kind, flat = detect_layout(root, tier)
@@ -364,7 +364,7 @@ def report_text(res: AdoptResult) -> str:
 
 def verify_adopted(root: str, *, deep: bool = False) -> tuple[list[str], int, int]:
     """Problems of an adopted tree (index changed, shard size or hash), buckets, shards checked."""
-    from streaming.base.hashing import get_hash
+    from prx_data.core.streaming_compat import get_hash
 
     rec = read_record(root)
     if rec is None:

@@ -190,6 +190,8 @@ def write_id_index(
     """
     import lance
 
+    from prx_data.table.lance_ops import open_table
+
     uri = index_uri(out_root)
     opts = _options(uri)
     names = list(layout.list_buckets(out_root) if buckets is None else buckets)
@@ -197,7 +199,7 @@ def write_id_index(
     check()
     mode = "create"
     try:  # an older build's record must not vouch for the rows written now
-        lance.dataset(uri, storage_options=opts).update_metadata({META_KEY: None})
+        open_table(uri, opts).update_metadata({META_KEY: None})
         mode = "overwrite"
     except (ValueError, OSError):
         pass  # no index yet
@@ -310,15 +312,15 @@ def open_index(root: str) -> tuple[IdIndex | None, str]:
     Current means: complete (its build record is there), and built from
     exactly the merged indexes the tree holds now (same buckets, same bytes).
     """
-    import lance
+    from prx_data.table.lance_ops import open_table
 
     uri = index_uri(root)
     if not storage.exists(uri):
         return None, f"{root} has no id index ({layout.IDS_INDEX_NAME})"
     try:
-        ds = lance.dataset(
+        ds = open_table(
             uri,
-            storage_options=_options(uri),
+            _options(uri),
             index_cache_size_bytes=INDEX_CACHE_BYTES,
             metadata_cache_size_bytes=METADATA_CACHE_BYTES,
         )

@@ -48,17 +48,18 @@ def table_exists(uri: str, storage_options: dict | None = None) -> bool:
 
 
 def open_table(
-    uri: str, storage_options: dict | None = None, version: int | None = None
+    uri: str, storage_options: dict | None = None, version: int | None = None, **options: Any
 ) -> lance.LanceDataset:
     """The one way the project opens a Lance table, with a clear error when there is none.
 
     ``storage_options=None`` takes them from the environment
     (:func:`lance_storage_options`), so an S3-compatible endpoint set once
-    reaches every job, worker and version it opens.
+    reaches every job, worker and version it opens. ``options`` go to
+    ``lance.dataset`` (cache sizes, for example).
     """
     opts = lance_storage_options(uri) if storage_options is None else storage_options
     try:
-        return lance.dataset(uri, version=version, storage_options=opts)
+        return lance.dataset(uri, version=version, storage_options=opts, **options)
     except (ValueError, OSError) as e:
         at = f"version {version} of " if version is not None else ""
         raise NotFound(
