@@ -77,7 +77,7 @@ def _sid(i: int) -> str:
 class BucketTemplate:
     """One bucket's encoded sample with a placeholder id, and its shard/index templates."""
 
-    def __init__(self, bucket: str, width: int, height: int, work: str) -> None:
+    def __init__(self, bucket: str, width: int, height: int, work: str, px: int = 0) -> None:
         from PIL import Image
         from streaming import MDSWriter
 
@@ -85,7 +85,10 @@ class BucketTemplate:
         from prx_data.export.unit import DEFAULT_HASHES
 
         buf = io.BytesIO()
-        Image.new("RGB", (width, height), (120, 130, 140)).save(buf, "JPEG", quality=90)
+        # px > 0: a tiny px x px JPEG (a few hundred bytes) stands in for the bucket shape,
+        # so that 10^7 samples fit on one disk; the loaders below keep images encoded.
+        size = (px, px) if px else (width, height)
+        Image.new("RGB", size, (120, 130, 140)).save(buf, "JPEG", quality=90)
         self.bucket = bucket
         self.columns = {**MDS_COLUMNS, "caption": "str"}
         self.hashes = list(DEFAULT_HASHES)
@@ -109,25 +112,24 @@ class BucketTemplate:
         enc = w.encode_sample({**self.sample, "id": marker})
         w.finish()
         shutil.rmtree(os.path.join(work, "tmpl"))
-        cut = enc.index(marker.encode())
-        self.pre, self.post = enc[:cut], enc[cut + ID_WIDTH :]
+        self.cut = enc.index(marker.encode())
+        self.encoded = np.frombuffer(enc, np.uint8)
         self.sample_size = len(enc)
 
-    def shard(self, ids: list[str]) -> bytes:
-        n = len(ids)
+    def shard(self, start: int, n: int) -> bytes:
+        """The MDS shard of samples ``start .. start + n - 1``: template rows with ids patched in."""
         offsets = np.arange(n + 1, dtype=np.uint32) * np.uint32(self.sample_size)
         offsets += np.uint32(4 + 4 * (n + 1) + len(self.config_data))
-        body = b"".join(self.pre + i.encode() + self.post for i in ids)
-        return np.uint32(n).tobytes() + offsets.tobytes() + self.config_data + body
+        body = np.tile(self.encoded, (n, 1))
+        body[:, self.cut : self.cut + ID_WIDTH] = _id_digits(start, n)
+        return np.uint32(n).tobytes() + offsets.tobytes() + self.config_data + body.tobytes()
 
-    def write_part(self, bdir: str, part: str, ids: list[str]) -> None:
+    def write_part(self, bdir: str, part: str, start: int, n: int) -> int:
         from streaming.base.hashing import get_hash
-
-        from prx_data.export import layout
 
         pdir = os.path.join(bdir, part)
         os.makedirs(pdir, exist_ok=True)
-        data = self.shard(ids)
+        data = self.shard(start, n)
         with open(os.path.join(pdir, "shard.00000.mds"), "wb") as f:
             f.write(data)
         raw = {
@@ -135,14 +137,17 @@ class BucketTemplate:
             "bytes": len(data),
             "hashes": {a: get_hash(a, data) for a in self.hashes},
         }
-        entry = {"samples": len(ids), "raw_data": raw, "zip_data": None, **self.config}
+        entry = {"samples": n, "raw_data": raw, "zip_data": None, **self.config}
         with open(os.path.join(pdir, "index.json"), "w") as f:
             json.dump({"version": 2, "shards": [entry]}, f, sort_keys=True)
-        return layout.write_manifest(bdir, part, ids)
+        write_manifest(bdir, part, start, n)
+        return len(data)
 
     def check_against_mdswriter(self, work: str) -> None:
         """A fabricated part must be byte-identical to what MDSWriter writes for the same samples."""
         from streaming import MDSWriter
+
+        from prx_data.export import layout
 
         ids = [_sid(i) for i in range(7)]
         real = os.path.join(work, "check-real")
@@ -150,7 +155,14 @@ class BucketTemplate:
             for i in ids:
                 w.write({**self.sample, "id": i})
         fake = os.path.join(work, "check-fake")
-        self.write_part(fake, "p", ids)
+        self.write_part(fake, "p", 0, len(ids))
+        os.rename(os.path.join(fake, "p", "ids.parquet"), os.path.join(fake, "fab.parquet"))
+        layout.write_manifest(fake, "p", ids)
+        import pyarrow.parquet as pq
+
+        a, b = (pq.read_table(os.path.join(fake, x)) for x in ("fab.parquet", "p/ids.parquet"))
+        if not a.equals(b):
+            raise SystemExit("fabricated ids.parquet differs from layout.write_manifest's")
         for name in ("shard.00000.mds", "index.json"):
             with (
                 open(os.path.join(real, name), "rb") as a,
@@ -162,7 +174,39 @@ class BucketTemplate:
         shutil.rmtree(fake)
 
 
-def fabricate(root: str, n: int, per_part: int, work: str) -> dict:
+def _id_digits(start: int, n: int) -> np.ndarray:
+    """The fixed-width ids ``start .. start + n - 1`` as an (n, ID_WIDTH) array of ASCII digits."""
+    a = np.arange(start, start + n, dtype=np.int64)[:, None]
+    p = 10 ** np.arange(ID_WIDTH - 1, -1, -1, dtype=np.int64)
+    return ((a // p) % 10 + 48).astype(np.uint8)
+
+
+def write_manifest(bdir: str, part: str, start: int, n: int) -> None:
+    """``layout.write_manifest``'s ids.parquet for one fabricated part, built from arrays.
+
+    Same schema, compression and atomic write; checked once against the real one.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from prx_data.core.storage import write_bytes_atomic
+    from prx_data.export import layout
+
+    offsets = pa.py_buffer((np.arange(n + 1, dtype=np.int32) * ID_WIDTH).tobytes())
+    ids = pa.StringArray.from_buffers(n, offsets, pa.py_buffer(_id_digits(start, n).tobytes()))
+    table = pa.table(
+        {
+            "shard": pa.repeat(pa.scalar(f"{part}/shard.00000.mds", pa.string()), n),
+            "index": pa.array(np.arange(n, dtype=np.int32)),
+            "id": ids,
+        }
+    )
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    write_bytes_atomic(os.path.join(bdir, part, layout.MANIFEST_NAME), buf.getvalue())
+
+
+def fabricate(root: str, n: int, per_part: int, work: str, px: int = 0) -> dict:
     """An export of ``n`` samples in the real layout, without its merged indexes yet."""
     from prx_data.core.buckets import DEFAULT_SPEC, bucket_name
     from prx_data.core.storage import write_bytes_atomic
@@ -170,7 +214,7 @@ def fabricate(root: str, n: int, per_part: int, work: str) -> dict:
     from prx_data.export.unit import UnitResult
 
     shapes = DEFAULT_SPEC.shapes(TIER)
-    templates = [BucketTemplate(bucket_name(TIER, w, h), w, h, work) for w, h in shapes]
+    templates = [BucketTemplate(bucket_name(TIER, w, h), w, h, work, px) for w, h in shapes]
     templates[0].check_against_mdswriter(work)
     layout.write_export_marker(root)
     per_unit = per_part * len(templates)
@@ -183,15 +227,19 @@ def fabricate(root: str, n: int, per_part: int, work: str) -> dict:
             k = min(per_part, n - next_id)
             if k <= 0:
                 break
-            ids = [_sid(i) for i in range(next_id, next_id + k)]
-            next_id += k
             bdir = os.path.join(root, *t.bucket.split("/"))
-            result.bucket_bytes[t.bucket] = t.write_part(bdir, part, ids)
+            result.bucket_bytes[t.bucket] = t.write_part(bdir, part, next_id, k)
+            next_id += k
             result.buckets[t.bucket] = k
             result.written += k
         result.rows = result.written
         write_bytes_atomic(layout.marker_path(root, part), result.to_json().encode())
-    return {"units": units, "parts": sum(1 for _ in _parts(root)), "buckets": len(templates)}
+    return {
+        "units": units,
+        "parts": sum(1 for _ in _parts(root)),
+        "buckets": len(templates),
+        "sample_bytes": templates[0].sample_size,
+    }
 
 
 def _parts(root: str):
@@ -238,26 +286,63 @@ def measured(results: dict, name: str):
         print(f"  {name:<16} {dt:9.2f} s   +{results[name]['peak_add_mb']:7.1f} MB", flush=True)
 
 
-def loader_child(root: str, kind: str, batch: int) -> dict:
-    """Run in a fresh process: init, first batch and resident memory of one loader."""
+def _proc_mem_mb(pid: int | str = "self") -> dict:
+    """Resident and proportional (shared pages split between processes) memory of a process."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("Rss", "Pss"):
+                out[key.lower() + "_mb"] = int(line.split()[1]) / 1024
+    return out
+
+
+def _children() -> list[int]:
+    """Ids of this process's child processes (the DataLoader workers)."""
+    me, out = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        out.append(int(d))
+            except OSError:
+                continue
+    return out
+
+
+def _as_list(batch: list) -> list:
+    return batch
+
+
+def loader_child(root: str, kind: str, batch: int, workers: int = 0) -> dict:
+    """Run in a fresh process: init, first batch and resident memory of one loader.
+
+    ``workers`` > 0: the first batch comes through a ``StreamingDataLoader`` with that
+    many workers, and each worker's memory is read from /proc after it.
+    """
     import logging
 
-    from streaming import Stream, StreamingDataset
+    from streaming import Stream, StreamingDataLoader, StreamingDataset
 
     from prx_data.export import layout
     from prx_data.stream.dataset import BucketedDataset, DatasetSpec
+
+    class EncodedBucketed(BucketedDataset):
+        decode_images = False  # tiny fabricated pixels: time the loader, not the JPEG decoder
 
     logging.disable(logging.WARNING)
     rss0 = _rss_mb()  # after the imports (torch alone is most of it)
     t = time.perf_counter()
     if kind == "bucketed":
-        ds = BucketedDataset(
+        ds = EncodedBucketed(
             DatasetSpec(root),
             tier=TIER,
             batch_size=batch,
             num_canonical_nodes=1,
             shuffle=True,
             small_buckets="drop",
+            **({"num_workers": workers} if workers else {}),
         )
     else:
         streams = [Stream(local=layout.rel_join(root, b)) for b in layout.list_buckets(root)]
@@ -270,27 +355,49 @@ def loader_child(root: str, kind: str, batch: int) -> dict:
         )
     init = time.perf_counter() - t
     t = time.perf_counter()
-    it = iter(ds)
-    for _ in range(batch):
+    out: dict = {}
+    if workers:
+        dl = StreamingDataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_as_list)
+        it = iter(dl)
         next(it)
-    first = time.perf_counter() - t
-    return {"init_s": init, "first_batch_s": first, "rss_mb": _rss_mb(), "rss_before_mb": rss0}
+        first = time.perf_counter() - t
+        mems = [_proc_mem_mb(pid) for pid in _children()]
+        out["worker_rss_mb"] = max(m["rss_mb"] for m in mems)
+        out["worker_pss_mb"] = max(m["pss_mb"] for m in mems)
+        del it
+    else:
+        it = iter(ds)
+        for _ in range(batch):
+            next(it)
+        first = time.perf_counter() - t
+    return {
+        "init_s": init,
+        "first_batch_s": first,
+        "rss_mb": _rss_mb(),
+        "rss_before_mb": rss0,
+        "pss_mb": _proc_mem_mb()["pss_mb"],
+        **out,
+    }
 
 
-def run_loader(root: str, kind: str, batch: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--_loader", kind, root, "--batch", str(batch)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def run_loader(root: str, kind: str, batch: int, workers: int = 0) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_loader", kind, root]
+    cmd += ["--batch", str(batch), "--_workers", str(workers)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"loader {kind} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def one_size(
-    n: int, per_part: int, work: str, rewrite: bool, batch: int, shard_size: int = 1 << 26
+    n: int,
+    per_part: int,
+    work: str,
+    rewrite: bool,
+    batch: int,
+    shard_size: int = 1 << 26,
+    px: int = 8,
+    workers: int = 2,
 ) -> dict:
     """Every operation at one size (run in its own process); returns {op: figures}."""
     import pipelines.write_mds as pipeline
@@ -308,7 +415,7 @@ def one_size(
     res: dict = {}
     print(f"n = {n:,}", flush=True)
     with measured(res, "fabricate"):
-        res["shape"] = fabricate(root, n, per_part, work)
+        res["shape"] = fabricate(root, n, per_part, work, px)
     print(f"  ({res['shape']['units']:,} units, {res['shape']['parts']:,} parts)", flush=True)
     with measured(res, "resume"):  # what `write_mds --resume` does before scheduling units
         assert not layout.foreign_entries(root)
@@ -334,8 +441,7 @@ def one_size(
         report = finalize(cfg, ordered, 0.0, packs=packed)
     assert report.samples_written == n, report.samples_written
     rng = np.random.default_rng(0)
-    all_ids = [_sid(i) for i in range(n)]
-    one_pct = [all_ids[i] for i in rng.choice(n, max(1, n // 100), replace=False)]
+    one_pct = [_sid(int(i)) for i in rng.choice(n, max(1, n // 100), replace=False)]
     with measured(res, "skips_add"):
         added = skiplist.add_skips_by_ids(root, "bench", one_pct)
     assert added.samples_listed == len(one_pct) and not added.ids_not_found
@@ -352,12 +458,24 @@ def one_size(
             f"RSS {r['rss_mb']:.0f} MB (+{r['rss_mb'] - r['rss_before_mb']:.0f} over imports)",
             flush=True,
         )
+        if workers:
+            w = run_loader(root, kind, batch, workers)
+            res[f"loader_{kind}"].update(
+                worker_rss_mb=w["worker_rss_mb"],
+                worker_pss_mb=w["worker_pss_mb"],
+                workers_first_batch_s=w["first_batch_s"],
+            )
+            print(
+                f"  {'':<16} {workers} workers: first batch {w['first_batch_s']:.2f} s, "
+                f"per worker RSS {w['worker_rss_mb']:.0f} MB (PSS {w['worker_pss_mb']:.0f} MB)",
+                flush=True,
+            )
     if rewrite:
         with measured(res, "rewrite"):
             rewrite_export(root, os.path.join(work, f"rewritten-{n}"), force=True)
         shutil.rmtree(os.path.join(work, f"rewritten-{n}"))
     step = max(1, n // 10_000)
-    optout_ids = all_ids[::step][:10_000]
+    optout_ids = [_sid(i) for i in range(0, n, step)][:10_000]
     with measured(res, "optout"):
         rep = add_optout(root, "optout-bench", optout_ids)
     assert rep.ids_not_in_export == 0
@@ -414,6 +532,147 @@ def table(sizes: list[int], runs: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(sizes: list[int], runs: dict[int, dict]) -> str:
+    """The figures as markdown: seconds, memory and growth exponents, and the loader targets."""
+    pairs = list(zip(sizes, sizes[1:], strict=False))
+    head = ["operation"] + [f"s @ {n:.0e}" for n in sizes] + [f"MB @ {n:.0e}" for n in sizes]
+    head += [f"exp {a:.0e}→{b:.0e}" for a, b in pairs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op in OPS:
+        rs = [runs[n].get(op) for n in sizes]
+        row = [op] + [f"{r['s']:.3f}" if r else "–" for r in rs]
+        row += [
+            (
+                "–"
+                if r is None
+                else f"{r['rss_mb'] - r['rss_before_mb'] if 'rss_mb' in r else r['peak_add_mb']:.1f}"
+            )
+            for r in rs
+        ]
+        for i, _ in enumerate(pairs):
+            a, b = rs[i], rs[i + 1]
+            e = exponent(sizes[i], a["s"], sizes[i + 1], b["s"]) if a and b else float("nan")
+            row.append("–" if math.isnan(e) else f"{e:.2f}" + ("" if e <= 1.1 else " ✗"))
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "| size | shape | loader | init s | first batch s | process RSS MB | "
+        "per-worker RSS / PSS MB | load average |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in sizes:
+        r = runs[n]
+        sh = r["shape"]
+        shape = f"{sh['units']:,} units, {sh['parts']:,} parts, {r['pack'].get('packs', '–') if 'pack' in r else '–'} packs, {sh['sample_bytes']} B/sample"
+        for kind in ("bucketed", "plain"):
+            x = r.get(f"loader_{kind}")
+            if not x:
+                continue
+            wk = (
+                f"{x['worker_rss_mb']:.0f} / {x['worker_pss_mb']:.0f}"
+                if "worker_rss_mb" in x
+                else "–"
+            )
+            la = " ".join(f"{v:.1f}" for v in r.get("loadavg", ()))
+            lines.append(
+                f"| {n:.0e} | {shape} | {kind} | {x['init_s']:.2f} | {x['first_batch_s']:.2f} | "
+                f"{x['rss_mb']:.0f} | {wk} | {la} |"
+            )
+    return "\n".join(lines)
+
+
+def e2e_export(n: int, work: str, shard_size: int, num_cpus: int) -> str:
+    """``python -m prx_data.write_mds`` of an ``n``-row Lance table: shard sizes per bucket.
+
+    The table holds one small flat JPEG per bucket shape of tier 512 (so every bucket
+    fills evenly and no image is upscaled), cycled over distinct ids, written in batches.
+    Returns a markdown table: per bucket, shards, samples and the median shard against
+    ``shard_size`` (the last shard of a bucket is its remainder, so it is left out of
+    the median where the bucket has more than one).
+    """
+    import lance
+    import pyarrow as pa
+    from PIL import Image
+
+    from prx_data.core.buckets import DEFAULT_SPEC
+    from prx_data.core.imaging import probe
+    from prx_data.core.schema import TABLE_SCHEMA
+    from prx_data.export import layout
+
+    images = []
+    for k, (w, h) in enumerate(DEFAULT_SPEC.shapes(TIER)):
+        buf = io.BytesIO()
+        im = Image.linear_gradient("L").resize((w, h)).convert("RGB")
+        Image.blend(im, Image.new("RGB", (w, h), (40 + 15 * k, 90, 160)), 0.5).save(
+            buf, "JPEG", quality=85
+        )
+        images.append((buf.getvalue(), probe(buf.getvalue())))
+    table_uri = os.path.join(work, "e2e-table.lance")
+    out = os.path.join(work, "e2e-export")
+
+    def batches(step: int = 10_000):
+        for a in range(0, n, step):
+            idx = np.arange(a, min(n, a + step)) % len(images)
+            m = len(idx)
+            yield pa.record_batch(
+                {
+                    "id": pa.array([f"e2e/{i:09d}" for i in range(a, a + m)]),
+                    "image": pa.array([images[i][0] for i in idx], pa.binary()),
+                    "width": pa.array([images[i][1].width for i in idx], pa.int32()),
+                    "height": pa.array([images[i][1].height for i in idx], pa.int32()),
+                    "format": pa.array([images[i][1].format for i in idx]),
+                    "source": pa.array(["bench"] * m),
+                    "caption": pa.array([f"flat photo {i % 97}" for i in range(a, a + m)]),
+                    "probe_error": pa.nulls(m, pa.string()),
+                },
+                schema=TABLE_SCHEMA,
+            )
+
+    t = time.perf_counter()
+    reader = pa.RecordBatchReader.from_batches(TABLE_SCHEMA, batches())
+    lance.write_dataset(reader, table_uri, mode="create")
+    t_table = time.perf_counter() - t
+    ray_tmp = tempfile.mkdtemp(prefix="r")  # short: Ray's socket paths must fit in 107 bytes
+    env = {**os.environ, "TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "prx_data.write_mds", "--table", table_uri, "--out", out]
+    cmd += ["--tiers", str(TIER), "--shard-size", str(shard_size), "--num-cpus", str(num_cpus)]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    t_export = time.perf_counter() - t
+    if r.returncode:
+        raise SystemExit(f"write_mds failed:\n{r.stderr[-3000:]}")
+    rows = []
+    all_sizes = []
+    for b in layout.list_buckets(out):
+        shards = layout.read_index(out, b)
+        sizes = [x.bytes for x in shards]
+        all_sizes += sizes
+        body = sizes[:-1] if len(sizes) > 1 else sizes
+        med = float(np.median(body))
+        samples = sum(x.samples for x in shards)
+        full = sum(sizes) >= 2 * shard_size
+        ok = "yes" if shard_size / 2 <= med <= 2 * shard_size else ("no" if full else "(small)")
+        rows.append(
+            f"| {b} | {samples:,} | {len(sizes)} | {sum(sizes) / 2**20:.1f} | "
+            f"{med / 2**20:.2f} | {med / shard_size:.2f} | {ok} |"
+        )
+    la = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    head = [
+        f"write_mds of {n:,} rows, tier {TIER}, default unit size (1,000 rows), "
+        f"--shard-size {shard_size / 2**20:g} MiB, --num-cpus {num_cpus}: table {t_table:.0f} s, "
+        f"export {t_export:.0f} s (load average {la}); {len(all_sizes)} shards in all.",
+        "",
+        "| bucket | samples | shards | MiB | median shard MiB (last left out) | "
+        "median / --shard-size | within 2× |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    shutil.rmtree(table_uri, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    return "\n".join(head + rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", nargs="+", type=float, default=[1e4, 1e5])
@@ -423,19 +682,70 @@ def main() -> None:
         "--shard-size", type=int, default=1 << 26, help="pack target bytes (0: leave unpacked)"
     )
     p.add_argument("--no-rewrite-above", type=float, default=None, metavar="N")
+    p.add_argument(
+        "--image-px", type=int, default=8, help="side of the cached JPEG (0: the bucket shape)"
+    )
+    p.add_argument("--workers", type=int, default=2, help="loader workers to measure (0: none)")
+    p.add_argument("--markdown", default=None, help="also write the markdown tables here")
+    p.add_argument(
+        "--e2e",
+        type=float,
+        default=None,
+        metavar="N",
+        help="instead: write_mds of an N-row Lance table, median shard per bucket vs --shard-size",
+    )
+    p.add_argument("--num-cpus", type=int, default=2, help="Ray CPUs for --e2e")
+    p.add_argument("--from-json", nargs="+", default=None, help="instead: tables from --json files")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--_size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_loader", nargs=2, metavar=("KIND", "ROOT"), help=argparse.SUPPRESS)
+    p.add_argument("--_workers", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.e2e:
+        work = args.work or tempfile.mkdtemp(prefix="bench-scale-e2e-")
+        try:
+            md = e2e_export(int(args.e2e), work, args.shard_size, args.num_cpus)
+        finally:
+            if args.work is None:
+                shutil.rmtree(work, ignore_errors=True)
+        print(md)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(md + "\n")
+        return
     if args._loader:
-        print(json.dumps(loader_child(args._loader[1], args._loader[0], args.batch)))
+        print(json.dumps(loader_child(args._loader[1], args._loader[0], args.batch, args._workers)))
         return
     os.environ["TQDM_DISABLE"] = "1"
     if args._size:
         rewrite = args.no_rewrite_above is None or args._size <= args.no_rewrite_above
-        res = one_size(args._size, args.per_part, args.work, rewrite, args.batch, args.shard_size)
+        res = one_size(
+            args._size,
+            args.per_part,
+            args.work,
+            rewrite,
+            args.batch,
+            args.shard_size,
+            args.image_px,
+            args.workers,
+        )
+        res["loadavg"] = os.getloadavg()
         print("RESULT " + json.dumps(res))
+        return
+    if args.from_json:  # tables over figures of earlier runs (e.g. one run per size)
+        runs = {}
+        for path in args.from_json:
+            with open(path) as f:
+                runs.update({int(k): v for k, v in json.load(f).items()})
+        sizes = sorted(runs)
+        print(table(sizes, runs))
+        md = markdown(sizes, runs)
+        print()
+        print(md)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(md + "\n")
         return
     sizes = sorted(int(s) for s in args.sizes)
     work = args.work or tempfile.mkdtemp(prefix="bench-scale-")
@@ -445,23 +755,34 @@ def main() -> None:
         for n in sizes:
             cmd = [sys.executable, os.path.abspath(__file__), "--_size", str(n), "--work", work]
             cmd += ["--per-part", str(args.per_part), "--batch", str(args.batch)]
-            cmd += ["--shard-size", str(args.shard_size)]
+            cmd += ["--shard-size", str(args.shard_size), "--image-px", str(args.image_px)]
+            cmd += ["--workers", str(args.workers)]
             if args.no_rewrite_above is not None:
                 cmd += ["--no-rewrite-above", str(int(args.no_rewrite_above))]
-            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
-            lines = out.stdout.splitlines()
-            print("\n".join(x for x in lines if not x.startswith("RESULT ")), flush=True)
-            if out.returncode:
-                raise SystemExit(f"size {n} failed (exit {out.returncode})")
-            runs[n] = json.loads(next(x for x in lines if x.startswith("RESULT "))[7:])
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+                result = None
+                for line in proc.stdout:
+                    if line.startswith("RESULT "):
+                        result = json.loads(line[7:])
+                    else:
+                        print(line, end="", flush=True)
+            if proc.returncode or result is None:
+                raise SystemExit(f"size {n} failed (exit {proc.returncode})")
+            runs[n] = result
+            if args.json:  # after each size, so a long last size keeps the earlier ones
+                with open(args.json, "w") as f:
+                    json.dump({str(k): r for k, r in runs.items()}, f, indent=2)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(table(sizes, runs))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({str(n): r for n, r in runs.items()}, f, indent=2)
+    md = markdown(sizes, runs)
+    print()
+    print(md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md + "\n")
 
 
 if __name__ == "__main__":
