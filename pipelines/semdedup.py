@@ -130,12 +130,12 @@ def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
     offsets = _offsets(ds, col)
     ids = meta[S.ID].combine_chunks()
     keep = np.ones(len(ids), bool)
-    man = None
-    if cfg.export is not None:
-        from prx_data.export.layout import read_manifests
+    if cfg.export is not None:  # only the rows the export holds, found through its id index
+        from prx_data.export.idindex import lookup_or_manifests
 
-        man = read_manifests(cfg.export)
-        keep = pc.is_in(ids, value_set=man["id"]).to_numpy(zero_copy_only=False)
+        hits = [c for t in lookup_or_manifests(cfg.export, pc.unique(ids)) for c in t["id"].chunks]
+        exported = pa.concat_arrays(hits) if hits else pa.array([], pa.string())
+        keep = pc.is_in(ids, value_set=exported).to_numpy(zero_copy_only=False)
     sel = np.flatnonzero(keep)
     ids = ids.take(pa.array(sel))
     offsets = offsets[sel]
@@ -166,7 +166,7 @@ def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
         from prx_data.skips.dedup import replace_skip_list
 
         removed = ids.filter(pa.array(dups.removed(cfg.threshold)))
-        rows = man.filter(pc.is_in(man["id"], value_set=removed))
+        rows = pa.table({"id": removed})  # every one is in the export (``keep`` above)
         rep.skip_list = replace_skip_list(
             cfg.export,
             cfg.skip_name,

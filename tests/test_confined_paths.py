@@ -174,6 +174,7 @@ def test_manifest_shard_names_are_checked(template, tmp_path, bad):
     shards[0] = bad
     t = t.set_column(0, "shard", pa.array(shards, pa.string()))
     pq.write_table(t, path)
+    shutil.rmtree(os.path.join(root, layout.IDS_INDEX_NAME))  # an export without an id index
     with pytest.raises(layout.UnsafeIndexError, match=r"ids\.parquet"):
         layout.read_manifests(root)
     with pytest.raises(layout.UnsafeIndexError):

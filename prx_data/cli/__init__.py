@@ -63,6 +63,10 @@ JOBS: dict[str, Job] = {
         Job("optout", "add an opt-out skip list to an export"),
         Job("write_mds", "export a table to resolution/aspect-ratio bucketed MDS"),
         Job(
+            "adopt",
+            "id manifests and shard hashes for an MDS tree another writer made (skip lists)",
+        ),
+        Job(
             "verify",
             "check an export: report, indexes, shards (--deep: hashes), manifests, sidecars",
         ),

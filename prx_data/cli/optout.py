@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     from prx_data.core import storage
     from prx_data.core.errors import PrxDataError
+    from prx_data.export.adopt import refuse_plain_tree
 
     try:
+        refuse_plain_tree(args.export)
         report = add_optout(
             args.export,
             args.name,
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             table=args.table,
             export_only=args.export_only,
         )
-    except PrxDataError as e:
+    except PrxDataError as e:  # ListError, a tree not adopted, an unsafe index
         print(f"error: {e}", file=sys.stderr)
         return 2
     if report.not_matched:

@@ -73,7 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --config: plan the eval stream instead of the training one",
     )
-    p.add_argument("--tier", type=int, default=None, help="training resolution tier, e.g. 512")
+    p.add_argument(
+        "--tier",
+        type=int,
+        default=None,
+        help="training resolution tier, e.g. 512 (also the tier of a tree with one folder per "
+        "aspect ratio that was not adopted)",
+    )
     p.add_argument("--include-higher-tiers", action="store_true", help="also stream higher tiers")
     p.add_argument("--batch-size", type=int, default=None, help="device (per-rank) batch size")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
@@ -151,8 +157,11 @@ def _from_flags(p, args) -> Plan:
     )
     names = [] if args.no_skips else args.skip_list
     counts = []
+    from prx_data.export.adopt import declare_if_flat
+
     for arg in args.datasets:
         root, prop = _parse_dataset(arg)
+        declare_if_flat(root, args.tier)  # one folder per aspect ratio, not adopted: the run's tier
         counts.append(DatasetCount(root, count_export(root, spec.tiers(), names), proportion=prop))
     return plan_buckets(counts, spec, world_size=args.world_size, num_nodes=args.nodes)
 
@@ -179,7 +188,11 @@ def _from_config(p, args) -> Plan:
     batch = device_batch_size(data, world)
     holdout = holdout_for(cfg, "eval" if args.eval else "train")
     _, plan = plan_sources(
-        dataset_specs(data, holdout), data.plan_spec(batch), world_size=world, num_nodes=args.nodes
+        dataset_specs(data, holdout),
+        data.plan_spec(batch),
+        world_size=world,
+        num_nodes=args.nodes,
+        caption_columns=tuple(dict.fromkeys(c.name for c in data.caption_columns)),
     )
     return plan
 

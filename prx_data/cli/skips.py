@@ -93,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave this list of the export behind when its ids cannot be recovered",
     )
 
+    ix = sub.add_parser(
+        "index",
+        help="(re)build the export's id index (_ids.lance: id -> bucket, shard, index) from its "
+        "manifests; exports written before it existed, or changed since, need it for fast "
+        "id lookups (add --ids, opt-out, dedup)",
+    )
+    ix.add_argument("root", help="export root")
+    ix.add_argument(
+        "--check", action="store_true", help="only say whether the index is current (exit 1 if not)"
+    )
+
     rw = sub.add_parser(
         "rewrite", help="write a new export without the skipped samples and without lists"
     )
@@ -141,10 +152,18 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _refuse_plain_tree(root: str) -> None:
+    from prx_data.export.adopt import refuse_plain_tree
+
+    refuse_plain_tree(root)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     problems: list = []
     try:
+        if args.cmd in ("add", "remove", "sync", "rewrite"):
+            _refuse_plain_tree(args.root)
         if args.cmd == "add":
             if args.table and not args.where:
                 raise SystemExit("--table needs --where")
@@ -233,6 +252,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{args.root}: {len(done)} lists" + (f" from {reg.uri}" if reg else ""))
             for line in idlists.lists_text(done):
                 print(line)
+        elif args.cmd == "index":
+            from prx_data.export import idindex
+
+            if args.check:
+                index, why = idindex.open_index(args.root)
+                print(f"{args.root}: id index current ({index.rows} rows)" if index else why)
+                return 0 if index else 1
+            info = idindex.write_id_index(args.root)
+            print(f"{info.uri}: {info.rows} rows from {info.buckets} buckets")
         elif args.cmd == "rewrite":
             from prx_data.skips.rewrite import RewriteRefused, rewrite_export
 

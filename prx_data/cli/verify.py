@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 
+from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
+from prx_data.export import layout
 from prx_data.export.layout import ShardInfo
 from prx_data.export.verify import verify_export
 
@@ -78,6 +80,20 @@ def check_sidecar(path: str, data: bytes, shard: ShardInfo, name: str) -> list[s
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from prx_data.export import adopt
+
+    try:
+        if adopt.read_record(args.export) is not None:  # an MDS tree another writer made
+            return _verify_adopted(args.export, args.deep)
+        if storage.exists(args.export) and adopt.is_plain_tree(args.export):
+            raise adopt.ForeignTreeError(
+                f"{args.export}: not an export of prx_data.write_mds (no "
+                f"{layout.MARKER_NAME}) nor an adopted tree; to use an MDS tree another writer "
+                f"made, run python -m prx_data.adopt {args.export} once"
+            )
+    except PrxDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         res = verify_export(
             args.export, deep=args.deep, check_sidecar=check_sidecar, progress=args.progress
@@ -111,6 +127,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0 if res.ok else 1
+
+
+def _verify_adopted(root: str, deep: bool) -> int:
+    from prx_data.export.adopt import verify_adopted
+
+    problems, buckets, shards = verify_adopted(root, deep=deep)
+    for p in problems:
+        print(p)
+    verdict = "ok" if not problems else f"{len(problems)} problem(s)"
+    rehashed = f", {shards} rehashed" if deep else ""
+    print(
+        f"{root} (adopted): {buckets} buckets, {shards} shards{rehashed}: {verdict}",
+        file=sys.stderr,
+    )
+    return 0 if not problems else 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ the loader and the tests all read and write the same thing.
       _lists/<name>.parquet            a skip list's row ids + provenance (sidecars derive from it)
       _lists/registry                  URI of the table's list registry (JSON text)
       _lists/.lock                     serialises list updates (a lease object on s3://)
+      _ids.lance/                      id index: id -> bucket, shard, index (Lance, BTREE on id;
+                                       :mod:`prx_data.export.idindex`), rebuilt after every merge
 
 ``<part>`` names a work unit, ``f<fragment:06d>-<start:09d>`` (:func:`part_name`), or,
 once the pack stage ran, a pack of consecutive unit parts of the bucket,
@@ -84,6 +86,8 @@ SHARD_FILE_PATTERN = r"shard\.[0-9]{5,}\.mds(?:\.(?:br|bz2|gz|snappy|zstd))?"
 _PART_RE = re.compile(PART_PATTERN)
 _SHARD_FILE_RE = re.compile(SHARD_FILE_PATTERN)
 _SHARD_RE = re.compile(rf"{PART_PATTERN}/{SHARD_FILE_PATTERN}")
+#: A shard name in an export's merged index: ``<part>/shard.NNNNN.mds[.ext]``.
+PART_SHARD_RE = _SHARD_RE
 #: Index entry keys that name a file (streaming joins each to the dataset directory).
 _FILE_KEYS = ("raw_data", "zip_data", "raw_meta", "zip_meta")
 
@@ -227,9 +231,19 @@ def _columns_problem(fmt: object, key: tuple | None, export_columns: bool) -> st
 
 
 def check_index_entries(
-    index_path: str, obj: object, *, in_part: bool = False, export_columns: bool = False
+    index_path: str,
+    obj: object,
+    *,
+    in_part: bool = False,
+    export_columns: bool = False,
+    plain: bool = False,
 ) -> list[dict]:
-    """The ``shards`` entries of a parsed index, every file name and column encoding checked."""
+    """The ``shards`` entries of a parsed index, every file name and column encoding checked.
+
+    ``plain`` also accepts what any MDS writer names (``shard.00000.mds``,
+    ``w0/shard.00000.mds`` from ``merge_index``): relative paths with no
+    ``..``, empty or ``.`` segment, backslash, NUL or drive letter.
+    """
     shards = obj.get("shards") if isinstance(obj, dict) else None
     if not isinstance(shards, list):
         raise UnsafeIndexError(f"{index_path}: not a streaming index (no 'shards' list)")
@@ -240,6 +254,8 @@ def check_index_entries(
             if entry.get(key):
                 info = entry[key]
                 name = info.get("basename") if isinstance(info, dict) else None
+                if plain and not in_part and not _why_unsafe(name):
+                    continue
                 check_shard_basename(index_path, name, in_part=in_part)
         problem = columns_problem(entry, export_columns=export_columns)
         if problem is not None:
@@ -261,13 +277,17 @@ def check_bucket(bucket: object) -> str:
     return bucket
 
 
-def load_index(path: str, *, in_part: bool = False, export_columns: bool = False) -> list[dict]:
+def load_index(
+    path: str, *, in_part: bool = False, export_columns: bool = False, plain: bool = False
+) -> list[dict]:
     """Read and check one ``index.json``: its shard entries, names confined, encodings safe."""
     try:
         obj = json.loads(storage.read_bytes(path))
     except ValueError as e:
         raise UnsafeIndexError(f"{path}: not valid JSON ({e})") from None
-    return check_index_entries(path, obj, in_part=in_part, export_columns=export_columns)
+    return check_index_entries(
+        path, obj, in_part=in_part, export_columns=export_columns, plain=plain
+    )
 
 
 def marker_path(out: str, part: str) -> str:
@@ -318,6 +338,10 @@ LISTS_REF_NAME = "registry"
 LISTS_LOCK_NAME = ".lock"
 LISTS_FILE_RE = re.compile(rf"(registry|\.lock|{LIST_NAME_PATTERN}\.parquet)(\.tmp-[0-9a-f]+)?")
 
+#: The export's id index (a Lance table, :mod:`prx_data.export.idindex`): written at
+#: finalize, rebuilt by whatever rewrites shards.
+IDS_INDEX_NAME = "_ids.lance"
+
 #: Top-level files an export may contain besides tier directories.
 _EXPORT_ENTRIES_EXTRA = {
     PROGRESS_DIR,
@@ -327,6 +351,7 @@ _EXPORT_ENTRIES_EXTRA = {
     LOCK_NAME,
     LEASE_NAME,
     LISTS_DIR,
+    IDS_INDEX_NAME,
 }
 
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
@@ -381,7 +406,9 @@ def foreign_entries(out: str) -> list[str]:
     if storage.is_remote(out):
         for rel in storage.list_files(out):
             bits = rel.split("/")
-            if bits[0] in _EXPORT_ENTRIES_EXTRA and (len(bits) == 1 or bits[0] == PROGRESS_DIR):
+            if bits[0] in _EXPORT_ENTRIES_EXTRA and (
+                len(bits) == 1 or bits[0] in (PROGRESS_DIR, IDS_INDEX_NAME)
+            ):
                 continue
             if bits[0] == LISTS_DIR and len(bits) == 2 and LISTS_FILE_RE.fullmatch(bits[1]):
                 continue
@@ -392,7 +419,7 @@ def foreign_entries(out: str) -> list[str]:
     for top in sorted(os.listdir(out)):
         path = os.path.join(out, top)
         if top in _EXPORT_ENTRIES_EXTRA:
-            if top == PROGRESS_DIR and not os.path.isdir(path):
+            if top in (PROGRESS_DIR, IDS_INDEX_NAME) and not os.path.isdir(path):
                 found.append(top)
             if top == LISTS_DIR:
                 found += _foreign_in_lists(path)
@@ -605,11 +632,12 @@ def is_complete(out: str) -> bool:
 
 
 def content_digest(out: str) -> str:
-    """Digest of every shard, index and manifest (not reports/progress): equal for identical exports."""
+    """Digest of every shard, index and manifest (not reports, progress, lists or the id index,
+    whose Lance files name random uuids): equal for identical exports."""
     h = hashlib.sha256()
     for rel in storage.list_files(out):
         if (
-            rel.startswith((PROGRESS_DIR, LISTS_DIR))
+            rel.startswith((PROGRESS_DIR, LISTS_DIR, IDS_INDEX_NAME))
             or rel in (REPORT_NAME, "report.txt", DROPPED_NAME, LOCK_NAME, LEASE_NAME)
             or rel.endswith(SIDECAR_SUFFIX)
         ):
@@ -651,17 +679,93 @@ class ShardInfo:
 
 
 def rel_join(root: str, rel: str) -> str:
-    return storage.join(root, *rel.split("/"))
+    """``root/rel``; in a flat tree (:func:`flat_tier`) ``<tier>/<ar>/...`` is ``root/<ar>/...``."""
+    bits = rel.split("/")
+    if len(bits) > 1 and _TIER_RE.fullmatch(bits[0]) and flat_tier(root) == int(bits[0]):
+        bits = bits[1:]
+    return storage.join(root, *bits)
+
+
+# --- MDS trees not written by the exporter (prx_data.export.adopt) ---------------------------
+
+#: Where an adopted tree keeps what prx-data adds to it (never a shard or an index.json).
+ADOPT_DIR = "_prx"
+#: The adoption record: JSON text (not *.json: streaming's merge_index would take it).
+ADOPTION_NAME = "_prx/adoption"
+#: Per adopted bucket, ``_prx/<tier>/<ar>/shards``: sha256 of its index.json, shard hashes.
+ADOPTED_SHARDS_NAME = "shards"
+_DECLARED_FLAT: dict[str, int] = {}
+
+
+def _root_key(root: str) -> str:
+    return root.rstrip("/") if storage.is_remote(root) else os.path.abspath(root)
+
+
+class ForeignTreeError(PrxDataError, ValueError):
+    """An MDS tree not written by the exporter that cannot be used as asked (say what to do)."""
+
+
+def adopted_manifest(root: str, bucket: str) -> str:
+    """Where ``python -m prx_data.adopt`` keeps a bucket's manifest (shard, index, id)."""
+    return storage.join(root, ADOPT_DIR, *check_bucket(bucket).split("/"), MANIFEST_NAME)
+
+
+def declare_flat_tier(root: str, tier: int) -> None:
+    """Say that ``root`` holds one folder per aspect ratio (``<ar>/index.json``) of ``tier``.
+
+    Bucket ``<tier>/<ar>`` then lives at ``root/<ar>`` for every reader in this
+    process. An adopted flat tree records its tier, so this is for trees not
+    adopted yet (``DatasetSpec(tier=...)``, the planner's ``--tier``).
+    """
+    recorded = _recorded_flat_tier(_root_key(root))
+    if recorded is not None and recorded != int(tier):
+        raise ForeignTreeError(
+            f"{root}: its adoption record says tier {recorded}, not {tier}; declare {recorded} "
+            "or adopt the tree again with python -m prx_data.adopt --tier"
+        )
+    _DECLARED_FLAT[_root_key(root)] = int(tier)
+
+
+def flat_tier(root: str) -> int | None:
+    """The tier of a flat tree (declared, or from its adoption record); None otherwise."""
+    key = _root_key(root)
+    return _DECLARED_FLAT.get(key, _recorded_flat_tier(key))
+
+
+@functools.lru_cache(maxsize=256)
+def _recorded_flat_tier(key: str) -> int | None:
+    try:
+        obj = json.loads(storage.read_bytes(storage.join(key, *ADOPTION_NAME.split("/"))))
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+    if isinstance(obj, dict) and obj.get("layout") == "flat" and isinstance(obj.get("tier"), int):
+        return obj["tier"]
+    return None
+
+
+def forget_flat_tiers() -> None:
+    """Drop cached adoption records (after an adoption rewrote one)."""
+    _recorded_flat_tier.cache_clear()
 
 
 def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
     """Bucket names (``"512/1.000"``) under an export root that have a merged index.
 
     Lists two directory levels (tiers, then ratios) rather than the whole tree,
-    so it stays cheap on object storage with many shards.
+    so it stays cheap on object storage with many shards. A flat tree
+    (:func:`flat_tier`) lists one level: its ratio folders.
     """
     want = None if tiers is None else {int(t) for t in tiers}
     out = []
+    flat = flat_tier(root)
+    if flat is not None:
+        if want is not None and flat not in want:
+            return []
+        return sorted(
+            f"{flat}/{ar}"
+            for ar in storage.list_dirs(root)
+            if _AR_RE.fullmatch(ar) and storage.exists(storage.join(root, ar, INDEX_NAME))
+        )
     for tier in storage.list_dirs(root):
         if not _TIER_RE.fullmatch(tier):
             continue
@@ -679,9 +783,20 @@ def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) 
     """The raw shard entries of one bucket's merged index (checked by :func:`load_index`)."""
     path = rel_join(root, f"{check_bucket(bucket)}/{INDEX_NAME}")
     try:
-        return load_index(path, export_columns=export_columns)
+        # Our own checks (rewrite, verify) need our layout; readers take any confined name.
+        entries = load_index(path, export_columns=export_columns, plain=not export_columns)
     except FileNotFoundError:
         raise NotFound(f"{path}: no merged index; is {root!r} an export root?") from None
+    if not storage.is_remote(root):  # a name outside our layout must not be a link out
+        names = [
+            e[k]["basename"]
+            for e in entries
+            for k in _FILE_KEYS
+            if e.get(k) and not _SHARD_RE.fullmatch(e[k]["basename"])
+        ]
+        if names:
+            check_stream_basenames(path, rel_join(root, bucket), names)
+    return entries
 
 
 def read_index(root: str, bucket: str, *, export_columns: bool = False) -> list[ShardInfo]:
@@ -762,6 +877,48 @@ def check_manifest_shards(path: str, part: str, shards) -> None:
             )
 
 
+def read_adopted_manifest(root: str, bucket: str, shards: set[str], batch_rows: int | None = None):
+    """An adopted bucket's manifest, its shard names checked against the bucket's index.
+
+    Refused when the bucket's ``index.json`` is not the one adopted (its sha256
+    in ``_prx/<bucket>/shards``): a rewritten bucket's manifest would name the
+    wrong samples. ``batch_rows`` yields it a bounded batch at a time instead
+    (an iterator of tables).
+    """
+    import pyarrow.compute as pc
+
+    path = adopted_manifest(root, bucket)
+    record = storage.join(root, ADOPT_DIR, *bucket.split("/"), ADOPTED_SHARDS_NAME)
+    index = rel_join(root, f"{bucket}/{INDEX_NAME}")
+    try:
+        want = json.loads(storage.read_bytes(record)).get("index_sha256")
+    except (FileNotFoundError, ValueError, AttributeError):
+        want = None
+    if want != hashlib.sha256(storage.read_bytes(index)).hexdigest():
+        raise ForeignTreeError(
+            f"{index}: not the index adopted (or {record} is missing), so the manifest may name "
+            f"the wrong samples; run python -m prx_data.adopt {root} again"
+        )
+
+    def checked(t: pa.Table) -> pa.Table:
+        bad = set(pc.unique(t["shard"]).to_pylist()) - shards
+        if bad:
+            raise UnsafeIndexError(
+                f"{path}: shard(s) {sorted(bad)[:3]} are not in the bucket's index.json; the "
+                "tree changed since it was adopted: run python -m prx_data.adopt again"
+            )
+        return t
+
+    src = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
+    if batch_rows is None:
+        return checked(pq.read_table(src, columns=["shard", "index", "id"]))
+    pf = pq.ParquetFile(src)
+    return (
+        checked(pa.Table.from_batches([b]))
+        for b in pf.iter_batches(batch_size=batch_rows, columns=["shard", "index", "id"])
+    )
+
+
 def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
     """All ``ids.parquet`` rows of the chosen buckets as one Arrow table (+ ``bucket``)."""
     import pyarrow as pa
@@ -770,6 +927,12 @@ def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
     tables = []
     for bucket in buckets if buckets is not None else list_buckets(export_root):
         check_bucket(bucket)
+        adopted = adopted_manifest(export_root, bucket)
+        if storage.exists(adopted):  # an adopted tree: one manifest per bucket
+            names = {e["raw_data"]["basename"] for e in read_index_entries(export_root, bucket)}
+            t = read_adopted_manifest(export_root, bucket, names)
+            tables.append(t.append_column("bucket", pa.array([bucket] * len(t), pa.string())))
+            continue
         rels = [r for r in storage.list_files(rel_join(export_root, bucket), MANIFEST_NAME)]
 
         def read(rel, bucket=bucket):

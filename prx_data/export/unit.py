@@ -786,7 +786,8 @@ def finalize(
 ) -> ExportReport:
     """Merge every bucket (checked against the units' counts), then the dropped rows and report.
 
-    ``lists_hook`` runs once the buckets are merged and before the report is
+    The id index (:func:`prx_data.export.idindex.write_id_index`) is built
+    from the merged buckets' manifests. ``lists_hook`` runs after it and before the report is
     written (the skip lists, which live a layer above, bind to the merged
     indexes); what it returns goes into the report's ``lists``. ``check`` (the
     run lock's) runs before every write: a lost lease stops the run there.
@@ -823,6 +824,10 @@ def finalize(
             _fsync(storage.join(cfg.out, name))
     if not storage.is_remote(cfg.out):
         remove_tree(os.path.join(cfg.out, *WRITING_DIR.split("/")))
+    # The id index, before the lists bind their ids through it and the report names it done.
+    from prx_data.export.idindex import write_id_index
+
+    write_id_index(cfg.out, sorted(per_bucket), check=check)
     tiers: Counter = Counter()
     for name, n in counts.items():
         tiers[name.split("/")[0]] += n

@@ -27,9 +27,12 @@ Registry writes are Lance appends, which retry on a concurrent commit; the
 one unsafe case, two processes creating the registry at once (one creation
 silently replaces the other), is covered by reading the rows back.
 
-Ids are looked up one bucket's manifests at a time, in batches of at most
-:data:`BIND_BATCH_ROWS` rows, against the union of the lists' ids: memory is
-bounded by the lists and a batch, not by the export.
+Ids are bound to shards through the export's id index
+(:mod:`prx_data.export.idindex`: a BTREE lookup of the lists' ids only). An
+export without a current index (written before it existed) falls back, with
+one log line, to reading one bucket's manifests at a time, in batches of at
+most :data:`BIND_BATCH_ROWS` rows, against the union of the lists' ids.
+Either way memory is bounded by the lists and a batch, not by the export.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+import logging
 import os
 import random
 import socket
@@ -54,8 +58,10 @@ import pyarrow.parquet as pq
 from prx_data.core import storage
 from prx_data.core.errors import NotFound, OutOfRange, PrxDataError, UnknownName
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
-from prx_data.export import layout
+from prx_data.export import idindex, layout
 from prx_data.skips import sidecar as SL
+
+log = logging.getLogger(__name__)
 
 #: Manifest rows looked up at once (about 100 MB of ids at 10^6 rows).
 BIND_BATCH_ROWS = 1 << 20
@@ -615,6 +621,17 @@ class Bound:
     missing: pa.Array | None = None
 
 
+def _check_parts(root: str, bucket: str, shards: Sequence[layout.ShardInfo]) -> None:
+    """Shards outside part folders: a tree another writer made, which has no id manifests yet."""
+    for s in shards:
+        if not layout.PART_SHARD_RE.fullmatch(s.basename):
+            raise ListError(
+                f"{layout.rel_join(root, bucket)}: shard {s.basename!r} is not in a part folder "
+                f"of an export, so the tree has no id manifests; run python -m prx_data.adopt "
+                f"{root} once (it writes them without touching the shards)"
+            )
+
+
 def _parts(shards: Sequence[layout.ShardInfo]) -> list[str]:
     return sorted({s.basename.split("/")[0] for s in shards})
 
@@ -625,6 +642,11 @@ def iter_manifests(
     """The bucket's manifest rows (shard, index, id), a bounded batch at a time."""
     remote = storage.is_remote(root)
     known = {s.basename for s in shards}
+    adopted = layout.adopted_manifest(root, bucket)
+    if storage.exists(adopted):  # an adopted tree: one manifest per bucket
+        yield from layout.read_adopted_manifest(root, bucket, known, batch_rows)
+        return
+    _check_parts(root, bucket, shards)
     parts = _parts(shards)
     step = layout.IO_THREADS * 4 if remote else 64
 
@@ -655,6 +677,31 @@ def iter_manifests(
         yield pa.concat_tables(pending)
 
 
+def _rows_of(root: str, ids: pa.Array) -> Iterator[tuple[str, pa.Table]]:
+    """(bucket, rows with ``shard``, ``index``, ``id``) covering every row of ``ids``.
+
+    Through the export's id index when it is current (a lookup of the ids
+    only); else, in one log line saying why, every manifest a batch at a time.
+    """
+    index, why = idindex.open_index(root)
+    if index is not None:
+        for t in index.lookup(ids):
+            buckets = pc.unique(t["bucket"]).to_pylist()
+            for b in buckets:
+                yield b, t if len(buckets) == 1 else t.filter(pc.equal(t["bucket"], b))
+        return
+    log.warning(
+        "%s; reading every manifest to find the ids (build it with `python -m prx_data.skips "
+        "index %s`)",
+        why,
+        root,
+    )
+    for bucket in layout.list_buckets(root):
+        shards = layout.read_index(root, bucket)
+        for batch in iter_manifests(root, bucket, shards):
+            yield bucket, batch
+
+
 def bind(
     root: str, lists: Mapping[str, pa.Array], *, want_missing: Sequence[str] = ()
 ) -> dict[str, Bound]:
@@ -668,31 +715,29 @@ def bind(
     found = np.zeros(len(union), bool)
     pieces: dict[str, dict[tuple[str, str], list[np.ndarray]]] = {}
     if len(union):
-        for bucket in layout.list_buckets(root):
-            shards = layout.read_index(root, bucket)
-            for batch in iter_manifests(root, bucket, shards):
-                code = pc.index_in(batch["id"], value_set=union)
-                hit = pc.is_valid(code)
-                if not pc.any(hit).as_py():
+        for bucket, batch in _rows_of(root, union):
+            code = pc.index_in(batch["id"], value_set=union)
+            hit = pc.is_valid(code)
+            if not pc.any(hit).as_py():
+                continue
+            sel = batch.filter(hit)
+            codes = code.filter(hit).to_numpy(zero_copy_only=False).astype(np.int64)
+            found[codes] = True
+            enc = pc.dictionary_encode(sel["shard"].combine_chunks())
+            shard_names = enc.dictionary.to_pylist()
+            shard_code = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+            index_col = sel["index"].to_numpy(zero_copy_only=False).astype(np.int64)
+            for n in names:
+                m = member[n][codes]
+                if not m.any():
                     continue
-                sel = batch.filter(hit)
-                codes = code.filter(hit).to_numpy(zero_copy_only=False).astype(np.int64)
-                found[codes] = True
-                enc = pc.dictionary_encode(sel["shard"].combine_chunks())
-                shard_names = enc.dictionary.to_pylist()
-                shard_code = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-                index_col = sel["index"].to_numpy(zero_copy_only=False).astype(np.int64)
-                for n in names:
-                    m = member[n][codes]
-                    if not m.any():
-                        continue
-                    sc, ix = shard_code[m], index_col[m]
-                    order = np.argsort(sc, kind="stable")
-                    sc, ix = sc[order], ix[order]
-                    cuts = np.flatnonzero(np.diff(sc)) + 1
-                    for chunk in np.split(np.arange(len(sc)), cuts):
-                        key = (bucket, shard_names[int(sc[chunk[0]])])
-                        pieces.setdefault(n, {}).setdefault(key, []).append(ix[chunk])
+                sc, ix = shard_code[m], index_col[m]
+                order = np.argsort(sc, kind="stable")
+                sc, ix = sc[order], ix[order]
+                cuts = np.flatnonzero(np.diff(sc)) + 1
+                for chunk in np.split(np.arange(len(sc)), cuts):
+                    key = (bucket, shard_names[int(sc[chunk[0]])])
+                    pieces.setdefault(n, {}).setdefault(key, []).append(ix[chunk])
     for n, per_key in pieces.items():
         out[n].positions = {k: np.concatenate(v) for k, v in per_key.items()}
     for n in names:
@@ -713,9 +758,14 @@ def ids_at(root: str, positions: Mapping[tuple[str, str], Iterable[int]]) -> pa.
     """
     by_part: dict[tuple[str, str], dict[str, np.ndarray]] = {}
     indexes: dict[str, dict[str, layout.ShardInfo]] = {}
+    adopted: dict[str, bool] = {}
     for (bucket, shard), idx in positions.items():
         if bucket not in indexes:
-            indexes[bucket] = {s.basename: s for s in layout.read_index(root, bucket)}
+            shards = layout.read_index(root, bucket)
+            indexes[bucket] = {s.basename: s for s in shards}
+            adopted[bucket] = storage.exists(layout.adopted_manifest(root, bucket))
+            if not adopted[bucket]:
+                _check_parts(root, bucket, shards)
         info = indexes[bucket].get(shard)
         if info is None:
             raise UnknownName(
@@ -727,17 +777,24 @@ def ids_at(root: str, positions: Mapping[tuple[str, str], Iterable[int]]) -> pa.
             raise OutOfRange(
                 f"{bucket}/{shard}: sample index {bad} is outside 0..{info.samples - 1}"
             )
-        by_part.setdefault((bucket, shard.split("/")[0]), {})[shard] = arr
+        part = "" if adopted[bucket] else shard.split("/")[0]
+        by_part.setdefault((bucket, part), {})[shard] = arr
     found = []
     for (bucket, part), wanted in sorted(by_part.items()):
-        path = layout.rel_join(root, f"{bucket}/{part}/{MANIFEST_NAME}")
-        try:
-            t = pq.read_table(
-                io.BytesIO(storage.read_bytes(path)), columns=["shard", "index", "id"]
-            )
-        except FileNotFoundError:
-            raise ListError(f"{path}: missing manifest, so the samples have no row ids") from None
-        layout.check_manifest_shards(path, part, t["shard"])
+        if adopted[bucket]:
+            path = layout.adopted_manifest(root, bucket)
+            t = layout.read_adopted_manifest(root, bucket, set(indexes[bucket]))
+        else:
+            path = layout.rel_join(root, f"{bucket}/{part}/{MANIFEST_NAME}")
+            try:
+                t = pq.read_table(
+                    io.BytesIO(storage.read_bytes(path)), columns=["shard", "index", "id"]
+                )
+            except FileNotFoundError:
+                raise ListError(
+                    f"{path}: missing manifest, so the samples have no row ids"
+                ) from None
+            layout.check_manifest_shards(path, part, t["shard"])
         for shard, arr in wanted.items():
             rows = t.filter(pc.equal(t["shard"], shard))
             hit = rows.filter(pc.is_in(rows["index"], value_set=pa.array(arr, rows["index"].type)))

@@ -46,7 +46,7 @@ from prx_data.core import storage
 from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
-from prx_data.export import layout
+from prx_data.export import idindex, layout
 from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
@@ -455,6 +455,7 @@ def rewrite_export(
                 # bucket is left out and the report says so.
                 dropped.append(bucket)
         bar.close()
+        idindex.write_id_index(out)  # before the lists, which bind their ids through it
         # The lists not applied, re-bound by row id to the new shards (after every bucket).
         lists_carried = idlists.sync_lists(out, reg, carried=carried, skip=applied)
     finally:

@@ -53,7 +53,7 @@ from prx_data.export.layout import (
     list_suffix,
     map_io,
     read_index,
-    read_manifests,
+    read_manifests,  # noqa: F401 (re-exported: tests and notebooks read manifests here)
     rel_join,
 )
 from prx_data.table.lance_ops import query_ids
@@ -420,20 +420,25 @@ def add_skips(
 
 
 def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResult:
-    """Skip the samples whose row id (Lance ``id``) is in ``ids``, via the manifests."""
+    """Skip the samples whose row id (Lance ``id``) is in ``ids``, via the export's id index
+    (or its manifests, for an export without one)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
+
+    from prx_data.export.idindex import lookup_or_manifests
 
     wanted = pa.array(sorted(set(ids)), pa.string())
-    table = read_manifests(export_root)
-    hit = table.filter(pc.is_in(table["id"], value_set=wanted))
     skips: dict[tuple[str, str], list[int]] = {}
-    for b, s, i in zip(
-        hit["bucket"].to_pylist(), hit["shard"].to_pylist(), hit["index"].to_pylist(), strict=True
-    ):
-        skips.setdefault((b, s), []).append(i)
+    found: set[str] = set()
+    for hit in lookup_or_manifests(export_root, wanted):
+        for b, s, i in zip(
+            hit["bucket"].to_pylist(),
+            hit["shard"].to_pylist(),
+            hit["index"].to_pylist(),
+            strict=True,
+        ):
+            skips.setdefault((b, s), []).append(i)
+        found.update(hit["id"].to_pylist())
     result = add_skips(export_root, name, skips)
-    found = set(hit["id"].to_pylist())
     result.missing_ids = sorted(set(wanted.to_pylist()) - found)
     result.ids_not_found = len(result.missing_ids)
     return result

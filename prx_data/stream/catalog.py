@@ -140,7 +140,7 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     found: set[str] = set()
     orphans: list[skiplist.SidecarProblem] = []
     for bucket in buckets:
-        remote_b = storage.join(spec.root, *bucket.split("/"))
+        remote_b = layout.rel_join(spec.root, bucket)
         local_b = os.path.join(local, *bucket.split("/"))
         index_uri = storage.join(remote_b, layout.INDEX_NAME)
         listing = fetched.bucket_listing(bucket)
@@ -149,7 +149,7 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
             obj = json.loads(index)
         except ValueError as e:
             raise layout.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
-        entries = layout.check_index_entries(index_uri, obj)
+        entries = layout.check_index_entries(index_uri, obj, plain=True)
         cached = shard_cache.read_cached_index(local_b, layout.INDEX_NAME) if tracked else None
         shard_cache.drop_stale_shards(local_b, cached, entries, same_report=same_report)
         # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.

@@ -49,6 +49,7 @@ from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader  # noqa: F401 (re-exported)
 from prx_data.stream import cache as shard_cache
+from prx_data.stream import foreign as foreign_tree
 from prx_data.stream import planner
 
 # Moved to their own modules; re-exported here, where callers import them from.
@@ -105,6 +106,10 @@ class DatasetSpec:
     #: Hold-out by id hash (train side or eval side), merged with the skip lists. With
     #: ``local`` (also for a local root) the node computes it once into ``<local>/holdout/``.
     holdout: Holdout | None = None
+    #: The tier of an MDS tree with one folder per aspect ratio (``<ar>/index.json``).
+    tier: int | None = None
+    #: Item key -> column of an MDS tree another writer made, e.g. ``{"caption": "prompt"}``.
+    columns: dict[str, str] | None = None
 
 
 @dataclass
@@ -120,6 +125,8 @@ class BucketSource:
     lists: dict[str, tuple[int, str]] = field(default_factory=dict)
     #: With a hold-out: (samples it holds out here, sha1 of that set here), whatever the side.
     held: tuple[int, str] | None = None
+    #: The columns of a tree another writer made (None: an export of ours).
+    foreign: foreign_tree.ForeignColumns | None = None
 
     @property
     def samples(self) -> int:
@@ -131,10 +138,28 @@ class BucketSource:
 
 
 def load_sources(
-    spec: DatasetSpec, tiers: Sequence[int], world: World | None = None
+    spec: DatasetSpec,
+    tiers: Sequence[int],
+    world: World | None = None,
+    caption_columns: Sequence[str] = ("caption",),
 ) -> list[BucketSource]:
-    """Every bucket of ``tiers`` in one export with its shards and (validated) skips."""
+    """Every bucket of ``tiers`` in one export with its shards and (validated) skips.
+
+    A tree another writer made (no export marker or report, or adopted:
+    :mod:`prx_data.stream.foreign`) has no report to check, and its columns are
+    resolved per bucket.
+    """
+    from prx_data.export import adopt
+
     world = world or World.detect()
+    if spec.tier is not None:
+        layout.declare_flat_tier(spec.root, spec.tier)
+    plain = adopt.is_foreign_tree(spec.root)
+    mapping = dict(spec.columns or {})
+    if plain:  # ids as adopted: skip lists name samples by them
+        rec = adopt.read_record(spec.root)
+        if rec is not None:
+            mapping["id"] = rec.get("id_column") or ""  # "": synthetic ids
     if storage.is_remote(spec.root):
         if not spec.local:
             raise UsageError(
@@ -150,14 +175,19 @@ def load_sources(
     out = []
     found: set[str] = set()
     report = None
-    if not spec.allow_incomplete:
+    if not spec.allow_incomplete and not plain:
         report = layout.read_report(base)
         layout.check_export_complete(
             spec.root, report, count_markers=not storage.is_remote(spec.root)
         )
     orphans: list[skiplist.SidecarProblem] = []
     for bucket in buckets:
-        shards = layout.read_index(base, bucket)
+        entries = layout.read_index_entries(base, bucket)
+        shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
+        cols = None
+        if plain:
+            index_path = layout.rel_join(spec.root, f"{bucket}/{layout.INDEX_NAME}")
+            cols = foreign_tree.resolve_columns(index_path, entries, mapping, caption_columns)
         if report is not None:
             layout.check_bucket_complete(spec.root, bucket, shards, report)
         skips: dict[str, np.ndarray] = {}
@@ -167,14 +197,11 @@ def load_sources(
             orphans += stray
             found |= set(listing)
             skips, lists = _load_lists(base, bucket, shards, spec.skip_lists, listing)
-        remote = (
-            storage.join(spec.root, *bucket.split("/")) if storage.is_remote(spec.root) else None
-        )
-        out.append(
-            BucketSource(
-                bucket, remote, os.path.join(base, *bucket.split("/")), shards, skips, lists
-            )
-        )
+        remote = layout.rel_join(spec.root, bucket) if storage.is_remote(spec.root) else None
+        local_b = os.path.join(base, *bucket.split("/"))
+        if not storage.is_remote(spec.root):
+            local_b = layout.rel_join(base, bucket)
+        out.append(BucketSource(bucket, remote, local_b, shards, skips, lists, foreign=cols))
     _check_orphans(spec.root, orphans, spec.skip_lists)
     _check_names(spec.root, found, spec.skip_lists)
     if spec.holdout is not None:
@@ -271,6 +298,7 @@ def plan_sources(
     *,
     world_size: int | None = None,
     num_nodes: int | None = None,
+    caption_columns: Sequence[str] = ("caption",),
 ) -> tuple[list[list[BucketSource]], planner.Plan]:
     """Every dataset's buckets (skip lists and hold-out applied) and the checked epoch plan.
 
@@ -279,7 +307,7 @@ def plan_sources(
     one this process is in (the preview).
     """
     world = world or World.detect()
-    sources = [load_sources(s, spec.tiers(), world) for s in specs]
+    sources = [load_sources(s, spec.tiers(), world, caption_columns) for s in specs]
     counts = [
         planner.DatasetCount(
             s.root,
@@ -388,7 +416,7 @@ class BucketedDataset(StreamingDataset):
         destroy_dist = maybe_init_dist()
         try:
             world = World.detect()
-            sources, plan = plan_sources(specs, spec, world)
+            sources, plan = plan_sources(specs, spec, world, caption_columns=self.caption_columns)
             self.plan = plan.check()
             if world.rank == 0:
                 log.info("bucket plan:\n%s", self.plan.report())
@@ -405,6 +433,8 @@ class BucketedDataset(StreamingDataset):
             check_ranks_agree(self.fingerprint)  # before streaming's first collective
             streams: list[Stream] = []
             self.stream_info: list[tuple[int, str, tuple[int, int]]] = []
+            #: Per stream: the columns of a tree another writer made (None: an export of ours).
+            self.stream_foreign: list[tuple[foreign_tree.ForeignColumns, Any] | None] = []
             plans = iter(self.plan.buckets)
             for di, src in enumerate(sources):
                 for b in src:
@@ -419,9 +449,23 @@ class BucketedDataset(StreamingDataset):
                             skips=b.skips,
                         )
                     )
-                    shape = same_ratio_shape(
-                        parse_bucket_name(b.bucket, spec.bucket_spec), spec.tier, spec.bucket_spec
-                    )
+                    if b.foreign is not None:
+                        if not self.decode_images and b.foreign.image_encoding != "bytes":
+                            raise foreign_tree.ForeignTreeError(
+                                f"{b.local}: image column {b.foreign.image!r} is encoded "
+                                f"{b.foreign.image_encoding!r}, which streaming decodes on the "
+                                "CPU; decoding on the device needs 'bytes': decode on the CPU"
+                            )
+                        fshape = foreign_tree.run_shape(b.bucket, spec.tier, spec.bucket_spec)
+                        self.stream_foreign.append((b.foreign, fshape))
+                        shape = fshape or (0, 0)  # 0: as stored
+                    else:
+                        self.stream_foreign.append(None)
+                        shape = same_ratio_shape(
+                            parse_bucket_name(b.bucket, spec.bucket_spec),
+                            spec.tier,
+                            spec.bucket_spec,
+                        )
                     self.stream_info.append((di, b.bucket, shape))
             super().__init__(
                 streams=streams,
@@ -450,6 +494,11 @@ class BucketedDataset(StreamingDataset):
     # Streaming calls this for every sample id of the epoch (after partitioning).
     def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
         raw = super().get_item(sample_id, retry)
+        if any(self.stream_foreign):
+            shard_id, k = self.spanner[sample_id]
+            found = self.stream_foreign[self.stream_per_shard[shard_id]]
+            if found is not None:
+                return self._foreign_item(raw, shard_id, k, *found)
         bucket = parse_bucket_name(raw["bucket"], self.bucket_spec)
         shape = same_ratio_shape(bucket, self.run_tier, self.bucket_spec)
         item: dict[str, Any] = {
@@ -468,6 +517,24 @@ class BucketedDataset(StreamingDataset):
                 )
             item[c] = raw[c]
         return item
+
+    def _foreign_item(self, raw, shard_id: int, k: int, cols, shape) -> dict[str, Any]:
+        """An item of a tree another writer made (:func:`prx_data.stream.foreign.item`)."""
+        reader = self.shards[shard_id]
+        stored = reader.stored_index(k) if isinstance(reader, SkipMDSReader) else k
+        _di, bucket, run_shape = self.stream_info[self.stream_per_shard[shard_id]]
+        run_bucket = bucket if shape is None else bucket_name(self.run_tier, *run_shape)
+        return foreign_tree.item(
+            raw,
+            cols,
+            shape=shape,
+            run_tier=self.run_tier,
+            bucket=bucket,
+            run_bucket=run_bucket,
+            shard=reader.raw_data.basename,
+            index=stored,
+            decode=self.decode_images,
+        )
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()

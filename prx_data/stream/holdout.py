@@ -127,14 +127,20 @@ def held_set(hold: Holdout, root: str, bucket: str, shards: Sequence[layout.Shar
     samples listed once), since the eval side is the complement of this set.
     """
     known = {s.basename: s.samples for s in shards}
-    rels = storage.list_files(layout.rel_join(root, bucket), MANIFEST_NAME)
     counts: dict[str, int] = {}
     held: dict[str, list[np.ndarray]] = {}
+    adopted = layout.adopted_manifest(root, bucket)
+    if storage.exists(adopted):  # an adopted tree: one manifest per bucket, read in batches
+        batches = layout.read_adopted_manifest(root, bucket, set(known), ADOPTED_BATCH_ROWS)
+        parts = (_held_in_table(hold, root, bucket, adopted, t, known) for t in batches)
+    else:
+        rels = storage.list_files(layout.rel_join(root, bucket), MANIFEST_NAME)
 
-    def one(rel: str) -> list[tuple[str, int, np.ndarray]]:
-        return _held_in_manifest(hold, root, bucket, rel, known)
+        def one(rel: str) -> list[tuple[str, int, np.ndarray]]:
+            return _held_in_manifest(hold, root, bucket, rel, known)
 
-    for part in layout.imap_bounded(one, rels, layout.io_workers(root)):
+        parts = layout.imap_bounded(one, rels, layout.io_workers(root))
+    for part in parts:
         for name, n, idx in part:
             counts[name] = counts.get(name, 0) + n
             held.setdefault(name, []).append(idx)
@@ -160,7 +166,6 @@ def _held_in_manifest(
     hold: Holdout, root: str, bucket: str, rel: str, known: Mapping[str, int]
 ) -> list[tuple[str, int, np.ndarray]]:
     """Per shard named in one manifest: (name, rows, sorted held-out indices)."""
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     rel = rel.replace("\\", "/")
@@ -168,6 +173,19 @@ def _held_in_manifest(
     src = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
     t = pq.read_table(src, columns=["shard", "index", "id"])  # one part's: small
     layout.check_manifest_shards(path, posixpath.dirname(rel), t["shard"])
+    return _held_in_table(hold, root, bucket, path, t, known)
+
+
+#: Rows of an adopted bucket's (single) manifest read at a time.
+ADOPTED_BATCH_ROWS = 1 << 20
+
+
+def _held_in_table(
+    hold: Holdout, root: str, bucket: str, path: str, t, known: Mapping[str, int]
+) -> list[tuple[str, int, np.ndarray]]:
+    """Per shard named in manifest rows ``t``: (name, rows, sorted held-out indices)."""
+    import pyarrow.compute as pc
+
     mask = hold.mask(t["id"])
     enc = pc.dictionary_encode(t["shard"].combine_chunks())
     codes = enc.indices.to_numpy(zero_copy_only=False)

@@ -121,6 +121,10 @@ class DatasetConfig:
     choose: int | None = None
     #: Skip lists to apply by name; None applies all that exist, [] applies none.
     skip_lists: list[str] | None = None
+    #: The tier of an MDS tree with one folder per aspect ratio (another writer's; STREAMING.md).
+    tier: int | None = None
+    #: Item key -> column of another writer's MDS tree, e.g. {caption: prompt}.
+    columns: dict[str, str] | None = None
 
 
 @dataclass

@@ -132,6 +132,8 @@ def dataset_specs(cfg: DataConfig, holdout: Any = None) -> list:
             choose=d.choose,
             skip_lists=list(d.skip_lists) if d.skip_lists is not None else None,
             holdout=holdout,
+            tier=d.tier,
+            columns=dict(d.columns) if d.columns is not None else None,
         )
         for d in cfg.datasets
     ]
