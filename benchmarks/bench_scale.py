@@ -15,6 +15,7 @@ For each size (each in a fresh process) it times, where the operation exists:
   pack       the pack stage: each bucket's parts into shards of ``--shard-size``
              (driver threads, no Ray start-up); the later operations see packed trees
   finalize   merge every pack index into the bucket indexes, write the report
+  id_index   its share spent building the id index (``_ids.lance``, BTREE on id)
   resume     resume planning: tree check, unit markers, stale-part sweep
   skips_add  ``skips add --ids`` with 1% of the ids
   holdout    building a 1% hold-out skip set for every bucket (what each rank does)
@@ -22,6 +23,7 @@ For each size (each in a fresh process) it times, where the operation exists:
              against plain ``streaming.StreamingDataset`` over the same buckets
   rewrite    ``skips rewrite --force`` (``--no-rewrite-above N`` skips it at large N)
   optout     an opt-out of 10^4 ids (``prx_data.optout``)
+  optout_fresh  another 10^4 ids in a fresh process: its peak memory over the imports
   verify     ``python -m prx_data.verify`` (in process, with the sidecar check)
 
 plus the peak resident memory each one added, and then prints, per operation,
@@ -57,12 +59,14 @@ OPS = (
     "resume",
     "pack",
     "finalize",
+    "id_index",
     "skips_add",
     "holdout",
     "loader_bucketed",
     "loader_plain",
     "rewrite",
     "optout",
+    "optout_fresh",
     "verify",
 )
 
@@ -264,7 +268,8 @@ def _rss_mb() -> float:
 
 @contextmanager
 def measured(results: dict, name: str):
-    """Seconds and the peak resident memory added (sampled every 10 ms) of one operation."""
+    """Seconds (wall, and CPU of this process: what a loaded machine disturbs less) and the
+    peak resident memory added (sampled every 10 ms) of one operation."""
     start = _rss_mb()
     peak = [start]
     stop = threading.Event()
@@ -275,15 +280,58 @@ def measured(results: dict, name: str):
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
-    t = time.perf_counter()
+    prof = _Profile() if name in os.environ.get("BENCH_SCALE_PROFILE", "").split(",") else None
+    t, cpu = time.perf_counter(), time.process_time()
     try:
         yield
     finally:
-        dt = time.perf_counter() - t
+        dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
         stop.set()
         th.join()
-        results[name] = {"s": dt, "peak_add_mb": max(peak[0], _rss_mb()) - start}
-        print(f"  {name:<16} {dt:9.2f} s   +{results[name]['peak_add_mb']:7.1f} MB", flush=True)
+        results[name] = {"s": dt, "cpu_s": dcpu, "peak_add_mb": max(peak[0], _rss_mb()) - start}
+        print(
+            f"  {name:<16} {dt:9.2f} s   +{results[name]['peak_add_mb']:7.1f} MB"
+            f"   ({dcpu:.2f} CPU s, this process)",
+            flush=True,
+        )
+        if prof is not None:
+            prof.report(name)
+
+
+class _Profile:
+    """cProfile of the calling thread and of every thread started meanwhile (pool workers).
+
+    ``BENCH_SCALE_PROFILE=resume,pack`` profiles those operations and prints the
+    functions with the most own time, all threads summed.
+    """
+
+    def __init__(self) -> None:
+        import cProfile
+
+        self.profiles = [cProfile.Profile()]
+
+        def start_thread(*_) -> None:
+            pr = cProfile.Profile()
+            self.profiles.append(pr)
+            pr.enable()
+
+        threading.setprofile(start_thread)
+        self.profiles[0].enable()
+
+    def report(self, name: str, top: int = 15) -> None:
+        import pstats
+
+        self.profiles[0].disable()
+        threading.setprofile(None)
+        out = io.StringIO()
+        stats = pstats.Stats(self.profiles[0], stream=out)
+        for pr in self.profiles[1:]:
+            stats.add(pr)
+        stats.sort_stats("tottime").print_stats(top)
+        print(f"  profile of {name} ({len(self.profiles) - 1} threads started):")
+        for line in out.getvalue().splitlines():
+            if line.strip() and not line.lstrip().startswith(("Ordered", "List reduced")):
+                print("    | " + line.rstrip()[:150])
 
 
 def _proc_mem_mb(pid: int | str = "self") -> dict:
@@ -366,10 +414,16 @@ def loader_child(root: str, kind: str, batch: int, workers: int = 0) -> dict:
         out["worker_pss_mb"] = max(m["pss_mb"] for m in mems)
         del it
     else:
+        prof = f"first_batch_{kind}" in os.environ.get("BENCH_SCALE_PROFILE", "").split(",")
+        prof = _Profile() if prof else None
         it = iter(ds)
         for _ in range(batch):
             next(it)
         first = time.perf_counter() - t
+        if prof is not None:
+            sys.stdout = sys.stderr  # the parent reads the figures from stdout
+            prof.report(f"first batch, {kind}")
+            sys.stdout = sys.__stdout__
     return {
         "init_s": init,
         "first_batch_s": first,
@@ -380,12 +434,39 @@ def loader_child(root: str, kind: str, batch: int, workers: int = 0) -> dict:
     }
 
 
+def _hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def optout_child(root: str, ids_file: str) -> dict:
+    """Run in a fresh process: an opt-out of the ids in ``ids_file``, time and peak memory."""
+    from prx_data.skips.optout import add_optout
+
+    with open(ids_file) as f:
+        ids = f.read().split()
+    add_optout(root, "optout-warm", ids[:1])  # the imports and Lance's start-up, not counted
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    rss0 = _rss_mb()
+    t = time.perf_counter()
+    rep = add_optout(root, "optout-fresh", ids)
+    dt = time.perf_counter() - t
+    assert rep.ids_not_in_export == 0
+    return {"s": dt, "rss_before_mb": rss0, "hwm_mb": _hwm_mb(), "ids": len(ids)}
+
+
 def run_loader(root: str, kind: str, batch: int, workers: int = 0) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--_loader", kind, root]
     cmd += ["--batch", str(batch), "--_workers", str(workers)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"loader {kind} failed:\n{out.stderr[-3000:]}")
+    if "profile of" in out.stderr:
+        print(out.stderr[out.stderr.index("  profile of") :], end="", flush=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -437,8 +518,18 @@ def one_size(
             packed = pipeline.run_packs(cfg, plan)
         res["pack"]["packs"] = len(plan)
         print(f"  ({len(plan):,} packs)", flush=True)
+    from prx_data.export import idindex
+
+    build = idindex.write_id_index
+
+    def timed_build(*a, **k):  # the id index is built inside finalize: its share, measured apart
+        with measured(res, "id_index"):
+            return build(*a, **k)
+
+    idindex.write_id_index = timed_build
     with measured(res, "finalize"):
         report = finalize(cfg, ordered, 0.0, packs=packed)
+    idindex.write_id_index = build
     assert report.samples_written == n, report.samples_written
     rng = np.random.default_rng(0)
     one_pct = [_sid(int(i)) for i in rng.choice(n, max(1, n // 100), replace=False)]
@@ -480,6 +571,22 @@ def one_size(
         rep = add_optout(root, "optout-bench", optout_ids)
     assert rep.ids_not_in_export == 0
     res["optout"]["ids"] = len(optout_ids)
+    # The same request in a fresh process: its peak resident memory over the imports
+    # (VmHWM), which the figure above understates once earlier steps grew the heap.
+    ids_file = os.path.join(work, "optout-ids.txt")
+    with open(ids_file, "w") as f:
+        f.write("\n".join(_sid(i) for i in range(1, n, step)[:10_000]))
+    cmd = [sys.executable, os.path.abspath(__file__), "--_optout", root, ids_file]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"opt-out child failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    res["optout_fresh"] = {"s": r["s"], "peak_add_mb": r["hwm_mb"] - r["rss_before_mb"], **r}
+    print(
+        f"  {'optout_fresh':<16} {r['s']:9.2f} s   +{res['optout_fresh']['peak_add_mb']:7.1f} MB"
+        f"   (peak RSS {r['hwm_mb']:.0f} MB, {r['rss_before_mb']:.0f} after imports)",
+        flush=True,
+    )
     with measured(res, "verify"):
         v = verify_export(root, check_sidecar=check_sidecar)
     if not v.ok:
@@ -537,6 +644,9 @@ def markdown(sizes: list[int], runs: dict[int, dict]) -> str:
     pairs = list(zip(sizes, sizes[1:], strict=False))
     head = ["operation"] + [f"s @ {n:.0e}" for n in sizes] + [f"MB @ {n:.0e}" for n in sizes]
     head += [f"exp {a:.0e}→{b:.0e}" for a, b in pairs]
+    cpu = any("cpu_s" in r for n in sizes for r in runs[n].values() if isinstance(r, dict))
+    if cpu:
+        head += [f"CPU exp {a:.0e}→{b:.0e}" for a, b in pairs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op in OPS:
         rs = [runs[n].get(op) for n in sizes]
@@ -552,6 +662,11 @@ def markdown(sizes: list[int], runs: dict[int, dict]) -> str:
         for i, _ in enumerate(pairs):
             a, b = rs[i], rs[i + 1]
             e = exponent(sizes[i], a["s"], sizes[i + 1], b["s"]) if a and b else float("nan")
+            row.append("–" if math.isnan(e) else f"{e:.2f}" + ("" if e <= 1.1 else " ✗"))
+        for i, _ in enumerate(pairs if cpu else ()):
+            a, b = rs[i], rs[i + 1]
+            ok = a and b and "cpu_s" in a and "cpu_s" in b
+            e = exponent(sizes[i], a["cpu_s"], sizes[i + 1], b["cpu_s"]) if ok else float("nan")
             row.append("–" if math.isnan(e) else f"{e:.2f}" + ("" if e <= 1.1 else " ✗"))
         lines.append("| " + " | ".join(row) + " |")
     lines += [
@@ -701,6 +816,7 @@ def main() -> None:
     p.add_argument("--_size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_loader", nargs=2, metavar=("KIND", "ROOT"), help=argparse.SUPPRESS)
     p.add_argument("--_workers", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--_optout", nargs=2, metavar=("ROOT", "IDS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.e2e:
         work = args.work or tempfile.mkdtemp(prefix="bench-scale-e2e-")
@@ -713,6 +829,9 @@ def main() -> None:
         if args.markdown:
             with open(args.markdown, "w") as f:
                 f.write(md + "\n")
+        return
+    if args._optout:
+        print(json.dumps(optout_child(*args._optout)))
         return
     if args._loader:
         print(json.dumps(loader_child(args._loader[1], args._loader[0], args.batch, args._workers)))
