@@ -753,7 +753,10 @@ def e2e_export(n: int, work: str, shard_size: int, num_cpus: int) -> str:
     cmd = [sys.executable, "-m", "prx_data.write_mds", "--table", table_uri, "--out", out]
     cmd += ["--tiers", str(TIER), "--shard-size", str(shard_size), "--num-cpus", str(num_cpus)]
     t = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     t_export = time.perf_counter() - t
     if r.returncode:
         raise SystemExit(f"write_mds failed:\n{r.stderr[-3000:]}")
@@ -784,7 +787,6 @@ def e2e_export(n: int, work: str, shard_size: int, num_cpus: int) -> str:
     ]
     shutil.rmtree(table_uri, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(ray_tmp, ignore_errors=True)
     return "\n".join(head + rows)
 
 
