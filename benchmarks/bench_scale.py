@@ -5,10 +5,13 @@ Fabricates exports in the exporter's own layout (``prx_data.export.layout``):
 samples each, 40 by default: a 1,000-row unit spread over 25 buckets), one
 shard per part, ``ids.parquet`` manifests, one ``_progress`` marker per unit,
 then the real :func:`prx_data.export.unit.finalize`. Pixels are cached: one
-real JPEG per bucket shape, encoded once; shard files are built from samples
-encoded by ``streaming.MDSWriter`` itself (a template sample whose fixed-width id
-is swapped in), and the bench checks once that a fabricated part is
-byte-identical to one ``MDSWriter`` writes.
+JPEG per bucket, encoded once (``--image-px`` 8 by default: an 8x8 JPEG, 723 bytes
+per sample, so 10^7 samples are 7 GB; the loaders keep images encoded). Shard
+files are built with numpy from one sample encoded by ``streaming.MDSWriter``
+itself (a template whose fixed-width id is patched in per row), manifests from
+Arrow buffers; no Python object per sample. The bench checks once that a
+fabricated part is byte-identical to one ``MDSWriter`` writes, and its manifest
+equal to ``layout.write_manifest``'s.
 
 For each size (each in a fresh process) it times, where the operation exists:
 
@@ -20,7 +23,9 @@ For each size (each in a fresh process) it times, where the operation exists:
   skips_add  ``skips add --ids`` with 1% of the ids
   holdout    building a 1% hold-out skip set for every bucket (what each rank does)
   loader     init + first batch + resident memory of one process, BucketedDataset
-             against plain ``streaming.StreamingDataset`` over the same buckets
+             against plain ``streaming.StreamingDataset`` over the same buckets; then
+             the first batch through a ``StreamingDataLoader`` of ``--workers`` workers
+             and each worker's RSS and PSS
   rewrite    ``skips rewrite --force`` (``--no-rewrite-above N`` skips it at large N)
   optout     an opt-out of 10^4 ids (``prx_data.optout``)
   optout_fresh  another 10^4 ids in a fresh process: its peak memory over the imports
@@ -29,8 +34,16 @@ For each size (each in a fresh process) it times, where the operation exists:
 plus the peak resident memory each one added, and then prints, per operation,
 the growth exponent ``log(t2/t1) / log(n2/n1)`` between consecutive sizes.
 
+Also: seconds in CPU time of the process (their exponents are less disturbed by a
+loaded machine), ``BENCH_SCALE_PROFILE=pack,resume,first_batch_bucketed`` for a
+cProfile of those steps (all threads), markdown tables (``--markdown``), and
+``--e2e N``: ``python -m prx_data.write_mds`` of an N-row Lance table and each
+bucket's median shard against ``--shard-size``.
+
     python benchmarks/bench_scale.py                       # 10^4 and 10^5 (smoke)
     python benchmarks/bench_scale.py --sizes 1e5 1e6 1e7 --no-rewrite-above 1e6
+    python benchmarks/bench_scale.py --from-json a.json b.json --markdown t.md
+    python benchmarks/bench_scale.py --e2e 1e5 --shard-size 16777216
 """
 
 from __future__ import annotations
