@@ -117,7 +117,8 @@ def _cli(*args: str) -> list[str]:
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("seed", [1, 2])
+# A second kill point runs with -m slow: the default suite keeps one (its 15-minute budget).
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_kill_at_random_point_then_resume_and_concurrent_runs(
     seed, photo_table, photo_ref, tmp_path
 ):

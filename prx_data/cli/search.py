@@ -6,7 +6,9 @@ import argparse
 import sys
 from collections import Counter
 
+from prx_data.cli.reporting import print_error
 from prx_data.columns import descriptors
+from prx_data.core.errors import PrxDataError
 from prx_data.table import lance_ops as T
 from prx_data.table.search import build_indexes, filter_sql, hybrid_search, similar, text_search
 
@@ -42,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    try:
+        return _run(p, args)
+    except PrxDataError as e:
+        print_error(e)
+        return 2
+
+
+def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.descriptors:
         failed: Counter = Counter()
         descriptors.compute_descriptors(args.table, errors=failed)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec
+from prx_data.core.errors import PrxDataError
 from prx_data.table import lance_ops as T
 from prx_data.table.resolution import (
     STATS_NAME,
@@ -54,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = BucketSpec(tiers=tuple(int(t) for t in args.tiers.split(",")))
     try:
         marks = parse_marks(args.mark, numeric_columns(T.open_table(args.table).schema))
-    except (ValueError, FileNotFoundError, OSError) as e:
+        report = run(args.table, args.out, spec, marks)
+    except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = run(args.table, args.out, spec, marks)
     print(format_report(report))
     print(f"\nplots and {STATS_NAME} in {args.out}")
     return 0

@@ -23,6 +23,7 @@ import pyarrow as pa
 from prx_data.core import quality as Q
 from prx_data.core import schema as S
 from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec, assign_bucket
+from prx_data.core.errors import UsageError
 from prx_data.table import lance_ops as T
 
 STATS_NAME = "stats.json"
@@ -162,10 +163,10 @@ def parse_marks(specs: list[str] | tuple[str, ...], columns: list[str]) -> dict[
         except ValueError:
             t = float("nan")
         if not sep or t != t or t in (float("inf"), float("-inf")):
-            raise ValueError(f"--mark takes COLUMN=NUMBER (e.g. aesthetic_score=5), got {spec!r}")
+            raise UsageError(f"--mark takes COLUMN=NUMBER (e.g. aesthetic_score=5), got {spec!r}")
         col = name if name in columns else f"{name}_score"
         if col not in columns:
-            raise ValueError(
+            raise UsageError(
                 f"--mark {spec!r}: no numeric column {name!r}; the table has: "
                 + (", ".join(columns) or "none")
             )
