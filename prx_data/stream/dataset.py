@@ -81,6 +81,7 @@ from prx_data.stream.resume import (  # noqa: F401
     fingerprint,
     resume_state,
 )
+from prx_data.stream.sampling import vectorised_sampling
 
 log = logging.getLogger(__name__)
 
@@ -490,6 +491,13 @@ class BucketedDataset(StreamingDataset):
         finally:
             if destroy_dist:
                 torch.distributed.destroy_process_group()
+
+    def resample_streams(
+        self, epoch: int, stream_id: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Streaming's resampling, with its per-sample Python loop vectorised (same samples)."""
+        with vectorised_sampling():
+            return super().resample_streams(epoch, stream_id)
 
     # Streaming calls this for every sample id of the epoch (after partitioning).
     def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
