@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 import warnings
 
@@ -163,9 +164,9 @@ def _check_address(address: str, source: str, timeout: float) -> None:
     )
 
 
-def _record_state() -> str:
-    """``"none"`` (no usable record), ``"live"``, or ``"stale"`` (after a warning): whether
-    Ray's cluster record names an address where a cluster answers."""
+def _record_state(*, warn: bool = True) -> str:
+    """``"none"`` (no usable record), ``"live"``, or ``"stale"`` (after a warning, with
+    ``warn``): whether Ray's cluster record names an address where a cluster answers."""
     path = ray_record_path()
     recorded = _read_record(path)
     hp = _host_port(recorded) if recorded else None
@@ -173,6 +174,8 @@ def _record_state() -> str:
         return "none"
     if _answers(*hp, RECORD_PROBE_S, retry=False):
         return "live"
+    if not warn:
+        return "stale"
     warnings.warn(
         f"{path} names a Ray cluster at {recorded}, where nothing answers (its head has "
         f"stopped): starting a local Ray instead. Clear the stale record with `ray stop` or "
@@ -181,6 +184,35 @@ def _record_state() -> str:
         stacklevel=3,
     )
     return "stale"
+
+
+def local_ray_cpus(address: str | None = None, num_cpus: int | None = None) -> int | None:
+    """The CPUs of the private local Ray runtime :func:`ensure_ray` would start, or None
+    when it would use a Ray that exists already: Ray initialised in this process, a
+    cluster given by ``address`` or ``$RAY_ADDRESS``, or the live ``ray start`` cluster
+    named in Ray's record on this host (also None with ``$RAY_OVERRIDE_RESOURCES``,
+    which sizes a local runtime in Ray's own way).
+
+    Starts nothing, so a job can tell before paying Ray's start-up whether its work
+    could stay in this process; the count is Ray's own (``num_cpus``, else Ray's CPU
+    detection), so anything planned from it matches what that runtime would report.
+    """
+    ray = sys.modules.get("ray")  # not imported: certainly not initialised
+    if ray is not None and ray.is_initialized():
+        return None
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address not in (None, "local") or os.environ.get("RAY_OVERRIDE_RESOURCES"):
+        return None
+    if address is None and _record_state(warn=False) == "live":
+        return None
+    if num_cpus is not None:
+        return max(1, num_cpus)
+    try:
+        from ray._private.utils import get_num_cpus
+
+        return max(1, int(get_num_cpus()))
+    except (ImportError, AttributeError):  # Ray's helper moved: its documented default
+        return max(1, os.cpu_count() or 1)
 
 
 def unit_dataset(items: list[dict], *, single_operator: bool = True):
