@@ -196,3 +196,49 @@ def test_a_tiny_export_in_a_fresh_process_never_starts_ray(table, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "samples written           6" in r.stdout
+
+
+# --- ensure_ray: worker settings reach a local runtime by inheritance ------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_local_runtime_gets_worker_settings_by_inheritance(no_ray_here, monkeypatch):
+    """A job runtime_env would keep Ray from using the workers it prestarts; a local
+    runtime inherits the variable instead, and the driver's environment is restored."""
+    import ray
+
+    seen: list[tuple[dict, str | None]] = []
+
+    def init(*args, **kwargs):
+        seen.append((kwargs, os.environ.get("LANCE_CPU_THREADS")))
+        raise _Stop
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("LANCE_CPU_THREADS", raising=False)
+    with pytest.raises(_Stop):
+        runtime.ensure_ray(num_cpus=1)
+    kwargs, during = seen.pop()
+    assert during == "1" and "runtime_env" not in kwargs and kwargs["num_cpus"] == 1
+    assert "LANCE_CPU_THREADS" not in os.environ
+    monkeypatch.setenv("LANCE_CPU_THREADS", "3")  # the user's own setting is passed on
+    with pytest.raises(_Stop):
+        runtime.ensure_ray(num_cpus=1)
+    assert seen.pop()[1] == "3" and os.environ["LANCE_CPU_THREADS"] == "3"
+    # a cluster's workers do not inherit this process's environment: a runtime_env
+    monkeypatch.setattr(runtime, "_check_address", lambda *a: None)
+    with pytest.raises(_Stop):
+        runtime.ensure_ray("127.0.0.1:6379")
+    kwargs, _ = seen.pop()
+    assert kwargs["runtime_env"] == {"env_vars": {"LANCE_CPU_THREADS": "3"}}
+
+
+@pytest.mark.ray
+def test_workers_of_the_session_runtime_use_one_lance_thread(ray_local):
+    @ray_local.remote
+    def lance_threads() -> str | None:
+        return os.environ.get("LANCE_CPU_THREADS")
+
+    assert ray_local.get(lance_threads.remote()) == (os.environ.get("LANCE_CPU_THREADS") or "1")
