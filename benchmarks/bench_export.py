@@ -22,7 +22,10 @@ Four parts (``--only step,frontier,pipeline,startup``; all by default):
   startup   a job's fixed cost: ``python -m prx_data.write_mds`` of a 4-photo
             table against a bare Ray Data job of the same size (``ray.init``
             plus a 4-row map), each a fresh process on the same CPUs, rounds
-            interleaved. Target: <= 1.3x.
+            interleaved. Target: <= 1.3x. Such a table runs on driver threads
+            (``--driver-rows``); the same export forced onto Ray
+            (``--driver-rows 0``, what a larger table or a cluster gets) is
+            timed alongside.
 
 Speed: every image goes through every contender in turn (the order rotates
 from image to image), so the load swings of a shared machine hit all of them
@@ -381,7 +384,8 @@ assert len(rows.map(lambda r: {"o": r["i"] * 2}).take_all()) == 4
 
 
 def startup(rows: list, workdir: str, rounds: int, num_cpus: int = 2) -> dict:
-    """Wall seconds of a 4-photo ``write_mds`` and of a bare 4-row Ray Data job, fresh processes."""
+    """Wall seconds of a 4-photo ``write_mds`` (as it runs, and forced onto Ray) and of a
+    bare 4-row Ray Data job, fresh processes, the order rotating from round to round."""
     import subprocess
 
     from tests.tablekit import make_table
@@ -392,34 +396,44 @@ def startup(rows: list, workdir: str, rounds: int, num_cpus: int = 2) -> dict:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))),
     }
+    export = [
+        *(sys.executable, "-m", "prx_data.write_mds", "--table", table),
+        *("--num-cpus", str(num_cpus), "--no-progress", "--overwrite", "--out"),
+    ]
     cmds = {
         "bare": [sys.executable, "-c", _BARE_JOB, str(num_cpus)],
-        "write_mds": [
-            *(sys.executable, "-m", "prx_data.write_mds", "--table", table),
-            *("--num-cpus", str(num_cpus), "--no-progress", "--overwrite", "--out"),
-            os.path.join(workdir, "four-out"),
-        ],
+        "write_mds": [*export, os.path.join(workdir, "four-out")],
+        "write_mds_ray": [*export, os.path.join(workdir, "four-out-ray"), "--driver-rows", "0"],
     }
+    names = list(cmds)
+    env.pop("RAY_ADDRESS", None)  # each job starts its own Ray (or none), as a first run does
     per_round = []
     for r in range(rounds):
         res = {}
-        for who in ("bare", "write_mds") if r % 2 == 0 else ("write_mds", "bare"):
+        for who in names[r % 3 :] + names[: r % 3]:
             t0 = time.perf_counter()
             subprocess.run(cmds[who], env=env, check=True, capture_output=True)
             res[who] = time.perf_counter() - t0
+        res["loadavg"] = os.getloadavg()
         per_round.append(res)
         print(
             f"  round {r + 1}: bare Ray Data job {res['bare']:.1f} s, "
-            f"write_mds of 4 photos {res['write_mds']:.1f} s",
+            f"write_mds of 4 photos {res['write_mds']:.1f} s "
+            f"({res['write_mds'] / res['bare']:.2f}x), on Ray {res['write_mds_ray']:.1f} s "
+            f"({res['write_mds_ray'] / res['bare']:.2f}x), load {res['loadavg'][0]:.1f}",
             file=sys.stderr,
         )
     ratios = [pr["write_mds"] / pr["bare"] for pr in per_round]
+    ray_ratios = [pr["write_mds_ray"] / pr["bare"] for pr in per_round]
     return {
         "num_cpus": num_cpus,
         "bare_s": round(statistics.median(pr["bare"] for pr in per_round), 2),
         "write_mds_s": round(statistics.median(pr["write_mds"] for pr in per_round), 2),
+        "write_mds_ray_s": round(statistics.median(pr["write_mds_ray"] for pr in per_round), 2),
         "ratio": round(statistics.median(ratios), 3),
         "ratio_per_round": [round(x, 3) for x in ratios],
+        "ratio_ray": round(statistics.median(ray_ratios), 3),
+        "ratio_ray_per_round": [round(x, 3) for x in ray_ratios],
         "rounds": per_round,
     }
 

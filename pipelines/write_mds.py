@@ -19,6 +19,14 @@ concatenates each bucket's parts into shards of about ``shard_size``: one
 Ray task per pack, or threads on the driver when the whole export is small
 (:data:`DRIVER_PACK_BYTES`), since a Ray Data stage costs seconds to start.
 The merge, and the skip lists bound after it, then see only packs.
+
+A small job does not start Ray at all: a table of at most ``driver_rows``
+rows (:data:`DRIVER_UNIT_ROWS`), exported where the job would start a private
+local Ray runtime, runs its work units and packs on threads of the driver
+(:func:`prx_data.core.runtime.local_ray_cpus` tells, starting nothing). The
+units, parts and bytes are those of the Ray path: the unit count comes from
+the CPUs that runtime would have. A job joining a cluster, or one run where
+Ray is already up, takes the Ray path whatever its size.
 """
 
 from __future__ import annotations
@@ -27,14 +35,14 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 
 from tqdm.auto import tqdm
 
 from prx_data.core import storage
 from prx_data.core.imaging import check_codec
-from prx_data.core.runtime import ensure_ray, unit_dataset
+from prx_data.core.runtime import ensure_ray, local_ray_cpus, unit_dataset
 from prx_data.core.storage import storage_env
 from prx_data.export.layout import foreign_entries, imap_bounded, list_top, remove_stale_parts
 from prx_data.export.lock import ExportLock
@@ -49,6 +57,7 @@ from prx_data.export.unit import (
     done_parts,
     export_unit,
     finalize,
+    open_table,
     plan_units,
     prepare_output,
     release_table_version,
@@ -68,6 +77,12 @@ UNITS_PER_CPU = 8
 DRIVER_PACK_BYTES = 256 << 20
 #: Threads packing on the driver (each holds at most one pack's shard in memory).
 DRIVER_PACK_THREADS = 2
+
+#: Tables of at most this many rows run their work units (then their packs) on threads
+#: of the driver when the job would otherwise start a local Ray runtime for them: that
+#: start (``ray.init``, then worker processes importing the export stack) costs 5-15 s,
+#: more than such a table's work. 64 rows of 24-MP photos are about 30 CPU-seconds.
+DRIVER_UNIT_ROWS = 64
 
 
 def auto_min_units(ray_address: str | None = None, num_cpus: int | None = None) -> int:
@@ -135,14 +150,16 @@ def run_packs(
     ray_address: str | None = None,
     num_cpus: int | None = None,
     progress: bool = False,
+    on_driver: bool = False,
 ) -> dict[str, dict[str, int]]:
     """Write every pack; returns {bucket: {pack: samples}} for :func:`finalize`.
 
     The driver handles one small record per pack (never a sample): a plan, a
-    task and a result each.
+    task and a result each. ``on_driver``: threads of the driver whatever the
+    size (a job whose units ran there has no Ray to hand the packs to).
     """
     bar = tqdm(total=len(packs), desc="pack", unit="pack", disable=not progress, file=sys.stderr)
-    if sum(p.nbytes for p in packs) <= DRIVER_PACK_BYTES:
+    if on_driver or sum(p.nbytes for p in packs) <= DRIVER_PACK_BYTES:
         done = imap_bounded(lambda p: write_pack(cfg, p), packs, DRIVER_PACK_THREADS)
     else:
         ensure_ray(ray_address, num_cpus)
@@ -172,6 +189,7 @@ def run_export(
     num_cpus: int | None = None,
     progress: bool = True,
     drop_lists: tuple[str, ...] = (),
+    driver_rows: int = DRIVER_UNIT_ROWS,
 ) -> ExportReport:
     """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report.
 
@@ -179,6 +197,9 @@ def run_export(
     second run or a ``--resume`` on the same ``--out`` is refused meanwhile.
     ``drop_lists`` names skip lists of the tree being overwritten that may be
     left behind because their ids cannot be recovered (any other list is kept).
+    A table of at most ``driver_rows`` rows that would get a private local Ray
+    runtime runs on threads of this process instead (0: always Ray); the
+    export it writes is the same.
     """
     try:
         check_codec(cfg.codec, cfg.resample, cfg.draft_margin)
@@ -200,6 +221,7 @@ def run_export(
                 progress,
                 time.perf_counter(),
                 tuple(drop_lists),
+                driver_rows,
             )
     except BaseException:
         if created and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
@@ -217,6 +239,7 @@ def _run_locked(
     progress: bool,
     t0: float,
     drop_lists: tuple[str, ...] = (),
+    driver_rows: int = DRIVER_UNIT_ROWS,
 ) -> ExportReport:
     from prx_data.skips import lists as idlists
 
@@ -228,9 +251,13 @@ def _run_locked(
             registry.migrate(idlists.collect(cfg.out, drop=drop_lists), cfg.out)
         except idlists.ListError as e:
             raise ExportError(str(e)) from None
+    threads = driver_threads(cfg, driver_rows, ray_address, num_cpus)
     # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
     if cfg.min_units is None and not resume:  # a resume keeps the count it started with
-        cfg = replace(cfg, min_units=auto_min_units(ray_address, num_cpus))
+        cfg = replace(
+            cfg,
+            min_units=UNITS_PER_CPU * threads if threads else auto_min_units(ray_address, num_cpus),
+        )
     cfg = prepare_output(cfg, overwrite=overwrite, resume=resume)
     units = plan_units(cfg)
     finished = done_parts(cfg.out) if resume else {}
@@ -239,13 +266,10 @@ def _run_locked(
     todo = [u for u in units if u.part not in finished]
     results: dict[str, UnitResult] = {p: r for p, r in finished.items()}
     if todo:
-        ensure_ray(ray_address, num_cpus)
-        ds = unit_dataset([asdict(u) for u in todo])
-        remote_args: dict = {"num_cpus": 1}
-        env = storage_env()
-        if env:  # workers started before these were set would not see them
-            remote_args["runtime_env"] = {"env_vars": env}
-        ds = ds.map(_ExportTask(cfg), **remote_args)
+        if threads:
+            done = _units_on_driver(cfg, todo, threads)
+        else:
+            done = _units_on_ray(cfg, todo, ray_address, num_cpus)
         bar = tqdm(
             total=len(units),
             initial=len(finished),
@@ -255,9 +279,8 @@ def _run_locked(
             file=sys.stderr,
         )
         totals = ProgressTotals.of(results.values())
-        for row in ds.iter_rows():
+        for r in done:
             lock.check()
-            r = UnitResult.from_json(row["result"])
             totals.add(r, replaces=results.get(r.part))
             results[r.part] = r
             bar.update(1)
@@ -278,6 +301,7 @@ def _run_locked(
             ray_address=ray_address,
             num_cpus=num_cpus,
             progress=progress,
+            on_driver=threads is not None,
         )
 
     def bind_lists() -> dict:
@@ -292,3 +316,42 @@ def _run_locked(
     )
     release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
     return report
+
+
+def driver_threads(
+    cfg: ExportConfig, driver_rows: int, ray_address: str | None, num_cpus: int | None
+) -> int | None:
+    """Threads for running the units on the driver, or None for the Ray path.
+
+    The driver path is for a table of at most ``driver_rows`` rows (read from the
+    manifest, before anything is written) that would get a private local Ray runtime;
+    it gets one thread per CPU that runtime would have, as Ray would run one unit per CPU.
+    """
+    if driver_rows <= 0:
+        return None
+    cpus = local_ray_cpus(ray_address, num_cpus)
+    if cpus is None or open_table(cfg.table, cfg.table_version).count_rows() > driver_rows:
+        return None
+    return cpus
+
+
+def _units_on_driver(cfg: ExportConfig, todo: list[WorkUnit], threads: int) -> Iterator[UnitResult]:
+    """Each unit's :func:`export_unit` on a driver thread, as the Ray path runs it in a task."""
+    from prx_data.core.mds_writer import mds_writer
+
+    mds_writer()  # imported here, once, rather than by several threads at a time
+    return imap_bounded(lambda u: export_unit(cfg, u), todo, min(threads, len(todo)))
+
+
+def _units_on_ray(
+    cfg: ExportConfig, todo: list[WorkUnit], ray_address: str | None, num_cpus: int | None
+) -> Iterator[UnitResult]:
+    """One Ray task per unit (:class:`_ExportTask`), results as they finish."""
+    ensure_ray(ray_address, num_cpus)
+    ds = unit_dataset([asdict(u) for u in todo])
+    remote_args: dict = {"num_cpus": 1}
+    env = storage_env()
+    if env:  # workers started before these were set would not see them
+        remote_args["runtime_env"] = {"env_vars": env}
+    ds = ds.map(_ExportTask(cfg), **remote_args)
+    return (UnitResult.from_json(row["result"]) for row in ds.iter_rows())

@@ -157,7 +157,7 @@ def test_write_mds_with_a_stale_cluster_record_exports_on_a_local_ray(tmp_path, 
     record = _record(short_tmp, f"127.0.0.1:{_closed_port()}")
     r = subprocess.run(
         [sys.executable, "-m", "prx_data.write_mds", "--table", table, "--out", out]
-        + ["--tiers", "512", "--num-cpus", "1", "--no-progress"],
+        + ["--tiers", "512", "--num-cpus", "1", "--no-progress", "--driver-rows", "0"],
         env=_env(short_tmp),
         capture_output=True,
         text=True,
