@@ -8,7 +8,7 @@ import sys
 from prx_data.cli.reporting import finish
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError, add_max_error_rate
-from prx_data.core.imaging import DRAFT_MARGIN
+from prx_data.core.imaging import CODECS, DEFAULT_CODEC, DRAFT_MARGIN
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
 
 EPILOG = """\
@@ -82,16 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--codec",
-        choices=["pillow", "vips"],
-        default="pillow",
-        help="Resize/encode path: pillow (JPEG draft to >= 1.5x the target, Lanczos) or vips "
-        "(libvips thumbnail: shrink-on-load to >= 2x the target, Lanczos3; faster on large photos).",
+        choices=list(CODECS),
+        default=DEFAULT_CODEC,
+        help="Resize/encode path. vips-reduce (default): JPEG draft to >= 1.5x the target, "
+        "libvips' SIMD Lanczos3 over the exact crop box, Pillow encode; pillow: the same with "
+        "Pillow's Lanczos (slower, same fidelity); vips: libvips thumbnail (crops on whole "
+        "pixels).",
     )
     p.add_argument(
         "--resample",
         choices=["lanczos", "bicubic", "hamming", "bilinear", "box"],
         default="lanczos",
-        help="Resampling filter of the pillow codec (default: lanczos). The others are faster "
+        help="Resampling filter (default: lanczos). The others are Pillow's, faster "
         "and softer; hamming beats an img2dataset-style OpenCV loop on speed and fidelity "
         "(measured frontier in docs/ARCHITECTURE.md, Codecs).",
     )

@@ -38,7 +38,13 @@ from prx_data.core.buckets import (
     assign_bucket,
 )
 from prx_data.core.errors import NotFound
-from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, DRAFT_MARGIN, ImageError, prepare_with
+from prx_data.core.imaging import (
+    DEFAULT_CODEC,
+    DEFAULT_JPEG_QUALITY,
+    DRAFT_MARGIN,
+    ImageError,
+    prepare_with,
+)
 from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
 from prx_data.core.reports import FailureCounts
@@ -98,9 +104,11 @@ class ExportConfig:
     #: 30.9 dB on the worst detailed photo against 33.3 (the loop: 20.5); see
     #: docs/ARCHITECTURE.md, Codecs.
     draft_margin: float = DRAFT_MARGIN
-    #: Resize/encode path: "pillow" (draft + Lanczos) or "vips" (libvips thumbnail).
-    codec: str = "pillow"
-    #: Resampling filter of the pillow codec (``core.imaging.RESAMPLE``): lanczos, or a
+    #: Resize/encode path (``core.imaging.CODECS``): "vips-reduce" (draft + libvips'
+    #: Lanczos3 over the exact box), "pillow" (draft + Pillow's Lanczos) or "vips"
+    #: (libvips thumbnail).
+    codec: str = DEFAULT_CODEC
+    #: Resampling filter of the pillow codecs (``core.imaging.RESAMPLE``): lanczos, or a
     #: faster, softer one (bicubic, hamming, bilinear, box); see docs/ARCHITECTURE.md.
     resample: str = "lanczos"
     compression: str | None = None
