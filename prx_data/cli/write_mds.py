@@ -108,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DRAFT_MARGIN,
         help="Decode/reduce to no less than this multiple of the bucket before the Lanczos pass "
-        f"(default: {DRAFT_MARGIN}). 1.0 is about 1.3x faster per image, as fast as an "
-        "img2dataset-style OpenCV loop, at 2-3 dB less on the most detailed photos "
-        "(still above that loop); see docs/ARCHITECTURE.md, Codecs.",
+        f"(default: {DRAFT_MARGIN}). 1.0 loses 2-3 dB on the most detailed photos; it is "
+        "about 1.3x faster with --codec pillow, and no faster with the default codec "
+        "(measured frontier in docs/ARCHITECTURE.md, Codecs).",
     )
     p.add_argument(
         "--compression",

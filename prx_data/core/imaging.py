@@ -27,7 +27,7 @@ ImageFile.LOAD_TRUNCATED_IMAGES = False
 #: libjpeg's DCT-domain downscale is only used down to this multiple of the
 #: resize target: drafting to the exact size costs up to 16 dB on hard images
 #: (on the real-photo corpus: 2.4 dB on the worst detailed image, for 1.3x the
-#: speed; the export's ``--draft-margin`` trades one for the other).
+#: speed with Pillow's Lanczos and none with libvips'; see ``--draft-margin``).
 DRAFT_MARGIN = 1.5
 DEFAULT_JPEG_QUALITY = 92
 BACKGROUND = (255, 255, 255)
