@@ -13,9 +13,9 @@ Four parts (``--only step,frontier,pipeline,startup``; all by default):
             integer centre crop, ``imencode`` q92.
             Target: step >= 1.0x img2dataset at equal or better fidelity.
   frontier  speed and fidelity of the resize/encode paths the project could
-            use (Pillow draft + Lanczos before and after this change, other
-            Pillow filters with the same exact crop box, larger/smaller draft
-            margins, libvips ``thumbnail``).
+            use (draft + libvips' Lanczos3 reduce over the exact box, the
+            default; Pillow draft + Lanczos; other Pillow filters with the same
+            exact crop box, larger/smaller draft margins, libvips ``thumbnail``).
   pipeline  ``write_mds`` end to end (Lance -> Ray Data -> MDS) on 1 and on 2
             Ray CPUs against the plain loop of its own per-image step.
             Targets: 1 CPU >= 0.9x the loop; 2 CPUs >= 1.8x 1 CPU.
@@ -97,7 +97,17 @@ def img2dataset_style(data: bytes, bw: int, bh: int, size: tuple[int, int]):
 
 def step(data: bytes, bw: int, bh: int, size: tuple[int, int]):
     """What write_mds runs per image (default codec and settings)."""
-    return imaging.prepare_with("pillow", data, bw, bh, src_size=size).data, None
+    return imaging.prepare_with(imaging.DEFAULT_CODEC, data, bw, bh, src_size=size).data, None
+
+
+def reduce_path(margin: float = imaging.DRAFT_MARGIN) -> Path:
+    """``--codec vips-reduce`` at a draft margin: draft, libvips Lanczos3 over the exact box."""
+
+    def run(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+        kw = {"src_size": size, "draft_margin": margin}
+        return imaging.prepare_with("vips-reduce", data, bw, bh, **kw).data, None
+
+    return run
 
 
 def pillow_path(resample: str = "lanczos", margin: float = imaging.DRAFT_MARGIN) -> Path:
@@ -163,11 +173,21 @@ def draft_cv2(margin: float = imaging.DRAFT_MARGIN) -> Path:
     return run
 
 
-STEP = {"img2dataset": img2dataset_style, "step": step}
+def step_before(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+    """The default before ``vips-reduce``: ``--codec pillow`` (Pillow's Lanczos)."""
+    return imaging.prepare_with("pillow", data, bw, bh, src_size=size).data, None
+
+
+STEP = {"img2dataset": img2dataset_style, "step": step, "pillow (before)": step_before}
 FRONTIER = {
     "img2dataset (OpenCV full decode, INTER_AREA, integer crop)": img2dataset_style,
     "Pillow draft 1.5x + Lanczos (before)": pillow_before,
-    "Pillow draft 1.5x + reduce + Lanczos, libwebp RGB (default)": pillow_path("lanczos"),
+    "draft 1.5x + libvips Lanczos3 reduce, exact box (default, --codec vips-reduce)": (
+        reduce_path()
+    ),
+    "same, draft 1.25x": reduce_path(1.25),
+    "same, draft 1.0x": reduce_path(1.0),
+    "Pillow draft 1.5x + reduce + Lanczos, libwebp RGB (--codec pillow)": pillow_path("lanczos"),
     "same, draft/reduce 1.25x + Lanczos": pillow_path("lanczos", 1.25),
     "same, draft/reduce 1.0x + Lanczos": pillow_path("lanczos", 1.0),
     "same, Bicubic": pillow_path("bicubic"),

@@ -31,7 +31,7 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
         (bad.bomb_gif(), "decompression_bomb"),
     ],
 )
-@pytest.mark.parametrize("codec", ["pillow", "vips"])
+@pytest.mark.parametrize("codec", ["vips-reduce", "pillow", "vips"])
 def test_bad_files_raise_with_reason(data, reason, codec):
     with pytest.raises(ImageError) as e:
         prepare_with(codec, data, 512, 512)
@@ -49,7 +49,7 @@ def test_bad_files_raise_with_reason(data, reason, codec):
         bad.webp,
     ],
 )
-@pytest.mark.parametrize("codec", ["pillow", "vips"])
+@pytest.mark.parametrize("codec", ["vips-reduce", "pillow", "vips"])
 def test_any_mode_becomes_rgb(make, codec):
     im = decode(make())
     assert im.mode == "RGB"

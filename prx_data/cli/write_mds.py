@@ -9,7 +9,7 @@ from pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
 from prx_data.cli.reporting import finish
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError, add_max_error_rate
-from prx_data.core.imaging import DRAFT_MARGIN
+from prx_data.core.imaging import CODECS, DEFAULT_CODEC, DRAFT_MARGIN
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
 
 EPILOG = """\
@@ -85,16 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--codec",
-        choices=["pillow", "vips"],
-        default="pillow",
-        help="Resize/encode path: pillow (JPEG draft to >= 1.5x the target, Lanczos) or vips "
-        "(libvips thumbnail: shrink-on-load to >= 2x the target, Lanczos3; faster on large photos).",
+        choices=list(CODECS),
+        default=DEFAULT_CODEC,
+        help="Resize/encode path. vips-reduce (default): JPEG draft to >= 1.5x the target, "
+        "libvips' SIMD Lanczos3 over the exact crop box, Pillow encode; pillow: the same with "
+        "Pillow's Lanczos (slower, same fidelity); vips: libvips thumbnail (crops on whole "
+        "pixels).",
     )
     p.add_argument(
         "--resample",
         choices=["lanczos", "bicubic", "hamming", "bilinear", "box"],
         default="lanczos",
-        help="Resampling filter of the pillow codec (default: lanczos). The others are faster "
+        help="Resampling filter (default: lanczos). The others are Pillow's, faster "
         "and softer; hamming beats an img2dataset-style OpenCV loop on speed and fidelity "
         "(measured frontier in docs/ARCHITECTURE.md, Codecs).",
     )
@@ -109,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DRAFT_MARGIN,
         help="Decode/reduce to no less than this multiple of the bucket before the Lanczos pass "
-        f"(default: {DRAFT_MARGIN}). 1.0 is about 1.3x faster per image, as fast as an "
-        "img2dataset-style OpenCV loop, at 2-3 dB less on the most detailed photos "
-        "(still above that loop); see docs/ARCHITECTURE.md, Codecs.",
+        f"(default: {DRAFT_MARGIN}). 1.0 loses 2-3 dB on the most detailed photos; it is "
+        "about 1.3x faster with --codec pillow, and no faster with the default codec "
+        "(measured frontier in docs/ARCHITECTURE.md, Codecs).",
     )
     p.add_argument(
         "--compression",

@@ -38,7 +38,13 @@ from prx_data.core.buckets import (
     assign_bucket,
 )
 from prx_data.core.errors import NotFound
-from prx_data.core.imaging import DEFAULT_JPEG_QUALITY, DRAFT_MARGIN, ImageError, prepare_with
+from prx_data.core.imaging import (
+    DEFAULT_CODEC,
+    DEFAULT_JPEG_QUALITY,
+    DRAFT_MARGIN,
+    ImageError,
+    prepare_with,
+)
 from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
 from prx_data.core.reports import FailureCounts
@@ -94,13 +100,15 @@ class ExportConfig:
     use_draft: bool = True
     #: JPEGs are DCT-downscaled while decoding, other formats box-reduced, to no less than
     #: this multiple of the bucket before the Lanczos pass. On the real-photo benchmark,
-    #: 1.0 runs at 1.01x an img2dataset-style loop against 0.78x for 1.5, and scores
-    #: 30.9 dB on the worst detailed photo against 33.3 (the loop: 20.5); see
-    #: docs/ARCHITECTURE.md, Codecs.
+    #: 1.0 scores 30.9 dB on the worst detailed photo against 33.3 for 1.5 (an
+    #: img2dataset-style loop: 20.5), for no speed with the default codec (1.3x with
+    #: ``pillow``); see docs/ARCHITECTURE.md, Codecs.
     draft_margin: float = DRAFT_MARGIN
-    #: Resize/encode path: "pillow" (draft + Lanczos) or "vips" (libvips thumbnail).
-    codec: str = "pillow"
-    #: Resampling filter of the pillow codec (``core.imaging.RESAMPLE``): lanczos, or a
+    #: Resize/encode path (``core.imaging.CODECS``): "vips-reduce" (draft + libvips'
+    #: Lanczos3 over the exact box), "pillow" (draft + Pillow's Lanczos) or "vips"
+    #: (libvips thumbnail).
+    codec: str = DEFAULT_CODEC
+    #: Resampling filter of the pillow codecs (``core.imaging.RESAMPLE``): lanczos, or a
     #: faster, softer one (bicubic, hamming, bilinear, box); see docs/ARCHITECTURE.md.
     resample: str = "lanczos"
     compression: str | None = None
