@@ -19,6 +19,8 @@ For each size (each in a fresh process) it times, where the operation exists:
              (driver threads, no Ray start-up); the later operations see packed trees
   finalize   merge every pack index into the bucket indexes, write the report
   id_index   its share spent building the id index (``_ids.lance``, BTREE on id)
+  id_index_fresh  the id index built again in a fresh process: its peak memory over the
+             imports, after writing the table and after the BTREE
   resume     resume planning: tree check, unit markers, stale-part sweep
   skips_add  ``skips add --ids`` with 1% of the ids
   holdout    building a 1% hold-out skip set for every bucket (what each rank does)
@@ -28,7 +30,8 @@ For each size (each in a fresh process) it times, where the operation exists:
              and each worker's RSS and PSS
   rewrite    ``skips rewrite --force`` (``--no-rewrite-above N`` skips it at large N)
   optout     an opt-out of 10^4 ids (``prx_data.optout``)
-  optout_fresh  another 10^4 ids in a fresh process: its peak memory over the imports
+  optout_fresh  another 10^4 ids in a fresh process: its peak memory over the imports,
+             and that peak so far after each step (index open, each query, sidecars)
   verify     ``python -m prx_data.verify`` (in process, with the sidecar check)
 
 plus the peak resident memory each one added, and then prints, per operation,
@@ -44,6 +47,12 @@ bucket's median shard against ``--shard-size``.
     python benchmarks/bench_scale.py --sizes 1e5 1e6 1e7 --no-rewrite-above 1e6
     python benchmarks/bench_scale.py --from-json a.json b.json --markdown t.md
     python benchmarks/bench_scale.py --e2e 1e5 --shard-size 16777216
+    python benchmarks/bench_scale.py --only idindex --sizes 1e5 1e6 1e7
+
+``--only idindex`` fabricates a tree of the packed shape (shards of about
+``--shard-size``, no pack stage) without shard files, and runs only what binds ids
+to shards: the id index build (in ``finalize`` and in a fresh process), ``skips add``,
+``optout`` and ``optout_fresh``. 10^7 samples take about a minute instead of 12.
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ OPS = (
     "pack",
     "finalize",
     "id_index",
+    "id_index_fresh",
     "skips_add",
     "holdout",
     "loader_bucketed",
@@ -141,14 +151,17 @@ class BucketTemplate:
         body[:, self.cut : self.cut + ID_WIDTH] = _id_digits(start, n)
         return np.uint32(n).tobytes() + offsets.tobytes() + self.config_data + body.tobytes()
 
-    def write_part(self, bdir: str, part: str, start: int, n: int) -> int:
+    def write_part(self, bdir: str, part: str, start: int, n: int, shard_file: bool = True) -> int:
+        """One part: its shard, index and manifest. ``shard_file=False`` leaves the shard file
+        out (its index entry is still exact: bytes and hashes of the shard it would hold)."""
         from streaming.base.hashing import get_hash
 
         pdir = os.path.join(bdir, part)
         os.makedirs(pdir, exist_ok=True)
         data = self.shard(start, n)
-        with open(os.path.join(pdir, "shard.00000.mds"), "wb") as f:
-            f.write(data)
+        if shard_file:
+            with open(os.path.join(pdir, "shard.00000.mds"), "wb") as f:
+                f.write(data)
         raw = {
             "basename": "shard.00000.mds",
             "bytes": len(data),
@@ -223,8 +236,15 @@ def write_manifest(bdir: str, part: str, start: int, n: int) -> None:
     write_bytes_atomic(os.path.join(bdir, part, layout.MANIFEST_NAME), buf.getvalue())
 
 
-def fabricate(root: str, n: int, per_part: int, work: str, px: int = 0) -> dict:
-    """An export of ``n`` samples in the real layout, without its merged indexes yet."""
+def fabricate(
+    root: str, n: int, per_part: int, work: str, px: int = 0, shard_files: bool = True
+) -> dict:
+    """An export of ``n`` samples in the real layout, without its merged indexes yet.
+
+    ``shard_files=False`` writes every index and manifest but no shard file: enough for
+    the jobs that bind ids to shards (id index, ``skips add``, opt-out), which never
+    read a shard (``--only idindex``).
+    """
     from prx_data.core.buckets import DEFAULT_SPEC, bucket_name
     from prx_data.core.storage import write_bytes_atomic
     from prx_data.export import layout
@@ -245,7 +265,7 @@ def fabricate(root: str, n: int, per_part: int, work: str, px: int = 0) -> dict:
             if k <= 0:
                 break
             bdir = os.path.join(root, *t.bucket.split("/"))
-            result.bucket_bytes[t.bucket] = t.write_part(bdir, part, next_id, k)
+            result.bucket_bytes[t.bucket] = t.write_part(bdir, part, next_id, k, shard_files)
             next_id += k
             result.buckets[t.bucket] = k
             result.written += k
@@ -455,8 +475,53 @@ def _hwm_mb() -> float:
     return float("nan")
 
 
+def _phase_meter(rss0: float) -> tuple[dict[str, float], list]:
+    """Checkpoints inside an opt-out: after each step, the peak memory added so far (VmHWM
+    less ``rss0``). VmHWM only grows, so the step after which a figure jumps is the one
+    that raised the peak. Returns the figures and the patches to undo."""
+    from prx_data.export import idindex
+    from prx_data.skips import lists, sidecar
+
+    marks: dict[str, float] = {}
+    undo: list = []
+
+    def mark(name: str) -> None:
+        marks[name] = round(_hwm_mb() - rss0, 1)
+
+    def wrap(mod, attr: str, name: str) -> None:
+        fn = getattr(mod, attr)
+
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            mark(name if name not in marks else f"{name}.{sum(k.startswith(name) for k in marks)}")
+            return out
+
+        setattr(mod, attr, wrapped)
+        undo.append((mod, attr, fn))
+
+    lookup = idindex.IdIndex.lookup
+
+    def metered_lookup(self, ids):
+        for i, t in enumerate(lookup(self, ids)):
+            mark(f"query {i + 1}")
+            yield t
+        mark("lookup done")
+
+    idindex.IdIndex.lookup = metered_lookup
+    undo.append((idindex.IdIndex, "lookup", lookup))
+    wrap(lists, "registry_for", "registry")
+    wrap(lists, "read_store_list", "store read")
+    wrap(idindex, "open_index", "index open")
+    wrap(lists, "bind", "bind")
+    wrap(lists, "write_store_list", "store write")
+    wrap(lists, "write_sidecars", "sidecars")
+    wrap(sidecar, "skip_stats", "stats")
+    return marks, undo
+
+
 def optout_child(root: str, ids_file: str) -> dict:
-    """Run in a fresh process: an opt-out of the ids in ``ids_file``, time and peak memory."""
+    """Run in a fresh process: an opt-out of the ids in ``ids_file``, time and peak memory,
+    and the peak memory added after each of its steps (``phases``)."""
     from prx_data.skips.optout import add_optout
 
     with open(ids_file) as f:
@@ -465,11 +530,21 @@ def optout_child(root: str, ids_file: str) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size
     rss0 = _rss_mb()
-    t = time.perf_counter()
+    marks, undo = _phase_meter(rss0)
+    t, cpu = time.perf_counter(), time.process_time()
     rep = add_optout(root, "optout-fresh", ids)
-    dt = time.perf_counter() - t
+    dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
+    for mod, attr, fn in undo:
+        setattr(mod, attr, fn)
     assert rep.ids_not_in_export == 0
-    return {"s": dt, "rss_before_mb": rss0, "hwm_mb": _hwm_mb(), "ids": len(ids)}
+    return {
+        "s": dt,
+        "cpu_s": dcpu,
+        "rss_before_mb": rss0,
+        "hwm_mb": _hwm_mb(),
+        "ids": len(ids),
+        "phases": marks,
+    }
 
 
 def run_loader(root: str, kind: str, batch: int, workers: int = 0) -> dict:
@@ -481,6 +556,147 @@ def run_loader(root: str, kind: str, batch: int, workers: int = 0) -> dict:
     if "profile of" in out.stderr:
         print(out.stderr[out.stderr.index("  profile of") :], end="", flush=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _fresh_child(args: list[str]) -> dict:
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode:
+        raise SystemExit(f"{args[0]} child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_optout_fresh(root: str, n: int, work: str, res: dict) -> None:
+    """``optout_fresh``: 10^4 ids (not the ones ``optout`` took) opted out in a fresh process."""
+    step = max(1, n // 10_000)
+    ids_file = os.path.join(work, "optout-ids.txt")
+    with open(ids_file, "w") as f:
+        f.write("\n".join(_sid(i) for i in range(1, n, step)[:10_000]))
+    r = _fresh_child(["--_optout", root, ids_file])
+    res["optout_fresh"] = {"s": r["s"], "peak_add_mb": r["hwm_mb"] - r["rss_before_mb"], **r}
+    steps = ", ".join(f"{k} {v:+.0f}" for k, v in r.get("phases", {}).items())
+    print(
+        f"  {'optout_fresh':<16} {r['s']:9.2f} s   +{res['optout_fresh']['peak_add_mb']:7.1f} MB"
+        f"   ({r.get('cpu_s', float('nan')):.2f} CPU s; peak RSS {r['hwm_mb']:.0f} MB,"
+        f" {r['rss_before_mb']:.0f} after imports;"
+        f" peak so far, MB: {steps})",
+        flush=True,
+    )
+
+
+def idindex_child(root: str) -> dict:
+    """Run in a fresh process: rebuild the export's id index; seconds and peak memory added."""
+    import lance
+
+    import prx_data.core.streaming_compat  # noqa: F401  (the index checks import streaming)
+    from prx_data.export import idindex
+    from prx_data.table.lance_ops import open_table
+
+    open_table(idindex.index_uri(root)).count_rows()  # the imports and Lance's start-up
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rss0 = _rss_mb()
+    marks: dict[str, float] = {}
+    # The BTREE step: idindex._build_btree, or (older trees of the code) Lance's own call.
+    owner, attr = (
+        (idindex, "_build_btree")
+        if hasattr(idindex, "_build_btree")
+        else (lance.LanceDataset, "create_scalar_index")
+    )
+    write, index = lance.write_dataset, getattr(owner, attr)
+
+    def metered_write(*a, **k):
+        out = write(*a, **k)
+        marks["table written"] = round(_hwm_mb() - rss0, 1)
+        return out
+
+    def metered_index(*a, **k):
+        out = index(*a, **k)
+        marks["btree built"] = round(_hwm_mb() - rss0, 1)
+        return out
+
+    lance.write_dataset = metered_write
+    setattr(owner, attr, metered_index)
+    t, cpu = time.perf_counter(), time.process_time()
+    info = idindex.write_id_index(root)
+    return {
+        "s": time.perf_counter() - t,
+        "cpu_s": time.process_time() - cpu,
+        "rss_before_mb": rss0,
+        "hwm_mb": _hwm_mb(),
+        "rows": info.rows,
+        "phases": marks,
+    }
+
+
+def run_idindex_fresh(root: str, res: dict) -> None:
+    r = _fresh_child(["--_idindex", root])
+    res["id_index_fresh"] = {"peak_add_mb": r["hwm_mb"] - r["rss_before_mb"], **r}
+    print(
+        f"  {'id_index_fresh':<16} {r['s']:9.2f} s   +{res['id_index_fresh']['peak_add_mb']:7.1f} MB"
+        f"   ({r['cpu_s']:.2f} CPU s; peak RSS {r['hwm_mb']:.0f} MB; peak so far, MB: "
+        + ", ".join(f"{k} {v:+.0f}" for k, v in r.get("phases", {}).items())
+        + ")",
+        flush=True,
+    )
+
+
+def idindex_size(n: int, work: str, shard_size: int = 1 << 26, px: int = 8) -> dict:
+    """``--only idindex``: what the id index and an opt-out need, at a fraction of the cost.
+
+    The tree has the packed shape (shards of about ``shard_size``, one per part, no pack
+    stage run) and no shard files: id index build (in ``finalize``, and again in a fresh
+    process), ``skips add`` of 1 %, ``optout`` and ``optout_fresh``, as in a full run.
+    """
+    from prx_data.core.buckets import DEFAULT_SPEC
+    from prx_data.export import idindex
+    from prx_data.export.unit import ExportConfig, done_parts, finalize
+    from prx_data.skips import sidecar as skiplist
+    from prx_data.skips.optout import add_optout
+
+    root = os.path.join(work, f"export-{n}")
+    res: dict = {}
+    print(f"n = {n:,} (--only idindex)", flush=True)
+    nb = len(DEFAULT_SPEC.shapes(TIER))
+    per_bucket = -(-n // nb)
+    sample = BucketTemplate("512/1.000", 8, 8, work, px).sample_size
+    shards_per_bucket = max(1, -(-per_bucket * sample // shard_size))
+    per_part = -(-per_bucket // shards_per_bucket)
+    with measured(res, "fabricate"):
+        res["shape"] = fabricate(root, n, per_part, work, px, shard_files=False)
+    print(f"  ({res['shape']['parts']:,} shards of {per_part:,} samples)", flush=True)
+    finished = done_parts(root)
+    cfg = ExportConfig(table="(bench_scale)", out=root, caption_columns=("caption",), tiers=(TIER,))
+    build = idindex.write_id_index
+
+    def timed_build(*a, **k):
+        with measured(res, "id_index"):
+            return build(*a, **k)
+
+    idindex.write_id_index = timed_build
+    with measured(res, "finalize"):
+        report = finalize(cfg, {p: finished[p] for p in sorted(finished)}, 0.0)
+    idindex.write_id_index = build
+    assert report.samples_written == n, report.samples_written
+    run_idindex_fresh(root, res)
+    rng = np.random.default_rng(0)
+    one_pct = [_sid(int(i)) for i in rng.choice(n, max(1, n // 100), replace=False)]
+    with measured(res, "skips_add"):
+        added = skiplist.add_skips_by_ids(root, "bench", one_pct)
+    assert added.samples_listed == len(one_pct) and not added.ids_not_found
+    step = max(1, n // 10_000)
+    optout_ids = [_sid(i) for i in range(0, n, step)][:10_000]
+    with measured(res, "optout"):
+        rep = add_optout(root, "optout-bench", optout_ids)
+    assert rep.ids_not_in_export == 0
+    res["optout"]["ids"] = len(optout_ids)
+    run_optout_fresh(root, n, work, res)
+    shutil.rmtree(root)
+    return res
 
 
 def one_size(
@@ -586,20 +802,7 @@ def one_size(
     res["optout"]["ids"] = len(optout_ids)
     # The same request in a fresh process: its peak resident memory over the imports
     # (VmHWM), which the figure above understates once earlier steps grew the heap.
-    ids_file = os.path.join(work, "optout-ids.txt")
-    with open(ids_file, "w") as f:
-        f.write("\n".join(_sid(i) for i in range(1, n, step)[:10_000]))
-    cmd = [sys.executable, os.path.abspath(__file__), "--_optout", root, ids_file]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise SystemExit(f"opt-out child failed:\n{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    res["optout_fresh"] = {"s": r["s"], "peak_add_mb": r["hwm_mb"] - r["rss_before_mb"], **r}
-    print(
-        f"  {'optout_fresh':<16} {r['s']:9.2f} s   +{res['optout_fresh']['peak_add_mb']:7.1f} MB"
-        f"   (peak RSS {r['hwm_mb']:.0f} MB, {r['rss_before_mb']:.0f} after imports)",
-        flush=True,
-    )
+    run_optout_fresh(root, n, work, res)
     with measured(res, "verify"):
         v = verify_export(root, check_sidecar=check_sidecar)
     if not v.ok:
@@ -832,6 +1035,14 @@ def main() -> None:
     p.add_argument("--_loader", nargs=2, metavar=("KIND", "ROOT"), help=argparse.SUPPRESS)
     p.add_argument("--_workers", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_optout", nargs=2, metavar=("ROOT", "IDS"), help=argparse.SUPPRESS)
+    p.add_argument("--_idindex", metavar="ROOT", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--only",
+        choices=("idindex",),
+        default=None,
+        help="idindex: only the id index build and the opt-outs, on a tree of the packed shape "
+        "without shard files (10^7 in a few minutes)",
+    )
     args = p.parse_args()
     if args.e2e:
         work = args.work or tempfile.mkdtemp(prefix="bench-scale-e2e-")
@@ -848,10 +1059,18 @@ def main() -> None:
     if args._optout:
         print(json.dumps(optout_child(*args._optout)))
         return
+    if args._idindex:
+        print(json.dumps(idindex_child(args._idindex)))
+        return
     if args._loader:
         print(json.dumps(loader_child(args._loader[1], args._loader[0], args.batch, args._workers)))
         return
     os.environ["TQDM_DISABLE"] = "1"
+    if args._size and args.only == "idindex":
+        res = idindex_size(args._size, args.work, args.shard_size or 1 << 26, args.image_px)
+        res["loadavg"] = os.getloadavg()
+        print("RESULT " + json.dumps(res))
+        return
     if args._size:
         rewrite = args.no_rewrite_above is None or args._size <= args.no_rewrite_above
         res = one_size(
@@ -891,6 +1110,8 @@ def main() -> None:
             cmd += ["--per-part", str(args.per_part), "--batch", str(args.batch)]
             cmd += ["--shard-size", str(args.shard_size), "--image-px", str(args.image_px)]
             cmd += ["--workers", str(args.workers)]
+            if args.only:
+                cmd += ["--only", args.only]
             if args.no_rewrite_above is not None:
                 cmd += ["--no-rewrite-above", str(int(args.no_rewrite_above))]
             with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:

@@ -50,10 +50,26 @@ SCHEMA = pa.schema(
 #: Table metadata key holding the build record (format, per-bucket digests and counts).
 META_KEY = "prx_ids"
 FORMAT = "prx-data id index"
-#: Manifest rows per record batch handed to Lance while building.
-BUILD_BATCH_ROWS = 1 << 18
-#: Ids per ``id IN (...)`` query: larger amortises the per-query cost (measured: 10^4 ids
-#: per query is 3x faster per id than 10^3, and within 30 % of 5 * 10^4).
+#: The BTREE on ``id`` (one segment per data file of the table, :func:`_build_btree`).
+BTREE_NAME = "id_idx"
+#: Rows per data file of the table, so per BTREE segment: what one sort of the build holds,
+#: against one more segment for every query to search (10^7 rows, 1 % of the ids looked
+#: up: 2^20 rows per file built in +249 MB and looked up in 1.9 CPU s, 2^21 in +310 MB and
+#: 1.4 s, one BTREE over the table in +423 MB and 1.3 s).
+ROWS_PER_FILE = 1 << 21
+#: Manifest rows per record batch handed to Lance while building, and about the most
+#: manifest rows read ahead of it: what the build holds besides Lance's own buffers (at
+#: 2^18 rows and 8 manifests of 85k rows in flight the reading alone peaked at +230 MB).
+BUILD_BATCH_ROWS = 1 << 16
+#: BTREE pages one ``id IN (...)`` query should read. A query reads every page (Lance's
+#: BTREE page: :data:`BTREE_PAGE_ROWS` keys) that holds one of its ids, all at once, and a
+#: spread request touches a page per id: 10^4 random ids in one query at 10^7 rows added
+#: 150 MB, and more at 10^8. Ids are sorted and sliced so that a slice spans about this
+#: many pages, whatever the table's size (:func:`slice_ids`).
+QUERY_PAGES = 64
+BTREE_PAGE_ROWS = 4096
+#: The most ids in one query (a dense request: neighbouring ids share pages). 10^4 ids per
+#: query is 3x faster per id than 10^3, and within 30 % of 5 * 10^4.
 IN_CHUNK = 10_000
 #: Ids taken from the caller's stream at once (bounds the memory of a lookup).
 LOOKUP_CHUNK = 1 << 20
@@ -61,10 +77,12 @@ LOOKUP_CHUNK = 1 << 20
 #: 1 / SCAN_RATIO of the table's rows (benchmarks/bench_idindex.py, 10^7 rows, CPU seconds:
 #: 10^3 ids 0.35 by the BTREE vs 1.3 by a scan; 10^6 ids 67 vs 20).
 SCAN_RATIO = 40
-#: Lance's caches for a lookup: capped, so that a lookup's memory does not grow with the
-#: table (the BTREE pages a lookup touches are read once; nothing gains from keeping them).
-INDEX_CACHE_BYTES = 64 << 20
-METADATA_CACHE_BYTES = 32 << 20
+#: Lance's caches for a lookup. Sorted chunks read each BTREE page once, so a cached page is
+#: never read again: a cache only holds memory, and Lance's fills to its cap (64 MiB index
+#: and 32 MiB metadata caches added 150 MB at 10^7 rows and grow with the table). Small
+#: caps keep what every query reads again (the page lookup table, the file metadata).
+INDEX_CACHE_BYTES = 4 << 20
+METADATA_CACHE_BYTES = 4 << 20
 
 
 class IdIndexError(PrxDataError, ValueError):
@@ -139,8 +157,11 @@ def _batches(
     ):
         records[bucket] = rec
         got = 0
+        # imap_bounded holds up to 2 * readers manifests: about batch_rows rows in all.
+        per_part = rec["samples"] // max(1, len(parts))
+        readers = max(1, min(workers, batch_rows // max(1, 2 * per_part)))
         for t in layout.imap_bounded(
-            lambda p, b=bucket, k=parts: _read_manifest(root, b, p, k[p]), parts, workers
+            lambda p, b=bucket, k=parts: _read_manifest(root, b, p, k[p]), parts, readers
         ):
             got += len(t)
             t = pa.table(
@@ -164,6 +185,22 @@ def _batches(
             )
     if pending:
         yield from pa.concat_tables(pending).combine_chunks().to_batches()
+
+
+def _build_btree(ds):  # noqa: ANN001, ANN202  (lance.LanceDataset, imported lazily)
+    """The BTREE on ``id``, built one data file (fragment) at a time and committed as one
+    index of one segment per file.
+
+    One BTREE over the whole table sorts every id at once: over an id-only table its
+    build peaked at +229 MB at 10^7 rows and +757 MB at 10^8. A segment per file (at
+    most :data:`ROWS_PER_FILE` rows) keeps the build at one file's sort, whatever the
+    table's size; a query searches every segment (benchmarks/results/scale.md).
+    """
+    segments = [
+        ds.create_index_uncommitted("id", "BTREE", name=BTREE_NAME, fragment_ids=[f.fragment_id])
+        for f in ds.get_fragments()
+    ]
+    return ds.commit_existing_index_segments(BTREE_NAME, "id", segments)
 
 
 @dataclass(frozen=True)
@@ -214,7 +251,9 @@ def write_id_index(
 
     reader = pa.RecordBatchReader.from_batches(SCHEMA, batches())
     try:
-        ds = lance.write_dataset(reader, uri, mode=mode, storage_options=opts)
+        ds = lance.write_dataset(
+            reader, uri, mode=mode, storage_options=opts, max_rows_per_file=ROWS_PER_FILE
+        )
     except Exception:
         if failed:
             raise failed[0] from None
@@ -222,7 +261,7 @@ def write_id_index(
     rows = ds.count_rows()
     check()
     if rows:
-        ds.create_scalar_index("id", "BTREE", replace=True)
+        ds = _build_btree(ds)
     record = {
         "format": FORMAT,
         "version": 1,
@@ -252,8 +291,8 @@ class IdIndex:
         """Tables of ``(id, bucket, shard, index)`` for the ids found, a bounded chunk at a time.
 
         ``ids`` may be any iterable (a stream of 10^6+ ids): it is consumed
-        :data:`LOOKUP_CHUNK` ids at a time, each chunk deduplicated and looked
-        up with the BTREE (``id IN (...)``, :data:`IN_CHUNK` ids per query), or,
+        :data:`LOOKUP_CHUNK` ids at a time, each chunk deduplicated, sorted and
+        looked up with the BTREE (``id IN (...)``, :func:`slice_ids` ids per query), or,
         when the chunk is a large share of the table, by one streamed scan
         joined against it. An id held in several buckets (tiers) gives a row
         per bucket; an id repeated in different chunks gives its rows again.
@@ -265,13 +304,19 @@ class IdIndex:
             if len(chunk) * SCAN_RATIO > self.rows:
                 yield from self._scan(chunk)
             else:
-                for i in range(0, len(chunk), IN_CHUNK):
-                    part = chunk.slice(i, IN_CHUNK)
-                    t = self.dataset.to_table(  # type: ignore[attr-defined]
-                        columns=SCHEMA.names, filter=pc.field("id").isin(part)
-                    )
-                    if len(t):
-                        yield self._checked(t)
+                yield from self._seek(chunk)
+
+    def _seek(self, chunk: pa.Array) -> Iterator[pa.Table]:
+        """Sorted slices of :func:`slice_ids` ids, one BTREE query each: neighbouring ids
+        share pages, and only one slice's pages are read at a time."""
+        chunk = chunk.take(pc.sort_indices(chunk))
+        step = slice_ids(len(chunk), self.rows)
+        for i in range(0, len(chunk), step):
+            t = self.dataset.to_table(  # type: ignore[attr-defined]
+                columns=SCHEMA.names, filter=pc.field("id").isin(chunk.slice(i, step))
+            )
+            if len(t):
+                yield self._checked(t)
 
     def _scan(self, chunk: pa.Array) -> Iterator[pa.Table]:
         for b in self.dataset.to_batches(columns=SCHEMA.names, batch_size=1 << 17):  # type: ignore[attr-defined]
@@ -287,6 +332,18 @@ class IdIndex:
         for s in pc.unique(t["shard"]).to_pylist():
             layout.check_shard_basename(uri, s)
         return t
+
+
+def slice_ids(ids: int, rows: int) -> int:
+    """Ids per query for a sorted request of ``ids`` ids over ``rows`` rows.
+
+    Spread over the table, neighbouring requested ids lie ``rows / ids`` keys
+    apart, so a slice of ``k`` ids spans about ``k * rows / ids`` keys: the slice
+    is sized to span :data:`QUERY_PAGES` pages, between that many ids (a sparse
+    request: a page per id) and :data:`IN_CHUNK`.
+    """
+    per_page = max(1.0, BTREE_PAGE_ROWS * ids / max(1, rows))
+    return max(1, min(IN_CHUNK, int(QUERY_PAGES * per_page)))
 
 
 def _chunks(ids: Iterable[str] | pa.Array | pa.ChunkedArray, size: int) -> Iterator[pa.Array]:
