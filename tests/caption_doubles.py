@@ -130,7 +130,13 @@ class ChatServer:
                 if self.path != "/v1/chat/completions":
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
                 if failure == "stall":
+                    # The client abandons a stalled request at its timeout and may retry while
+                    # this handler still sleeps: not a request the client has in flight.
+                    with server.lock:
+                        server._in_flight -= 1
                     time.sleep(server.stall_s)
+                    with server.lock:
+                        server._in_flight += 1
                 elif failure is not None:
                     with server.lock:
                         server.failed += 1

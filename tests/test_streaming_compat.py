@@ -154,3 +154,13 @@ def test_no_streaming_internals_outside_the_compat_module():
             )
             found += [f"{rel}:{node.lineno}: {n}" for n in names if n.startswith("streaming.")]
     assert not found, found
+
+
+def test_resample_streams_looks_get_sampling_up_as_a_module_global():
+    """prx_data.stream.sampling reroutes that global: it only works while upstream calls it so."""
+    from streaming import StreamingDataset
+
+    module, get_sampling = C.sampling_hooks()
+    assert module.get_sampling is get_sampling
+    assert StreamingDataset.resample_streams.__globals__ is vars(module)
+    assert "get_sampling" in StreamingDataset.resample_streams.__code__.co_names

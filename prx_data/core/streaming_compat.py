@@ -13,6 +13,10 @@ contract test per symbol) and the upstream suite with our Stream swapped in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
 from prx_data.core.mds_writer import streaming_version
 
 # Only streaming.base submodules are needed here: the package's own __init__ (its datasets,
@@ -28,7 +32,8 @@ if not _streaming_version.startswith(SUPPORTED):
         f"found {_streaming_version}. Check that MDSReader's constructor and get_item, "
         "Stream.get_shards, Stream.prepare_shard, Reader.evict/set_up_local/get_max_size "
         "(pinned local shards), World.detect, maybe_init_dist, decompress, reader_from_json, "
-        "get_partitions, get_hash and is_safe_mds_encoding "
+        "get_partitions, get_hash, is_safe_mds_encoding and get_sampling (looked up as a "
+        "global of streaming.base.dataset) "
         "behave as before (tests/test_streaming_compat.py), then add the version to "
         "prx_data.core.streaming_compat.SUPPORTED; or pin mosaicml-streaming==0.13.0."
     )
@@ -59,6 +64,7 @@ __all__ = [
     "maybe_init_dist",
     "mds_reader_args",
     "reader_from_json",
+    "sampling_hooks",
 ]
 
 
@@ -96,3 +102,17 @@ def is_safe_mds_encoding(encoding: object) -> bool:
         return is_mds_encoding(encoding) and is_mds_encoding_safe(encoding)
     except Exception:  # noqa: BLE001 - a malformed argument (``ndarray:nonsense``) is not safe
         return False
+
+
+def sampling_hooks() -> tuple[ModuleType, Callable[..., Any]]:
+    """Streaming's ``get_sampling`` and the module that looks it up as a global at each call.
+
+    ``StreamingDataset.resample_streams`` calls ``get_sampling`` through
+    ``streaming.base.dataset``'s globals; :mod:`prx_data.stream.sampling` reroutes that
+    name to its vectorised equivalent. Imported on call: the dataset module pulls in
+    streaming's whole loader.
+    """
+    import streaming.base.dataset as dataset_module
+    from streaming.base.sampling import get_sampling
+
+    return dataset_module, get_sampling

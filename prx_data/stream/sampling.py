@@ -24,11 +24,11 @@ from collections.abc import Iterator
 
 import numpy as np
 from numpy.typing import NDArray
-from streaming.base import dataset as _upstream_dataset
-from streaming.base import sampling as _upstream_sampling
 
-#: Upstream's function, the reference this one must equal.
-upstream_get_sampling = _upstream_sampling.get_sampling
+from prx_data.core.streaming_compat import sampling_hooks
+
+#: Upstream's function (the reference this one must equal) and the module that calls it.
+_upstream_dataset, upstream_get_sampling = sampling_hooks()
 
 
 def get_sampling(
