@@ -214,10 +214,16 @@ def test_resume_refuses_changed_options(photo_table, tmp_path, ray_local):
     from prx_data.export.unit import prepare_output
 
     prepare_output(cfg)
-    with pytest.raises(ExportError, match="options differ"):
+    with pytest.raises(ExportError, match="options differ") as e:
         run_export(
             ExportConfig(table=photo_table, out=out, rows_per_task=4, quality=80), resume=True
         )
+    assert "(here: --quality 92)" in str(e.value)
+    # An export begun under the previous default codec names the flag that resumes it.
+    old = str(tmp_path / "old")
+    prepare_output(ExportConfig(table=photo_table, out=old, rows_per_task=4, codec="pillow"))
+    with pytest.raises(ExportError, match="here: --codec pillow"):
+        run_export(ExportConfig(table=photo_table, out=old, rows_per_task=4), resume=True)
 
 
 TWO_NODE_SCRIPT = r"""

@@ -136,6 +136,35 @@ class ExportConfig:
         return d
 
 
+#: Settings a ``write_mds`` flag of the same name (dashes for underscores) sets to one value.
+_FLAG_SETTINGS = (
+    "codec",
+    "resample",
+    "draft_margin",
+    "quality",
+    "subsampling",
+    "compression",
+    "size_limit",
+    "shard_size",
+    "rows_per_task",
+    "min_units",
+    "max_caption_chars",
+)
+
+
+def resume_flags(previous: dict) -> str:
+    """The ``write_mds`` flags that give back the interrupted run's settings, where one does.
+
+    A default that changed between releases (``--codec``: ``pillow`` before
+    ``vips-reduce``) otherwise refuses a resume with no flag named.
+    """
+    return " ".join(
+        f"--{k.replace('_', '-')} {v}"
+        for k, v in previous.items()
+        if k in _FLAG_SETTINGS and isinstance(v, (str, int, float)) and not isinstance(v, bool)
+    )
+
+
 @dataclass(frozen=True)
 class WorkUnit:
     fragment_id: int
@@ -396,9 +425,12 @@ def prepare_output(
         if now.fingerprint() != previous.fingerprint():
             old = previous.fingerprint()
             diff = {k: (old.get(k), v) for k, v in now.fingerprint().items() if old.get(k) != v}
+            flags = resume_flags({k: was for k, (was, _) in diff.items()})
             raise ExportError(
                 f"cannot resume {cfg.out}: options differ from the interrupted run {diff} "
-                "(previous, now). Rerun with the same options, or use --overwrite to start again."
+                "(previous, now). Rerun with the same options"
+                + (f" (here: {flags})" if flags else "")
+                + ", or use --overwrite to start again."
             )
         _warn(caption_warnings(cfg.table, caps))
         return now
