@@ -242,3 +242,22 @@ def test_workers_of_the_session_runtime_use_one_lance_thread(ray_local):
         return os.environ.get("LANCE_CPU_THREADS")
 
     assert ray_local.get(lance_threads.remote()) == (os.environ.get("LANCE_CPU_THREADS") or "1")
+
+
+@pytest.mark.remote
+@pytest.mark.ray
+def test_driver_threads_export_to_object_storage(
+    table, s3_bucket, tmp_path, ray_local, monkeypatch
+):
+    """Units on two driver threads share the process's store clients; the tree is complete."""
+    from prx_data.cli import verify as verify_cli
+    from prx_data.export.layout import is_complete
+
+    monkeypatch.setattr(pipeline, "local_ray_cpus", lambda address, num_cpus: 2)
+    monkeypatch.setattr(pipeline, "unit_dataset", _no_ray_stage)
+    out = f"s3://{s3_bucket}/exports/driver"
+    cfg = ExportConfig(table=table, out=out, tiers=(512,), min_units=4)
+    report = pipeline.run_export(cfg, progress=False)
+    assert report.units >= 4 and report.samples_written == len(SHAPES)
+    assert is_complete(out)
+    assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
