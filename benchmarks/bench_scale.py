@@ -645,6 +645,52 @@ def run_idindex_fresh(root: str, res: dict) -> None:
     )
 
 
+def finalize_timed(cfg, finished: dict, n: int, res: dict, packs=None) -> None:  # noqa: ANN001
+    """``finalize``, with the id index it builds inside timed apart as ``id_index``."""
+    from prx_data.export import idindex
+    from prx_data.export.unit import finalize
+
+    build = idindex.write_id_index
+
+    def timed_build(*a, **k):
+        with measured(res, "id_index"):
+            return build(*a, **k)
+
+    idindex.write_id_index = timed_build
+    try:
+        with measured(res, "finalize"):
+            report = finalize(cfg, {p: finished[p] for p in sorted(finished)}, 0.0, packs=packs)
+    finally:
+        idindex.write_id_index = build
+    assert report.samples_written == n, report.samples_written
+
+
+def skips_add_step(root: str, n: int, res: dict) -> None:
+    """``skips add`` of 1 % of the ids, drawn at random."""
+    from prx_data.skips import sidecar as skiplist
+
+    rng = np.random.default_rng(0)
+    one_pct = [_sid(int(i)) for i in rng.choice(n, max(1, n // 100), replace=False)]
+    with measured(res, "skips_add"):
+        added = skiplist.add_skips_by_ids(root, "bench", one_pct)
+    assert added.samples_listed == len(one_pct) and not added.ids_not_found
+
+
+def optout_step(root: str, n: int, work: str, res: dict) -> None:
+    """An opt-out of 10^4 evenly spread ids here, then another in a fresh process: its peak
+    resident memory over the imports (VmHWM), which this process's figure understates once
+    earlier steps grew the heap."""
+    from prx_data.skips.optout import add_optout
+
+    step = max(1, n // 10_000)
+    optout_ids = [_sid(i) for i in range(0, n, step)][:10_000]
+    with measured(res, "optout"):
+        rep = add_optout(root, "optout-bench", optout_ids)
+    assert rep.ids_not_in_export == 0
+    res["optout"]["ids"] = len(optout_ids)
+    run_optout_fresh(root, n, work, res)
+
+
 def idindex_size(n: int, work: str, shard_size: int = 1 << 26, px: int = 8) -> dict:
     """``--only idindex``: what the id index and an opt-out need, at a fraction of the cost.
 
@@ -653,10 +699,7 @@ def idindex_size(n: int, work: str, shard_size: int = 1 << 26, px: int = 8) -> d
     process), ``skips add`` of 1 %, ``optout`` and ``optout_fresh``, as in a full run.
     """
     from prx_data.core.buckets import DEFAULT_SPEC
-    from prx_data.export import idindex
-    from prx_data.export.unit import ExportConfig, done_parts, finalize
-    from prx_data.skips import sidecar as skiplist
-    from prx_data.skips.optout import add_optout
+    from prx_data.export.unit import ExportConfig, done_parts
 
     root = os.path.join(work, f"export-{n}")
     res: dict = {}
@@ -669,32 +712,11 @@ def idindex_size(n: int, work: str, shard_size: int = 1 << 26, px: int = 8) -> d
     with measured(res, "fabricate"):
         res["shape"] = fabricate(root, n, per_part, work, px, shard_files=False)
     print(f"  ({res['shape']['parts']:,} shards of {per_part:,} samples)", flush=True)
-    finished = done_parts(root)
     cfg = ExportConfig(table="(bench_scale)", out=root, caption_columns=("caption",), tiers=(TIER,))
-    build = idindex.write_id_index
-
-    def timed_build(*a, **k):
-        with measured(res, "id_index"):
-            return build(*a, **k)
-
-    idindex.write_id_index = timed_build
-    with measured(res, "finalize"):
-        report = finalize(cfg, {p: finished[p] for p in sorted(finished)}, 0.0)
-    idindex.write_id_index = build
-    assert report.samples_written == n, report.samples_written
+    finalize_timed(cfg, done_parts(root), n, res)
     run_idindex_fresh(root, res)
-    rng = np.random.default_rng(0)
-    one_pct = [_sid(int(i)) for i in rng.choice(n, max(1, n // 100), replace=False)]
-    with measured(res, "skips_add"):
-        added = skiplist.add_skips_by_ids(root, "bench", one_pct)
-    assert added.samples_listed == len(one_pct) and not added.ids_not_found
-    step = max(1, n // 10_000)
-    optout_ids = [_sid(i) for i in range(0, n, step)][:10_000]
-    with measured(res, "optout"):
-        rep = add_optout(root, "optout-bench", optout_ids)
-    assert rep.ids_not_in_export == 0
-    res["optout"]["ids"] = len(optout_ids)
-    run_optout_fresh(root, n, work, res)
+    skips_add_step(root, n, res)
+    optout_step(root, n, work, res)
     shutil.rmtree(root)
     return res
 
@@ -714,10 +736,8 @@ def one_size(
     from prx_data.cli.verify import check_sidecar
     from prx_data.export import layout
     from prx_data.export.pack import plan_packs
-    from prx_data.export.unit import ExportConfig, done_parts, finalize
+    from prx_data.export.unit import ExportConfig, done_parts
     from prx_data.export.verify import verify_export
-    from prx_data.skips import sidecar as skiplist
-    from prx_data.skips.optout import add_optout
     from prx_data.skips.rewrite import rewrite_export
     from prx_data.stream.holdout import Holdout
 
@@ -747,24 +767,8 @@ def one_size(
             packed = pipeline.run_packs(cfg, plan)
         res["pack"]["packs"] = len(plan)
         print(f"  ({len(plan):,} packs)", flush=True)
-    from prx_data.export import idindex
-
-    build = idindex.write_id_index
-
-    def timed_build(*a, **k):  # the id index is built inside finalize: its share, measured apart
-        with measured(res, "id_index"):
-            return build(*a, **k)
-
-    idindex.write_id_index = timed_build
-    with measured(res, "finalize"):
-        report = finalize(cfg, ordered, 0.0, packs=packed)
-    idindex.write_id_index = build
-    assert report.samples_written == n, report.samples_written
-    rng = np.random.default_rng(0)
-    one_pct = [_sid(int(i)) for i in rng.choice(n, max(1, n // 100), replace=False)]
-    with measured(res, "skips_add"):
-        added = skiplist.add_skips_by_ids(root, "bench", one_pct)
-    assert added.samples_listed == len(one_pct) and not added.ids_not_found
+    finalize_timed(cfg, ordered, n, res, packs=packed)
+    skips_add_step(root, n, res)
     with measured(res, "holdout"):
         h = Holdout(0.01, salt="bench")
         held = 0
@@ -794,15 +798,7 @@ def one_size(
         with measured(res, "rewrite"):
             rewrite_export(root, os.path.join(work, f"rewritten-{n}"), force=True)
         shutil.rmtree(os.path.join(work, f"rewritten-{n}"))
-    step = max(1, n // 10_000)
-    optout_ids = [_sid(i) for i in range(0, n, step)][:10_000]
-    with measured(res, "optout"):
-        rep = add_optout(root, "optout-bench", optout_ids)
-    assert rep.ids_not_in_export == 0
-    res["optout"]["ids"] = len(optout_ids)
-    # The same request in a fresh process: its peak resident memory over the imports
-    # (VmHWM), which the figure above understates once earlier steps grew the heap.
-    run_optout_fresh(root, n, work, res)
+    optout_step(root, n, work, res)
     with measured(res, "verify"):
         v = verify_export(root, check_sidecar=check_sidecar)
     if not v.ok:
