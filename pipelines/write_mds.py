@@ -85,8 +85,13 @@ DRIVER_PACK_THREADS = 2
 DRIVER_UNIT_ROWS = 64
 
 
-def auto_min_units(ray_address: str | None = None, num_cpus: int | None = None) -> int:
-    """``UNITS_PER_CPU`` x the CPUs of the Ray cluster (started or joined here)."""
+def auto_min_units(
+    ray_address: str | None = None, num_cpus: int | None = None, cpus: int | None = None
+) -> int:
+    """``UNITS_PER_CPU`` x the CPUs of the Ray cluster (started or joined here), or x
+    ``cpus`` when the units run on that many driver threads instead (no Ray started)."""
+    if cpus is not None:
+        return UNITS_PER_CPU * max(1, cpus)
     ensure_ray(ray_address, num_cpus)
     import ray
 
@@ -254,10 +259,7 @@ def _run_locked(
     threads = driver_threads(cfg, driver_rows, ray_address, num_cpus)
     # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
     if cfg.min_units is None and not resume:  # a resume keeps the count it started with
-        cfg = replace(
-            cfg,
-            min_units=UNITS_PER_CPU * threads if threads else auto_min_units(ray_address, num_cpus),
-        )
+        cfg = replace(cfg, min_units=auto_min_units(ray_address, num_cpus, cpus=threads))
     cfg = prepare_output(cfg, overwrite=overwrite, resume=resume)
     units = plan_units(cfg)
     finished = done_parts(cfg.out) if resume else {}

@@ -371,10 +371,7 @@ def prepare(
     box-reduced by a whole factor first. Without it, the full image is resampled.
     """
     _filter(resample)  # fail before decoding
-    if src_size is None:
-        info = probe(data)
-        src_size = (info.width, info.height)
-    draft_to = draft_size(*src_size, dst_w, dst_h, draft_margin) if use_draft else None
+    src_size, draft_to = _draft_plan(data, src_size, dst_w, dst_h, use_draft, draft_margin)
     im, k = decode_scaled(data, draft_to=draft_to)
     full, k = _decoded_frame(im.size, src_size, k)
     gap = draft_margin if use_draft else None
@@ -382,6 +379,21 @@ def prepare(
         im, dst_w, dst_h, full_size=full, reducing_gap=gap, resample=resample, shrink=k
     )
     return Prepared(encode(out, fmt, quality, subsampling), dst_w, dst_h, box)
+
+
+def _draft_plan(
+    data: bytes,
+    src_size: tuple[int, int] | None,
+    dst_w: int,
+    dst_h: int,
+    use_draft: bool,
+    draft_margin: float,
+) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """The source size (from the header when not given) and the size to draft towards."""
+    if src_size is None:
+        info = probe(data)
+        src_size = (info.width, info.height)
+    return src_size, draft_size(*src_size, dst_w, dst_h, draft_margin) if use_draft else None
 
 
 def _decoded_frame(
@@ -543,10 +555,7 @@ def prepare_reduce(
         return prepare(
             data, dst_w, dst_h, src_size, resample=resample, draft_margin=draft_margin, **kw
         )
-    if src_size is None:
-        info = probe(data)
-        src_size = (info.width, info.height)
-    draft_to = draft_size(*src_size, dst_w, dst_h, draft_margin) if use_draft else None
+    src_size, draft_to = _draft_plan(data, src_size, dst_w, dst_h, use_draft, draft_margin)
     arr, k = decode_scaled_array(data, draft_to=draft_to)
     full, k = _decoded_frame((arr.shape[1], arr.shape[0]), src_size, k)
     box, scaled = scaled_box((arr.shape[1], arr.shape[0]), full, dst_w, dst_h, k)
