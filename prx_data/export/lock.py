@@ -1,495 +1,52 @@
-"""One writer per export: a run lock on ``--out`` (local) or a lease with a heartbeat (S3).
+"""One writer per export: the project's lease (:mod:`prx_data.core.lease`) on ``--out``.
 
 Two runs on the same output, or a run and a ``--resume``, would delete and
-rewrite each other's parts. Every export run (plain, ``--overwrite`` or
-``--resume``) holds this lock from before it looks at ``--out`` until the
-report is written.
-
-* **Local** (``OUT/.prx-export.lock``): an exclusive ``flock`` on the file,
-  which records the holder's pid, host and start time for error messages.
-  The kernel drops the lock when the holder dies (``kill -9`` included), so a
-  lock file left by a killed run is stale exactly when ``flock`` succeeds;
-  the next run takes it over and says whose it was. The holder unlinks the
-  file while still holding it; an acquirer re-checks that the file it locked
-  is still the one at the path. On NFS, ``flock`` is emulated with
-  byte-range locks (Linux >= 2.6.12), which needs a working lock manager.
-* **Object storage** (``OUT/.prx-export.lease``): a small JSON lease (owner,
-  host, pid, TTL) created with a conditional PUT (``If-None-Match: *``) and
-  refreshed by a heartbeat thread every ``ttl/4`` with ``If-Match: <etag>``,
-  through its own client (short timeouts, two attempts). Only this host's
-  monotonic clock is trusted: the lease is ours for ``ttl - margin`` after
-  the last heartbeat that landed was sent, and :meth:`ExportLock.check`
-  fails after that. A run that finds a lease watches its ETag: a change
-  means a live holder (refused); the same ETag for a full TTL means a dead
-  one, taken over with ``If-Match`` on that ETag, so two runs cannot both
-  take it. A 409/412 answer to a heartbeat is resolved by reading the lease
-  back. Other stores (``gs://``, ...) go through pyarrow without conditions,
-  with a read-write race window narrowed by reading the lease back. The
-  protocol and its failure cases: docs/ARCHITECTURE.md, Export safety.
+rewrite each other's parts; a skip-list update during a run would be
+undone by the run's own list materialisation. Every export run (plain,
+``--overwrite`` or ``--resume``) and every update of an export's skip lists
+holds this lease from before it looks at the tree until its last write:
+``OUT/.prx-export.lock`` (``flock``) locally, ``OUT/.prx-export.lease`` (a
+conditional-PUT lease) on ``s3://``; other stores are refused. Export runs
+refuse a held lease at once; list updates wait for it (``wait_s``).
 """
 
 from __future__ import annotations
 
-import errno
-import json
-import logging
-import os
-import socket
-import threading
-import time
-import uuid
-from urllib.parse import urlparse
-
 from prx_data.core import storage
+from prx_data.core.lease import DEFAULT_LEASE_TTL_S, LEASE_MARGIN, Lease, LeaseHeld, _S3Store
 from prx_data.export.layout import LEASE_NAME, LOCK_NAME, ExportError
 
-#: Seconds a remote lease stays valid without a heartbeat.
-DEFAULT_LEASE_TTL_S = 120.0
-
-#: Share of the TTL by which a holder stops writing before a watcher may take over
-#: (covers the time between a check and the start of the write, and clock-rate drift).
-LEASE_MARGIN = 0.25
-
-log = logging.getLogger(__name__)
+__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_MARGIN", "ExportLock", "ExportLocked", "_S3Store"]
 
 
-class ExportLocked(ExportError):
-    """Another run holds the lock on this output."""
+class ExportLocked(ExportError, LeaseHeld):
+    """Another run holds the lease on this output (or this run lost it)."""
 
 
-def _holder_text(info: dict) -> str:
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info.get("started", 0)))
-    return f"pid {info.get('pid')} on host {info.get('host')}, started {started}"
+def lease_path(out: str) -> str:
+    """Where the lease of the export at ``out`` lives."""
+    if storage.is_remote(out):
+        return storage.join(out, LEASE_NAME)
+    return storage.join(out, LOCK_NAME)
 
 
-def _me() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+class ExportLock(Lease):
+    """The lease on an export output; a context manager (see the module docstring).
 
-
-class ExportLock:
-    """Exclusive lock on an export output; a context manager.
-
-    ``took_over`` describes the stale lock this run replaced (None if there was none).
+    Args:
+        out: the export root.
+        ttl_s: remote lease lifetime without a heartbeat.
+        wait_s: how long to wait for a live holder (0: refuse at once, as export runs do).
+        what: what the holder is, for messages.
     """
 
-    def __init__(self, out: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S):
-        self.out = out
-        self.ttl_s = ttl_s
-        self.took_over: str | None = None
-        self._fd: int | None = None
-        self._path: str | None = None
-        self._lease = None
-
-    def __enter__(self) -> ExportLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def acquire(self) -> None:
-        if storage.is_remote(self.out):
-            self._lease = _Lease(self.out, self.ttl_s)
-            self.took_over = self._lease.acquire()
-        else:
-            self._acquire_local()
-
-    def check(self) -> None:
-        """Raise if the lease was lost (remote); call before writing indexes or the report."""
-        if self._lease is not None:
-            self._lease.check()
-
-    def release(self) -> None:
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
-        if self._fd is not None:
-            try:
-                os.unlink(self._path)  # still held: nobody can lock this inode in between
-            except FileNotFoundError:
-                pass
-            os.close(self._fd)
-            self._fd = None
-
-    def _acquire_local(self) -> None:
-        import fcntl
-
-        os.makedirs(self.out, exist_ok=True)
-        path = os.path.join(self.out, LOCK_NAME)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                raise ExportLocked(
-                    f"another export run holds the lock on {self.out} "
-                    f"({_holder_text(_read_json(path))}); wait for it to finish, or stop it first"
-                ) from None
-            try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the holder unlinked it as we locked it: lock the new one
-        previous = _read_fd_json(fd)
-        if previous:
-            self.took_over = f"a stale lock left by a run that died ({_holder_text(previous)})"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_me(), sort_keys=True).encode(), 0)
-        self._fd, self._path = fd, path
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read() or b"{}")
-    except (OSError, ValueError):
-        return {}
-
-
-def _read_fd_json(fd: int) -> dict:
-    try:
-        data = os.pread(fd, 65536, 0)
-        return json.loads(data) if data else {}
-    except (OSError, ValueError):
-        return {}
-
-
-# --- object storage -------------------------------------------------------------------------
-
-
-def _beat_settings(ttl_s: float) -> storage.S3Settings:
-    """The heartbeat's own client: short timeouts and two attempts, so that one stalled PUT
-    cannot outlast the lease (the shared client may wait minutes on one)."""
-    base = storage.S3Settings.from_env()
-    return storage.S3Settings(
-        endpoint=base.endpoint,
-        read_timeout_s=max(0.5, ttl_s / 10),
-        connect_timeout_s=max(0.2, ttl_s / 20),
-        max_attempts=2,
-    )
-
-
-class _S3Store:
-    """The lease object on S3 (or an S3-compatible store), written with conditional PUTs."""
-
-    conditional = True
-
-    def __init__(self, out: str, ttl_s: float):
-        parsed = urlparse(out)
-        self.bucket = parsed.netloc
-        self.key = f"{parsed.path.strip('/')}/{LEASE_NAME}".lstrip("/")
-        self.url = f"s3://{self.bucket}/{self.key}"
-        self.settings = storage.S3Settings.from_env()
-        self.beat_settings = _beat_settings(ttl_s)
-
-    def _call(self, what: str, beat: bool, fn):
-        s = self.beat_settings if beat else self.settings
-        return storage.s3_call(self.url, f"lease {what}", lambda: fn(storage.s3_client(s)), s)
-
-    def put(self, body: bytes, *, beat: bool = False, **cond) -> str | None:
-        """PUT with ``IfNoneMatch``/``IfMatch``; the new ETag, or None if the condition failed
-        (412) or met a conflicting write (409)."""
-        from botocore.exceptions import ClientError
-
-        def put(c):
-            return c.put_object(Bucket=self.bucket, Key=self.key, Body=body, **cond)
-
-        try:
-            r = self._call("write", beat, put)
-        except ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status in (409, 412) or code in (
-                "PreconditionFailed",
-                "ConditionalRequestConflict",
-                "NoSuchKey",  # If-Match on a deleted lease
-            ):
-                return None
-            raise
-        return r["ETag"]
-
-    def get(self, *, beat: bool = False) -> tuple[bytes, str] | None:
-        from botocore.exceptions import ClientError
-
-        def get(c):
-            r = c.get_object(Bucket=self.bucket, Key=self.key)
-            return r["Body"].read(), r["ETag"]
-
-        try:
-            return self._call("read", beat, get)
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise
-
-    def delete(self, *, beat: bool = False) -> None:
-        self._call("delete", beat, lambda c: c.delete_object(Bucket=self.bucket, Key=self.key))
-
-
-class _PlainStore:
-    """Other object stores (gs://, ...) through pyarrow: no conditional writes.
-
-    The conditions are checked by reading first, which leaves a race window
-    between the read and the write; the read-back after acquiring narrows it.
-    Heartbeat calls run under a short deadline.
-    """
-
-    conditional = False
-
-    def __init__(self, out: str, ttl_s: float):
-        self.url = storage.join(out, LEASE_NAME)
-        self.beat_deadline_s = max(1.0, ttl_s / 5)
-
-    def _timed(self, what: str, beat: bool, fn):
-        if not beat:
-            return fn()
-        return storage.with_deadline(self.url, f"lease {what}", fn, self.beat_deadline_s)
-
-    def put(
+    def __init__(
         self,
-        body: bytes,
+        out: str,
         *,
-        beat: bool = False,
-        IfNoneMatch: str | None = None,  # noqa: N803
-        IfMatch: str | None = None,  # noqa: N803
-    ) -> str | None:
-        current = self.get(beat=beat)
-        if (IfNoneMatch and current is not None) or (
-            IfMatch and (current is None or current[1] != IfMatch)
-        ):
-            return None
-        self._timed("write", beat, lambda: storage.write_bytes_atomic(self.url, body))
-        return _tag(body)
-
-    def get(self, *, beat: bool = False) -> tuple[bytes, str] | None:
-        try:
-            data = self._timed("read", beat, lambda: storage.read_bytes(self.url))
-        except FileNotFoundError:
-            return None
-        return data, _tag(data)
-
-    def delete(self, *, beat: bool = False) -> None:
-        self._timed("delete", beat, lambda: storage.delete(self.url))
-
-
-def _tag(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()
-
-
-def _parse(data: bytes) -> dict:
-    try:
-        info = json.loads(data)
-    except ValueError:
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def _declared_ttl(info: dict) -> float | None:
-    ttl = info.get("ttl_s")
-    return float(ttl) if isinstance(ttl, int | float) and ttl > 0 else None
-
-
-class _Lease:
-    """The lease protocol (docs/ARCHITECTURE.md, Export safety).
-
-    Validity is measured on this host's monotonic clock only: from the moment
-    the last PUT known to have landed was *sent*, the lease is ours for
-    ``ttl - margin``. A watcher takes the lease over only after it has seen the
-    same ETag for a full ``ttl`` on its own monotonic clock, and only with
-    ``If-Match`` on that ETag. Wall-clock times in the body are for people
-    (and for older versions, which compare ``expires``).
-    """
-
-    def __init__(self, out: str, ttl_s: float):
-        kind = _S3Store if urlparse(out).scheme == "s3" else _PlainStore
-        self.store = kind(out, ttl_s)
-        self.ttl_s = ttl_s
-        self.margin_s = ttl_s * LEASE_MARGIN
-        self.owner = uuid.uuid4().hex
-        self.etag: str | None = None
-        self.lost: str | None = None
-        self._valid_from = time.monotonic()
-        self._sent: dict[bytes, float] = {}  # recent bodies -> when they were sent
-        self._seq = 0
-        self._last_error: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._me = _me()
-
-    def _body(self) -> bytes:
-        self._seq += 1
-        now = time.time()
-        info = {
-            **self._me,
-            "owner": self.owner,
-            "beat": self._seq,
-            "ttl_s": self.ttl_s,
-            "written": now,
-            "expires": now + self.ttl_s,
-        }
-        return json.dumps(info, sort_keys=True).encode()
-
-    def _put(self, *, beat: bool = False, **cond) -> tuple[str | None, bytes]:
-        """(new ETag or None if the condition failed, the body sent)."""
-        body = self._body()
-        self._sent[body] = time.monotonic()
-        while len(self._sent) > 8:
-            self._sent.pop(next(iter(self._sent)))
-        return self.store.put(body, beat=beat, **cond), body
-
-    def _get(self, *, beat: bool = False) -> tuple[dict, bytes, str] | None:
-        got = self.store.get(beat=beat)
-        return None if got is None else (_parse(got[0]), got[0], got[1])
-
-    def _confirm(self, etag: str, sent: float) -> None:
-        self.etag = etag
-        self._valid_from = max(self._valid_from, sent)
-
-    def _adopt(self, got: tuple[dict, bytes, str] | None) -> bytes | None:
-        """The body of ours that the lease holds (then its ETag and send time are ours), else
-        None. After a failed condition this finds a write that landed though its answer was
-        lost, so that botocore's retry met our own ETag."""
-        if got is None or got[0].get("owner") != self.owner:
-            return None
-        sent = self._sent.get(got[1])
-        if sent is None:
-            return None
-        self._confirm(got[2], sent)
-        return got[1]
-
-    def acquire(self) -> str | None:
-        took_over = None
-        self._valid_from = float("-inf")
-        while True:
-            current = self._get()
-            if current is None:
-                if self._put(IfNoneMatch="*")[0] is not None or self._adopt(self._get()):
-                    break
-                continue  # another run created it in between: watch that one
-            if self._watch(current):
-                took_over = (
-                    "a lease whose run stopped refreshing it "
-                    f"({_holder_text(current[0])}; unchanged for a full "
-                    f"{_declared_ttl(current[0]) or self.ttl_s:g} s)"
-                )
-                if self._put(IfMatch=current[2])[0] is not None or self._adopt(self._get()):
-                    break
-                got = self._get()
-                raise self._locked(got[0] if got else {})
-        # A store that ignores the conditions would let a racing run overwrite us: read back.
-        got = self._get()
-        if self._adopt(got) is None:
-            raise self._locked(got[0] if got else {})
-        self._thread = threading.Thread(target=self._beat, name="export-lease", daemon=True)
-        self._thread.start()
-        return took_over
-
-    def _watch(self, current: tuple[dict, bytes, str]) -> bool:
-        """Wait until ``current`` has gone unchanged for its run's full TTL (True: take it
-        over) or disappeared (False); refuse as soon as its ETag changes (its run is alive)."""
-        info, _, etag = current
-        ttl = _declared_ttl(info) or self.ttl_s
-        first_seen = time.monotonic()  # after the read returned: the holder wrote it before
-        log.warning(
-            "%s: held by %s; waiting until it has gone unchanged for %g s "
-            "(a live run refreshes it every %g s)",
-            self.store.url,
-            _holder_text(info),
-            ttl,
-            ttl / 4,
-        )
-        poll = max(0.05, min(2.0, ttl / 20))
-        while True:
-            left = first_seen + ttl - time.monotonic()
-            if left <= 0:
-                return True
-            time.sleep(min(poll, left))
-            got = self._get()
-            if got is None:
-                return False
-            if got[2] != etag:
-                raise self._locked(got[0])
-
-    def _locked(self, info: dict) -> ExportLocked:
-        return ExportLocked(
-            f"another export run holds the lease on {self.store.url} "
-            f"({_holder_text(info)}); wait for it to finish, or stop it first (a lease that "
-            f"goes unrefreshed for {_declared_ttl(info) or self.ttl_s:g} s is taken over)"
-        )
-
-    def _beat(self) -> None:
-        interval = self.ttl_s / 4
-        next_at = self._valid_from + interval
-        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
-            started = time.monotonic()
-            try:
-                ok = self._refresh()
-            except Exception as e:  # noqa: BLE001 - a transient failure: try again soon
-                self._last_error = f"{type(e).__name__}: {e}"
-                ok = False
-            if self.lost:
-                return
-            # After a failure, try again at once (paced): the margin is spent by the clock.
-            next_at = started + interval if ok else time.monotonic() + self.ttl_s / 40
-
-    def _refresh(self) -> bool:
-        """One heartbeat; True if it landed. Sets ``lost`` if someone else holds the lease."""
-        etag, body = self._put(beat=True, IfMatch=self.etag)
-        if etag is not None:
-            self._confirm(etag, self._sent[body])
-            return True
-        # 409 (a conflicting write in flight) or 412 (the ETag moved): read it and decide.
-        got = self._get(beat=True)
-        if got is None:
-            self.lost = "the lease was deleted by someone else"
-            return False
-        if got[0].get("owner") != self.owner:
-            self.lost = f"another run took it over ({_holder_text(got[0])})"
-            return False
-        adopted = self._adopt(got)
-        if adopted == body:
-            return True  # this beat landed; its answer was lost
-        if adopted is None:
-            self.etag = got[2]  # ours, from a beat too old to remember: retry on its ETag
-        self._last_error = "the conditional heartbeat did not apply (409/412); retrying"
-        return False
-
-    def check(self) -> None:
-        if self.lost is None:
-            age = time.monotonic() - self._valid_from
-            if age >= self.ttl_s - self.margin_s:
-                self.lost = (
-                    f"no heartbeat has landed for {age:.1f} s of its {self.ttl_s:g} s "
-                    "(another run may take it over)"
-                    + (f"; last error: {self._last_error}" if self._last_error else "")
-                )
-                self._stop.set()
-        if self.lost:
-            raise ExportLocked(
-                f"lost the lease on {self.store.url}: {self.lost}. The run stopped before "
-                "writing more; make sure no other run is writing to this output, then run "
-                "again with --resume"
-            )
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.ttl_s)
-        try:
-            got = self._get(beat=True)
-            if got is not None and got[0].get("owner") == self.owner:
-                self.store.delete(beat=True)
-        except Exception as e:  # noqa: BLE001 - the lease then lapses on its own
-            log.warning(
-                "%s: could not delete the lease (%s); the next run takes it over after %g s",
-                self.store.url,
-                e,
-                self.ttl_s,
-            )
+        ttl_s: float = DEFAULT_LEASE_TTL_S,
+        wait_s: float = 0.0,
+        what: str = "export run",
+    ):
+        self.out = out
+        super().__init__(lease_path(out), what=what, wait_s=wait_s, ttl_s=ttl_s, error=ExportLocked)
