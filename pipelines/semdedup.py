@@ -151,6 +151,8 @@ class SemDedupReport(FailureCounts):
             lines.append(f"  {float(t):>14.3f}  {v['removed']:>7,}  {v['fraction']:>8.2%}{mark}")
         if self.skip_list is not None:
             lines.append(f"skip list: {json.dumps(self.skip_list)}")
+            if self.skip_list.get("warning"):
+                lines.append(self.skip_list["warning"])
         return "\n".join(lines)
 
 

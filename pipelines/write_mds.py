@@ -9,10 +9,10 @@ hundred rows still uses every core; the count is pinned in the export's
 config, so ``--resume`` plans the same units on any cluster.
 
 Skip lists (:mod:`prx_data.skips.lists`) survive every export of a table:
-``--overwrite`` first records the old tree's lists in the table's registry
-(refusing, before anything is deleted, a list whose ids cannot be recovered
-unless ``drop_lists`` names it), and every export, fresh or not, binds every
-registered list to its new shards by row id before its report is written.
+``--overwrite`` first carries the old tree's export-only entries into the
+table's registry (refusing, before anything is deleted, a list whose ids
+cannot be recovered unless ``drop_lists`` names it), and every export, fresh
+or not, materialises the log under its lease before its report is written.
 
 Between the units and the merge, the pack stage (:mod:`prx_data.export.pack`)
 concatenates each bucket's parts into shards of about ``shard_size``: one
@@ -195,6 +195,7 @@ def run_export(
     progress: bool = True,
     drop_lists: tuple[str, ...] = (),
     driver_rows: int = DRIVER_UNIT_ROWS,
+    drop_list: tuple[str, ...] = (),
 ) -> ExportReport:
     """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report.
 
@@ -202,6 +203,7 @@ def run_export(
     second run or a ``--resume`` on the same ``--out`` is refused meanwhile.
     ``drop_lists`` names skip lists of the tree being overwritten that may be
     left behind because their ids cannot be recovered (any other list is kept).
+    ``drop_list`` names lists removed from the table's registry first (undoing a trial).
     A table of at most ``driver_rows`` rows that would get a private local Ray
     runtime runs on threads of this process instead (0: always Ray); the
     export it writes is the same.
@@ -227,6 +229,7 @@ def run_export(
                 time.perf_counter(),
                 tuple(drop_lists),
                 driver_rows,
+                tuple(drop_list),
             )
     except BaseException:
         if created and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
@@ -245,17 +248,21 @@ def _run_locked(
     t0: float,
     drop_lists: tuple[str, ...] = (),
     driver_rows: int = DRIVER_UNIT_ROWS,
+    drop_list: tuple[str, ...] = (),
 ) -> ExportReport:
     from prx_data.skips import lists as idlists
 
-    registry = idlists.Registry.for_table(cfg.table)
-    if overwrite and list_top(cfg.out) and not foreign_entries(cfg.out):
-        # Before anything is deleted: the old tree's lists go to the table's registry,
-        # which the new tree is bound from at the end (a killed run keeps them there).
-        try:
-            registry.migrate(idlists.collect(cfg.out, drop=drop_lists), cfg.out)
-        except idlists.ListError as e:
-            raise ExportError(str(e)) from None
+    try:
+        registry = idlists.Registry.for_table(cfg.table)
+        for name in drop_list:
+            idlists.remove_list(registry, name, idlists.Provenance("write_mds --drop-list"))
+        if overwrite and list_top(cfg.out) and not foreign_entries(cfg.out):
+            # Before anything is deleted: the old tree's export-only entries go to the
+            # table's registry where newer, and the new tree is materialised from the log
+            # at the end (a killed run keeps them there).
+            idlists.carry(cfg.out, registry, drop=drop_lists)
+    except idlists.ListError as e:
+        raise ExportError(str(e)) from None
     threads = driver_threads(cfg, driver_rows, ray_address, num_cpus)
     # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
     if cfg.min_units is None and not resume:  # a resume keeps the count it started with
@@ -309,7 +316,7 @@ def _run_locked(
     def bind_lists() -> dict:
         lock.check()
         try:
-            return idlists.sync_lists(cfg.out, registry)
+            return idlists.materialise(cfg.out, registry, lock, full=True)
         except idlists.ListError as e:
             raise ExportError(str(e)) from None
 

@@ -94,7 +94,11 @@ def test_rewrite_applying_dedup_keeps_the_optout_list(tmp_path, capsys):
 
     # The duplicates are gone from the shards, the opt-outs are still skipped.
     assert _streamed(new) == set(ids) - set(dups) - set(opted)
-    assert L.store_names(new) == ["optout"]
+    # The applied list stays in the log (its samples are gone from the shards, so it skips none).
+    assert L.store_names(new) == ["dedup", "optout"]
+    assert SL.skip_stats(new, names=["dedup"]).get("dedup", []) == [] or all(
+        r.skipped == 0 for r in SL.skip_stats(new, names=["dedup"])["dedup"]
+    )
     kept = L.read_store_list(new, "optout")
     assert sorted(kept["id"].to_pylist()) == opted
     assert set(kept["reason"].to_pylist()) == {"ticket 7"}
@@ -133,9 +137,10 @@ def test_overwrite_keeps_lists_and_reports_them(table, tmp_path, ray_local, caps
     capsys.readouterr()
     # A re-export after re-captioning.
     report = _export(table, out, overwrite=True)
-    assert report.lists == {
-        "optout": {"ids": 2, "samples": 2, "shards": report.lists["optout"]["shards"]}
-    }
+    got = report.lists["optout"]
+    assert list(report.lists) == ["optout"]
+    assert (got["ids"], got["samples"], got["source"]) == (2, 2, "registry")
+    assert got["share"] == 2 / N_ROWS
     assert _streamed(out) == {f"s/{i}" for i in range(N_ROWS)} - {"s/1", "s/6"}
     _verify_clean(out, capsys)
 
@@ -211,7 +216,12 @@ def test_concurrent_adds_all_land(where, tmp_path, request):
         bucket = request.getfixturevalue("s3_bucket")
         root, registry_table = f"s3://{bucket}/exports/out", f"s3://{bucket}/t.lance"
         upload_tree(ex.root, root)
-    L.write_ref(root, L.Registry.for_table(registry_table))  # as write_mds leaves it
+        local_table = str(tmp_path / "t.lance")
+        make_table(local_table, [("s/0", _jpeg(0), "c")])
+        upload_tree(local_table, registry_table)
+    else:
+        make_table(registry_table, [("s/0", _jpeg(0), "c")])
+    L.sync(root, registry_table)  # bound to the table, as write_mds leaves it
     first = _ids_file(tmp_path, "c0", [f"ds/{B}/0"])
     assert skips_cli.main(["add", root, "optout", "--ids", first]) == 0
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -219,9 +229,7 @@ def test_concurrent_adds_all_land(where, tmp_path, request):
 
     want = sorted(f"ds/{B}/{i}" for i in (0, 1, 3, 5, 7))
     assert sorted(L.read_store_list(root, "optout")["id"].to_pylist()) == want
-    assert (
-        sorted(L.Registry.for_table(registry_table).effective()["optout"]["id"].to_pylist()) == want
-    )
+    assert sorted(L.Registry.for_table(registry_table).state()["optout"]["id"].to_pylist()) == want
     shards = layout.read_index(root, B)
     skipped = SL.load_skips(root, B, shards, ["optout"])
     where_of = {sid: (s, i) for sid, (_, s, i) in ex.where.items()}
@@ -230,12 +238,14 @@ def test_concurrent_adds_all_land(where, tmp_path, request):
 
 
 def test_registry_appends_from_many_processes_all_land(tmp_path):
-    """Lance retries an append on a concurrent commit; a racing creation is read back."""
+    """The first writers of a registry race to create it: every one lands (lease + retries)."""
     reg_table = str(tmp_path / "t.lance")
+    make_table(reg_table, [("s/0", _jpeg(0), "c")])
     code = (
         "import sys; from prx_data.skips import lists as L; import pyarrow as pa; "
-        "L.Registry.for_table(sys.argv[1]).record('x', pa.array([sys.argv[2]]), 'add', "
-        "L.Provenance('test'), 'e')"
+        "r = L.Registry.for_table(sys.argv[1]); "
+        "r.append(lambda seq: L.log_rows('x', pa.array([sys.argv[2]]), 'add', "
+        "L.Provenance('test'), seq=seq, base=seq, kind=0, export='e'))"
     )
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [
@@ -243,7 +253,7 @@ def test_registry_appends_from_many_processes_all_land(tmp_path):
         for k in range(5)
     ]
     assert [p.wait(timeout=300) for p in procs] == [0] * 5
-    got = L.Registry.for_table(reg_table).effective()["x"]["id"].to_pylist()
+    got = L.Registry.for_table(reg_table).state()["x"]["id"].to_pylist()
     assert sorted(got) == [f"id{k}" for k in range(5)]
 
 
@@ -265,11 +275,12 @@ def test_verify_and_the_overwrite_guard_know_the_list_store(tmp_path, capsys):
 
 
 def test_sync_gives_another_export_of_the_table_its_lists(tmp_path, capsys):
-    reg = L.Registry.for_table(str(tmp_path / "t.lance"))
+    t = str(tmp_path / "t.lance")
+    make_table(t, [("s/0", _jpeg(0), "c")])
     a = make_export(str(tmp_path / "a"), {B: 8}, samples_per_part=8)
     b = make_export(str(tmp_path / "b"), {B: 8}, samples_per_part=4)
     for ex in (a, b):
-        L.write_ref(ex.root, reg)  # two exports of one table, as write_mds leaves them
+        L.sync(ex.root, t)  # two exports of one table, as write_mds leaves them
     _optout(a.root, _ids_file(tmp_path, "o", [f"ds/{B}/2", f"ds/{B}/5"]))
     assert skips_cli.main(["sync", b.root]) == 0
     assert "optout: 2 ids, 2 samples skipped" in capsys.readouterr().out

@@ -76,15 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("root", help="export root")
     rm.add_argument("name", help="list name")
     rm.add_argument("--ids", metavar="FILE", help="remove only these row ids (one per line)")
+    rm.add_argument(
+        "--table", metavar="URI", help="the table whose registry to change (always wins)"
+    )
     _registry_args(rm)
 
     sy = sub.add_parser(
         "sync",
-        help="give the export every list of its table's registry (and record its own lists "
-        "there), rebuilding each list's sidecars from its ids",
+        help="make the export's lists the state of the log (its table's registry and its "
+        "own export-only entries): idempotent; a list the log emptied leaves every form "
+        "(store and sidecars)",
     )
     sy.add_argument("root", help="export root")
-    sy.add_argument("--table", metavar="URI", help="the table (when the export names none)")
+    sy.add_argument(
+        "--table",
+        metavar="URI",
+        help="the table whose registry to read (always wins; needed when the export's table "
+        "moved or the export names none)",
+    )
     sy.add_argument(
         "--drop-lists",
         metavar="NAME",
@@ -148,7 +157,7 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
         "--export-only",
         action="store_true",
         help="change only this export, not the list registry next to its table (later exports "
-        "of the table will not see the change)",
+        "of the table will not see the change, until --overwrite or rewrite carries it there)",
     )
 
 
@@ -191,18 +200,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if r.ids_not_in_export
                     else ""
                 )
-                + (f"; recorded in {r.registry}" if r.registry else "")
+                + (f"; recorded in {r.registry}" if r.registry else "; this export only")
             )
+            if r.warning:
+                print(r.warning, file=sys.stderr)
         elif args.cmd == "list":
             lists = skiplist.list_skip_lists(args.root, args.tier)
             stored = {n: len(t) for n, t in idlists.read_store(args.root).items()}
+            state = idlists.read_state(args.root)
+            where = state.lists if state is not None else {}
             if not lists and not stored:
                 print("no skip lists")
             for name in sorted(set(lists) | set(stored)):
                 ids = (
-                    f"{stored[name]} ids"
+                    f"{stored[name]} ids" + (f" from {where[name]}" if where.get(name) else "")
                     if name in stored
-                    else "no ids in _lists/ (sidecars only: run 'skips sync' to record them)"
+                    else "no ids in _lists/ (sidecars only: any list update records them)"
                 )
                 where = ", ".join(f"{b} ({n} shards)" for b, n in lists.get(name, {}).items())
                 print(f"{name}: {where or 'no sample in this export'}; {ids}")
@@ -231,25 +244,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(pr.text())
         elif args.cmd == "remove":
             prov = idlists.Provenance("skips remove", args.reason)
-            if args.ids:
-                ids = read_ids_file(args.ids)
-            else:
-                ids = idlists.list_ids(args.root, args.name, export_only=args.export_only)
+            ids = read_ids_file(args.ids) if args.ids else None
             r = idlists.update_list(
-                args.root, args.name, ids, prov, mode="remove", export_only=args.export_only
+                args.root,
+                args.name,
+                ids,
+                prov,
+                mode="remove",
+                table=args.table,
+                export_only=args.export_only,
             )
-            removed = skiplist.remove_skip_list(args.root, args.name) if not args.ids else 0
             print(
-                f"{args.name}: removed {r.ids_requested} ids"
-                + (f" (also from {r.registry})" if r.registry else "")
+                f"{args.name}: "
+                + (f"removed {r.ids_requested} ids" if ids is not None else "removed the list")
+                + (f" (in {r.registry})" if r.registry else " (this export only)")
                 + f"; {r.ids_in_list} ids left"
-                + (f"; {removed} stray sidecars deleted" if removed else "")
             )
         elif args.cmd == "sync":
-            reg = idlists.registry_for(args.root, args.table)
-            carried = idlists.collect(args.root, drop=args.drop_lists)
-            done = idlists.sync_lists(args.root, reg, carried=carried)
-            print(f"{args.root}: {len(done)} lists" + (f" from {reg.uri}" if reg else ""))
+            done = idlists.sync(args.root, args.table, drop=args.drop_lists)
+            st = idlists.read_state(args.root)
+            print(
+                f"{args.root}: {len(done)} lists"
+                + (f" at registry position {st.position}" if st and st.table_id else "")
+            )
             for line in idlists.lists_text(done):
                 print(line)
         elif args.cmd == "index":

@@ -190,6 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
         "each export applies every list of the table's registry.",
     )
     p.add_argument(
+        "--drop-list",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="Remove this list from the table's registry before exporting (undo a trial list: "
+        "this export and every later one stop leaving its samples out; other exports lose it "
+        "at their next 'skips sync'). Repeatable.",
+    )
+    p.add_argument(
         "--ray-address",
         default=None,
         help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray runtime).",
@@ -250,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             num_cpus=args.num_cpus,
             progress=args.progress,
             drop_lists=tuple(args.drop_lists),
+            drop_list=tuple(args.drop_list),
             driver_rows=args.driver_rows,
         )
     except PrxDataError as e:

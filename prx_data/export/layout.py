@@ -21,8 +21,8 @@ the loader and the tests all read and write the same thing.
       <tier>/<ar>/<part>/shard.NNNNN.mds.<name>.skip   skip-list sidecars
       _progress/packed/<tier>/<ar>/<pack>  a written pack (JSON: its unit parts, counts)
       _lists/<name>.parquet            a skip list's row ids + provenance (sidecars derive from it)
-      _lists/registry                  URI of the table's list registry (JSON text)
-      _lists/.lock                     serialises list updates (a lease object on s3://)
+      _lists/registry                  the lists' state: table identity, log position (JSON)
+      _lists/_local.parquet            the export's own (export-only) list log entries
       _ids.lance/                      id index: id -> bucket, shard, index (Lance, BTREE on id;
                                        :mod:`prx_data.export.idindex`), rebuilt after every merge
 
@@ -336,7 +336,9 @@ SIDECAR_SUFFIX = ".skip"
 LISTS_DIR = "_lists"
 LISTS_REF_NAME = "registry"
 LISTS_LOCK_NAME = ".lock"
-LISTS_FILE_RE = re.compile(rf"(registry|\.lock|{LIST_NAME_PATTERN}\.parquet)(\.tmp-[0-9a-f]+)?")
+LISTS_FILE_RE = re.compile(
+    rf"(registry|\.lock|_local\.parquet|{LIST_NAME_PATTERN}\.parquet)(\.tmp-[0-9a-f]+)?"
+)
 
 #: The export's id index (a Lance table, :mod:`prx_data.export.idindex`): written at
 #: finalize, rebuilt by whatever rewrites shards.

@@ -216,7 +216,7 @@ class ExportReport(FailureCounts):
     #: Problems worth a look that did not stop the export (e.g. no captions at all).
     warnings: list[str] = field(default_factory=list)
     #: Skip lists applied from the table's registry: {list: {ids, samples, shards}}.
-    lists: dict[str, dict[str, int]] = field(default_factory=dict)
+    lists: dict[str, dict] = field(default_factory=dict)
 
     counted = "rows"
     job_label = "write_mds"
@@ -271,11 +271,18 @@ class ExportReport(FailureCounts):
         if self.warnings:
             lines += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
         if self.lists:
-            lines += ["", "skip lists (from the table's registry, bound by row id):"]
-            lines += [
-                f"  {n}: {v['ids']:,} ids, {v['samples']:,} samples skipped in {v['shards']} shards"
-                for n, v in self.lists.items()
-            ]
+            lines += ["", "skip lists applied (bound by row id):"]
+            for n, v in self.lists.items():
+                share = v.get("share", 0.0)
+                lines.append(
+                    f"  {n}: {v['ids']:,} ids, {v['samples']:,} samples skipped in "
+                    f"{v['shards']} shards ({100 * share:.1f}%; from {v.get('source') or '?'})"
+                    + (
+                        "  WARNING: above 10% (undo a trial with --drop-list " + n + ")"
+                        if share > 0.10
+                        else ""
+                    )
+                )
         rate = self.rows_read / self.seconds if self.seconds else 0.0
         lines += ["", f"{self.units} work units in {self.seconds:.1f} s ({rate:,.1f} rows/s)"]
         return "\n".join(lines)

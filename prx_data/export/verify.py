@@ -166,8 +166,8 @@ def _verify_lists(root: str, res: VerifyResult) -> None:
         if "/" in name or not LISTS_FILE_RE.fullmatch(name):
             res.problems.append(Problem(path, "not a file of the skip-list store"))
             continue
-        if not name.endswith(".parquet") or ".tmp-" in name:
-            continue
+        if not name.endswith(".parquet") or ".tmp-" in name or name == "_local.parquet":
+            continue  # the export-only log is not a list (prx_data.skips.lists)
         try:
             ids = pq.read_table(io.BytesIO(storage.read_bytes(path)), columns=["id"])["id"]
             ids = ids.combine_chunks()

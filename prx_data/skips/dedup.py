@@ -129,7 +129,7 @@ def replace_skip_list(
 
     The ids go to the registry of ``table`` (:mod:`prx_data.skips.lists`, one
     commit), then to the export's store, and the sidecars are derived from it
-    under the export's list lock. New sidecars replace old ones file by file
+    under the export's lease. New sidecars replace old ones file by file
     (atomic writes), so a reader never sees the list missing; stale ones are
     removed afterwards.
     """
@@ -165,5 +165,7 @@ def replace_skip_list(
         "samples_listed": res.samples_listed,
         "stale_sidecars_removed": res.stale_sidecars_removed,
         "registry": res.registry,
+        "share": res.share,
+        "warning": res.warning,
         "skipped_share_all_lists": sum(b.skipped for b in everything) / total if total else 0.0,
     }

@@ -1,38 +1,57 @@
-"""Skip lists as sets of row ids: the export's list store, the table's registry, and their lock.
+"""Skip lists as one append-only log per table, and every export's lists derived from it.
 
-A skip list is a set of row ids (the Lance ``id``) first; the per-shard
-sidecars (:mod:`prx_data.skips.sidecar`) are derived from it through the
-export's ``ids.parquet`` manifests. Two places hold the ids:
+A skip list is a set of row ids (the Lance ``id``). There is one source of
+truth and everything else is derived from it:
 
-* **The export's list store**, ``<export>/_lists/<name>.parquet``: the ids of
-  one list, sorted and unique, with their provenance (``added``, ``command``,
-  ``reason``). ``_lists/registry`` names the table's registry.
-* **The table's registry**, a small Lance table next to the source table
-  (``data/photos.lance`` -> ``data/photos.lists.lance``, the same for
-  ``s3://``): an append-only log of ``(list, id, op, at, command, reason,
-  export)`` events, ``op`` being ``add`` or ``remove``. A list's ids are those
-  whose latest event is ``add``. Every export of the table applies every
-  registered list, so an id opted out once stays out of every later export
-  and rewrite of that table, also where the export did not hold it yet, until
-  it is removed explicitly (a ``remove`` event, which an older export's store
-  cannot undo: :meth:`Registry.migrate` only records ids the log never saw).
+* **The log.** Every change is an entry ``(seq, base, kind, list, id, op)``
+  with ``op`` ``add`` or ``remove``. An id's state in a list is its *latest*
+  entry; "latest" is the order ``(base, kind, seq)`` and never a clock
+  (``at``, ``host``, ``command``, ``reason`` are kept as information only).
 
-Every operation that makes a new tree (``write_mds``, ``--overwrite``, a
-rewrite, dedup) derives the tree's sidecars from the registry and the source
-tree's store (:func:`sync_lists`). Updates of one export's lists hold
-:class:`ListsLock` from reading the store to the last sidecar written: a
-``flock`` on ``_lists/.lock`` locally, a lease object created and refreshed
-with conditional PUTs (``If-None-Match``/``If-Match``) on ``s3://``.
-Registry writes are Lance appends, which retry on a concurrent commit; the
-one unsafe case, two processes creating the registry at once (one creation
-silently replaces the other), is covered by reading the rows back.
+  - *Registry entries* (``kind`` 0) live in the table's registry, a small
+    Lance table next to the table (``data/photos.lance`` ->
+    ``data/photos.lists.lance``, resolved through ``realpath``). An append
+    holds the registry's lease (:mod:`prx_data.core.lease`), reads the
+    registry's Lance version ``v`` and commits its rows with ``seq = base =
+    v + 1``, which is exactly the version that commit creates: commit order
+    is the order, whatever the writers' clocks say.
+  - *Export-only entries* (``kind`` 1) live in one export
+    (``_lists/_local.parquet``): ``seq`` is that export's own counter, taken
+    under its lease, and ``base`` is the registry version the change was made
+    after. So an export-only change is newer than every registry entry it saw
+    and older than every later one. Lists recovered from sidecars or from a
+    store written before the log existed are imported as export-only adds
+    with ``base = -1``: older than any registry entry.
+
+* **The materialisation.** An export's ``_lists/<name>.parquet`` (the ids)
+  and its ``.skip`` sidecars (the ids bound to sample positions through the
+  export's id index) are a function of the log up to a position recorded in
+  ``_lists/registry`` (``position``: the registry version; ``local``: the
+  last export-only seq). :func:`materialise` runs under the export's lease
+  and reads the log *after* taking it, so two of them, or one and a list
+  update, cannot interleave; it is idempotent and rewrites or deletes every
+  form of each list it touches (store file and sidecars), so a list the log
+  emptied stops being skipped everywhere.
+
+* **Identity.** A table's identity is a random id in the table folder
+  (``_prx_table_id``), recorded in its registry's schema metadata and in each
+  export's ``_lists/registry``. An export finds its registry from the table
+  paths it recorded (relative to the export first, then absolute), or from
+  ``--table``, which always wins; a path only counts when the table there
+  has the export's identity. A reference read from an export never decides
+  alone which registry is written: an export whose recorded table is not
+  found (or has another identity) is refused for writes unless
+  ``--export-only`` or ``--table`` says where they go.
+
+* **Carrying.** ``write_mds --overwrite`` and ``skips rewrite`` carry the old
+  tree's export-only entries into the registry, each only where the registry
+  holds nothing newer for that id (:func:`carry`).
 
 Ids are bound to shards through the export's id index
 (:mod:`prx_data.export.idindex`: a BTREE lookup of the lists' ids only). An
-export without a current index (written before it existed) falls back, with
-one log line, to reading one bucket's manifests at a time, in batches of at
-most :data:`BIND_BATCH_ROWS` rows, against the union of the lists' ids.
-Either way memory is bounded by the lists and a batch, not by the export.
+export without a current index falls back, with one log line, to reading one
+bucket's manifests at a time, in batches of at most :data:`BIND_BATCH_ROWS`
+rows. Either way memory is bounded by the lists and a batch, not by the export.
 """
 
 from __future__ import annotations
@@ -44,10 +63,9 @@ import logging
 import os
 import random
 import socket
-import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,39 +75,50 @@ import pyarrow.parquet as pq
 
 from prx_data.core import storage
 from prx_data.core.errors import NotFound, OutOfRange, PrxDataError, UnknownName
+from prx_data.core.lease import Lease
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export import idindex, layout
+from prx_data.export.lock import ExportLock
 from prx_data.skips import sidecar as SL
 
 log = logging.getLogger(__name__)
 
 #: Manifest rows looked up at once (about 100 MB of ids at 10^6 rows).
 BIND_BATCH_ROWS = 1 << 20
-#: How long a list update waits for another one to finish before giving up.
+#: How long a list update waits for another writer of the same export or registry.
 LOCK_TIMEOUT_S = 900.0
-#: Lease lifetime on object storage; refreshed every third of it while held.
-LEASE_TTL_S = 60.0
+#: Registry commits tried before giving up with one error (after backoff).
+COMMIT_ATTEMPTS = 8
+#: A list that leaves out more than this share of an export is reported with a warning.
+WARN_SHARE = 0.10
+#: The file in a table folder that holds the table's identity.
+TABLE_ID_NAME = "_prx_table_id"
+#: The export's own (export-only) log.
+LOCAL_LOG_NAME = "_local.parquet"
+#: Format of ``_lists/registry``.
+STATE_FORMAT = 2
 
+TS = pa.timestamp("us", tz="UTC")
 STORE_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("added", pa.timestamp("us", tz="UTC")),
-        ("command", pa.string()),
-        ("reason", pa.string()),
-    ]
+    [("id", pa.string()), ("added", TS), ("command", pa.string()), ("reason", pa.string())]
 )
-REGISTRY_SCHEMA = pa.schema(
+LOG_SCHEMA = pa.schema(
     [
+        ("seq", pa.int64()),
+        ("base", pa.int64()),
+        ("kind", pa.int8()),
         ("list", pa.string()),
         ("id", pa.string()),
         ("op", pa.string()),
-        ("at", pa.timestamp("us", tz="UTC")),
+        ("at", TS),
         ("command", pa.string()),
         ("reason", pa.string()),
         ("export", pa.string()),
-        ("txn", pa.string()),
+        ("host", pa.string()),
     ]
 )
+REGISTRY, EXPORT_ONLY = 0, 1
+ADD, REMOVE = "add", "remove"
 
 
 class ListError(PrxDataError, ValueError):
@@ -166,247 +195,333 @@ def _first_per_id(t: pa.Table) -> pa.Table:
     return t.filter(pa.array(keep))
 
 
-# --- registry -------------------------------------------------------------------------------
+def log_rows(
+    name: str,
+    ids: pa.Array,
+    op: str,
+    prov: Provenance | pa.Table,
+    *,
+    seq: int,
+    base: int,
+    kind: int,
+    export: str,
+) -> pa.Table:
+    """Log entries for ``ids`` (``prov``: one provenance, or a store table of per-id ones)."""
+    n = len(ids)
+    if isinstance(prov, pa.Table):
+        at, command, reason = prov["added"], prov["command"], prov["reason"]
+    else:
+        at = pa.array([prov.at] * n, TS)
+        command = pa.array([prov.command] * n, pa.string())
+        reason = pa.array([prov.reason] * n, pa.string())
+    return pa.table(
+        {
+            "seq": pa.array(np.full(n, seq, np.int64)),
+            "base": pa.array(np.full(n, base, np.int64)),
+            "kind": pa.array(np.full(n, kind, np.int8)),
+            "list": pa.array([name] * n, pa.string()),
+            "id": ids.cast(pa.string()),
+            "op": pa.array([op] * n, pa.string()),
+            "at": at,
+            "command": command,
+            "reason": reason,
+            "export": pa.array([export] * n, pa.string()),
+            "host": pa.array([socket.gethostname()] * n, pa.string()),
+        },
+        schema=LOG_SCHEMA,
+    )
+
+
+def _concat(tables: Sequence[pa.Table]) -> pa.Table:
+    tables = [t.select(LOG_SCHEMA.names).cast(LOG_SCHEMA) for t in tables if t is not None]
+    return pa.concat_tables(tables) if tables else LOG_SCHEMA.empty_table()
+
+
+def latest(entries: pa.Table) -> pa.Table:
+    """The latest entry of every (list, id), by ``(base, kind, seq)`` (see the module docstring)."""
+    if not len(entries):
+        return entries
+    t = entries.sort_by(
+        [
+            ("list", "ascending"),
+            ("id", "ascending"),
+            ("base", "descending"),
+            ("kind", "descending"),
+            ("seq", "descending"),
+        ]
+    )
+    key = pc.binary_join_element_wise(t["list"], t["id"], "\x00").combine_chunks()
+    keep = np.ones(len(key), bool)
+    if len(key) > 1:
+        keep[1:] = pc.not_equal(key.slice(1), key.slice(0, len(key) - 1)).to_numpy(
+            zero_copy_only=False
+        )
+    return t.filter(pa.array(keep))
+
+
+def state(entries: pa.Table) -> dict[str, pa.Table]:
+    """{list: store table} of the ids whose latest entry is ``add`` (empty lists left out)."""
+    last = latest(entries)
+    if not len(last):
+        return {}
+    last = last.filter(pc.equal(last["op"], ADD))
+    out = {}
+    for name in sorted(pc.unique(last["list"]).to_pylist()):
+        rows = last.filter(pc.equal(last["list"], name)).sort_by("id")
+        out[name] = pa.table(
+            {
+                "id": rows["id"],
+                "added": rows["at"],
+                "command": rows["command"],
+                "reason": rows["reason"],
+            },
+            schema=STORE_SCHEMA,
+        )
+    return out
+
+
+def sources(entries: pa.Table) -> dict[str, str]:
+    """{list: "registry" | "export-only" | "registry, export-only"}: where its ids come from."""
+    last = latest(entries)
+    if not len(last):
+        return {}
+    last = last.filter(pc.equal(last["op"], ADD))
+    out = {}
+    for name in pc.unique(last["list"]).to_pylist():
+        kinds = set(pc.unique(last.filter(pc.equal(last["list"], name))["kind"]).to_pylist())
+        out[name] = ", ".join(
+            w for k, w in ((REGISTRY, "registry"), (EXPORT_ONLY, "export-only")) if k in kinds
+        )
+    return out
+
+
+def _names_filter(names: Iterable[str] | None) -> str | None:
+    if names is None:
+        return None
+    names = sorted(set(names))
+    return "list IN (" + ", ".join(f"'{SL.validate_name(n)}'" for n in names) + ")"
+
+
+# --- table identity and the registry ---------------------------------------------------------
+
+
+def canonical(table: str) -> str:
+    """The table's URI with symlinks resolved (local), so every spelling finds one registry."""
+    base = table.rstrip("/").removeprefix("file://")
+    if storage.is_remote(base):
+        return base
+    return os.path.realpath(base)
 
 
 def registry_uri(table: str) -> str:
-    """``data/photos.lance`` -> ``data/photos.lists.lance`` (absolute locally; ``s3://`` too)."""
-    base = table.rstrip("/")
-    if not storage.is_remote(base):
-        base = os.path.abspath(base.removeprefix("file://"))
+    """``data/photos.lance`` -> ``data/photos.lists.lance`` (of the canonical table path)."""
+    base = canonical(table)
     stem = base[: -len(".lance")] if base.endswith(".lance") else base
     return f"{stem}.lists.lance"
 
 
-class Registry:
-    """The append-only log of list events next to a table (see the module docstring)."""
+def _registry_lease_path(reg_uri: str) -> str:
+    return f"{reg_uri}.lock" if not storage.is_remote(reg_uri) else f"{reg_uri}.lease"
 
-    def __init__(self, uri: str):
+
+def _lease(path: str, what: str) -> Lease:
+    return Lease(path, what=what, wait_s=LOCK_TIMEOUT_S)
+
+
+def read_table_id(table: str) -> str | None:
+    """The identity recorded in the table folder, or None (no table there, or none recorded)."""
+    try:
+        text = storage.read_bytes(storage.join(canonical(table), TABLE_ID_NAME)).decode().strip()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        return None
+    return text if text and len(text) <= 64 and text.isalnum() else None
+
+
+def table_identity(table: str) -> str:
+    """The table's identity, recorded in its folder on first use (under the registry's lease)."""
+    tid = read_table_id(table)
+    if tid is not None:
+        return tid
+    uri = canonical(table)
+    from prx_data.table.lance_ops import open_table
+
+    try:
+        open_table(uri)
+    except NotFound:
+        raise ListError(f"{table}: no Lance table there, so it has no skip-list registry") from None
+    with _lease(_registry_lease_path(registry_uri(uri)), "skip-list registry writer"):
+        tid = read_table_id(uri)
+        if tid is None:
+            tid = uuid.uuid4().hex
+            storage.write_bytes_atomic(storage.join(uri, TABLE_ID_NAME), tid.encode())
+    return tid
+
+
+class Registry:
+    """The table's log of list entries (see the module docstring)."""
+
+    def __init__(self, table: str, table_id: str):
         from prx_data.table.lance_ops import lance_storage_options
 
-        self.uri = uri
-        self.options = lance_storage_options(uri)
+        self.table = canonical(table)
+        self.table_id = table_id
+        self.uri = registry_uri(self.table)
+        self.options = lance_storage_options(self.uri)
 
     @classmethod
     def for_table(cls, table: str) -> Registry:
-        return cls(registry_uri(table))
+        """The registry of ``table`` (its identity is recorded on first use)."""
+        return cls(table, table_identity(table))
 
-    def _open(self):
+    def _open(self, version: int | None = None):
         from prx_data.table.lance_ops import open_table
 
         try:
-            ds = open_table(self.uri, self.options)
+            ds = open_table(self.uri, self.options, version=version)
         except NotFound:
             return None
-        missing = set(REGISTRY_SCHEMA.names) - set(ds.schema.names)
-        if missing:
+        if "seq" not in ds.schema.names:
+            return ds  # written before the log was ordered by commit: converted on next append
+        got = (ds.schema.metadata or {}).get(b"prx.table_id", b"").decode()
+        if got != self.table_id:
             raise ListError(
-                f"{self.uri} is not a skip-list registry (no {sorted(missing)} columns); move that "
-                "table away: the registry of a table lives next to it under this name"
+                f"{self.uri} is the list registry of another table (identity {got or 'none'}, "
+                f"{self.table} is {self.table_id}); move it away: a table's registry lives "
+                "next to it under this name"
             )
         return ds
 
-    def events(self, names: Sequence[str] | None = None) -> pa.Table:
+    def head(self) -> int:
+        """The registry's position: the Lance version of its last commit (0: no registry yet)."""
         ds = self._open()
+        return 0 if ds is None else ds.version
+
+    def entries(
+        self, names: Iterable[str] | None = None, *, upto: int | None = None, after: int = 0
+    ) -> pa.Table:
+        """Entries (of ``names``) with ``after < seq <= upto`` (``upto``: a version read before)."""
+        if names is not None and not list(names):
+            return LOG_SCHEMA.empty_table()
+        ds = self._open(upto)
+        if ds is None or "seq" not in ds.schema.names:
+            return LOG_SCHEMA.empty_table() if ds is None else _legacy_entries(ds, names)
+        where = [w for w in (_names_filter(names), f"seq > {after}" if after else None) if w]
+        t = ds.to_table(columns=LOG_SCHEMA.names, filter=" AND ".join(where) or None)
+        return t.cast(LOG_SCHEMA)
+
+    def touched(self, after: int, upto: int) -> set[str]:
+        """Lists with an entry in ``after < seq <= upto``."""
+        if upto <= after:
+            return set()
+        ds = self._open(upto)
         if ds is None:
-            return REGISTRY_SCHEMA.empty_table()
-        where = None
-        if names is not None:
-            if not names:
-                return REGISTRY_SCHEMA.empty_table()
-            where = "list IN (" + ", ".join(f"'{SL.validate_name(n)}'" for n in names) + ")"
-        return ds.to_table(columns=REGISTRY_SCHEMA.names, filter=where).cast(REGISTRY_SCHEMA)
+            return set()
+        if "seq" not in ds.schema.names:
+            return set(pc.unique(ds.to_table(columns=["list"])["list"]).to_pylist())
+        t = ds.to_table(columns=["list"], filter=f"seq > {after}")
+        return set(pc.unique(t["list"]).to_pylist())
 
-    def effective(self, names: Sequence[str] | None = None) -> dict[str, pa.Table]:
-        """{list: store table} of the ids whose latest event is ``add`` (empty lists left out)."""
-        ev = self.events(names)
-        out: dict[str, pa.Table] = {}
-        if not len(ev):
-            return out
-        # Latest event per (list, id): sort by list, id, time descending; "remove" wins a tie.
-        ev = ev.append_column("rank", pc.equal(ev["op"], "add").cast(pa.int8()))
-        ev = ev.sort_by(
-            [
-                ("list", "ascending"),
-                ("id", "ascending"),
-                ("at", "descending"),
-                ("rank", "ascending"),
-            ]
-        )
-        key = pc.binary_join_element_wise(ev["list"], ev["id"], "\x00")
-        first = _first_per_id(pa.table({"id": key, "i": pa.array(np.arange(len(ev)))}))
-        latest = ev.take(first["i"])
-        latest = latest.filter(pc.equal(latest["op"], "add"))
-        for name in pc.unique(latest["list"]).to_pylist():
-            rows = latest.filter(pc.equal(latest["list"], name))
-            out[name] = pa.table(
-                {
-                    "id": rows["id"],
-                    "added": rows["at"],
-                    "command": rows["command"],
-                    "reason": rows["reason"],
-                },
-                schema=STORE_SCHEMA,
-            )
-        return dict(sorted(out.items()))
+    def state(self, names: Iterable[str] | None = None) -> dict[str, pa.Table]:
+        return state(self.entries(names))
 
-    def _append(self, rows: pa.Table) -> None:
+    def append(self, make: Callable[[int], pa.Table | None]) -> int:
+        """Commit ``make(seq)``'s rows at ``seq`` = the version this commit creates.
+
+        Holds the registry's lease, so ``make`` sees every earlier commit (read
+        the registry inside it) and nobody commits in between. A failed commit
+        is retried with backoff :data:`COMMIT_ATTEMPTS` times, then one error.
+        Returns the seq (0: ``make`` had nothing to write).
+        """
         import lance
 
-        if not len(rows):
-            return
-        txn = uuid.uuid4().hex
-        rows = rows.set_column(
-            rows.schema.get_field_index("txn"), "txn", pa.array([txn] * len(rows), pa.string())
-        )
-        created = False
-        if self._open() is None:
-            try:
-                lance.write_dataset(
-                    REGISTRY_SCHEMA.empty_table(),
-                    self.uri,
-                    mode="create",
-                    storage_options=self.options,
-                )
-                created = True
-            except (OSError, ValueError):
-                pass  # created by someone else meanwhile
-        for _ in range(5):
-            lance.write_dataset(rows, self.uri, mode="append", storage_options=self.options)
-            # A creation racing another one can replace it, appends included: read back.
-            if not created or self._open().count_rows(filter=f"txn = '{txn}'") == len(rows):
-                return
-        raise ListError(f"{self.uri}: registry rows did not land after 5 appends")
-
-    def _rows(
-        self, name: str, ids: pa.Array, op: str, prov: Provenance | pa.Table, export: str
-    ) -> pa.Table:
-        n = len(ids)
-        if isinstance(prov, pa.Table):  # per-id provenance (a store carried into the registry)
-            at, command, reason = prov["added"], prov["command"], prov["reason"]
-        else:
-            at = pa.array([prov.at] * n, REGISTRY_SCHEMA.field("at").type)
-            command = pa.array([prov.command] * n, pa.string())
-            reason = pa.array([prov.reason] * n, pa.string())
-        return pa.table(
-            {
-                "list": pa.array([name] * n, pa.string()),
-                "id": ids,
-                "op": pa.array([op] * n, pa.string()),
-                "at": at,
-                "command": command,
-                "reason": reason,
-                "export": pa.array([export] * n, pa.string()),
-                "txn": pa.array([""] * n, pa.string()),
-            },
-            schema=REGISTRY_SCHEMA,
-        )
-
-    def record(
-        self, name: str, ids: pa.Array, mode: str, prov: Provenance, export: str
-    ) -> dict[str, int]:
-        """Log ``add`` / ``remove`` / ``replace`` (the list becomes exactly ``ids``)."""
-        current = self.effective([name]).get(name)
-        have = current["id"].combine_chunks() if current is not None else pa.array([], pa.string())
-        if mode == "add":
-            new, gone = ids.filter(pc.invert(pc.is_in(ids, value_set=have))), None
-        elif mode == "remove":
-            new, gone = None, ids.filter(pc.is_in(ids, value_set=have))
-        elif mode == "replace":
-            new = ids.filter(pc.invert(pc.is_in(ids, value_set=have)))
-            gone = have.filter(pc.invert(pc.is_in(have, value_set=ids)))
-        else:
-            raise ValueError(f"unknown mode {mode!r}")
-        parts = []
-        if new is not None and len(new):
-            parts.append(self._rows(name, new, "add", prov, export))
-        if gone is not None and len(gone):
-            parts.append(self._rows(name, gone, "remove", prov, export))
-        if parts:
-            self._append(pa.concat_tables(parts))  # one commit: a replace is atomic
-        return {
-            "added": 0 if new is None else len(new),
-            "removed": 0 if gone is None else len(gone),
-        }
-
-    def migrate(self, lists: Mapping[str, pa.Table], export: str) -> dict[str, int]:
-        """Record the ids of ``lists`` the log has never seen, with their own provenance.
-
-        Ids with any event are left alone: an explicit removal stays removed.
-        Returns {list: ids recorded}.
-        """
-        if not lists:
-            return {}
-        ev = self.events(sorted(lists))
-        parts, counts = [], {}
-        for name, t in sorted(lists.items()):
-            seen = ev.filter(pc.equal(ev["list"], name))["id"].combine_chunks()
-            fresh = t.filter(pc.invert(pc.is_in(t["id"], value_set=seen)))
-            fresh = fresh.combine_chunks()
-            if len(fresh):
-                parts.append(self._rows(name, fresh["id"], "add", fresh, export))
-            counts[name] = len(fresh)
-        if parts:
-            self._append(pa.concat_tables(parts))
-        return counts
-
-
-def _ref_path(root: str) -> str:
-    return storage.join(root, layout.LISTS_DIR, layout.LISTS_REF_NAME)
-
-
-def write_ref(root: str, reg: Registry) -> None:
-    body = json.dumps({"registry": reg.uri}, sort_keys=True).encode()
-    try:
-        if storage.read_bytes(_ref_path(root)) == body:
-            return
-    except FileNotFoundError:
-        pass
-    storage.write_bytes_atomic(_ref_path(root), body)
-
-
-def read_ref(root: str) -> Registry | None:
-    try:
-        obj = json.loads(storage.read_bytes(_ref_path(root)))
-    except FileNotFoundError:
-        return None
-    except ValueError as e:
+        last: Exception | None = None
+        with _lease(_registry_lease_path(self.uri), "skip-list registry writer") as lease:
+            for attempt in range(COMMIT_ATTEMPTS):
+                ds = self._open()
+                if ds is not None and "seq" not in ds.schema.names:
+                    self._convert(ds, lease)
+                    ds = self._open()
+                v = 0 if ds is None else ds.version
+                rows = make(v + 1)
+                if rows is None or not len(rows):
+                    return 0
+                rows = rows.replace_schema_metadata(None).cast(LOG_SCHEMA)
+                lease.check()  # fenced: no commit after the lease was lost
+                try:
+                    if ds is None:
+                        schema = LOG_SCHEMA.with_metadata({"prx.table_id": self.table_id})
+                        lance.write_dataset(
+                            rows.cast(schema), self.uri, mode="create", storage_options=self.options
+                        )
+                    else:
+                        lance.write_dataset(
+                            rows, self.uri, mode="append", storage_options=self.options
+                        )
+                except (OSError, ValueError, RuntimeError) as e:
+                    last = e
+                    time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+                    continue
+                got = self.head()
+                if got != v + 1:
+                    raise ListError(
+                        f"{self.uri}: another writer committed without the registry's lease "
+                        f"(version {got}, expected {v + 1}); stop it and run this again"
+                    )
+                return v + 1
         raise ListError(
-            f"{_ref_path(root)}: unreadable ({e}); delete it and pass --table"
-        ) from None
-    uri = obj.get("registry") if isinstance(obj, dict) else None
-    if not isinstance(uri, str) or not uri.endswith(".lists.lance"):
-        raise ListError(f"{_ref_path(root)}: names no registry; delete it and pass --table")
-    return Registry(uri)
-
-
-def registry_for(root: str, table: str | None = None, *, export_only: bool = False):
-    """The registry the export at ``root`` references (None: the export names no table).
-
-    The export's ``_lists/registry`` wins; else ``table``; else the table of the
-    export's pinned config, which must exist (a relative path is read from here).
-    """
-    if export_only:
-        return None
-    ref = read_ref(root)
-    if ref is not None:
-        return ref
-    if table:
-        return Registry.for_table(table)
-    try:
-        cfg = json.loads(storage.read_bytes(storage.join(root, *layout.CONFIG_NAME.split("/"))))
-    except (FileNotFoundError, ValueError):
-        return None
-    source = cfg.get("table") if isinstance(cfg, dict) else None
-    if not isinstance(source, str):
-        return None
-    if not storage.exists(source):
-        raise ListError(
-            f"{root} was exported from table {source!r}, which is not found from here, so the "
-            "list cannot be recorded in that table's registry: pass --table URI (where the table "
-            "lives now), or --export-only to change only this export"
+            f"{self.uri}: the registry commit failed {COMMIT_ATTEMPTS} times ({last}); nothing "
+            "of this request was recorded, run it again"
         )
-    return Registry.for_table(source)
+
+    def _convert(self, ds, lease: Lease) -> None:
+        """Rewrite a registry from before commit ordering as its current state (one commit)."""
+        import lance
+
+        old = _legacy_entries(ds, None)
+        seq = ds.version + 1
+        rows = state(old)
+        parts = [
+            log_rows(n, t["id"], ADD, t, seq=seq, base=seq, kind=REGISTRY, export="")
+            for n, t in rows.items()
+        ]
+        schema = LOG_SCHEMA.with_metadata({"prx.table_id": self.table_id})
+        lease.check()
+        lance.write_dataset(
+            _concat(parts).cast(schema), self.uri, mode="overwrite", storage_options=self.options
+        )
+        log.warning("%s: converted to the commit-ordered log (%d lists)", self.uri, len(rows))
+
+
+def _legacy_entries(ds, names) -> pa.Table:
+    """A registry from before commit ordering: its state by its own (clock) rule, as seq 0."""
+    t = ds.to_table(filter=_names_filter(names))
+    if not len(t):
+        return LOG_SCHEMA.empty_table()
+    rank = pc.if_else(pc.equal(t["op"], ADD), 1, 0)
+    order = pa.table({"list": t["list"], "id": t["id"], "at": t["at"], "rank": rank})
+    order = order.append_column("i", pa.array(np.arange(len(t))))
+    order = order.sort_by([("at", "ascending"), ("rank", "descending")])
+    # Position in clock order becomes seq, which is what the old rule meant.
+    idx = order["i"].to_numpy()
+    seq = np.empty(len(t), np.int64)
+    seq[idx] = -np.arange(len(t), 0, -1)  # all older than any commit-ordered entry
+    n = len(t)
+    return pa.table(
+        {
+            "seq": pa.array(seq),
+            "base": pa.array(seq),
+            "kind": pa.array(np.zeros(n, np.int8)),
+            "list": t["list"],
+            "id": t["id"],
+            "op": t["op"],
+            "at": t["at"],
+            "command": t["command"],
+            "reason": t["reason"],
+            "export": t["export"],
+            "host": pa.array([""] * n, pa.string()),
+        },
+        schema=LOG_SCHEMA,
+    )
 
 
 # --- the export's store ----------------------------------------------------------------------
@@ -453,157 +568,359 @@ def write_store_list(root: str, name: str, table: pa.Table | None) -> None:
     storage.write_bytes_atomic(path, buf.getvalue())
 
 
-# --- the lock -------------------------------------------------------------------------------
+# --- the export's side: its state, its own log, its registry ---------------------------------
 
 
-class ListsLock:
-    """Serialises read-merge-write of one export's lists (a context manager)."""
+def _lists_dir(root: str) -> str:
+    path = storage.join(root, layout.LISTS_DIR)
+    if not storage.is_remote(root) and os.path.islink(path):
+        raise ListError(
+            f"{path} is a symbolic link; the skip-list store must be a real directory inside "
+            "the export: replace the link with a copy of what it points to"
+        )
+    return path
 
-    def __init__(self, root: str, *, timeout_s: float = LOCK_TIMEOUT_S, ttl_s: float = LEASE_TTL_S):
-        self.root = root
-        self.timeout_s = timeout_s
-        self.ttl_s = ttl_s
-        self._fd: int | None = None
-        self._s3 = None
-        self._etag: str | None = None
-        self._owner = uuid.uuid4().hex
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.lost: str | None = None
 
-    def __enter__(self) -> ListsLock:
-        if not storage.is_remote(self.root):
-            self._acquire_local()
-        elif self.root.startswith("s3://"):
-            self._acquire_s3()
-        return self
+def _state_path(root: str) -> str:
+    return storage.join(_lists_dir(root), layout.LISTS_REF_NAME)
 
-    def __exit__(self, *exc) -> None:
-        self.release()
 
-    def _acquire_local(self) -> None:
-        import errno
-        import fcntl
+@dataclass
+class ExportState:
+    """``_lists/registry``: which table the export's lists come from and up to where."""
 
-        d = os.path.join(self.root, layout.LISTS_DIR)
-        os.makedirs(d, exist_ok=True)
-        fd = os.open(os.path.join(d, layout.LISTS_LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as e:
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    os.close(fd)
-                    raise
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    raise ListError(
-                        f"{self.root}: another skip-list update held the lock for "
-                        f"{self.timeout_s:.0f} s; try again when it has finished"
-                    ) from None
-                time.sleep(0.02 + random.random() * 0.03)
-        self._fd = fd
+    table_id: str | None = None
+    #: The table's canonical URI, and (local exports) its path relative to the export.
+    table: str | None = None
+    table_rel: str | None = None
+    #: The registry version and the last export-only seq the lists are materialised at.
+    position: int = 0
+    local: int = 0
+    #: {list: where its ids come from} as materialised.
+    lists: dict[str, str] = field(default_factory=dict)
+    format: int = STATE_FORMAT
 
-    # S3: a lease object created with If-None-Match and refreshed with If-Match.
-    def _key(self) -> tuple[str, str]:
-        from urllib.parse import urlparse
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__, sort_keys=True).encode()
 
-        p = urlparse(self.root)
-        key = f"{p.path.strip('/')}/{layout.LISTS_DIR}/{layout.LISTS_LOCK_NAME}".lstrip("/")
-        return p.netloc, key
 
-    def _body(self) -> bytes:
-        info = {
-            "owner": self._owner,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "expires": time.time() + self.ttl_s,
+def read_state(root: str) -> ExportState | None:
+    """The export's list state (None: none; ``format`` 1: written before the log, a hint only)."""
+    try:
+        obj = json.loads(storage.read_bytes(_state_path(root)))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise ListError(
+            f"{_state_path(root)}: unreadable ({e}); delete it and pass --table"
+        ) from None
+    if not isinstance(obj, dict):
+        raise ListError(f"{_state_path(root)}: not a list state; delete it and pass --table")
+    if obj.get("format") != STATE_FORMAT:
+        return ExportState(format=1)  # an old reference ({"registry": path}): never trusted
+    st = ExportState()
+    for k, typ in (("table_id", str), ("table", str), ("table_rel", str)):
+        v = obj.get(k)
+        setattr(st, k, v if isinstance(v, typ) else None)
+    for k in ("position", "local"):
+        v = obj.get(k)
+        setattr(st, k, v if isinstance(v, int) and v >= 0 else 0)
+    lists = obj.get("lists")
+    st.lists = {str(k): str(v) for k, v in lists.items()} if isinstance(lists, dict) else {}
+    return st
+
+
+def write_state(root: str, st: ExportState) -> None:
+    storage.write_bytes_atomic(_state_path(root), st.to_json())
+
+
+def _local_path(root: str) -> str:
+    return storage.join(_lists_dir(root), LOCAL_LOG_NAME)
+
+
+def read_local(root: str) -> pa.Table:
+    """The export's own (export-only) entries."""
+    path = _local_path(root)
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        return LOG_SCHEMA.empty_table()
+    try:
+        return pq.read_table(io.BytesIO(data)).select(LOG_SCHEMA.names).cast(LOG_SCHEMA)
+    except (pa.ArrowException, KeyError, ValueError) as e:
+        raise ListError(f"{path}: unreadable export-only list log ({e})") from None
+
+
+def _write_local(root: str, t: pa.Table) -> None:
+    buf = io.BytesIO()
+    pq.write_table(t.cast(LOG_SCHEMA), buf, compression="zstd")
+    storage.write_bytes_atomic(_local_path(root), buf.getvalue())
+
+
+def _append_local(root: str, lease: Lease, rows: Callable[[int], pa.Table]) -> int:
+    """Append export-only entries at the next local seq (the export's lease is held)."""
+    have = read_local(root)
+    seq = int(pc.max(have["seq"]).as_py() or 0) + 1 if len(have) else 1
+    new = rows(seq)
+    if not len(new):
+        return 0
+    lease.check()
+    _write_local(root, _concat([have, new]))
+    return seq
+
+
+def export_lease(root: str) -> ExportLock:
+    """The export's lease (the same one export runs hold), waited for by list updates."""
+    _lists_dir(root)
+    return ExportLock(root, wait_s=LOCK_TIMEOUT_S, what="skip-list update or export run")
+
+
+def _candidates(root: str, st: ExportState | None) -> list[str]:
+    out = []
+    if st is not None and st.table_rel and not storage.is_remote(root):
+        out.append(os.path.normpath(os.path.join(root, st.table_rel)))
+    if st is not None and st.table:
+        out.append(st.table)
+    cfg_table = table_of(root)
+    if cfg_table:
+        out.append(cfg_table)
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+def resolve(
+    root: str, table: str | None = None, *, export_only: bool = False, strict: bool = True
+) -> Registry | None:
+    """The registry the export's lists are recorded in (None: export-only).
+
+    ``table`` always wins (an export that recorded another table's identity is
+    refused). Otherwise a path the export recorded counts only when the table
+    there has the identity the export recorded; an export that names a table
+    which is not found is refused when ``strict`` (writes: pass ``--table`` or
+    ``--export-only``) and export-only otherwise. An export that names no table
+    (made without one, or received without its identity) is export-only.
+    """
+    if export_only:
+        return None
+    st = read_state(root) if storage.exists(root) else None
+    recorded = st.table_id if st is not None else None
+    if table:
+        tid = table_identity(table)
+        if recorded and recorded != tid:
+            raise ListError(
+                f"{root} holds the lists of another table (identity {recorded}; {table} is "
+                f"{tid}); pass the table it was exported from, or --export-only"
+            )
+        return Registry(table, tid)
+    names = _candidates(root, st)
+    if recorded:
+        for c in names:
+            if read_table_id(c) == recorded:
+                return Registry(c, recorded)
+    if not names:
+        return None
+    if not strict:
+        log.warning("%s: its table is not found with its identity; lists are export-only", root)
+        return None
+    why = (
+        f"was exported from table {recorded} (last seen at {names[0]}), which is not found there"
+        if recorded
+        else f"names table {names[0]} but records no identity of it (written before tables had "
+        "one, or received from elsewhere)"
+    )
+    raise ListError(
+        f"{root} {why}, so the change cannot be recorded in its registry: pass --table URI "
+        "(where the table lives now), or --export-only to change only this export"
+    )
+
+
+def _bind_state(root: str, reg: Registry) -> ExportState:
+    st = read_state(root)
+    st = ExportState() if st is None or st.format != STATE_FORMAT else st
+    st.table_id, st.table = reg.table_id, reg.table
+    st.table_rel = (
+        os.path.relpath(reg.table, os.path.realpath(root))
+        if not storage.is_remote(root) and not storage.is_remote(reg.table)
+        else None
+    )
+    return st
+
+
+# --- the materialisation ----------------------------------------------------------------------
+
+
+def _sidecar_names(root: str) -> set[str]:
+    names: set[str] = set()
+    if not storage.exists(root):
+        return names
+    for bucket in layout.list_buckets(root):
+        names |= set(SL.list_sidecars(root, bucket, layout.read_index(root, bucket)))
+    return names
+
+
+def _unlogged(root: str, st: ExportState | None, drop=()) -> dict[str, pa.Table]:
+    """Lists the log does not know: held only in sidecars, or in a store from before the log."""
+    if not storage.exists(root):
+        return {}
+    local_lists = set(pc.unique(read_local(root)["list"]).to_pylist())
+    forms = _sidecar_names(root)
+    if st is None or st.format != STATE_FORMAT:
+        forms |= set(store_names(root))
+        known: set[str] = set()
+    else:
+        known = set(st.lists)  # a materialised export's stores are derived, not a source
+    unknown = forms - known - local_lists - set(drop)
+    if not unknown:
+        return {}
+    found = collect(root, drop=set(drop) | (forms - unknown))
+    return {n: t for n, t in sorted(found.items()) if n in unknown and len(t)}
+
+
+def _import_rows(found: Mapping[str, pa.Table], seq: int, root: str) -> pa.Table:
+    return _concat(
+        [
+            log_rows(n, t["id"], ADD, t, seq=seq, base=-1, kind=EXPORT_ONLY, export=root)
+            for n, t in sorted(found.items())
+        ]
+    )
+
+
+def _import_unlogged(root: str, lease: Lease, drop=()) -> int:
+    """Record lists the log does not know as export-only adds with ``base = -1``: older than
+    every registry entry, so the log decides wherever it holds anything about an id."""
+    found = _unlogged(root, read_state(root), drop)
+    if found:
+        _append_local(root, lease, lambda seq: _import_rows(found, seq, root))
+        log.warning("%s: recorded list(s) the log did not hold yet: %s", root, sorted(found))
+    return len(found)
+
+
+def _export_entries(
+    root: str, reg: Registry | None, names: Iterable[str] | None, upto: int | None = None
+) -> tuple[pa.Table, int]:
+    """(entries that decide the export's lists, the registry position they stand for).
+
+    Without a reachable registry, an export that was materialised from one keeps
+    what it holds: its stores stand for the registry at the recorded position.
+    """
+    st = read_state(root)
+    st = None if st is None or st.format != STATE_FORMAT else st
+    local = read_local(root)
+    if names is not None:
+        want = pa.array(sorted(set(names)), pa.string())
+        local = local.filter(pc.is_in(local["list"], value_set=want))
+    if reg is not None:
+        head = reg.head() if upto is None else upto
+        got = reg.entries(names, upto=head) if head else LOG_SCHEMA.empty_table()
+        return _concat([got, local]), head
+    if st is None or not st.table_id:
+        return local, st.position if st else 0
+    p = st.position
+    snap = [
+        log_rows(n, t["id"], ADD, t, seq=p, base=p, kind=REGISTRY, export=root)
+        for n in store_names(root)
+        if (names is None or n in set(names)) and (t := read_store_list(root, n)) is not None
+    ]
+    return _concat([*snap, local]), p
+
+
+def _samples_total(root: str) -> int:
+    return sum(s.samples for b in layout.list_buckets(root) for s in layout.read_index(root, b))
+
+
+def materialise(
+    root: str,
+    reg: Registry | None,
+    lease: Lease,
+    *,
+    names: Iterable[str] | None = None,
+    full: bool = False,
+) -> dict[str, dict]:
+    """Make the export's lists the state of the log (registry up to its head, and the export's
+    own entries); the export's ``lease`` must be held. Touches the lists changed since the
+    recorded position, ``names``, and (``full``) every list. Returns
+    ``{list: {ids, samples, shards, share, source}}`` for the lists it wrote."""
+    st = read_state(root)
+    if reg is not None:
+        st = _bind_state(root, reg)
+    elif st is None or st.format != STATE_FORMAT:
+        st = ExportState()
+    head = reg.head() if reg is not None else st.position
+    local = read_local(root)
+    local_seq = int(pc.max(local["seq"]).as_py() or 0) if len(local) else 0
+    if full or (not st.lists and not names):
+        touched = None
+    else:
+        touched = set(names or ())
+        if reg is not None:
+            touched |= reg.touched(st.position, head)
+        if local_seq > st.local:
+            newer = local.filter(pc.greater(local["seq"], st.local))
+            touched |= set(pc.unique(newer["list"]).to_pylist())
+    entries, head = _export_entries(root, reg, touched, upto=head)
+    lists = state(entries)
+    where = sources(entries)
+    if touched is None:
+        # Every list any form of the export holds: those the log emptied are cleared.
+        touched = set(lists) | set(st.lists) | set(store_names(root)) | _sidecar_names(root)
+    bound = bind(root, {n: t["id"].combine_chunks() for n, t in lists.items()})
+    total = _samples_total(root)
+    report: dict[str, dict] = {}
+    for n in sorted(touched):
+        lease.check()  # fenced: nothing is written after the lease was lost
+        t = lists.get(n)
+        write_store_list(root, n, t)
+        positions = bound[n].positions if t is not None else {}
+        w = write_sidecars(root, n, positions, replace=True, lock=lease)
+        if t is not None:
+            st.lists[n] = where.get(n, "")
+            samples = bound[n].samples
+            report[n] = {
+                "ids": len(t),
+                "samples": samples,
+                "shards": w["shards_written"],
+                "share": round(samples / total, 6) if total else 0.0,
+                "source": st.lists[n],
+            }
+        else:
+            st.lists.pop(n, None)
+    st.position, st.local = head, max(st.local, local_seq)
+    lease.check()
+    write_state(root, st)
+    return report
+
+
+def applied(root: str) -> dict[str, dict]:
+    """{list: {ids, samples, share, source}} of every list the export holds now."""
+    st = read_state(root)
+    total = _samples_total(root)
+    out = {}
+    stats = SL.skip_stats(root)
+    for n in store_names(root):
+        t = read_store_list(root, n)
+        samples = sum(r.skipped for r in stats.get(n, []))
+        out[n] = {
+            "ids": 0 if t is None else len(t),
+            "samples": samples,
+            "share": samples / total if total else 0.0,
+            "source": (st.lists.get(n, "") if st is not None else "") or "sidecars",
         }
-        return json.dumps(info, sort_keys=True).encode()
+    return out
 
-    def _put(self, **cond) -> str | None:
-        from botocore.exceptions import ClientError
 
-        bucket, key = self._key()
-        try:
-            r = self._s3.put_object(Bucket=bucket, Key=key, Body=self._body(), **cond)
-        except ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return None
-            raise
-        return r["ETag"]
-
-    def _get(self) -> tuple[dict, str] | None:
-        from botocore.exceptions import ClientError
-
-        bucket, key = self._key()
-        try:
-            r = self._s3.get_object(Bucket=bucket, Key=key)
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise
-        try:
-            info = json.loads(r["Body"].read())
-        except ValueError:
-            info = {}
-        return (info if isinstance(info, dict) else {}), r["ETag"]
-
-    def _acquire_s3(self) -> None:
-        self._s3 = storage.s3_client()
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            got = self._get()
-            if got is None:
-                etag = self._put(IfNoneMatch="*")
-            elif got[0].get("expires", 0) < time.time():  # its holder died: take it over
-                etag = self._put(IfMatch=got[1])
-            else:
-                etag = None
-            if etag is not None:
-                self._etag = etag
-                break
-            if time.monotonic() > deadline:
-                raise ListError(
-                    f"{self.root}: another skip-list update holds the lease "
-                    f"({got[0] if got else {}}); try again when it has finished"
-                )
-            time.sleep(0.05 + random.random() * 0.15)
-        self._thread = threading.Thread(target=self._beat, name="lists-lease", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
-            try:
-                etag = self._put(IfMatch=self._etag)
-            except Exception:  # noqa: BLE001 - transient: the next beat retries
-                continue
-            if etag is None:
-                self.lost = "another update took the lease over"
-                return
-            self._etag = etag
-
-    def check(self) -> None:
-        if self.lost:
-            raise ListError(f"{self.root}: lost the skip-list lease ({self.lost}); run it again")
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock; the file stays (no inode race)
-            self._fd = None
-        if self._s3 is not None:
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join(timeout=10)
-            got = self._get()
-            if got is not None and got[0].get("owner") == self._owner:
-                bucket, key = self._key()
-                self._s3.delete_object(Bucket=bucket, Key=key)
-            self._s3 = None
+def share_warning(name: str, share: float, root: str) -> str | None:
+    """The warning for a list that leaves out more than :data:`WARN_SHARE` of an export."""
+    if share <= WARN_SHARE:
+        return None
+    return (
+        f"warning: list {name!r} leaves out {100 * share:.1f}% of {root} (above "
+        f"{100 * WARN_SHARE:.0f}%); if it came from a trial, undo it with: python -m "
+        f"prx_data.skips remove {root} {name}"
+    )
 
 
 # --- binding ids to shards --------------------------------------------------------------------
@@ -815,7 +1132,7 @@ def write_sidecars(
     positions: Mapping[tuple[str, str], np.ndarray],
     *,
     replace: bool,
-    lock: ListsLock | None = None,
+    lock: Lease | None = None,
 ) -> dict[str, int]:
     """Write the list's sidecars; ``replace`` also deletes its sidecars on other shards."""
     if lock is not None:
@@ -838,91 +1155,6 @@ def write_sidecars(
         "samples_listed": res.samples_listed,
         "stale": stale,
     }
-
-
-# --- operations on one export -----------------------------------------------------------------
-
-
-@dataclass
-class ListUpdate:
-    """What one add / remove / replace did."""
-
-    name: str
-    export: str
-    ids_requested: int
-    #: Ids the list holds afterwards (in this export's store).
-    ids_in_list: int
-    #: Requested ids that are in no manifest of this export (kept in the list all the same).
-    ids_not_in_export: int
-    missing_ids: list[str]
-    shards_written: int
-    samples_listed: int
-    stale_sidecars_removed: int = 0
-    #: The registry the update was recorded in (None: the export names no table).
-    registry: str | None = None
-    registry_changes: dict[str, int] = field(default_factory=dict)
-
-
-def update_list(
-    root: str,
-    name: str,
-    ids: Iterable[str] | pa.Array,
-    prov: Provenance,
-    *,
-    mode: str = "add",
-    table: str | None = None,
-    export_only: bool = False,
-    registry: Registry | None = None,
-) -> ListUpdate:
-    """Add ids to / remove ids from / replace the list ``name``: registry, store, sidecars.
-
-    The registry is written first, so a failure after it still keeps the ids
-    out of later exports; then, under :class:`ListsLock`, the export's store is
-    merged and the sidecars derived from it.
-    """
-    SL.validate_name(name)
-    if mode not in ("add", "remove", "replace"):
-        raise ValueError(f"unknown mode {mode!r}")
-    ids = _unique_ids(ids)
-    reg = registry or registry_for(root, table, export_only=export_only)
-    changes = reg.record(name, ids, mode, prov, root) if reg is not None else {}
-    with ListsLock(root) as lock:
-        if reg is not None:
-            write_ref(root, reg)
-        old = read_store_list(root, name)
-        if mode == "add":
-            new = merge_store(old, store_table(ids, prov))
-            bound = bind(root, {name: ids}, want_missing=[name])[name]
-        elif mode == "remove":
-            new = None
-            if old is not None:
-                new = old.filter(pc.invert(pc.is_in(old["id"], value_set=ids)))
-            keep = new["id"].combine_chunks() if new is not None else pa.array([], pa.string())
-            bound = bind(root, {name: keep})[name]
-        else:
-            fresh = store_table(ids, prov)
-            if old is not None:  # an id that stays keeps its first provenance
-                kept = old.filter(pc.is_in(old["id"], value_set=ids))
-                fresh = merge_store(kept, fresh)
-            new = fresh
-            bound = bind(root, {name: ids}, want_missing=[name])[name]
-        lock.check()
-        write_store_list(root, name, new)
-        w = write_sidecars(root, name, bound.positions, replace=mode != "add", lock=lock)
-    missing = bound.missing.to_pylist() if bound.missing is not None else []
-    return ListUpdate(
-        name=name,
-        export=root,
-        ids_requested=len(ids),
-        ids_in_list=len(new) if new is not None else 0,
-        ids_not_in_export=len(missing),
-        missing_ids=missing,
-        shards_written=w["shards_written"],
-        samples_listed=w["samples_listed"],
-        stale_sidecars_removed=w["stale"],
-        registry=reg.uri if reg is not None else None,
-        registry_changes=changes,
-    )
 
 
 def collect(root: str, *, drop: Iterable[str] = ()) -> dict[str, pa.Table]:
@@ -988,61 +1220,6 @@ def _sidecar_provenance(root: str) -> Provenance:
     return Provenance(command="sidecars", reason=f"recovered from the sidecars of {root}")
 
 
-def sync_lists(
-    root: str,
-    registry: Registry | None,
-    *,
-    carried: Mapping[str, pa.Table] | None = None,
-    skip: Iterable[str] = (),
-) -> dict[str, dict[str, int]]:
-    """Give the tree at ``root`` every list: the registry's and ``carried``, minus ``skip``.
-
-    ``carried`` (a source tree's lists) is recorded in the registry first
-    (:meth:`Registry.migrate`: only ids it never saw), so the registry's view
-    wins and explicit removals stay removed. Every list's store file is
-    written and its sidecars derived (replacing what was there). Returns
-    ``{list: {"ids", "samples", "shards"}}`` for the report.
-    """
-    skip = set(skip)
-    carried = dict(carried or {})
-    if registry is not None:
-        if carried:
-            registry.migrate(carried, root)
-        lists = registry.effective()  # ids the registry saw removed stay out
-    else:
-        lists = carried
-    lists = {n: t for n, t in lists.items() if n not in skip and t is not None and len(t)}
-    bound = bind(root, {n: t["id"].combine_chunks() for n, t in lists.items()})
-    report: dict[str, dict[str, int]] = {}
-    with ListsLock(root) as lock:
-        if registry is not None:
-            write_ref(root, registry)
-        for n in store_names(root):
-            if n not in lists:
-                write_store_list(root, n, None)
-        for n, t in sorted(lists.items()):
-            lock.check()
-            write_store_list(root, n, t)
-            w = write_sidecars(root, n, bound[n].positions, replace=True, lock=lock)
-            report[n] = {
-                "ids": len(t),
-                "samples": bound[n].samples,
-                "shards": w["shards_written"],
-            }
-    return report
-
-
-def list_ids(root: str, name: str, *, export_only: bool = False) -> pa.Array:
-    """Every id of list ``name``: the export's store and (unless ``export_only``) its registry."""
-    got = [t["id"].combine_chunks() for t in [read_store_list(root, name)] if t is not None]
-    reg = registry_for(root, export_only=export_only)
-    if reg is not None:
-        t = reg.effective([name]).get(name)
-        if t is not None:
-            got.append(t["id"].combine_chunks())
-    return _unique_ids(pa.concat_arrays(got)) if got else pa.array([], pa.string())
-
-
 def table_of(root: str) -> str | None:
     """The table an export was made from (its pinned config, or a rewrite's report)."""
     for name in (layout.CONFIG_NAME, REPORT_NAME):
@@ -1056,24 +1233,247 @@ def table_of(root: str) -> str | None:
     return None
 
 
-def lists_text(lists: Mapping[str, Mapping[str, int]]) -> list[str]:
-    return [
-        f"  {n}: {v['ids']:,} ids, {v['samples']:,} samples skipped in {v['shards']} shards"
-        for n, v in lists.items()
-    ]
+# --- operations -------------------------------------------------------------------------------
+
+
+@dataclass
+class ListUpdate:
+    """What one add / remove / replace did."""
+
+    name: str
+    export: str
+    ids_requested: int
+    #: Ids the list holds afterwards in this export.
+    ids_in_list: int
+    #: Requested ids that are in no manifest of this export (kept in the list all the same).
+    ids_not_in_export: int
+    missing_ids: list[str]
+    shards_written: int
+    samples_listed: int
+    stale_sidecars_removed: int = 0
+    #: The registry the update was recorded in (None: only this export).
+    registry: str | None = None
+    registry_changes: dict[str, int] = field(default_factory=dict)
+    #: Share of the export's samples the list leaves out, and the warning above WARN_SHARE.
+    share: float = 0.0
+    warning: str | None = None
+
+
+def _view(root: str, reg: Registry | None, name: str) -> pa.Array:
+    """The ids list ``name`` holds for this export now (the log's state)."""
+    entries, _ = _export_entries(root, reg, [name])
+    t = state(entries).get(name)
+    return t["id"].combine_chunks() if t is not None else pa.array([], pa.string())
+
+
+def _quiet_resolve(root: str) -> Registry | None:
+    try:
+        return resolve(root, strict=False)
+    except ListError:
+        return None
+
+
+def _change_rows(
+    name: str, ids: pa.Array, mode: str, have: pa.Array, prov: Provenance, **kw
+) -> pa.Table:
+    """Entries that make the list ``mode`` ``ids`` given what it holds (``have``)."""
+    if mode == "add":
+        return log_rows(name, ids, ADD, prov, **kw)
+    if mode == "remove":
+        return log_rows(name, ids, REMOVE, prov, **kw)
+    gone = have.filter(pc.invert(pc.is_in(have, value_set=ids)))
+    return _concat([log_rows(name, gone, REMOVE, prov, **kw), log_rows(name, ids, ADD, prov, **kw)])
+
+
+def update_list(
+    root: str,
+    name: str,
+    ids: Iterable[str] | pa.Array | None,
+    prov: Provenance,
+    *,
+    mode: str = "add",
+    table: str | None = None,
+    export_only: bool = False,
+    registry: Registry | None = None,
+) -> ListUpdate:
+    """Add ids to / remove ids from / replace the list ``name``, then materialise the export.
+
+    ``mode="remove"`` with ``ids=None`` removes the whole list (every id it
+    holds for this export). Everything happens under the export's lease: the
+    entry goes to the registry (or, ``export_only``, to the export's own log),
+    and the export's lists are materialised from the log read afterwards.
+    """
+    SL.validate_name(name)
+    if mode not in ("add", "remove", "replace"):
+        raise ValueError(f"unknown mode {mode!r}")
+    whole = ids is None
+    req = None if whole else _unique_ids(ids)
+    with export_lease(root) as lease:
+        reg = registry if registry is not None else resolve(root, table, export_only=export_only)
+        view = reg if reg is not None else _quiet_resolve(root)  # what materialises the export
+        _import_unlogged(root, lease)
+        if reg is not None:
+
+            def make(seq: int) -> pa.Table:
+                have = _view(root, reg, name)  # under the registry's lease: nobody commits between
+                return _change_rows(
+                    name,
+                    have if whole else req,
+                    mode,
+                    have,
+                    prov,
+                    seq=seq,
+                    base=seq,
+                    kind=REGISTRY,
+                    export=root,
+                )
+
+            changes = {"seq": reg.append(make)}
+        else:
+            st = read_state(root)
+            base = view.head() if view is not None else (st.position if st else 0)
+
+            def rows(seq: int) -> pa.Table:
+                have = _view(root, view, name)
+                return _change_rows(
+                    name,
+                    have if whole else req,
+                    mode,
+                    have,
+                    prov,
+                    seq=seq,
+                    base=base,
+                    kind=EXPORT_ONLY,
+                    export=root,
+                )
+
+            changes = {"local_seq": _append_local(root, lease, rows)}
+        done = materialise(root, view, lease, names=[name])
+        missing: list[str] = []
+        if mode != "remove" and req is not None and len(req):
+            b = bind(root, {name: req}, want_missing=[name])[name]
+            missing = b.missing.to_pylist() if b.missing is not None else []
+    requested = 0 if req is None else len(req)
+    r = done.get(name, {"ids": 0, "samples": 0, "shards": 0, "share": 0.0})
+    return ListUpdate(
+        name=name,
+        export=root,
+        ids_requested=requested,
+        ids_in_list=r["ids"],
+        ids_not_in_export=len(missing),
+        missing_ids=missing,
+        shards_written=r["shards"],
+        samples_listed=r["samples"],
+        registry=reg.uri if reg is not None else None,
+        registry_changes=changes,
+        share=r["share"],
+        warning=share_warning(name, r["share"], root),
+    )
+
+
+def sync(root: str, table: str | None = None, *, drop: Iterable[str] = ()) -> dict[str, dict]:
+    """Materialise every list of the export from the log (``skips sync``); idempotent.
+
+    Reads the log after taking the export's lease. A list the log emptied
+    leaves the export in every form (store and sidecars).
+    """
+    with export_lease(root) as lease:
+        reg = resolve(root, table, strict=table is not None)
+        _import_unlogged(root, lease, drop)
+        return materialise(root, reg, lease, full=True)
+
+
+def carry(src: str, reg: Registry, *, drop: Iterable[str] = ()) -> int:
+    """Record ``src``'s export-only entries (and lists the log does not hold yet) in ``reg``,
+    each where the registry holds nothing newer for that id. Returns the entries carried."""
+    found = _unlogged(src, read_state(src), drop)
+    local = _concat([read_local(src), _import_rows(found, 0, src) if found else None])
+    drop = set(drop)
+    if drop:
+        local = local.filter(pc.invert(pc.is_in(local["list"], value_set=pa.array(sorted(drop)))))
+    last = latest(local)
+    if not len(last):
+        return 0
+    names = sorted(pc.unique(last["list"]).to_pylist())
+    counted: dict[str, int] = {}
+
+    def make(seq: int) -> pa.Table:
+        theirs = latest(reg.entries(names)).select(["list", "id", "seq"])
+        theirs = theirs.rename_columns(["list", "id", "rseq"])
+        j = last.join(theirs, keys=["list", "id"], join_type="left outer")
+        newer = j.filter(pc.or_kleene(pc.is_null(j["rseq"]), pc.less_equal(j["rseq"], j["base"])))
+        n = len(newer)
+        out = newer.drop_columns(["rseq"])
+        for col, val in (("seq", seq), ("base", seq)):
+            out = out.set_column(out.schema.get_field_index(col), col, pa.array(np.full(n, val)))
+        kind = pa.array(np.full(n, REGISTRY, np.int8))
+        out = out.set_column(out.schema.get_field_index("kind"), "kind", kind)
+        counted["n"] = n
+        return out.select(LOG_SCHEMA.names).cast(LOG_SCHEMA)
+
+    reg.append(make)
+    return counted.get("n", 0)
+
+
+def snapshot_local(src: str, dst: str, lease: Lease, *, drop: Iterable[str] = ()) -> None:
+    """Give ``dst`` (a new tree without a registry) ``src``'s lists as its own entries."""
+    entries, _ = _export_entries(src, None, None)
+    found = _unlogged(src, read_state(src), drop)
+    lists = state(_concat([entries, _import_rows(found, 0, src) if found else None]))
+    lists = {n: t for n, t in lists.items() if n not in set(drop)}
+    if lists:
+        _append_local(dst, lease, lambda seq: _import_rows(lists, seq, src))
+
+
+def remove_list(reg: Registry, name: str, prov: Provenance) -> int:
+    """Remove every id of list ``name`` from the registry (``write_mds --drop-list``)."""
+    SL.validate_name(name)
+
+    def make(seq: int) -> pa.Table:
+        t = reg.state([name]).get(name)
+        if t is None:
+            return LOG_SCHEMA.empty_table()
+        return log_rows(name, t["id"], REMOVE, prov, seq=seq, base=seq, kind=REGISTRY, export="")
+
+    return reg.append(make)
+
+
+def lists_of(root: str, reg: Registry | None, *, drop: Iterable[str] = ()) -> dict[str, pa.Table]:
+    """{list: ids} the export holds by the log's state, with lists the log does not hold yet
+    (raises :class:`UncarriableList` for one whose ids cannot be recovered, unless dropped)."""
+    entries, _ = _export_entries(root, reg, None)
+    found = _unlogged(root, read_state(root), drop)
+    lists = state(_concat([entries, _import_rows(found, 0, root) if found else None]))
+    return {n: t for n, t in lists.items() if n not in set(drop)}
+
+
+def list_ids(root: str, name: str, *, export_only: bool = False) -> pa.Array:
+    """Every id list ``name`` holds for the export (its log's state)."""
+    return _view(root, None if export_only else _quiet_resolve(root), name)
+
+
+def lists_text(lists: Mapping[str, Mapping]) -> list[str]:
+    out = []
+    for n, v in lists.items():
+        line = f"  {n}: {v['ids']:,} ids, {v['samples']:,} samples skipped in {v['shards']} shards"
+        if "share" in v:
+            line += f" ({100 * v['share']:.1f}% of the export; from {v.get('source') or '?'})"
+        out.append(line)
+    return out
 
 
 __all__ = [
     "ListError",
     "ListUpdate",
-    "ListsLock",
     "Provenance",
     "Registry",
     "UncarriableList",
     "bind",
+    "carry",
     "collect",
-    "registry_for",
+    "materialise",
     "registry_uri",
-    "sync_lists",
+    "resolve",
+    "sync",
     "update_list",
 ]

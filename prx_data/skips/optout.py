@@ -121,6 +121,9 @@ class OptOutReport:
     registry: str | None = None
     #: Ids the list holds, in this export and not (later exports of the table skip them all).
     ids_in_list: int = 0
+    #: Share of the export this list leaves out, and the warning when it is above 10 %.
+    share: float = 0.0
+    warning: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,6 +148,8 @@ class OptOutReport:
                 f"recorded in {self.registry} ({self.ids_in_list:,} ids in the list): every later "
                 "export of the table leaves them out"
             )
+        if self.warning:
+            lines.append(self.warning)
         share = self.skipped_share_all_lists
         lines.append(f"all skip lists together leave out {100 * share:.2f}% of the export")
         if share > REWRITE_HINT_SHARE:
@@ -218,4 +223,6 @@ def add_optout(
         not_matched=not_matched,
         registry=res.registry,
         ids_in_list=res.ids_in_list,
+        share=res.share,
+        warning=res.warning,
     )

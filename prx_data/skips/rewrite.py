@@ -83,8 +83,8 @@ class RewriteResult:
     #: Log warnings from streaming during the run, {message: count} (kept off the terminal).
     warnings: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    #: Lists carried to the new export: {list: {ids, samples, shards}} (bound by row id).
-    lists_carried: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Lists carried to the new export: {list: {ids, samples, shards, share, source}}.
+    lists_carried: dict[str, dict] = field(default_factory=dict)
     #: Lists left behind on request (``--drop-lists``).
     lists_dropped: list[str] = field(default_factory=list)
     #: The table the source was exported from, and its list registry (None: none found).
@@ -125,7 +125,7 @@ class RewriteResult:
         if self.registry is None and self.table:
             lines.append(
                 f"the list registry of {self.table} was not found from here: only the "
-                "export's own lists were carried (run `skips sync` on the new export later)"
+                "export's own lists were carried, as the new export's own (export-only)"
             )
         lines.append("verified sample by sample" if self.verified else "not verified")
         return "\n".join(lines) + "\n"
@@ -380,14 +380,15 @@ def rewrite_export(
     t0 = time.monotonic()
     buckets = layout.list_buckets(root)
     # Every list as ids, before anything is written: one that cannot be recovered refuses.
-    carried = idlists.collect(root, drop=drop_lists)
     source_table = idlists.table_of(root)
     try:
-        reg = idlists.registry_for(root)
+        reg = idlists.resolve(root)
     except idlists.ListError:
-        reg = None  # the table is not found from here: carry the export's own lists
-    registered = reg.effective() if reg is not None else {}
-    known = set(carried) | set(registered)
+        reg = None  # the table is not found from here: the new export's lists are its own
+    # Every list as the log's state, before anything is written: one that cannot be recovered
+    # (a corrupt sidecar of a list the log does not hold) refuses.
+    carried = idlists.lists_of(root, reg, drop=drop_lists)
+    known = set(carried)
     total = skipped = 0
     plan = []
     samples: dict[str, int] = {}
@@ -410,10 +411,7 @@ def rewrite_export(
     # An applied list leaves with all its ids, also those its sidecars do not hold yet.
     extra = idlists.bind(
         root,
-        {
-            n: idlists.merge_store(carried.get(n), registered.get(n))["id"].combine_chunks()
-            for n in sorted(applied)
-        },
+        {n: carried[n]["id"].combine_chunks() for n in sorted(applied) if n in carried},
     )
     by_bucket = dict(plan)  # the same skip dicts as in ``plan``: one pass over the positions
     for b in extra.values():
@@ -456,8 +454,15 @@ def rewrite_export(
                 dropped.append(bucket)
         bar.close()
         idindex.write_id_index(out)  # before the lists, which bind their ids through it
-        # The lists not applied, re-bound by row id to the new shards (after every bucket).
-        lists_carried = idlists.sync_lists(out, reg, carried=carried, skip=applied)
+        # The lists, re-bound by row id to the new shards (after every bucket): the source's
+        # export-only entries go to the registry where newer, then the log is materialised.
+        with idlists.export_lease(out) as lease:
+            if reg is not None:
+                idlists.carry(root, reg, drop=drop_lists)
+            else:
+                idlists.snapshot_local(root, out, lease, drop=drop_lists)
+            done = idlists.materialise(out, reg, lease, full=True)
+        lists_carried = {n: v for n, v in done.items() if n not in applied}
     finally:
         shutil.rmtree(work, ignore_errors=True)
         quiet.close()
