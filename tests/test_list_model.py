@@ -1,0 +1,294 @@
+"""The skip-list model: one commit-ordered log per table, every export a materialisation of it.
+
+One regression test per confirmed scenario of the list redesign, and a
+stateful model-based test (``hypothesis``) whose model is the set of ids each
+list must hold for each export; after every step the ids each export skips
+(its sidecars through its manifests, the loader's view) and holds (its
+``_lists/`` store) must equal the model. The exports are sample trees
+(:func:`tests.exportkit.make_export`) bound to one small Lance table.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import threading
+
+import pyarrow as pa
+import pytest
+
+from prx_data.cli import skips as skips_cli
+from prx_data.cli import verify as verify_cli
+from prx_data.core.lease import LeaseUnsupported
+from prx_data.export import layout
+from prx_data.export.lock import ExportLock
+from prx_data.skips import lists as L
+from prx_data.skips import sidecar as SL
+from tests.exportkit import make_export
+from tests.tablekit import make_table
+
+B = "512/1.000"
+N = 12
+
+
+def _table(path: str) -> str:
+    make_table(path, [("s/0", b"\xff\xd8not-an-image", "c")])
+    return path
+
+
+def _ids_file(tmp_path, name: str, ids) -> str:
+    p = tmp_path / f"{name}.txt"
+    p.write_text("".join(f"{i}\n" for i in ids))
+    return str(p)
+
+
+def _ex(root: str, n: int = N):
+    return make_export(root, {B: n}, samples_per_part=4, samples_per_shard=2)
+
+
+def skipped(ex, root: str | None = None) -> dict[str, set[str]]:
+    """{list: ids the loader skips}: every list's sidecars, through the export's positions."""
+    root = root or ex.root
+    shards = layout.read_index(root, B)
+    names = SL.list_sidecars(root, B, shards)
+    by_pos = {(s, i): sid for sid, (_, s, i) in ex.where.items()}
+    out = {}
+    for n in names:
+        got = SL.load_skips(root, B, shards, [n])
+        ids = {by_pos[(s, int(i))] for s, idx in got.items() for i in idx}
+        if ids:
+            out[n] = ids
+    return out
+
+
+def stored(root: str) -> dict[str, set[str]]:
+    return {n: set(t["id"].to_pylist()) for n, t in L.read_store(root).items()}
+
+
+def _id(i: int) -> str:
+    return f"ds/{B}/{i}"
+
+
+@pytest.fixture()
+def bound(tmp_path):
+    """Two exports of one table, bound to its registry."""
+    t = _table(str(tmp_path / "t.lance"))
+    a, b = _ex(str(tmp_path / "a")), _ex(str(tmp_path / "b"))
+    for ex in (a, b):
+        L.sync(ex.root, t)
+    return t, a, b
+
+
+def _add(root, name, ids, **kw):
+    return L.update_list(root, name, ids, L.Provenance("test"), **kw)
+
+
+def _remove(root, name, ids=None, **kw):
+    return L.update_list(root, name, ids, L.Provenance("test"), mode="remove", **kw)
+
+
+# --- one test per confirmed scenario ----------------------------------------------------------
+
+
+def test_an_optout_landing_while_sync_runs_is_not_undone(bound, monkeypatch):
+    _, a, _ = bound
+    _add(a.root, "optout", [_id(1)])
+    real_bind = L.bind
+    started = threading.Event()
+    late: dict = {}
+
+    def racing_bind(root, lists, **kw):
+        if not started.is_set():  # the sync is between reading the log and writing
+            started.set()
+            t = threading.Thread(target=lambda: late.update(r=_add(a.root, "optout", [_id(2)])))
+            t.start()
+            late["t"] = t
+            t.join(0.5)  # it must wait for the export's lease, not interleave
+            late["waited"] = t.is_alive()
+        return real_bind(root, lists, **kw)
+
+    monkeypatch.setattr(L, "bind", racing_bind)
+    L.sync(a.root)
+    late["t"].join(60)
+    assert late["waited"]
+    assert skipped(a)["optout"] == {_id(1), _id(2)}
+    monkeypatch.setattr(L, "bind", real_bind)
+    L.sync(a.root)  # idempotent
+    assert skipped(a)["optout"] == {_id(1), _id(2)}
+
+
+def test_reoptout_export_only_after_remove_survives_sync_rewrite_and_overwrite(bound, tmp_path):
+    t, a, b = bound
+    _add(a.root, "optout", [_id(3)])
+    _remove(a.root, "optout", [_id(3)])
+    _add(a.root, "optout", [_id(3)], export_only=True)
+    L.sync(a.root)
+    assert skipped(a)["optout"] == {_id(3)}
+    # Another export does not see an export-only change...
+    L.sync(b.root)
+    assert "optout" not in skipped(b)
+    # ...until --overwrite / rewrite carries it into the registry (the newest state of the id).
+    assert L.carry(a.root, L.Registry.for_table(t)) == 1
+    assert L.Registry.for_table(t).state()["optout"]["id"].to_pylist() == [_id(3)]
+    L.sync(b.root)
+    assert skipped(b)["optout"] == {_id(3)}
+
+
+def test_a_writer_with_a_skewed_clock_cannot_reorder(bound, monkeypatch):
+    _, a, _ = bound
+    _add(a.root, "optout", [_id(4)])
+    _remove(a.root, "optout", [_id(4)])
+    behind = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    _add(a.root, "optout", [_id(4)])  # what matters is commit order...
+    L.update_list(a.root, "optout", [_id(5)], L.Provenance("skewed", at=behind))
+    _remove(a.root, "optout", [_id(5)])
+    L.update_list(a.root, "optout", [_id(5)], L.Provenance("skewed", at=behind))  # ...not `at`
+    assert skipped(a)["optout"] == {_id(4), _id(5)}
+
+
+def test_removing_one_id_of_a_sidecar_only_list_removes_only_that_id(tmp_path):
+    ex = _ex(str(tmp_path / "e"))
+    # The low-level API: sidecars and no store (an export from before the store).
+    pos = {}
+    for i in (1, 2, 6):
+        _, s, k = ex.where[_id(i)]
+        pos.setdefault((B, s), []).append(k)
+    SL.add_skips(ex.root, "legacy", pos)
+    assert L.store_names(ex.root) == []
+    _remove(ex.root, "legacy", [_id(2)])
+    assert skipped(ex)["legacy"] == {_id(1), _id(6)}
+    assert stored(ex.root)["legacy"] == {_id(1), _id(6)}
+
+
+def test_a_whole_list_removed_from_the_registry_leaves_other_exports_sidecars_too(
+    bound, tmp_path, capsys
+):
+    _, a, b = bound
+    _add(a.root, "trial", [_id(i) for i in range(8)])
+    L.sync(b.root)
+    assert skipped(b)["trial"] == {_id(i) for i in range(8)}
+    assert skips_cli.main(["remove", a.root, "trial"]) == 0
+    assert skips_cli.main(["sync", b.root]) == 0
+    assert "trial" not in skipped(b) and "trial" not in stored(b.root)
+    capsys.readouterr()
+    assert skips_cli.main(["list", b.root]) == 0
+    assert "trial" not in capsys.readouterr().out
+    assert verify_cli.main([b.root, "--no-progress"]) == 0
+
+
+def test_a_symlinked_table_path_finds_the_same_registry_and_a_moved_one_is_found_by_table(
+    bound, tmp_path
+):
+    t, a, _ = bound
+    link = str(tmp_path / "link.lance")
+    os.symlink(t, link)
+    c = _ex(str(tmp_path / "c"))
+    L.sync(c.root, link)
+    _add(a.root, "optout", [_id(7)])
+    L.sync(c.root)
+    assert skipped(c)["optout"] == {_id(7)}
+    # The table moves with its registry: the export's recorded paths fail, --table finds it.
+    os.unlink(link)
+    moved = str(tmp_path / "moved")
+    os.makedirs(moved)
+    shutil.move(t, os.path.join(moved, "t.lance"))
+    shutil.move(L.registry_uri(t), L.registry_uri(os.path.join(moved, "t.lance")))
+    with pytest.raises(L.ListError, match="--table URI"):
+        _add(a.root, "optout", [_id(8)])
+    _add(a.root, "optout", [_id(8)], table=os.path.join(moved, "t.lance"))
+    assert skipped(a)["optout"] == {_id(7), _id(8)}
+
+
+def test_a_crafted_export_cannot_inject_lists_into_our_registry(bound, tmp_path):
+    t, a, b = bound
+    evil = _ex(str(tmp_path / "evil"))
+    lists = os.path.join(evil.root, layout.LISTS_DIR)
+    os.makedirs(lists, exist_ok=True)
+    # It names our table (path and a guessed identity) and holds a list of every id.
+    st = L.ExportState(table_id="0" * 32, table=t, position=1)
+    L.write_state(evil.root, st)
+    L.write_store_list(
+        evil.root, "all", L.store_table(pa.array(sorted(evil.all_ids())), L.Provenance("x"))
+    )
+    with pytest.raises(L.ListError):
+        L.resolve(evil.root)  # never our registry
+    new = str(tmp_path / "new")
+    assert skips_cli.main(["rewrite", evil.root, new, "--force", "--name", "none"]) in (0, 2)
+    assert "all" not in L.Registry.for_table(t).state()
+    L.sync(b.root)
+    assert "all" not in skipped(b)
+    # An export that names no table at all is export-only.
+    plain = _ex(str(tmp_path / "plain"))
+    assert L.resolve(plain.root) is None
+
+
+def test_a_trial_list_warns_and_is_reported_with_its_source(bound, tmp_path, capsys):
+    _, a, b = bound
+    f = _ids_file(tmp_path, "trial", [_id(i) for i in range(6)])
+    assert skips_cli.main(["add", a.root, "semdedup", "--ids", f]) == 0
+    err = capsys.readouterr().err
+    assert "leaves out 50.0%" in err and f"skips remove {a.root} semdedup" in err
+    done = L.sync(b.root)
+    assert done["semdedup"]["source"] == "registry" and done["semdedup"]["share"] == 0.5
+    capsys.readouterr()
+    assert skips_cli.main(["list", b.root]) == 0
+    assert "semdedup: 512/1.000" in capsys.readouterr().out
+
+
+def test_lease_refuses_stores_without_conditional_writes_and_a_symlinked_lists_dir(tmp_path):
+    with pytest.raises(LeaseUnsupported, match="gs:// has no conditional writes"):
+        ExportLock("gs://bucket/export").acquire()
+    ex = _ex(str(tmp_path / "e"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(str(elsewhere), os.path.join(ex.root, layout.LISTS_DIR))
+    with pytest.raises(L.ListError, match="_lists is a symbolic link"):
+        _add(ex.root, "optout", [_id(1)])
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_list_update_waits_for_the_exports_lease_and_never_deletes_it(bound):
+    _, a, _ = bound
+    holder = ExportLock(a.root)
+    holder.acquire()
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (_add(a.root, "optout", [_id(9)]), done.set()))
+    th.start()
+    th.join(0.5)
+    assert not done.is_set() and os.path.exists(holder.path)
+    holder.release()
+    th.join(60)
+    assert skipped(a)["optout"] == {_id(9)}
+
+
+def test_registry_written_before_commit_order_is_converted(tmp_path):
+    import lance
+
+    t = _table(str(tmp_path / "t.lance"))
+    old = pa.table(
+        {
+            "list": ["x", "x", "x"],
+            "id": ["a", "b", "a"],
+            "op": ["add", "add", "remove"],
+            "at": pa.array(
+                [dt.datetime(2026, 1, d, tzinfo=dt.UTC) for d in (1, 1, 2)],
+                pa.timestamp("us", tz="UTC"),
+            ),
+            "command": ["c"] * 3,
+            "reason": [""] * 3,
+            "export": [""] * 3,
+            "txn": [""] * 3,
+        }
+    )
+    lance.write_dataset(old, L.registry_uri(t))
+    reg = L.Registry.for_table(t)
+    assert reg.state()["x"]["id"].to_pylist() == ["b"]
+    reg.append(
+        lambda seq: L.log_rows(
+            "x", pa.array(["c"]), "add", L.Provenance("t"), seq=seq, base=seq, kind=0, export=""
+        )
+    )
+    assert reg.state()["x"]["id"].to_pylist() == ["b", "c"]
+    assert json.dumps(sorted(reg.state())) == '["x"]'
