@@ -1,0 +1,42 @@
+"""One soak worker (``python -m tests.listsoak SEED OPS TABLE OUT EXPORT...``): random list
+updates and syncs on the exports of one table, each acknowledged op written to OUT as JSON
+lines ``{"seq", "list", "op", "ids"}`` (seq: the registry commit that recorded it)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+from prx_data.skips import lists as L
+
+B = "512/1.000"
+
+
+def main(argv: list[str]) -> int:
+    seed, ops, table, out, *exports = argv
+    rng = random.Random(int(seed))
+    ids = [f"ds/{B}/{i}" for i in range(10)]
+    with open(out, "w") as f:
+        for _ in range(int(ops)):
+            root = rng.choice(exports)
+            what = rng.random()
+            if what < 0.2:
+                L.sync(root)
+                continue
+            name = rng.choice(["optout", "dedup"])
+            chosen = sorted(rng.sample(ids, rng.randint(1, 3)))
+            op = "add" if what < 0.65 else "remove"
+            r = L.update_list(root, name, chosen, L.Provenance(f"soak {seed}"), mode=op)
+            f.write(
+                json.dumps(
+                    {"seq": r.registry_changes["seq"], "list": name, "op": op, "ids": chosen}
+                )
+                + "\n"
+            )
+            f.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

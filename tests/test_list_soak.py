@@ -1,0 +1,82 @@
+"""Multi-process soak of the skip-list log: 4 processes add, remove and sync at once on two
+exports of one table. Every acknowledged change is in the registry at the commit it was
+given, the registry's state is the replay of those changes in commit order (nothing lost,
+nothing resurrected), every export materialises it, and no process fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from prx_data.skips import lists as L
+from tests.exportkit import make_export
+from tests.tablekit import make_table
+from tests.test_list_model import skipped
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B = "512/1.000"
+
+
+def _soak(tmp_path, procs: int, ops: int) -> int:
+    table = str(tmp_path / "t.lance")
+    make_table(table, [("s/0", b"\xff\xd8x", "c")])
+    exports = [make_export(str(tmp_path / e), {B: 8}, samples_per_part=4) for e in "ab"]
+    for ex in exports:
+        L.sync(ex.root, table)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    logs = [str(tmp_path / f"w{k}.jsonl") for k in range(procs)]
+    running = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.listsoak", str(k), str(ops), table, logs[k]]
+            + [ex.root for ex in exports],
+            env=env,
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+        )
+        for k in range(procs)
+    ]
+    errs = [p.communicate(timeout=1200)[1].decode() for p in running]
+    assert [p.returncode for p in running] == [0] * procs, "\n".join(errs)
+    assert not any("Traceback" in e for e in errs), "\n".join(errs)
+    acked = [json.loads(line) for path in logs for line in open(path)]
+    reg = L.Registry.for_table(table)
+    entries = reg.entries()
+    by_seq: dict[int, set] = {}
+    for s, n, i, op in zip(
+        entries["seq"].to_pylist(),
+        entries["list"].to_pylist(),
+        entries["id"].to_pylist(),
+        entries["op"].to_pylist(),
+        strict=True,
+    ):
+        by_seq.setdefault(s, set()).add((n, i, op))
+    want: dict[str, set[str]] = {}
+    for a in sorted(acked, key=lambda a: a["seq"]):
+        # Nothing lost: the change is in the registry, at its own commit.
+        assert by_seq[a["seq"]] == {(a["list"], i, a["op"]) for i in a["ids"]}
+        ids = want.setdefault(a["list"], set())
+        ids.update(a["ids"]) if a["op"] == "add" else ids.difference_update(a["ids"])
+    want = {n: v for n, v in want.items() if v}
+    # Nothing resurrected: the state is the replay in commit order.
+    assert {n: set(t["id"].to_pylist()) for n, t in reg.state().items()} == want
+    for ex in exports:
+        L.sync(ex.root)
+        held = ex.all_ids()
+        assert skipped(ex) == {n: v & held for n, v in want.items() if v & held}
+    return len(acked)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_four_processes_at_once_lose_and_resurrect_nothing(tmp_path):
+    assert _soak(tmp_path, 4, 5) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_soak_long(tmp_path):
+    assert _soak(tmp_path, 4, 25) > 0
