@@ -20,9 +20,10 @@ output layout:
   OUT/dropped.parquet              id, reason, detail of every dropped or failed row
   OUT/.prx-export.lock             held while a run writes (a lease object on s3://)
 
-skip lists: every list in the registry next to the table (<table>.lists.lance, written by
-skips add, optout and dedup) is applied to every export by row id; --overwrite keeps
-the old export's lists (see docs/STREAMING.md, Skip-list registry).
+skip lists: every list in the log next to the table (<table>.lists.lance, written by
+skips add, optout and dedup) is applied to every export by row id; --overwrite carries
+the old export's export-only changes into it; --drop-list NAME undoes a trial list
+(see docs/STREAMING.md, Skip lists: one log per table).
 
 safety: --overwrite and --resume only touch a tree the exporter marked as its own
 (OUT/_progress/export.marker) that holds nothing but tiers, buckets and parts;
