@@ -208,12 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             lists = skiplist.list_skip_lists(args.root, args.tier)
             stored = {n: len(t) for n, t in idlists.read_store(args.root).items()}
             state = idlists.read_state(args.root)
-            where = state.lists if state is not None else {}
+            source = state.lists if state is not None else {}
             if not lists and not stored:
                 print("no skip lists")
             for name in sorted(set(lists) | set(stored)):
                 ids = (
-                    f"{stored[name]} ids" + (f" from {where[name]}" if where.get(name) else "")
+                    f"{stored[name]} ids" + (f" (from {source[name]})" if source.get(name) else "")
                     if name in stored
                     else "no ids in _lists/ (sidecars only: any list update records them)"
                 )
