@@ -839,6 +839,7 @@ def materialise(
     *,
     names: Iterable[str] | None = None,
     full: bool = False,
+    missing: dict[str, pa.Array] | None = None,
 ) -> dict[str, dict]:
     """Make the export's lists the state of the log (registry up to its head, and the export's
     own entries); the export's ``lease`` must be held. Touches the lists changed since the
@@ -867,7 +868,10 @@ def materialise(
     if touched is None:
         # Every list any form of the export holds: those the log emptied are cleared.
         touched = set(lists) | set(st.lists) | set(store_names(root)) | _sidecar_names(root)
-    bound = bind(root, {n: t["id"].combine_chunks() for n, t in lists.items()})
+    want = sorted(set(names or ()) & set(lists)) if missing is not None else []
+    bound = bind(root, {n: t["id"].combine_chunks() for n, t in lists.items()}, want_missing=want)
+    if missing is not None:
+        missing.update({n: bound[n].missing for n in want if bound[n].missing is not None})
     total = _samples_total(root)
     report: dict[str, dict] = {}
     for n in sorted(touched):
@@ -1348,11 +1352,11 @@ def update_list(
                 )
 
             changes = {"local_seq": _append_local(root, lease, rows)}
-        done = materialise(root, view, lease, names=[name])
+        lost: dict[str, pa.Array] = {}
+        done = materialise(root, view, lease, names=[name], missing=lost)
         missing: list[str] = []
-        if mode != "remove" and req is not None and len(req):
-            b = bind(root, {name: req}, want_missing=[name])[name]
-            missing = b.missing.to_pylist() if b.missing is not None else []
+        if mode != "remove" and req is not None and len(req) and name in lost:
+            missing = lost[name].filter(pc.is_in(lost[name], value_set=req)).to_pylist()
     requested = 0 if req is None else len(req)
     r = done.get(name, {"ids": 0, "samples": 0, "shards": 0, "share": 0.0})
     return ListUpdate(
