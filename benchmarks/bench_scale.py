@@ -509,7 +509,7 @@ def _phase_meter(rss0: float) -> tuple[dict[str, float], list]:
 
     idindex.IdIndex.lookup = metered_lookup
     undo.append((idindex.IdIndex, "lookup", lookup))
-    wrap(lists, "registry_for", "registry")
+    wrap(lists, "resolve", "registry")
     wrap(lists, "read_store_list", "store read")
     wrap(idindex, "open_index", "index open")
     wrap(lists, "bind", "bind")
