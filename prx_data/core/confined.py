@@ -262,32 +262,7 @@ def _kind(mode: int) -> str:
 
 def _read_remote(path: str, max_bytes: int) -> bytes:
     """At most ``max_bytes`` of an object; a larger one is refused (a ranged read past the cap)."""
-    if path.startswith("s3://"):
-        from botocore.exceptions import ClientError
-
-        bucket, _, key = path.removeprefix("s3://").partition("/")
-
-        def get() -> bytes:
-            r = storage.s3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{max_bytes}")
-            return r["Body"].read(max_bytes + 1)
-
-        try:
-            data = storage.s3_call(path, "read", get)
-        except ClientError as e:
-            if storage._not_found(e):
-                raise FileNotFoundError(path) from None
-            code, _status = storage._client_error_code(e)
-            if code == "InvalidRange":  # an empty object
-                return b""
-            raise
-    else:
-        fs, p = storage.filesystem(path)
-
-        def read() -> bytes:
-            with fs.open_input_stream(p) as f:
-                return f.read(max_bytes + 1)
-
-        data = storage.with_deadline(path, "read", read)
+    data = storage.read_bytes(path, max_bytes=max_bytes)
     if len(data) > max_bytes:
         raise UnsafeFileError(
             f"{path}: more than the {max_bytes} bytes this file may have; refusing to read it"
