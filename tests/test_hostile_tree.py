@@ -254,3 +254,43 @@ def test_confined_read_rules(tmp_path):
         with pytest.raises(confined.UnsafeFileError, match="not a key under"):
             remote.check_key(bad)
     assert remote.check_key("s3://bucket/export/512/1.000/index.json")
+
+
+@pytest.mark.timeout(60)
+def test_fifo_shard_refused_by_loader_and_rewrite_reported_by_verify(ex, tmp_path, capsys):
+    from prx_data.skips.rewrite import rewrite_export
+    from prx_data.stream.dataset import DatasetSpec, load_sources
+
+    shard = os.path.join(ex, B, _shard(ex))
+    os.remove(shard)
+    os.mkfifo(shard)
+    for call in (
+        lambda: load_sources(DatasetSpec(root=ex), [512]),
+        lambda: rewrite_export(ex, str(tmp_path / "out"), force=True),
+    ):
+        with pytest.raises(layout.UnsafeIndexError, match="not a regular file") as e:
+            call()
+        assert shard in str(e.value)
+    rc, out = _verify_lines(ex, capsys, "--deep")
+    assert rc == 1
+    assert [ln for ln in out.splitlines() if ln.startswith(shard)] == [
+        f"{shard}: a FIFO, not a regular file"
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_object_store_reads_are_capped_and_keys_confined(s3_bucket):
+    from prx_data.core import storage
+
+    root = f"s3://{s3_bucket}/ex"
+    storage.write_bytes_atomic(f"{root}/{B}/big.skip", b"x" * 5000)
+    storage.write_bytes_atomic(f"{root}/{B}/empty", b"")
+    box = confined.Confined(root)
+    assert box.read(f"{root}/{B}/big.skip", 5000) == b"x" * 5000
+    with pytest.raises(confined.UnsafeFileError, match="more than the 4999"):
+        box.read(f"{root}/{B}/big.skip", 4999)
+    assert box.read(f"{root}/{B}/empty", 10) == b""
+    with pytest.raises(FileNotFoundError):
+        box.read(f"{root}/{B}/missing", 10)
+    with pytest.raises(confined.UnsafeFileError, match="not a key under"):
+        box.read(f"s3://{s3_bucket}/other/x", 10)
