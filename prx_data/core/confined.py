@@ -150,11 +150,20 @@ class Confined:
         """
         if self.remote:
             return _read_remote(self.check_key(path), max_bytes)
-        real = self.resolve(path)
+        local = os.path.normpath(self._local(path))
+        head, tail = os.path.split(local)
+        real = os.path.join(self._real_dir(head), tail)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                fd = os.open(real, flags)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                # The last component is a link: followed only when it stays inside the root.
+                fd = os.open(self.resolve(path), flags)
         except OSError as e:
-            if e.errno == errno.ELOOP:  # swapped for a link since resolve()
+            if e.errno == errno.ELOOP:  # swapped for another link since resolve()
                 raise UnsafeFileError(f"{path}: a symbolic link; refusing it") from None
             if e.errno in (errno.ENXIO, errno.EISDIR):
                 raise UnsafeFileError(f"{path}: not a regular file; refusing it") from None

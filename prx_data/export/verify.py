@@ -419,12 +419,14 @@ def _verify_sidecars(
         elif check_sidecar is not None:
             found.append((path, base, name))
 
+    box = confined.confined(root)
+
     def check(job: list[Problem] | tuple[str, str, str]) -> list[Problem]:
         if isinstance(job, list):
             return job
         path, base, name = job
         try:
-            data = confined.read(root, path, confined.sidecar_max_bytes(shards[base].samples))
+            data = box.read(path, confined.sidecar_max_bytes(shards[base].samples))
         except confined.UnsafeFileError as e:
             return [Problem(path, str(e).removeprefix(f"{path}: "))]
         return [Problem(path, m) for m in check_sidecar(path, data, shards[base], name)]

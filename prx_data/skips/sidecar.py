@@ -268,7 +268,7 @@ def read_sidecar(root: str, bucket: str, shard: ShardInfo, name: str) -> SkipLis
     return SkipList.from_bytes(_read(root, path, shard), path, expected=shard, expected_name=name)
 
 
-def _read(root: str, path: str, shard: ShardInfo) -> bytes:
+def _read(root: str | confined.Confined, path: str, shard: ShardInfo) -> bytes:
     """A sidecar's bytes: a regular file inside ``root``, no larger than its shard allows.
 
     A FIFO, a device, a link out of the export or a file past the size a list
@@ -276,8 +276,9 @@ def _read(root: str, path: str, shard: ShardInfo) -> bytes:
     so a received export cannot hang or flood a reader. Locally this is one
     ``open`` + ``fstat`` (pyarrow's per-file setup would dominate for 100k tiny sidecars).
     """
+    box = root if isinstance(root, confined.Confined) else confined.confined(root)
     try:
-        return confined.read(root, path, confined.sidecar_max_bytes(shard.samples))
+        return box.read(path, confined.sidecar_max_bytes(shard.samples))
     except confined.UnsafeFileError as e:
         raise SkipListError(str(e)) from None
 
@@ -303,19 +304,18 @@ def load_skips(
     remote = storage.is_remote(root)
     bucket_dir = rel_join(root, bucket)
     sep = "/" if remote else os.sep
+    box = confined.confined(root)  # once: resolving the root per sidecar would triple the cost
 
     def read(job: tuple[str, ShardInfo]) -> SkipList | SidecarProblem:
         name, shard = job
         path = f"{bucket_dir}{sep}{shard.basename.replace('/', sep)}.{name}{SUFFIX}"
         if problems is not None:
             try:
-                return SkipList.from_bytes(
-                    _read(root, path, shard), path, shard, expected_name=name
-                )
+                return SkipList.from_bytes(_read(box, path, shard), path, shard, expected_name=name)
             except SkipListError as e:
                 return SidecarProblem(path, "unparseable", str(e).removeprefix(f"{path}: "), name)
         return SkipList.from_bytes(
-            _read(root, path, shard), path, expected=shard, expected_name=name
+            _read(box, path, shard), path, expected=shard, expected_name=name
         )
 
     jobs = [(name, by_base[b]) for name in chosen for b in found.get(name, [])]
