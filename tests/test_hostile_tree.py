@@ -17,6 +17,7 @@ import shutil
 import pytest
 
 from prx_data.core import confined
+from prx_data.core.errors import PrxDataError
 from prx_data.export import layout
 from prx_data.skips import sidecar as S
 from tests.exportkit import make_export
@@ -294,3 +295,18 @@ def test_object_store_reads_are_capped_and_keys_confined(s3_bucket):
         box.read(f"{root}/{B}/missing", 10)
     with pytest.raises(confined.UnsafeFileError, match="not a key under"):
         box.read(f"s3://{s3_bucket}/other/x", 10)
+
+
+@pytest.mark.timeout(30)
+def test_fifo_adoption_record_refused_by_verify_and_loader(ex, capsys):
+    from prx_data.cli.verify import main
+    from prx_data.stream.dataset import DatasetSpec, load_sources
+
+    record = os.path.join(ex, *layout.ADOPTION_NAME.split("/"))
+    os.makedirs(os.path.dirname(record))
+    os.mkfifo(record)
+    assert main([ex]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and record in err and "FIFO" in err
+    with pytest.raises(PrxDataError, match="FIFO"):
+        load_sources(DatasetSpec(root=ex), [512])
