@@ -1,6 +1,7 @@
 """Test-only: a loopback HTTP server with real images and hostile responses, and URL tables.
 
-Every route the download tests need: photos, slow and stalled bodies, HTTP
+Every route the download tests need: photos, slow, stalled and trickling
+(``/trickle/<ms>``, ``/trickle-head/<ms>``: a byte per gap) responses, HTTP
 errors with and without ``Retry-After``, redirect loops and redirects to a
 refused port, wrong types, oversized bodies, a decompression bomb and
 ``X-Robots-Tag``. The server counts requests per path, so tests can check
@@ -191,6 +192,26 @@ class ImageServer:
                 if self.stop.is_set():
                     break
                 h.wfile.write(b"\0" * 65536)
+            h.close_connection = True
+        elif kind in ("trickle", "trickle-head"):  # /trickle/<gap ms>: a byte per gap
+            gap = (int(arg) if arg.isdigit() else 500) / 1000
+            body = photo(seed)
+            head = (
+                "HTTP/1.1 200 OK\r\nContent-Type: image/jpeg\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            if kind == "trickle":  # headers at once, then the body byte by byte
+                h.wfile.write(head)
+                head, body = b"", body
+            else:  # even the status line comes byte by byte
+                body = head + body
+                head = b""
+            h.wfile.flush()
+            for i in range(len(body)):
+                if self.stop.wait(gap):
+                    break
+                h.wfile.write(body[i : i + 1])
+                h.wfile.flush()
             h.close_connection = True
         elif kind == "bomb":
             self.send(h, 200, png_bomb(), "image/png")

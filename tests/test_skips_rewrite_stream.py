@@ -142,12 +142,12 @@ def test_a_rewrite_killed_mid_bucket_leaves_no_complete_tree_and_no_staged_bytes
     real = storage.read_bytes
     shard_reads = []
 
-    def failing(path: str) -> bytes:  # test double: the store fails at the 5th shard
+    def failing(path: str, **kw) -> bytes:  # test double: the store fails at the 5th shard
         if path.endswith(".mds"):
             shard_reads.append(path)
             if len(shard_reads) == 5:
                 raise ConnectionError("injected")
-        return real(path)
+        return real(path, **kw)
 
     monkeypatch.setattr(storage, "read_bytes", failing)
     out = _remote(s3_bucket, "killed")

@@ -35,7 +35,8 @@ _FETCH_OPTIONS: tuple[tuple[str, str, str], ...] = (
     (
         "--timeout",
         "total_timeout",
-        "seconds for one attempt overall, headers and body (default: %(default)s)",
+        "seconds for one attempt overall: DNS, connect, TLS, headers and body, over every "
+        "redirect; held even against a server that trickles bytes (default: %(default)s)",
     ),
     (
         "--max-mb",

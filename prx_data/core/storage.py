@@ -245,26 +245,35 @@ def _not_found(e) -> bool:
     return code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket") or status == 404
 
 
-def read_bytes(path: str) -> bytes:
+def read_bytes(path: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of a file; with ``max_bytes``, at most ``max_bytes + 1`` of them are fetched.
+
+    The cap is how a caller tells "too large" apart without reading all of it
+    (a ranged GET on S3); files of an export go through :mod:`prx_data.core.confined`.
+    """
     if _is_s3(path):
         from botocore.exceptions import ClientError
 
         bucket, key = _bucket_key(path)
+        extra = {} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"}
 
         def get() -> bytes:
-            return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+            body = s3_client().get_object(Bucket=bucket, Key=key, **extra)["Body"]
+            return body.read() if max_bytes is None else body.read(max_bytes + 1)
 
         try:
             return s3_call(path, "read", get)
         except ClientError as e:
             if _not_found(e):
                 raise FileNotFoundError(path) from None
+            if max_bytes is not None and _client_error_code(e)[0] == "InvalidRange":
+                return b""  # an empty object has no byte 0
             raise
     fs, p = filesystem(path)
 
     def read() -> bytes:
         with fs.open_input_stream(p) as f:
-            return f.read()
+            return f.read() if max_bytes is None else f.read(max_bytes + 1)
 
     return with_deadline(path, "read", read) if is_remote(path) else read()
 

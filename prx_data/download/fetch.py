@@ -12,8 +12,13 @@ The open web is hostile, so every fetch goes through the same gate:
   hand, each hop checked the same way, at most ``max_redirects`` of them.
 - **Body limits.** ``Content-Length`` over ``max_bytes`` is refused before
   reading; the cap holds while streaming (also for a body without a length,
-  and after gzip decoding); a body slower than ``total_timeout`` overall is
-  cut (the read timeout catches a stalled one).
+  and after gzip decoding).
+- **Deadlines.** ``total_timeout`` bounds one attempt as a whole: DNS,
+  connect, TLS, headers and body, over every redirect hop (time spent queued
+  for a per-host slot is not counted). A watchdog thread shuts the attempt's
+  socket down at its deadline, so a server that trickles a byte every half
+  second, or one just inside ``read_timeout`` (which bounds each read), cannot
+  hold a fetch past it; the row records ``timeout``.
 - **Checks.** The content type must be an image (or a generic binary type),
   the first bytes must be an image's magic, and the header is probed with
   the decompression-bomb guard on (:func:`prx_data.core.imaging.probe`).
@@ -32,7 +37,9 @@ The open web is hostile, so every fetch goes through the same gate:
 from __future__ import annotations
 
 import email.utils
+import heapq
 import ipaddress
+import itertools
 import random
 import socket
 import threading
@@ -268,6 +275,148 @@ def robots_opt_out(values: Sequence[str], directives: Sequence[str], agent: str)
     return None
 
 
+class _Attempt:
+    """One attempt's deadline, and the socket the watchdog cuts when it passes.
+
+    The fetching thread binds each connection it uses (and each new socket,
+    before TLS) here; the watchdog calls :meth:`expire` at the deadline, which
+    shuts the socket down so a blocked ``recv`` returns at once. :meth:`finish`
+    runs before a connection goes back to the pool: a later request on it is
+    never cut for this one.
+    """
+
+    def __init__(self, total: float) -> None:
+        self.deadline = time.monotonic() + total
+        self.expired = False
+        self.done = False
+        self._lock = threading.Lock()
+        self._conn = None
+        self._sock: socket.socket | None = None
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def bind(self, conn) -> None:
+        with self._lock:
+            self._conn = conn
+            if self.expired:
+                _cut(getattr(conn, "sock", None))
+
+    def adopt(self, sock: socket.socket) -> bool:
+        """Take a freshly connected socket; False when the deadline already passed."""
+        with self._lock:
+            if self.expired:
+                return False
+            self._sock = sock
+            return True
+
+    def expire(self) -> None:
+        with self._lock:
+            if self.done:
+                return
+            self.expired = True
+            _cut(self._sock)
+            _cut(getattr(self._conn, "sock", None))
+
+    def finish(self) -> None:
+        with self._lock:
+            self.done = True
+            self._conn = self._sock = None
+
+
+def _cut(sock) -> None:
+    """Shut a socket down (a TLS one at the socket level: no close_notify from this thread)."""
+    if sock is None:
+        return
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except (OSError, ValueError, TypeError):  # closed, detached by the TLS wrap, or never open
+        pass
+
+
+class _Watchdog:
+    """One thread per fetcher: expires each armed attempt at its deadline."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, _Attempt]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def arm(self, attempt: _Attempt) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (attempt.deadline, next(self._seq), attempt))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="fetch-deadlines", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._closed:
+                now = time.monotonic()
+                while self._heap and (self._heap[0][2].done or self._heap[0][0] <= now):
+                    _, _, attempt = heapq.heappop(self._heap)
+                    if attempt.done:
+                        continue
+                    if attempt.deadline > now:  # moved on (time queued for a host slot)
+                        heapq.heappush(self._heap, (attempt.deadline, next(self._seq), attempt))
+                        continue
+                    attempt.expire()
+                wait = self._heap[0][0] - now if self._heap else None
+                self._cv.wait(wait)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._heap.clear()
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._closed = False
+
+
+#: The attempt running on this thread (urllib3 connects and sends on the caller's thread).
+_current = threading.local()
+
+
+def _connection_classes(u):
+    """urllib3 connection classes that bind their sockets to the thread's current attempt."""
+
+    class _Bound:
+        def _new_conn(self):
+            sock = super()._new_conn()
+            attempt = getattr(_current, "attempt", None)
+            if attempt is not None and not attempt.adopt(sock):
+                sock.close()
+                raise u.exceptions.ConnectTimeoutError(self, "the attempt's deadline passed")
+            return sock
+
+        def connect(self):
+            attempt = getattr(_current, "attempt", None)
+            if attempt is not None:
+                attempt.bind(self)
+            super().connect()
+
+        def request(self, *args, **kwargs):
+            attempt = getattr(_current, "attempt", None)
+            if attempt is not None:
+                attempt.bind(self)
+            return super().request(*args, **kwargs)
+
+    class HTTP(_Bound, u.connection.HTTPConnection):
+        pass
+
+    class HTTPS(_Bound, u.connection.HTTPSConnection):
+        pass
+
+    return HTTP, HTTPS
+
+
 class _HostGate:
     """Per-host concurrency (a semaphore) and start rate (a minimum interval)."""
 
@@ -306,6 +455,9 @@ class Fetcher:
         self._gates: dict[str, _HostGate] = {}
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._dns: ThreadPoolExecutor | None = None
+        self._watchdog = _Watchdog()
+        self._http_cls, self._https_cls = _connection_classes(urllib3)
 
     # -- plumbing
     def _gate(self, host: str) -> _HostGate:
@@ -343,6 +495,7 @@ class Fetcher:
                     )
                 else:
                     pool = u.HTTPConnectionPool(address, port, **kw)
+                pool.ConnectionCls = self._https_cls if scheme == "https" else self._http_cls
                 if len(self._pools) > 4096:  # a long tail of hosts: drop idle pools
                     for old in self._pools.values():
                         old.close()
@@ -350,7 +503,21 @@ class Fetcher:
                 self._pools[key] = pool
             return pool
 
-    def _vet(self, url: str) -> tuple[str, str, int, str, str]:
+    def _resolve(self, host: str, port: int, attempt: _Attempt | None) -> list[str]:
+        """The resolver's answer within the attempt's deadline (``getaddrinfo`` cannot be cut)."""
+        if attempt is None:
+            return list(self.resolver(host, port))
+        with self._lock:
+            if self._dns is None:
+                self._dns = ThreadPoolExecutor(self.config.threads, thread_name_prefix="dns")
+            fut = self._dns.submit(self.resolver, host, port)
+        try:
+            return list(fut.result(timeout=max(0.0, attempt.remaining())))
+        except TimeoutError:
+            fut.cancel()
+            raise _Fail(TRANSIENT, "timeout") from None
+
+    def _vet(self, url: str, attempt: _Attempt | None = None) -> tuple[str, str, int, str, str]:
         """(scheme, host, port, path, address) of ``url``, or raises ``_Fail``."""
         try:
             parts = urlsplit(url)
@@ -372,7 +539,7 @@ class Fetcher:
             raise _Fail(REFUSED, "credentials_in_url")
         port = port or (443 if scheme == "https" else 80)
         try:
-            addresses = [host] if _is_ip(host) else list(self.resolver(host, port))
+            addresses = [host] if _is_ip(host) else self._resolve(host, port, attempt)
         except socket.gaierror as e:
             transient = e.errno in (socket.EAI_AGAIN,)
             raise _Fail(TRANSIENT if transient else PERMANENT, "dns_error") from None
@@ -419,15 +586,31 @@ class Fetcher:
         return result
 
     def _attempt(self, url: str, result: FetchResult) -> None:
+        """One attempt under one deadline (see the module docstring): armed on the watchdog."""
+        attempt = _Attempt(self.config.total_timeout)
+        _current.attempt = attempt
+        self._watchdog.arm(attempt)
+        try:
+            self._hops(url, result, attempt)
+        except _Fail as f:
+            if attempt.expired and f.status != OK:  # the cut made it fail, whatever it looks like
+                raise _Fail(TRANSIENT, "timeout", f.http) from None
+            raise
+        finally:
+            attempt.finish()
+            _current.attempt = None
+        if attempt.expired and result.status != OK:
+            raise _Fail(TRANSIENT, "timeout")
+
+    def _hops(self, url: str, result: FetchResult, attempt: _Attempt) -> None:
         cfg = self.config
         u = self._urllib3
-        deadline = time.monotonic() + cfg.total_timeout
         seen: set[str] = set()
         for _hop in range(cfg.max_redirects + 1):
             if url in seen:
                 raise _Fail(PERMANENT, "redirect_loop")
             seen.add(url)
-            scheme, host, port, path, address = self._vet(url)
+            scheme, host, port, path, address = self._vet(url, attempt)
             default_port = port == (443 if scheme == "https" else 80)
             headers = {
                 "Host": host if default_port else f"{host}:{port}",
@@ -436,7 +619,17 @@ class Fetcher:
                 "Accept-Encoding": "gzip, deflate",
             }
             pool = self._pool(scheme, address, port, host)
+            queued = time.monotonic()
             with self._gate(host):
+                attempt.deadline += (
+                    time.monotonic() - queued
+                )  # waiting for a slot is no network time
+                left = attempt.remaining()
+                if left <= 0 or attempt.expired:
+                    raise _Fail(TRANSIENT, "timeout")
+                timeout = u.Timeout(
+                    connect=min(cfg.connect_timeout, left), read=min(cfg.read_timeout, left)
+                )
                 try:
                     r = pool.urlopen(
                         "GET",
@@ -447,6 +640,7 @@ class Fetcher:
                         preload_content=False,
                         decode_content=True,
                         assert_same_host=False,
+                        timeout=timeout,
                     )
                 except u.exceptions.TimeoutError:
                     raise _Fail(TRANSIENT, "timeout") from None
@@ -454,6 +648,7 @@ class Fetcher:
                     raise _Fail(PERMANENT, "tls_error") from None
                 except (u.exceptions.HTTPError, OSError):
                     raise _Fail(TRANSIENT, "connection_error") from None
+                keep = False
                 try:
                     if 300 <= r.status < 400 and r.status != 304:
                         location = r.headers.get("Location")
@@ -461,13 +656,15 @@ class Fetcher:
                             raise _Fail(PERMANENT, f"http_{r.status}", r.status)
                         url = urljoin(url, location.strip())
                         continue
-                    self._body(r, result, deadline)
+                    self._body(r, result, attempt)
+                    keep = r.status == 200 and result.status == OK and not attempt.expired
                     return
                 finally:
-                    r.release_conn() if r.status == 200 and result.status == OK else r.close()
+                    attempt.finish() if keep else None  # before the pool can hand it out again
+                    r.release_conn() if keep else r.close()
         raise _Fail(PERMANENT, "too_many_redirects")
 
-    def _body(self, r, result: FetchResult, deadline: float) -> None:
+    def _body(self, r, result: FetchResult, attempt: _Attempt) -> None:
         cfg = self.config
         u = self._urllib3
         result.http_status = r.status
@@ -500,7 +697,7 @@ class Fetcher:
                 result.received += len(chunk)
                 if size > cfg.max_bytes:
                     raise _Fail(PERMANENT, "too_large", 200)
-                if time.monotonic() > deadline:
+                if attempt.expired or attempt.remaining() <= 0:
                     raise _Fail(TRANSIENT, "timeout", 200)
                 if not chunks and not looks_like_image(chunk[:16]) and len(chunk) >= 16:
                     raise _Fail(PERMANENT, "not_an_image", 200)
@@ -511,6 +708,8 @@ class Fetcher:
             raise _Fail(PERMANENT, "bad_encoding", 200) from None
         except (u.exceptions.HTTPError, OSError):
             raise _Fail(TRANSIENT, "connection_error", 200) from None
+        if attempt.expired:  # cut at the deadline: what arrived may look complete, it is not
+            raise _Fail(TRANSIENT, "timeout", 200)
         data = b"".join(chunks)
         if not data:
             raise _Fail(PERMANENT, "empty_file", 200)
@@ -541,6 +740,10 @@ class Fetcher:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._dns is not None:  # a resolver call past its deadline is not waited for
+            self._dns.shutdown(wait=False, cancel_futures=True)
+            self._dns = None
+        self._watchdog.close()
         with self._lock:
             for pool in self._pools.values():
                 pool.close()

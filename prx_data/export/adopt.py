@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export import layout
 from prx_data.export.layout import ForeignTreeError
@@ -73,7 +73,7 @@ def record_path(root: str) -> str:
 def read_record(root: str) -> dict | None:
     """The adoption record of ``root`` (None when it was never adopted)."""
     try:
-        obj = json.loads(storage.read_bytes(record_path(root)))
+        obj = json.loads(confined.read(root, record_path(root), confined.SMALL_MAX_BYTES))
     except FileNotFoundError:
         return None
     except ValueError as e:
@@ -162,11 +162,12 @@ def _shard_bytes(bdir: str, entry: dict) -> bytes:
 
     raw, zipped = entry["raw_data"], entry.get("zip_data")
     path = layout.rel_join(bdir, raw["basename"])
+    # Confined to the bucket, no more than the index declares (no link out, FIFO or device).
     if storage.exists(path):
-        return storage.read_bytes(path)
+        return confined.read(bdir, path, int(raw["bytes"]))
     if zipped:
         zpath = layout.rel_join(bdir, zipped["basename"])
-        return decompress(entry["compression"], storage.read_bytes(zpath))
+        return decompress(entry["compression"], confined.read(bdir, zpath, int(zipped["bytes"])))
     raise ForeignTreeError(f"{path}: shard missing (the index names it)")
 
 
@@ -222,7 +223,7 @@ def adopt_tree(root: str, *, tier: int | None = None, id_column: str | None = No
     nshards = 0
     for bucket in buckets:
         index_path = layout.rel_join(root, f"{bucket}/{layout.INDEX_NAME}")
-        index_bytes = storage.read_bytes(index_path)
+        index_bytes = confined.read(root, index_path, confined.INDEX_MAX_BYTES)
         entries = layout.read_index_entries(root, bucket)
         if not entries:
             continue

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.errors import PrxDataError
 from prx_data.core.schema import MANIFEST_NAME
 from prx_data.export import layout
@@ -104,7 +104,7 @@ def _bucket_record(root: str, bucket: str) -> tuple[str, dict, dict[str, frozens
     """(bucket, {"sha256", "samples", "shards"}, {part: its shard basenames}) from one read
     of the bucket's merged index."""
     path = layout.rel_join(root, f"{layout.check_bucket(bucket)}/{layout.INDEX_NAME}")
-    data = storage.read_bytes(path)
+    data = confined.read(root, path, confined.INDEX_MAX_BYTES)
     try:
         obj = json.loads(data)
     except ValueError as e:
@@ -125,13 +125,13 @@ def _bucket_record(root: str, bucket: str) -> tuple[str, dict, dict[str, frozens
 
 def _digest(root: str, bucket: str) -> tuple[str, str]:
     path = layout.rel_join(root, f"{layout.check_bucket(bucket)}/{layout.INDEX_NAME}")
-    return bucket, hashlib.sha256(storage.read_bytes(path)).hexdigest()
+    return bucket, hashlib.sha256(confined.read(root, path, confined.INDEX_MAX_BYTES)).hexdigest()
 
 
 def _read_manifest(root: str, bucket: str, part: str, known: frozenset[str]) -> pa.Table:
     path = layout.rel_join(root, f"{bucket}/{part}/{MANIFEST_NAME}")
     try:
-        data = storage.read_bytes(path)
+        data = confined.read(root, path, confined.MANIFEST_MAX_BYTES)
     except FileNotFoundError:
         raise IdIndexError(
             f"{path}: missing manifest, so the id index cannot be built; check the tree with "

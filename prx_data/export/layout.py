@@ -46,6 +46,7 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +56,7 @@ from typing import TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.errors import NotFound, PrxDataError
 from prx_data.core.schema import MANIFEST_NAME, MDS_COLUMNS, REPORT_NAME
 
@@ -135,10 +136,17 @@ def check_stream_basenames(index_path: str, directory: str, basenames: Iterable[
             if head not in parents:
                 parents[head] = os.path.realpath(os.path.join(root, head))
             target = os.path.join(parents[head], tail)
-            if os.path.islink(target):
+            try:
+                st = os.lstat(target)
+            except FileNotFoundError:  # a missing shard: the reader says so when it needs it
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode):
                 target = os.path.realpath(target)
+                st = os.stat(target) if os.path.exists(target) else None
             if target != root and not target.startswith(inside):
                 why = f" (a symlink leads out of {directory} to {target})"
+            elif st is not None and not stat.S_ISREG(st.st_mode):
+                why = f" ({target} is not a regular file)"
         if why:
             raise UnsafeIndexError(
                 f"{index_path}: refusing shard name {name!r}{why}; shard names must be "
@@ -278,12 +286,26 @@ def check_bucket(bucket: object) -> str:
 
 
 def load_index(
-    path: str, *, in_part: bool = False, export_columns: bool = False, plain: bool = False
+    path: str,
+    *,
+    in_part: bool = False,
+    export_columns: bool = False,
+    plain: bool = False,
+    root: str | None = None,
 ) -> list[dict]:
-    """Read and check one ``index.json``: its shard entries, names confined, encodings safe."""
+    """Read and check one ``index.json``: its shard entries, names confined, encodings safe.
+
+    The file itself is read through :mod:`prx_data.core.confined` under ``root``
+    (the export root; default: the index's own directory): a regular file of
+    at most :data:`~prx_data.core.confined.INDEX_MAX_BYTES`, reached through no
+    link out of the root.
+    """
     try:
-        obj = json.loads(storage.read_bytes(path))
+        data = confined.read(root or os.path.dirname(path), path, confined.INDEX_MAX_BYTES)
+        obj = json.loads(data)
     except ValueError as e:
+        if isinstance(e, confined.UnsafeFileError):
+            raise
         raise UnsafeIndexError(f"{path}: not valid JSON ({e})") from None
     return check_index_entries(
         path, obj, in_part=in_part, export_columns=export_columns, plain=plain
@@ -384,7 +406,8 @@ def _has_proof(out: str) -> bool:
     """The marker, or (exports written before the marker existed) a parseable export config."""
     for name in (MARKER_NAME, CONFIG_NAME):
         try:
-            obj = json.loads(storage.read_bytes(storage.join(out, *name.split("/"))))
+            path = storage.join(out, *name.split("/"))
+            obj = json.loads(confined.read(out, path, confined.SMALL_MAX_BYTES))
         except (FileNotFoundError, OSError, ValueError):
             continue
         if name == MARKER_NAME and isinstance(obj, dict) and obj.get("format") == MARKER_FORMAT:
@@ -737,7 +760,8 @@ def flat_tier(root: str) -> int | None:
 @functools.lru_cache(maxsize=256)
 def _recorded_flat_tier(key: str) -> int | None:
     try:
-        obj = json.loads(storage.read_bytes(storage.join(key, *ADOPTION_NAME.split("/"))))
+        path = storage.join(key, *ADOPTION_NAME.split("/"))
+        obj = json.loads(confined.read(key, path, confined.SMALL_MAX_BYTES))
     except (FileNotFoundError, OSError, ValueError):
         return None
     if isinstance(obj, dict) and obj.get("layout") == "flat" and isinstance(obj.get("tier"), int):
@@ -786,18 +810,16 @@ def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) 
     path = rel_join(root, f"{check_bucket(bucket)}/{INDEX_NAME}")
     try:
         # Our own checks (rewrite, verify) need our layout; readers take any confined name.
-        entries = load_index(path, export_columns=export_columns, plain=not export_columns)
+        entries = load_index(
+            path, export_columns=export_columns, plain=not export_columns, root=root
+        )
     except FileNotFoundError:
         raise NotFound(f"{path}: no merged index; is {root!r} an export root?") from None
-    if not storage.is_remote(root):  # a name outside our layout must not be a link out
-        names = [
-            e[k]["basename"]
-            for e in entries
-            for k in _FILE_KEYS
-            if e.get(k) and not _SHARD_RE.fullmatch(e[k]["basename"])
-        ]
-        if names:
-            check_stream_basenames(path, rel_join(root, bucket), names)
+    if not storage.is_remote(root):
+        # No name may reach through a link out of the bucket (a linked part directory would
+        # take sidecar writes and rewrite reads elsewhere), nor name a FIFO or device.
+        names = [e[k]["basename"] for e in entries for k in _FILE_KEYS if e.get(k)]
+        check_stream_basenames(path, rel_join(root, bucket), names)
     return entries
 
 
@@ -893,10 +915,10 @@ def read_adopted_manifest(root: str, bucket: str, shards: set[str], batch_rows: 
     record = storage.join(root, ADOPT_DIR, *bucket.split("/"), ADOPTED_SHARDS_NAME)
     index = rel_join(root, f"{bucket}/{INDEX_NAME}")
     try:
-        want = json.loads(storage.read_bytes(record)).get("index_sha256")
+        want = json.loads(confined.read(root, record, confined.SMALL_MAX_BYTES)).get("index_sha256")
     except (FileNotFoundError, ValueError, AttributeError):
         want = None
-    if want != hashlib.sha256(storage.read_bytes(index)).hexdigest():
+    if want != hashlib.sha256(confined.read(root, index, confined.INDEX_MAX_BYTES)).hexdigest():
         raise ForeignTreeError(
             f"{index}: not the index adopted (or {record} is missing), so the manifest may name "
             f"the wrong samples; run python -m prx_data.adopt {root} again"
@@ -911,7 +933,7 @@ def read_adopted_manifest(root: str, bucket: str, shards: set[str], batch_rows: 
             )
         return t
 
-    src = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
+    src = io.BytesIO(confined.read(root, path, confined.MANIFEST_MAX_BYTES))
     if batch_rows is None:
         return checked(pq.read_table(src, columns=["shard", "index", "id"]))
     pf = pq.ParquetFile(src)
@@ -939,7 +961,7 @@ def read_manifests(export_root: str, buckets: Sequence[str] | None = None):
 
         def read(rel, bucket=bucket):
             path = rel_join(export_root, f"{bucket}/{rel.replace(chr(92), '/')}")
-            src = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
+            src = io.BytesIO(confined.read(export_root, path, confined.MANIFEST_MAX_BYTES))
             t = pq.read_table(src, columns=["shard", "index", "id"])  # one part's: small
             check_manifest_shards(path, posixpath.dirname(rel.replace(chr(92), "/")), t["shard"])
             return t.append_column("bucket", pa.array([bucket] * len(t), pa.string()))
@@ -963,9 +985,13 @@ _OVERRIDE_HINT = "pass DatasetSpec(allow_incomplete=True) to stream it anyway"
 def read_report(root: str) -> dict | None:
     """The export's ``report.json`` (None when there is none: the export did not finish)."""
     try:
-        return json.loads(storage.read_bytes(storage.join(root, REPORT_NAME)))
+        return json.loads(
+            confined.read(root, storage.join(root, REPORT_NAME), confined.SMALL_MAX_BYTES)
+        )
     except FileNotFoundError:
         return None
+    except confined.UnsafeFileError:
+        raise
     except ValueError as e:
         raise IncompleteExport(
             f"{storage.join(root, REPORT_NAME)}: unreadable report ({e})"

@@ -17,7 +17,11 @@ the first, so one run tells a user everything that is wrong:
 * every sidecar belongs to a shard of the index, and its content is checked by
   ``check_sidecar`` (the skip-list parser lives a layer above: the CLI passes it in);
 * the list store ``_lists/`` holds only list files (``<name>.parquet`` with
-  sorted, unique string ids), its registry reference and its lock.
+  sorted, unique string ids), its registry reference and its lock;
+* nothing in a local tree is a symbolic link, FIFO, device or socket, and every
+  file is read through :mod:`prx_data.core.confined` (regular files inside the
+  root, capped at what the index declares), so a crafted tree is reported,
+  never followed, blocked on or read without bound.
 
 This reads every index, manifest and sidecar (and with ``deep`` every shard)
 and lists each bucket once: an audit, not a hot path.
@@ -31,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export.layout import (
     _AR_RE,
@@ -78,20 +82,53 @@ class VerifyResult:
     sidecars: int = 0
     rehashed: int = 0
     problems: list[Problem] = None  # type: ignore[assignment]
+    #: Paths (and the trees below them) already reported as not a regular file inside the root.
+    unsafe: set[str] = None  # type: ignore[assignment]
 
     def __post_init__(self):
         if self.problems is None:
             self.problems = []
+        if self.unsafe is None:
+            self.unsafe = set()
+
+    def under_unsafe(self, path: str) -> bool:
+        """Whether ``path`` is, or lies below, an entry already reported as unsafe."""
+        p = path.replace("\\", "/")
+        return any(p == u or p.startswith(u + "/") for u in self.unsafe)
+
+    def unreadable(self, path: str, message: str) -> None:
+        """Report a refused read once (the tree walk may have named the same entry already)."""
+        if not self.under_unsafe(path):
+            self.problems.append(Problem(path, message))
+            self.unsafe.add(path.replace("\\", "/"))
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def _buckets_on_disk(root: str) -> tuple[list[str], list[str]]:
+def _walk_tree(root: str, res: VerifyResult) -> list[str]:
+    """Every regular file under ``root`` (relative, ``/``-separated); the rest are problems.
+
+    A symbolic link, FIFO, device or socket anywhere in a local tree is one
+    problem line naming it; none is followed or opened, and nothing below a
+    linked directory is looked at.
+    """
+    files = []
+    for e in confined.walk(root):
+        if e.problem is None:
+            files.append(e.rel)
+            continue
+        path = storage.join(root, *e.rel.split("/"))
+        res.problems.append(Problem(path, e.problem))
+        res.unsafe.add(path.replace("\\", "/"))
+    return files
+
+
+def _buckets_on_disk(files: list[str]) -> tuple[list[str], list[str]]:
     """(bucket names with any file, top-level-ish paths that are not part of the layout)."""
     buckets, stray = set(), []
-    for rel in storage.list_files(root, recursive=True):
+    for rel in files:
         bits = rel.replace("\\", "/").split("/")
         if not _TIER_RE.fullmatch(bits[0]):
             continue
@@ -118,9 +155,13 @@ def verify_export(
     if not storage.exists(root):
         add(Problem(root, "does not exist"))
         return res
+    files = _walk_tree(root, res)  # first: what follows skips what it reported
     report_path = storage.join(root, REPORT_NAME)
     try:
         report = read_report(root)
+    except confined.UnsafeFileError as e:
+        res.unreadable(report_path, str(e).removeprefix(f"{report_path}: "))
+        report = {}
     except Exception as e:  # noqa: BLE001 - an unreadable report is a finding, not a crash
         add(Problem(report_path, str(e)))
         report = {}
@@ -139,7 +180,7 @@ def verify_export(
             )
     _verify_lists(root, res)
     reported = dict(report.get("buckets") or {})
-    on_disk, stray = _buckets_on_disk(root)
+    on_disk, stray = _buckets_on_disk(files)
     for rel in stray:
         add(Problem(rel_join(root, rel), "not inside a <tier>/<ratio>/ bucket"))
     from tqdm.auto import tqdm
@@ -166,10 +207,16 @@ def _verify_lists(root: str, res: VerifyResult) -> None:
         if "/" in name or not LISTS_FILE_RE.fullmatch(name):
             res.problems.append(Problem(path, "not a file of the skip-list store"))
             continue
-        if not name.endswith(".parquet") or ".tmp-" in name or name == "_local.parquet":
-            continue  # the export-only log is not a list (prx_data.skips.lists)
+        if (
+            not name.endswith(".parquet")
+            or ".tmp-" in name
+            or name == "_local.parquet"  # the export-only log is not a list (prx_data.skips.lists)
+            or res.under_unsafe(path)
+        ):
+            continue
         try:
-            ids = pq.read_table(io.BytesIO(storage.read_bytes(path)), columns=["id"])["id"]
+            data = confined.read(root, path, confined.MANIFEST_MAX_BYTES)
+            ids = pq.read_table(io.BytesIO(data), columns=["id"])["id"]
             ids = ids.combine_chunks()
             if not pa.types.is_string(ids.type) or ids.null_count:
                 raise ValueError("ids are not non-null strings")
@@ -197,10 +244,13 @@ def _verify_bucket(
     if have_report and expected is None:
         add(Problem(bdir, "bucket is not in report.json (left by another run?)"))
     try:
-        index = json.loads(storage.read_bytes(index_path))
+        index = json.loads(confined.read(root, index_path, confined.INDEX_MAX_BYTES))
         entries = list(index["shards"])
     except FileNotFoundError:
         add(Problem(index_path, "missing: no merged index for this bucket"))
+        return
+    except confined.UnsafeFileError as e:
+        res.unreadable(index_path, str(e).removeprefix(f"{index_path}: "))
         return
     except (ValueError, KeyError, TypeError) as e:
         add(Problem(index_path, f"unreadable index ({e})"))
@@ -242,20 +292,24 @@ def _verify_bucket(
     for file_base, nbytes, _hashes in sorted(on_disk.values()):
         path = rel_join(bdir, file_base)
         if file_base not in files:
-            add(Problem(path, "shard listed in the index is missing"))
+            if not res.under_unsafe(path):  # a linked part: reported once, above
+                add(Problem(path, "shard listed in the index is missing"))
             continue
         if sizes.get(file_base) != nbytes:
             add(Problem(path, f"{sizes.get(file_base)} bytes, the index records {nbytes}"))
     if deep:
-        _rehash(bdir, on_disk, files, sizes, res)
+        _rehash(root, bdir, on_disk, files, sizes, res)
     # manifests: rows per shard == index samples
     parts = sorted({b.split("/")[0] for b in shards})
     # Manifests are read in parallel (bounded) and checked in part order: the same findings.
     for part, (mpath, col) in zip(
-        parts, imap_bounded(_manifest_reader(bdir, files), parts, io_workers(bdir)), strict=True
+        parts,
+        imap_bounded(_manifest_reader(root, bdir, files), parts, io_workers(bdir)),
+        strict=True,
     ):
         if col is None:
-            add(Problem(mpath, "manifest missing"))
+            if not res.under_unsafe(mpath):
+                add(Problem(mpath, "manifest missing"))
             continue
         if isinstance(col, Exception):
             add(Problem(mpath, f"unreadable manifest ({col})"))
@@ -290,10 +344,10 @@ def _verify_bucket(
             sidecars.append(rel)
         elif bits[1] not in (INDEX_NAME, MANIFEST_NAME) and rel not in listed:
             add(Problem(rel_join(bdir, rel), "file is not listed in the merged index"))
-    _verify_sidecars(bdir, sidecars, shards, check_sidecar, res)
+    _verify_sidecars(root, bdir, sidecars, shards, check_sidecar, res)
 
 
-def _manifest_reader(bdir: str, files: dict[str, int]):
+def _manifest_reader(root: str, bdir: str, files: dict[str, int]):
     """``part -> (path, shard column | None if absent | the error if unreadable)``."""
     import pyarrow.parquet as pq
 
@@ -302,7 +356,7 @@ def _manifest_reader(bdir: str, files: dict[str, int]):
         if f"{part}/{MANIFEST_NAME}" not in files:
             return mpath, None
         try:
-            src = io.BytesIO(storage.read_bytes(mpath)) if storage.is_remote(mpath) else mpath
+            src = io.BytesIO(confined.read(root, mpath, confined.MANIFEST_MAX_BYTES))
             return mpath, pq.read_table(src, columns=["shard"])["shard"].to_pylist()
         except Exception as e:  # noqa: BLE001 - a corrupt manifest is a finding
             return mpath, e
@@ -311,10 +365,13 @@ def _manifest_reader(bdir: str, files: dict[str, int]):
 
 
 def _sizes(bdir: str) -> dict[str, int]:
-    return storage.file_sizes(bdir)
+    """Regular files of a bucket (links, FIFOs and devices were reported by the tree walk)."""
+    return {e.rel: e.size for e in confined.walk(bdir) if e.problem is None}
 
 
-def _rehash(bdir: str, on_disk: dict, files: dict, sizes: dict, res: VerifyResult) -> None:
+def _rehash(
+    root: str, bdir: str, on_disk: dict, files: dict, sizes: dict, res: VerifyResult
+) -> None:
     from prx_data.core.streaming_compat import get_hash
 
     jobs = [(b, v) for b, v in sorted(on_disk.items()) if v[0] in files]
@@ -324,7 +381,10 @@ def _rehash(bdir: str, on_disk: dict, files: dict, sizes: dict, res: VerifyResul
         path = rel_join(bdir, file_base)
         if not hashes:
             return [Problem(path, "the index records no hash for this shard; cannot rehash")]
-        data = storage.read_bytes(path)
+        try:  # no more than the index declares (a size mismatch was reported above)
+            data = confined.read(root, path, _nbytes)
+        except confined.UnsafeFileError as e:
+            return [Problem(path, str(e).removeprefix(f"{path}: "))]
         return [
             Problem(path, f"{algo} is {got}, the index records {want}: the shard's bytes changed")
             for algo, want in sorted(hashes.items())
@@ -337,6 +397,7 @@ def _rehash(bdir: str, on_disk: dict, files: dict, sizes: dict, res: VerifyResul
 
 
 def _verify_sidecars(
+    root: str,
     bdir: str,
     rels: list[str],
     shards: dict[str, ShardInfo],
@@ -363,14 +424,17 @@ def _verify_sidecars(
         elif check_sidecar is not None:
             found.append((path, base, name))
 
+    box = confined.confined(root)
+
     def check(job: list[Problem] | tuple[str, str, str]) -> list[Problem]:
         if isinstance(job, list):
             return job
         path, base, name = job
-        return [
-            Problem(path, m)
-            for m in check_sidecar(path, storage.read_bytes(path), shards[base], name)
-        ]
+        try:
+            data = box.read(path, confined.sidecar_max_bytes(shards[base].samples))
+        except confined.UnsafeFileError as e:
+            return [Problem(path, str(e).removeprefix(f"{path}: "))]
+        return [Problem(path, m) for m in check_sidecar(path, data, shards[base], name)]
 
     # Sidecars are read in parallel (bounded); findings keep the listing's order.
     for problems in imap_bounded(check, found, io_workers(bdir)):

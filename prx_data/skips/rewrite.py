@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
@@ -250,14 +250,13 @@ def _materialize(root: str, bucket: str, entry: dict, tmp: str) -> str:
     path = os.path.join(dest, *raw.split("/"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     local_raw = storage.join(root, *bucket.split("/"), *raw.split("/"))
+    # Read confined to the export, no more than the index declares (a link out or a FIFO is refused).
     if entry.get("zip_data"):
-        zbase = entry["zip_data"]["basename"]
-        data = decompress(
-            entry["compression"],
-            storage.read_bytes(storage.join(root, *bucket.split("/"), *zbase.split("/"))),
-        )
+        zip_data = entry["zip_data"]
+        zpath = storage.join(root, *bucket.split("/"), *zip_data["basename"].split("/"))
+        data = decompress(entry["compression"], confined.read(root, zpath, int(zip_data["bytes"])))
     else:
-        data = storage.read_bytes(local_raw)
+        data = confined.read(root, local_raw, int(entry["raw_data"]["bytes"]))
     with open(path, "wb") as f:
         f.write(data)
     return dest

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.errors import (
     OutOfRange,
     PrxDataError,
@@ -265,15 +265,22 @@ def list_sidecars(root: str, bucket: str, shards: Sequence[ShardInfo]) -> dict[s
 
 def read_sidecar(root: str, bucket: str, shard: ShardInfo, name: str) -> SkipList:
     path = rel_join(root, f"{bucket}/{sidecar_basename(shard.basename, name)}")
-    return SkipList.from_bytes(_read(path), path, expected=shard, expected_name=name)
+    return SkipList.from_bytes(_read(root, path, shard), path, expected=shard, expected_name=name)
 
 
-def _read(path: str) -> bytes:
-    # Plain open() locally: pyarrow's per-file setup dominates for 100k tiny sidecars.
-    if storage.is_remote(path):
-        return storage.read_bytes(path)
-    with open(path, "rb") as f:
-        return f.read()
+def _read(root: str | confined.Confined, path: str, shard: ShardInfo) -> bytes:
+    """A sidecar's bytes: a regular file inside ``root``, no larger than its shard allows.
+
+    A FIFO, a device, a link out of the export or a file past the size a list
+    of ``shard.samples`` indices can have is refused (:mod:`prx_data.core.confined`),
+    so a received export cannot hang or flood a reader. Locally this is one
+    ``open`` + ``fstat`` (pyarrow's per-file setup would dominate for 100k tiny sidecars).
+    """
+    box = root if isinstance(root, confined.Confined) else confined.confined(root)
+    try:
+        return box.read(path, confined.sidecar_max_bytes(shard.samples))
+    except confined.UnsafeFileError as e:
+        raise SkipListError(str(e)) from None
 
 
 def load_skips(
@@ -297,16 +304,19 @@ def load_skips(
     remote = storage.is_remote(root)
     bucket_dir = rel_join(root, bucket)
     sep = "/" if remote else os.sep
+    box = confined.confined(root)  # once: resolving the root per sidecar would triple the cost
 
     def read(job: tuple[str, ShardInfo]) -> SkipList | SidecarProblem:
         name, shard = job
         path = f"{bucket_dir}{sep}{shard.basename.replace('/', sep)}.{name}{SUFFIX}"
         if problems is not None:
             try:
-                return SkipList.from_bytes(_read(path), path, shard, expected_name=name)
+                return SkipList.from_bytes(_read(box, path, shard), path, shard, expected_name=name)
             except SkipListError as e:
                 return SidecarProblem(path, "unparseable", str(e).removeprefix(f"{path}: "), name)
-        return SkipList.from_bytes(_read(path), path, expected=shard, expected_name=name)
+        return SkipList.from_bytes(
+            _read(box, path, shard), path, expected=shard, expected_name=name
+        )
 
     jobs = [(name, by_base[b]) for name in chosen for b in found.get(name, [])]
     lists = map_io(read, jobs, remote)
@@ -381,6 +391,7 @@ def add_skips(
             np.asarray(idx if isinstance(idx, np.ndarray) else list(idx), np.int64)
         )
     remote = storage.is_remote(export_root)
+    box = confined.confined(export_root)
     # Validate everything first, so bad input writes nothing.
     jobs = []
     for bucket, per_shard in sorted(by_bucket.items()):
@@ -406,11 +417,12 @@ def add_skips(
         if has_old and not replace:
             old = read_sidecar(export_root, bucket, info, name).indices.astype(np.int64)
             idx = np.union1d(old, idx)
+        # Writes are confined to the export like reads: never through a link out of it.
         if not len(idx):
             if has_old:  # replace with nothing: the shard leaves the list
-                storage.delete(path)
+                box.delete(path)
             return 0
-        storage.write_bytes_atomic(path, SkipList(name, info, idx.astype(np.uint32)).to_bytes())
+        box.write_atomic(path, SkipList(name, info, idx.astype(np.uint32)).to_bytes())
         return len(idx)
 
     for n in map_io(write, jobs, remote):
@@ -539,5 +551,5 @@ def remove_skip_list(export_root: str, name: str, tiers: Iterable[int] | None = 
             name, []
         ):
             paths.append(rel_join(export_root, f"{bucket}/{sidecar_basename(shard, name)}"))
-    map_io(storage.delete, paths, storage.is_remote(export_root))
+    map_io(confined.confined(export_root).delete, paths, storage.is_remote(export_root))
     return len(paths)

@@ -14,16 +14,25 @@ whose entry has no hash and whose export report changed. Checking costs one
 stat per shard; nothing is rehashed. A cache written before tracking (no
 :data:`TRACKED_NAME`) is not trusted: its shard files are dropped once and
 fetched again on demand.
+
+The same cache serves a *local* export with compressed shards
+(:class:`DecompressCache`): streaming decompresses a shard next to its
+``.zstd`` when the stream has no remote, which would add files to the export
+(and fail ``verify``). Such a bucket streams with the export as its remote and
+the cache as its local, so decompressed shards land in the cache only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.errors import UsageError
 
 #: Written at the cache root once the cache follows the invariant above.
@@ -138,3 +147,91 @@ def predownload_within_cache(
             f"predownload <= {most} or raise cache_limit"
         )
     return predownload
+
+
+#: The export's report.json as last seen by a :class:`DecompressCache` (tells a re-export apart).
+LOCAL_REPORT_NAME = "_prx_export_report"
+
+
+def default_decompress_dir(root: str) -> str:
+    """A per-export cache under the system temp dir: ``prx-data-cache-<uid>/<digest of root>``."""
+    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"prx-data-cache-{uid}", key)
+
+
+def _own_dir(path: str, what: str) -> None:
+    """Create ``path`` (mode 0700) and refuse one that is a link or another user's."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        raise UsageError(
+            f"{path}: the {what} is a link or belongs to another user; pass "
+            "DatasetSpec(local=<a directory of yours>) for the decompressed shards"
+        )
+
+
+class DecompressCache:
+    """Where one local export's compressed buckets are decompressed while streaming.
+
+    ``local`` is the loader's cache directory (``DatasetSpec.local``), or a
+    per-export folder under the system temp dir (:func:`default_decompress_dir`)
+    when none is given. Each bucket gets ``<cache>/<tier>/<ar>/index.json``
+    (the export's, as checked), and shards that no longer match it are dropped
+    first (:func:`drop_stale_shards`), so a re-export at the same root never
+    serves old bytes. The cache may not lie inside the export.
+    """
+
+    def __init__(self, root: str, local: str | None) -> None:
+        self.root = root
+        self.dir = os.path.abspath(local) if local else default_decompress_dir(root)
+        real_root = os.path.realpath(root).rstrip(os.sep) + os.sep
+        if (os.path.realpath(self.dir) + os.sep).startswith(real_root):
+            raise UsageError(
+                f"{self.dir}: the cache for decompressed shards is inside the export {root}; "
+                "pass DatasetSpec(local=) a directory outside it"
+            )
+        if local:
+            os.makedirs(self.dir, exist_ok=True)
+        else:
+            _own_dir(os.path.dirname(self.dir), "shared cache folder")
+            _own_dir(self.dir, "export's cache folder")
+        try:
+            self.report = confined.read(
+                root, storage.join(root, "report.json"), confined.SMALL_MAX_BYTES
+            )
+        except FileNotFoundError:
+            self.report = None
+        self.tracked = is_tracked(self.dir)
+        seen = os.path.join(self.dir, LOCAL_REPORT_NAME)
+        try:
+            with open(seen, "rb") as f:
+                self.same_report = self.report is not None and f.read() == self.report
+        except OSError:
+            self.same_report = False
+
+    def bucket(self, bucket: str, entries: Sequence[Mapping[str, Any]]) -> str:
+        """The bucket's cache directory, its index in place and stale shards dropped."""
+        local_b = os.path.join(self.dir, *bucket.split("/"))
+        cached = read_cached_index(local_b, "index.json") if self.tracked else None
+        drop_stale_shards(local_b, cached, entries, same_report=self.same_report)
+        body = json.dumps({"version": 2, "shards": list(entries)}, sort_keys=True).encode()
+        index = os.path.join(local_b, "index.json")
+        try:
+            with open(index, "rb") as f:
+                current = f.read()
+        except OSError:
+            current = None
+        if current != body:  # several ranks of a node may get here: same bytes, atomic
+            storage.write_bytes_atomic(index, body)
+        return local_b
+
+    def finish(self) -> None:
+        """Record the export's report and that the cache follows the invariant."""
+        seen = os.path.join(self.dir, LOCAL_REPORT_NAME)
+        if self.report is not None:
+            storage.write_bytes_atomic(seen, self.report)
+        elif os.path.exists(seen):
+            os.remove(seen)
+        mark_tracked(self.dir)

@@ -118,7 +118,9 @@ class BucketSource:
     """One bucket of one export, ready to stream: where it is, its shards and its skips."""
 
     bucket: str
-    remote: str | None  # bucket URI when the root is remote
+    #: Bucket URI when the root is remote; the export's bucket directory when its shards are
+    #: compressed (streaming then decompresses into ``local``, not into the export).
+    remote: str | None
     local: str  # bucket directory (the export itself, or the cache)
     shards: list[layout.ShardInfo]
     skips: dict[str, np.ndarray]
@@ -182,6 +184,7 @@ def load_sources(
             spec.root, report, count_markers=not storage.is_remote(spec.root)
         )
     orphans: list[skiplist.SidecarProblem] = []
+    decompress: shard_cache.DecompressCache | None = None
     for bucket in buckets:
         entries = layout.read_index_entries(base, bucket)
         shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
@@ -202,7 +205,14 @@ def load_sources(
         local_b = os.path.join(base, *bucket.split("/"))
         if not storage.is_remote(spec.root):
             local_b = layout.rel_join(base, bucket)
+            if any(e.get("zip_data") for e in entries):
+                # Decompressed shards go to a cache, never next to their .zstd in the export.
+                if decompress is None:
+                    decompress = shard_cache.DecompressCache(spec.root, spec.local)
+                remote, local_b = local_b, decompress.bucket(bucket, entries)
         out.append(BucketSource(bucket, remote, local_b, shards, skips, lists, foreign=cols))
+    if decompress is not None:
+        decompress.finish()
     _check_orphans(spec.root, orphans, spec.skip_lists)
     _check_names(spec.root, found, spec.skip_lists)
     if spec.holdout is not None:

@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.schema import REPORT_NAME
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
@@ -69,7 +69,9 @@ class CatalogCache:
             with open(self._path(rel), "rb") as f:
                 return f.read()
         self._forget([rel])
-        data = storage.read_bytes(layout.rel_join(self.root, rel))
+        # Index and report: capped, and keys confined to the export's prefix.
+        path = layout.rel_join(self.root, rel)
+        data = confined.read(self.root, path, confined.INDEX_MAX_BYTES)
         self.downloads += 1
         if version is not None:
             self._pending[rel] = version
@@ -107,7 +109,8 @@ class CatalogCache:
         self._forget([f"{bucket}/{r}" for r in gone + stale])
 
         def get(rel: str) -> None:
-            data = storage.read_bytes(layout.rel_join(self.root, f"{bucket}/{rel}"))
+            path = layout.rel_join(self.root, f"{bucket}/{rel}")
+            data = confined.read(self.root, path, confined.INDEX_MAX_BYTES)
             storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
 
         layout.map_io(get, stale, True)

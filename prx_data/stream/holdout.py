@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prx_data.core import storage
+from prx_data.core import confined, storage
 from prx_data.core.errors import UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export import layout
@@ -169,7 +169,7 @@ def _held_in_manifest(
 
     rel = rel.replace("\\", "/")
     path = layout.rel_join(root, f"{bucket}/{rel}")
-    src = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
+    src = io.BytesIO(confined.read(root, path, confined.MANIFEST_MAX_BYTES))
     t = pq.read_table(src, columns=["shard", "index", "id"])  # one part's: small
     layout.check_manifest_shards(path, posixpath.dirname(rel), t["shard"])
     return _held_in_table(hold, root, bucket, path, t, known)
@@ -219,12 +219,13 @@ def _bucket_key(hold: Holdout, base: str, bucket: str) -> str:
     """
     report = layout.rel_join(base, REPORT_NAME)
     h = hashlib.sha1(hold.key.encode())
-    h.update(hashlib.sha1(storage.read_bytes(report) if storage.exists(report) else b"").digest())
-    h.update(
-        hashlib.sha1(
-            storage.read_bytes(layout.rel_join(base, f"{bucket}/{layout.INDEX_NAME}"))
-        ).digest()
-    )
+    try:
+        got = confined.read(base, report, confined.SMALL_MAX_BYTES)
+    except FileNotFoundError:
+        got = b""
+    h.update(hashlib.sha1(got).digest())
+    index = layout.rel_join(base, f"{bucket}/{layout.INDEX_NAME}")
+    h.update(hashlib.sha1(confined.read(base, index, confined.INDEX_MAX_BYTES)).digest())
     return h.hexdigest()[:20]
 
 

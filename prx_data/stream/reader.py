@@ -82,7 +82,8 @@ class SkipStream(Stream):
 
     def prepare_shard(self, shard: Any) -> int:
         delta = super().prepare_shard(shard)
-        # A pinned shard (e.g. decompressed inside the export) is outside the cache's accounting.
+        # A pinned shard (the export's own file) is outside the cache's accounting. A compressed
+        # local export streams with a remote (the export) and decompresses into the cache.
         return 0 if self.remote is None else delta
 
 
