@@ -198,6 +198,15 @@ class UnitResult:
 
 #: Drop reasons that are choices, not failures: they never count toward --max-error-rate.
 POLICY_DROPS = frozenset({"filtered", "unbucketed", DROP_TOO_SMALL, DROP_ASPECT_RATIO})
+#: Prefix of the drop reason of a row whose download failed (``download:http_404``): the
+#: download job's reason, judged by that job's own error rate rather than the export's.
+DOWNLOAD_DROP = "download:"
+_DOWNLOAD_STATUS, _DOWNLOAD_ERROR = "download_status", "download_error"
+
+
+def is_failure(reason: str) -> bool:
+    """Whether a drop reason counts toward ``--max-error-rate`` (not a choice, not a download)."""
+    return reason not in POLICY_DROPS and not reason.startswith(DOWNLOAD_DROP)
 
 
 @dataclass
@@ -224,7 +233,7 @@ class ExportReport(FailureCounts):
     @property
     def failed(self) -> int:
         """Rows dropped for a broken, empty or undecodable image (not by ``--filter`` or size)."""
-        return sum(n for reason, n in self.dropped.items() if reason not in POLICY_DROPS)
+        return sum(n for reason, n in self.dropped.items() if is_failure(reason))
 
     @property
     def total(self) -> int:
@@ -577,6 +586,18 @@ def _clean_caption(value, limit: int, notes: Counter, column: str) -> str:
     return value
 
 
+def _probe_drop(row: dict) -> tuple[str, str]:
+    """(reason, detail) of a row with a probe error: the download's reason for a URL row."""
+    error = str(row["probe_error"])
+    status = row.get(_DOWNLOAD_STATUS)
+    if error == "missing_image" and status not in (None, "ok"):
+        why = row.get(_DOWNLOAD_ERROR) or status
+        return f"{DOWNLOAD_DROP}{why}", f"download {status}: {why}"
+    if error == "missing_image":
+        return error, "no image bytes (a URL row not downloaded yet: python -m prx_data.download)"
+    return error, "the image header could not be read"
+
+
 def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     """Process one work unit end to end; idempotent given the same config.
 
@@ -596,6 +617,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     frag = ds.get_fragment(unit.fragment_id)
     caption_cols = list(cfg.caption_columns or ())
     wanted = ["id", "image", "width", "height", "probe_error", QUALITY_COLUMN, *caption_cols]
+    wanted += [_DOWNLOAD_STATUS, _DOWNLOAD_ERROR]
     available = set(ds.schema.names)
     read_cols = [c for c in wanted if c in available]
     result = UnitResult(part=unit.part)
@@ -630,7 +652,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                     drop(row, "filtered")
                     continue
                 if row.get("probe_error"):
-                    drop(row, str(row["probe_error"]), "the image header could not be read")
+                    drop(row, *_probe_drop(row))
                     continue
                 data = row.get("image")
                 w, h = row.get("width"), row.get("height")
