@@ -297,38 +297,161 @@ def pending_filter(url: str, only: Sequence[str] = ()) -> str:
     return f"{base} AND ({' OR '.join(clauses)})"
 
 
-def plan_duplicates(ds, url: str, where: str, limit: int | None = None) -> np.ndarray:
+#: Pending plus ``ok`` rows planned in memory at once. Above it, duplicate planning spills
+#: (URL, row address) to local disk in partitions by URL hash and plans one partition at a
+#: time, so the driver holds about this many URLs whatever the table's size.
+PLAN_PARTITION_ROWS = 1 << 20
+_SCAN_BATCH = 1 << 16
+#: Scan read-ahead of the spilled plan: a fragment and a few batches at a time, so its
+#: buffers do not grow with the number of fragments.
+_LEAN_SCAN = {"fragment_readahead": 1, "batch_readahead": 4}
+_HEX2 = pa.array([f"{i:02x}" for i in range(256)], pa.string())
+
+
+def plan_duplicates(
+    ds,
+    url: str,
+    where: str,
+    limit: int | None = None,
+    partition_rows: int = PLAN_PARTITION_ROWS,
+) -> np.ndarray:
     """Row addresses (sorted uint64) of pending rows whose URL another row fetches.
 
     A pending row is a duplicate when its URL already has an ``ok`` row, or
     appears at a smaller row address among the pending rows. Reads the URL
     column of the pending rows (the first ``limit`` of them, which are the rows
     the run plans) and of ``ok`` rows in batches: Arrow sorts and hash
-    lookups, nothing per row in Python. Memory is about the pending URLs'
-    size, so very large tables are downloaded in ``limit`` slices.
+    lookups, nothing per row in Python. Up to ``partition_rows`` rows are
+    planned in memory; a larger run is split by URL hash (Lance's ``md5``)
+    into partitions spilled to a temporary folder, each planned alone, so
+    the URLs held at once stay about ``partition_rows`` (the result, 8 bytes
+    per duplicate, is what grows with the table).
     """
     from prx_data.table.lance_ops import quote
 
+    ok_where = None
+    if STATUS in ds.schema.names:
+        ok_where = f"{quote(url)} IS NOT NULL AND {quote(STATUS)} = '{F.OK}'"
+    pending = ds.count_rows(where)
+    if limit is not None:
+        pending = min(pending, limit)
+    if not pending:
+        return np.zeros(0, np.uint64)
+    ok = ds.count_rows(ok_where) if ok_where else 0
+    parts = -(-(pending + ok) // max(1, partition_rows))
+    if parts <= 1:
+        return _duplicates_in(ds, url, where, limit, ok_where)
+    return _duplicates_spilled(ds, url, where, limit, ok_where, min(parts, len(_HEX2)))
+
+
+def _duplicates_in(ds, url: str, where: str, limit: int | None, ok_where: str | None):
     scanner = ds.scanner(
-        columns=[url], filter=where, with_row_address=True, batch_size=1 << 16, limit=limit
+        columns=[url], filter=where, with_row_address=True, batch_size=_SCAN_BATCH, limit=limit
     )
     parts = [pa.Table.from_batches([b]) for b in scanner.to_batches() if b.num_rows]
     if not parts:
         return np.zeros(0, np.uint64)
     pend = pa.concat_tables(parts).combine_chunks()
-    order = pc.sort_indices(pend, sort_keys=[(url, "ascending"), (ROWADDR, "ascending")])
-    urls = pc.take(pend[url], order)
-    addrs = np.asarray(pc.take(pend[ROWADDR], order))
+    ok_urls = None
+    if ok_where is not None:
+        chunks = [
+            b.column(0)
+            for b in ds.scanner(columns=[url], filter=ok_where, batch_size=_SCAN_BATCH).to_batches()
+            if b.num_rows
+        ]
+        ok_urls = pa.concat_arrays(chunks) if chunks else None
+    return _duplicates_of(pend[url], pend[ROWADDR], ok_urls)
+
+
+def _duplicates_of(urls, addrs, ok_urls) -> np.ndarray:
+    """Of pending (url, address) pairs: the addresses whose URL is ok or came earlier."""
+    table = pa.table({"u": urls, "a": addrs})
+    order = pc.sort_indices(table, sort_keys=[("u", "ascending"), ("a", "ascending")])
+    urls = pc.take(table["u"], order)
+    addrs = np.asarray(pc.take(table["a"], order))
     dup = np.zeros(len(addrs), bool)
     if len(addrs) > 1:
         dup[1:] = np.asarray(pc.equal(urls[1:], urls[:-1]).fill_null(False))
-    if STATUS in ds.schema.names:
-        for batch in ds.scanner(
-            columns=[url], filter=f"{quote(STATUS)} = '{F.OK}'", batch_size=1 << 16
-        ).to_batches():
-            if batch.num_rows:
-                dup |= np.asarray(pc.is_in(urls, value_set=batch.column(0)).fill_null(False))
+    if ok_urls is not None and len(ok_urls):
+        dup |= np.asarray(pc.is_in(urls, value_set=ok_urls).fill_null(False))
     return np.sort(addrs[dup]).astype(np.uint64)
+
+
+def _duplicates_spilled(
+    ds, url: str, where: str, limit: int | None, ok_where: str | None, parts: int
+) -> np.ndarray:
+    """:func:`plan_duplicates` over ``parts`` hash partitions spilled to a temporary folder."""
+    import shutil
+    import tempfile
+
+    import pyarrow.ipc as ipc
+
+    from prx_data.table.lance_ops import quote
+
+    schema = pa.schema([("u", pa.string()), ("a", pa.uint64()), ("ok", pa.bool_())])
+    folder = tempfile.mkdtemp(prefix="prx-download-plan-")
+    writers: dict[int, ipc.RecordBatchFileWriter] = {}
+    try:
+
+        def spill(batch: pa.RecordBatch, is_ok: bool) -> None:
+            n = batch.num_rows
+            if not n:
+                return
+            head = pc.utf8_slice_codeunits(batch.column("_h").cast(pa.string()), 0, 2)
+            part = np.asarray(pc.index_in(head, value_set=_HEX2)) % parts
+            rows = pa.table(
+                {
+                    "u": batch.column(url).cast(pa.string()),
+                    "a": batch.column(ROWADDR) if not is_ok else pa.array(np.zeros(n, np.uint64)),
+                    "ok": pa.array(np.full(n, is_ok)),
+                },
+                schema=schema,
+            )
+            order = np.argsort(part, kind="stable")
+            bounds = np.searchsorted(part[order], np.arange(parts + 1))
+            rows = rows.take(pa.array(order))
+            for p in range(parts):
+                lo, hi = int(bounds[p]), int(bounds[p + 1])
+                if hi > lo:
+                    w = writers.get(p)
+                    if w is None:
+                        w = writers[p] = ipc.new_file(f"{folder}/{p}.arrow", schema)
+                    w.write_table(rows.slice(lo, hi - lo))
+
+        projection = {url: quote(url), "_h": f"md5({quote(url)})"}
+        for b in ds.scanner(
+            columns=projection,
+            filter=where,
+            with_row_address=True,
+            batch_size=_SCAN_BATCH,
+            limit=limit,
+            **_LEAN_SCAN,
+        ).to_batches():
+            spill(b, False)
+        if ok_where is not None:
+            for b in ds.scanner(
+                columns=projection, filter=ok_where, batch_size=_SCAN_BATCH, **_LEAN_SCAN
+            ).to_batches():
+                spill(b, True)
+        for w in writers.values():
+            w.close()
+        out = []
+        for p in sorted(writers):
+            with pa.memory_map(f"{folder}/{p}.arrow") as source:
+                table = ipc.open_file(source).read_all()
+            mask = table["ok"]
+            pend = table.filter(pc.invert(mask))
+            ok_urls = table.filter(mask)["u"].combine_chunks()
+            out.append(_duplicates_of(pend["u"], pend["a"], ok_urls))
+            del table, pend, ok_urls
+        return np.sort(np.concatenate(out)) if out else np.zeros(0, np.uint64)
+    finally:
+        for w in writers.values():
+            try:
+                w.close()
+            except Exception:
+                pass
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- the fetch step (runs in Ray tasks or in this process) ------------------------------

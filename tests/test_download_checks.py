@@ -103,3 +103,41 @@ def test_export_lists_the_download_reason_in_dropped_parquet(tmp_path):
     assert report.samples_written == 2
     # The download's failures were judged by the download; the export counts one missing row.
     assert report.failed == 1 and report.dropped["download:http_404"] == 1
+
+
+def test_duplicate_planning_spilled_by_url_hash_equals_the_in_memory_plan(tmp_path, monkeypatch):
+    import numpy as np
+
+    import pipelines.download as D
+
+    uri = str(tmp_path / "t.lance")
+    n = 3000
+    rng = np.random.default_rng(5)
+    urls = [f"http://h{i % 7}.example/{int(x)}" for i, x in enumerate(rng.integers(0, 1200, n))]
+    status = ["ok" if i % 5 == 0 else None for i in range(n)]
+    url_table(
+        uri,
+        urls,
+        rows_per_file=700,
+        extra={"download_status": pa.array(status, pa.string())},
+    )
+    ds = lance.dataset(uri)
+    where = D.pending_filter("url")
+    whole = D.plan_duplicates(ds, "url", where)
+    # What the plan means, from first principles.
+    addr = ds.to_table(columns=["url", "download_status"], with_row_address=True).to_pylist()
+    ok = {r["url"] for r in addr if r["download_status"] == "ok"}
+    seen, want = set(), []
+    for r in sorted(addr, key=lambda r: r["_rowaddr"]):
+        if r["download_status"] is None:
+            if r["url"] in ok or r["url"] in seen:
+                want.append(r["_rowaddr"])
+            seen.add(r["url"])
+    assert whole.tolist() == sorted(want) and len(want) > 200
+    spills = []
+    real = D._duplicates_spilled
+    monkeypatch.setattr(D, "_duplicates_spilled", lambda *a: spills.append(a[-1]) or real(*a))
+    split = D.plan_duplicates(ds, "url", where, partition_rows=200)
+    assert spills == [15] and split.tolist() == whole.tolist()
+    limited = D.plan_duplicates(ds, "url", where, limit=900, partition_rows=200)
+    assert limited.tolist() == D.plan_duplicates(ds, "url", where, limit=900).tolist()
