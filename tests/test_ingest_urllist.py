@@ -157,3 +157,12 @@ def test_ingest_cli_reads_a_tsv_and_suggests_the_download(tmp_path, capsys):
     # A second ingest of the same list adds nothing: the ids are stable.
     assert main([path, "--table", uri, "--no-progress"]) == 0
     assert lance.dataset(uri).count_rows() == 30
+
+
+def test_a_line_that_is_not_utf8_is_kept_and_noted_on_its_own_row(tmp_path):
+    path = tmp_path / "l.tsv"
+    path.write_bytes(b"url\tcaption\nhttp://x/1\tok\nhttp://x/2\tcaf\xe9\n")
+    _, rows, counts = _load_all(SourceSpec(str(path)))
+    assert rows["l/1"]["caption"] == "caf\ufffd" and "line_not_utf8" in rows["l/1"]["__notes"]
+    assert "line_not_utf8" not in rows["l/0"]["__notes"]
+    assert counts["kept:line_not_utf8"] == 1 and counts["kept:probe_error:missing_image"] == 2

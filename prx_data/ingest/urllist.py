@@ -34,14 +34,17 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from prx_data.core import schema as S
 from prx_data.core import storage
 from prx_data.core.errors import UsageError
-from prx_data.ingest.common import CAPTION_KEYS, Counts, Plan, RowBuilder, WorkUnit, strip_ext
+from prx_data.ingest.common import CAPTION_KEYS, NOTES, Counts, Plan, WorkUnit, strip_ext
 from prx_data.ingest.parquet import KEY_NAMES, RESERVED
 
 #: URL column names tried in order (LAION, COYO, DataComp, CC12M and img2dataset's ``url``).
 URL_NAMES = ("url", "URL", "image_url", "img_url", "src_url")
 KINDS = ("txt", "csv", "tsv", "jsonl")
+#: The probe error of a row without image bytes (ingest's for every URL row).
+MISSING = "missing_image"
 EXTENSIONS = {
     "txt": "txt",
     "csv": "csv",
@@ -425,31 +428,36 @@ def _read_range(path: str, start: int, end: int) -> bytes:
 
 
 def load(unit: WorkUnit, counts: Counts) -> pa.Table:
+    """The rows of one line range, built column by column (no per-row table machinery)."""
     a = unit.args
     layout = Layout.from_json(a["layout"])
     lines = _read_range(a["file"], a["start"], a["end"]).split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
     texts = []
-    for raw in lines:
+    not_utf8 = set()
+    for pos, raw in enumerate(lines):
         try:
             texts.append(raw.decode("utf-8").removesuffix("\r"))
         except UnicodeDecodeError:
             texts.append(raw.decode("utf-8", errors="replace").removesuffix("\r"))
-            counts.kept("line_not_utf8")
+            not_utf8.add(pos)
     first_line = a["line"]
     if first_line == 0 and texts and texts[0].startswith("\ufeff"):
         texts[0] = texts[0][1:]
     skip_header = layout.header and first_line == 0
     types = {n: _type_from_name(t) for n, t in layout.keep}
-    fields = extra_fields(layout)
-    rows = RowBuilder(unit.source, counts)
+    strings = {n for n, t in types.items() if pa.types.is_string(t)}
     json_values = layout.kind == "jsonl"
     cells = None if json_values else _split(layout.kind, texts)
     index = {n: i for i, n in enumerate(layout.names)}
     width = len(layout.names)
+    ids: list[str] = []
+    captions: list[str | None] = []
+    notes: list[list[str]] = []
+    extra: dict[str, list] = {n: [] for n in types}
+    prefix = f"{unit.source}/"
     for pos, text in enumerate(texts):
-        number = first_line + pos - (1 if layout.header else 0)
         if skip_header and pos == 0:
             continue
         if not text.strip():
@@ -475,24 +483,52 @@ def load(unit: WorkUnit, counts: Counts) -> pa.Table:
         if not isinstance(url, str) or not url.strip():
             counts.dropped("no_url")
             continue
-        extra = {}
+        row_notes = ["line_not_utf8"] if pos in not_utf8 else []
         for name, t in types.items():
-            value = url.strip() if name == layout.url else get(name)
+            if name == layout.url:
+                extra[name].append(url.strip())
+                continue
+            value = get(name)
+            if name in strings and (value is None or isinstance(value, str)):
+                extra[name].append(value or None)
+                continue
             try:
-                extra[kept_name(name)] = _convert(value, t, json_values)
+                extra[name].append(_convert(value, t, json_values))
             except ValueError:
-                counts.kept(f"bad_value:{name}")
-                extra[kept_name(name)] = None
+                row_notes.append(f"bad_value:{name}")
+                extra[name].append(None)
         caption = get(layout.caption) if layout.caption else None
         if caption is not None and not isinstance(caption, str):
             caption = json.dumps(caption, ensure_ascii=False)
         caption = caption.strip() if caption else None
-        if caption is None:
-            counts.kept("caption_missing")
+        if not caption:
+            caption = None
+            row_notes.append("caption_missing")
+        row_notes.append(f"probe_error:{MISSING}")
         key_value = get(layout.key) if layout.key else None
-        key = str(key_value) if key_value not in (None, "") else str(number)
-        rows.add(key, None, caption or None, **extra)
-    return rows.table(fields)
+        if key_value in (None, ""):
+            key_value = first_line + pos - (1 if layout.header else 0)
+        ids.append(prefix + str(key_value))
+        captions.append(caption)
+        notes.append(row_notes)
+    n = len(ids)
+    given = {
+        S.ID: pa.array(ids, pa.string()),
+        S.SOURCE: pa.array([unit.source] * n, pa.string()),
+        S.CAPTION: pa.array(captions, pa.string()),
+        S.PROBE_ERROR: pa.array([MISSING] * n, pa.string()),
+    }
+    arrays = [
+        given[f.name].cast(f.type) if f.name in given else pa.nulls(n, f.type)
+        for f in S.TABLE_SCHEMA
+    ]
+    fields = list(S.TABLE_SCHEMA)
+    for f, (name, t) in zip(extra_fields(layout), types.items(), strict=True):
+        arrays.append(pa.array(extra[name], t))
+        fields.append(f)
+    arrays.append(pa.array(notes, pa.list_(pa.string())))
+    fields.append(pa.field(NOTES, pa.list_(pa.string())))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
 READERS = tuple(UrlListReader(k) for k in KINDS)
