@@ -52,8 +52,14 @@ ERROR = S.error_column("download")
 OUTPUTS = pa.schema([pa.field(STATUS, pa.string()), pa.field(ERROR, pa.string())])
 #: URL column names tried in order when none is given (LAION, COYO, DataComp, CC12M: ``url``).
 URL_NAMES = ("url", "URL", "image_url", "img_url", "src_url")
-#: ``only`` selector for every failure worth retrying (transient and permanent).
+#: Content-hash column names tried in order when none is given (DataComp: ``sha256``).
+HASH_NAMES = ("sha256", "SHA256", "md5", "MD5")
+#: ``only`` selector for every row without an image for a reason worth retrying:
+#: transient, permanent and refused (after ``--allow-private`` changed, say).
 FAILED = "failed"
+#: ``--max-error-rate`` of the download CLI: the open web loses many URLs of any list
+#: (dead links, opt-outs), so only a run that lost nearly every row fails.
+DEFAULT_MAX_ERROR_RATE = 0.9
 ROWADDR = "_rowaddr"
 #: Per-row bookkeeping the fetch step adds for the report; never written.
 _HOST, _RECEIVED, _FETCHED = "_dl_host", "_dl_received", "_dl_fetched"
@@ -65,6 +71,11 @@ class DownloadConfig:
 
     table: str
     url_column: str | None = None
+    #: Column of expected content hashes (hex md5/sha1/sha256): None finds ``sha256`` or
+    #: ``md5``; bytes that do not match are not stored (``hash_mismatch``).
+    hash_column: str | None = None
+    #: False: no hash check, whatever the table holds.
+    check_hashes: bool = True
     #: Redo rows by status or reason instead of new rows: ``failed`` (transient and
     #: permanent), a status (``transient``, ``opted_out``...), or a reason
     #: (``http_503``, ``timeout``; ``*`` matches any text: ``http_5*``).
@@ -109,6 +120,8 @@ class DownloadReport(FailureCounts):
 
     table: str
     url_column: str = ""
+    #: The column whose hashes were checked ("" when none).
+    hash_column: str = ""
     pending: int = 0
     rows: int = 0
     #: Rows fetched over the network (pending rows less the duplicates), and those that got an image.
@@ -140,8 +153,20 @@ class DownloadReport(FailureCounts):
 
     @property
     def failed(self) -> int:
-        """Rows left without an image (the open web fails often: no ``--max-error-rate``)."""
+        """Rows left without an image (judged against the CLI's lenient ``--max-error-rate``)."""
         return sum(self.failures.values())
+
+    def failure_details(self, report_json: str | None = None) -> str:
+        where = "the reasons above" + (f" and in {report_json}" if report_json else "")
+        refused = self.statuses.get(F.REFUSED, 0)
+        if refused and refused * 2 >= self.failed:
+            where += (
+                f"; {refused:,} rows were refused by the address policy (private, loopback "
+                "or metadata addresses, or not http/https): for a private mirror or a local "
+                "server pass --allow-private ADDR (IP, IP:PORT or network) and rerun with "
+                "--only failed"
+            )
+        return where
 
     @property
     def total(self) -> int:
@@ -171,7 +196,8 @@ class DownloadReport(FailureCounts):
             f"{self.rows:,} of {self.pending:,} pending rows of {self.table} ({self.url_column}): "
             f"{self.fetched:,} fetched, {self.fetched_ok:,} ok ({self.success_rate:.1%}) in "
             f"{self.fetch_seconds:.1f} s: {self.images_per_s:,.1f} images/s, "
-            f"{self.bytes_per_s / 1e6:,.2f} MB/s",
+            f"{self.bytes_per_s / 1e6:,.2f} MB/s"
+            + (f"; hashes checked against {self.hash_column}" if self.hash_column else ""),
             "  status: "
             + (", ".join(f"{k} {v:,}" for k, v in _desc(self.statuses)) or "nothing to do"),
         ]
@@ -228,6 +254,18 @@ def url_column(names: Sequence[str], given: str | None = None) -> str:
     )
 
 
+def hash_column(names: Sequence[str], given: str | None = None) -> str | None:
+    """The table's expected-hash column: ``given``, else the first of :data:`HASH_NAMES`."""
+    if given is not None:
+        if given not in names:
+            raise UsageError(
+                f"hash column {given!r} is not in the table; it has {list(names)} "
+                "(ingest keeps the URL list's columns)"
+            )
+        return given
+    return next((n for n in HASH_NAMES if n in names), None)
+
+
 #: The probe error of a row without image bytes (ingest's, kept by failed downloads).
 MISSING = "missing_image"
 
@@ -248,7 +286,7 @@ def pending_filter(url: str, only: Sequence[str] = ()) -> str:
     clauses = []
     for sel in only:
         if sel == FAILED:
-            clauses.append(f"{quote(STATUS)} IN ('{F.TRANSIENT}', '{F.PERMANENT}')")
+            clauses.append(f"{quote(STATUS)} IN ('{F.TRANSIENT}', '{F.PERMANENT}', '{F.REFUSED}')")
         elif sel in F.STATUSES:
             clauses.append(f"{quote(STATUS)} = {sql_string(sel)}")
         elif "*" in sel:
@@ -259,38 +297,161 @@ def pending_filter(url: str, only: Sequence[str] = ()) -> str:
     return f"{base} AND ({' OR '.join(clauses)})"
 
 
-def plan_duplicates(ds, url: str, where: str, limit: int | None = None) -> np.ndarray:
+#: Pending plus ``ok`` rows planned in memory at once. Above it, duplicate planning spills
+#: (URL, row address) to local disk in partitions by URL hash and plans one partition at a
+#: time, so the driver holds about this many URLs whatever the table's size.
+PLAN_PARTITION_ROWS = 1 << 20
+_SCAN_BATCH = 1 << 16
+#: Scan read-ahead of the spilled plan: a fragment and a few batches at a time, so its
+#: buffers do not grow with the number of fragments.
+_LEAN_SCAN = {"fragment_readahead": 1, "batch_readahead": 4}
+_HEX2 = pa.array([f"{i:02x}" for i in range(256)], pa.string())
+
+
+def plan_duplicates(
+    ds,
+    url: str,
+    where: str,
+    limit: int | None = None,
+    partition_rows: int = PLAN_PARTITION_ROWS,
+) -> np.ndarray:
     """Row addresses (sorted uint64) of pending rows whose URL another row fetches.
 
     A pending row is a duplicate when its URL already has an ``ok`` row, or
     appears at a smaller row address among the pending rows. Reads the URL
     column of the pending rows (the first ``limit`` of them, which are the rows
     the run plans) and of ``ok`` rows in batches: Arrow sorts and hash
-    lookups, nothing per row in Python. Memory is about the pending URLs'
-    size, so very large tables are downloaded in ``limit`` slices.
+    lookups, nothing per row in Python. Up to ``partition_rows`` rows are
+    planned in memory; a larger run is split by URL hash (Lance's ``md5``)
+    into partitions spilled to a temporary folder, each planned alone, so
+    the URLs held at once stay about ``partition_rows`` (the result, 8 bytes
+    per duplicate, is what grows with the table).
     """
     from prx_data.table.lance_ops import quote
 
+    ok_where = None
+    if STATUS in ds.schema.names:
+        ok_where = f"{quote(url)} IS NOT NULL AND {quote(STATUS)} = '{F.OK}'"
+    pending = ds.count_rows(where)
+    if limit is not None:
+        pending = min(pending, limit)
+    if not pending:
+        return np.zeros(0, np.uint64)
+    ok = ds.count_rows(ok_where) if ok_where else 0
+    parts = -(-(pending + ok) // max(1, partition_rows))
+    if parts <= 1:
+        return _duplicates_in(ds, url, where, limit, ok_where)
+    return _duplicates_spilled(ds, url, where, limit, ok_where, min(parts, len(_HEX2)))
+
+
+def _duplicates_in(ds, url: str, where: str, limit: int | None, ok_where: str | None):
     scanner = ds.scanner(
-        columns=[url], filter=where, with_row_address=True, batch_size=1 << 16, limit=limit
+        columns=[url], filter=where, with_row_address=True, batch_size=_SCAN_BATCH, limit=limit
     )
     parts = [pa.Table.from_batches([b]) for b in scanner.to_batches() if b.num_rows]
     if not parts:
         return np.zeros(0, np.uint64)
     pend = pa.concat_tables(parts).combine_chunks()
-    order = pc.sort_indices(pend, sort_keys=[(url, "ascending"), (ROWADDR, "ascending")])
-    urls = pc.take(pend[url], order)
-    addrs = np.asarray(pc.take(pend[ROWADDR], order))
+    ok_urls = None
+    if ok_where is not None:
+        chunks = [
+            b.column(0)
+            for b in ds.scanner(columns=[url], filter=ok_where, batch_size=_SCAN_BATCH).to_batches()
+            if b.num_rows
+        ]
+        ok_urls = pa.concat_arrays(chunks) if chunks else None
+    return _duplicates_of(pend[url], pend[ROWADDR], ok_urls)
+
+
+def _duplicates_of(urls, addrs, ok_urls) -> np.ndarray:
+    """Of pending (url, address) pairs: the addresses whose URL is ok or came earlier."""
+    table = pa.table({"u": urls, "a": addrs})
+    order = pc.sort_indices(table, sort_keys=[("u", "ascending"), ("a", "ascending")])
+    urls = pc.take(table["u"], order)
+    addrs = np.asarray(pc.take(table["a"], order))
     dup = np.zeros(len(addrs), bool)
     if len(addrs) > 1:
         dup[1:] = np.asarray(pc.equal(urls[1:], urls[:-1]).fill_null(False))
-    if STATUS in ds.schema.names:
-        for batch in ds.scanner(
-            columns=[url], filter=f"{quote(STATUS)} = '{F.OK}'", batch_size=1 << 16
-        ).to_batches():
-            if batch.num_rows:
-                dup |= np.asarray(pc.is_in(urls, value_set=batch.column(0)).fill_null(False))
+    if ok_urls is not None and len(ok_urls):
+        dup |= np.asarray(pc.is_in(urls, value_set=ok_urls).fill_null(False))
     return np.sort(addrs[dup]).astype(np.uint64)
+
+
+def _duplicates_spilled(
+    ds, url: str, where: str, limit: int | None, ok_where: str | None, parts: int
+) -> np.ndarray:
+    """:func:`plan_duplicates` over ``parts`` hash partitions spilled to a temporary folder."""
+    import shutil
+    import tempfile
+
+    import pyarrow.ipc as ipc
+
+    from prx_data.table.lance_ops import quote
+
+    schema = pa.schema([("u", pa.string()), ("a", pa.uint64()), ("ok", pa.bool_())])
+    folder = tempfile.mkdtemp(prefix="prx-download-plan-")
+    writers: dict[int, ipc.RecordBatchFileWriter] = {}
+    try:
+
+        def spill(batch: pa.RecordBatch, is_ok: bool) -> None:
+            n = batch.num_rows
+            if not n:
+                return
+            head = pc.utf8_slice_codeunits(batch.column("_h").cast(pa.string()), 0, 2)
+            part = np.asarray(pc.index_in(head, value_set=_HEX2)) % parts
+            rows = pa.table(
+                {
+                    "u": batch.column(url).cast(pa.string()),
+                    "a": batch.column(ROWADDR) if not is_ok else pa.array(np.zeros(n, np.uint64)),
+                    "ok": pa.array(np.full(n, is_ok)),
+                },
+                schema=schema,
+            )
+            order = np.argsort(part, kind="stable")
+            bounds = np.searchsorted(part[order], np.arange(parts + 1))
+            rows = rows.take(pa.array(order))
+            for p in range(parts):
+                lo, hi = int(bounds[p]), int(bounds[p + 1])
+                if hi > lo:
+                    w = writers.get(p)
+                    if w is None:
+                        w = writers[p] = ipc.new_file(f"{folder}/{p}.arrow", schema)
+                    w.write_table(rows.slice(lo, hi - lo))
+
+        projection = {url: quote(url), "_h": f"md5({quote(url)})"}
+        for b in ds.scanner(
+            columns=projection,
+            filter=where,
+            with_row_address=True,
+            batch_size=_SCAN_BATCH,
+            limit=limit,
+            **_LEAN_SCAN,
+        ).to_batches():
+            spill(b, False)
+        if ok_where is not None:
+            for b in ds.scanner(
+                columns=projection, filter=ok_where, batch_size=_SCAN_BATCH, **_LEAN_SCAN
+            ).to_batches():
+                spill(b, True)
+        for w in writers.values():
+            w.close()
+        out = []
+        for p in sorted(writers):
+            with pa.memory_map(f"{folder}/{p}.arrow") as source:
+                table = ipc.open_file(source).read_all()
+            mask = table["ok"]
+            pend = table.filter(pc.invert(mask))
+            ok_urls = table.filter(mask)["u"].combine_chunks()
+            out.append(_duplicates_of(pend["u"], pend["a"], ok_urls))
+            del table, pend, ok_urls
+        return np.sort(np.concatenate(out)) if out else np.zeros(0, np.uint64)
+    finally:
+        for w in writers.values():
+            try:
+                w.close()
+            except Exception:
+                pass
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- the fetch step (runs in Ray tasks or in this process) ------------------------------
@@ -307,17 +468,28 @@ def _fetcher(config: F.FetchConfig) -> F.Fetcher:
 
 
 def fetch_batch(
-    batch: pa.Table, *, url: str, fetch: F.FetchConfig, duplicates: np.ndarray
+    batch: pa.Table,
+    *,
+    url: str,
+    fetch: F.FetchConfig,
+    duplicates: np.ndarray,
+    hashes: str | None = None,
 ) -> pa.Table:
     """Rows in, the same rows out with image, probe and download columns filled.
 
     Rows in ``duplicates`` are not fetched: they get status ``duplicate``.
+    ``hashes``: the column of expected hex digests; bytes that do not match
+    are dropped (``hash_mismatch``).
     """
     addrs = np.asarray(batch[ROWADDR])
     is_dup = np.isin(addrs, duplicates) if len(duplicates) else np.zeros(len(addrs), bool)
     urls = batch[url].to_pylist()
     todo = [i for i in range(len(urls)) if not is_dup[i]]
     results = dict(zip(todo, _fetcher(fetch).fetch_many([urls[i] for i in todo]), strict=True))
+    if hashes is not None:
+        expected = batch[hashes].to_pylist()
+        for i, r in results.items():
+            F.check_hash(r, expected[i])
     n = batch.num_rows
     image: list = [None] * n
     width: list = [None] * n
@@ -443,14 +615,19 @@ class Mover:
 
 
 def fill_duplicates(
-    cfg: DownloadConfig, url: str, mover: Mover, reasons: Counter | None = None
+    cfg: DownloadConfig,
+    url: str,
+    mover: Mover,
+    reasons: Counter | None = None,
+    hashes: str | None = None,
 ) -> Counter:
     """Give every ``duplicate`` row the result of a row with its URL that has one.
 
     Copies image and probe columns (and, for failures, status and reason) from
     a row with the same URL whose status is final; rows whose URL has none yet
-    stay ``duplicate`` for a later run. Returns the rows filled by the status
-    they got (and adds their reasons to ``reasons``).
+    stay ``duplicate`` for a later run. With ``hashes``, copied bytes are
+    checked against the row's own expected hash. Returns the rows filled by
+    the status they got (and adds their reasons to ``reasons``).
     """
     from prx_data.table.lance_ops import quote
 
@@ -500,12 +677,38 @@ def fill_duplicates(
                 name,
                 src[name].cast(rows.schema.field(name).type),
             )
+        if hashes is not None:
+            rows = _recheck_hashes(rows, hashes)
         mover.add(rows)
         _count(filled, rows[STATUS])
         if reasons is not None:
             _count(reasons, rows[ERROR])
     mover.flush()
     return filled
+
+
+def _recheck_hashes(rows: pa.Table, hashes: str) -> pa.Table:
+    """Rows filled from another row: drop bytes that do not match this row's hash."""
+    cols = {n: rows[n].to_pylist() for n in (S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT)}
+    cols[S.PROBE_ERROR] = rows[S.PROBE_ERROR].to_pylist()
+    cols[STATUS], cols[ERROR] = rows[STATUS].to_pylist(), rows[ERROR].to_pylist()
+    changed = False
+    for i, (want, status) in enumerate(zip(rows[hashes].to_pylist(), cols[STATUS], strict=True)):
+        if status != F.OK:
+            continue
+        r = F.check_hash(F.FetchResult(url="", status=F.OK, data=cols[S.IMAGE][i]), want)
+        if r.status != F.OK:
+            changed = True
+            for n in (S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT):
+                cols[n][i] = None
+            cols[S.PROBE_ERROR][i] = MISSING
+            cols[STATUS][i], cols[ERROR][i] = r.status, r.reason
+    if not changed:
+        return rows
+    for name, values in cols.items():
+        i = rows.schema.get_field_index(name)
+        rows = rows.set_column(i, name, pa.array(values, rows.schema.field(name).type))
+    return rows
 
 
 # --- the job ------------------------------------------------------------------------------
@@ -521,6 +724,8 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
     report = DownloadReport(cfg.table)
     ds = open_table(cfg.table, cfg.storage_options)
     url = report.url_column = url_column(ds.schema.names, cfg.url_column)
+    if cfg.check_hashes:
+        report.hash_column = hash_column(ds.schema.names, cfg.hash_column) or ""
     missing = [
         c for c in (S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT, S.PROBE_ERROR) if c not in ds.schema.names
     ]
@@ -532,7 +737,8 @@ def run_download(cfg: DownloadConfig) -> DownloadReport:
     R.ensure_columns(cfg.table, OUTPUTS, cfg.storage_options)
     # Duplicates a killed run marked but did not fill.
     early = Mover(cfg, open_table(cfg.table, cfg.storage_options))
-    report.duplicates_filled = fill_duplicates(cfg, url, early).total()
+    hashes = report.hash_column or None
+    report.duplicates_filled = fill_duplicates(cfg, url, early, hashes=hashes).total()
     report.commits, report.bytes_written = early.commits, early.bytes_written
     ds = early.ds
     # Tag the version the fetch tasks read, so a cleanup meanwhile keeps its files (the
@@ -558,7 +764,12 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
         steps=[
             R.Step(
                 fetch_batch,
-                kwargs={"url": url, "fetch": cfg.fetch, "duplicates": duplicates},
+                kwargs={
+                    "url": url,
+                    "fetch": cfg.fetch,
+                    "duplicates": duplicates,
+                    "hashes": report.hash_column or None,
+                },
                 batch_size=cfg.batch_size,
             )
         ],
@@ -606,7 +817,7 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
             )
         mover.flush()
         report.fetch_seconds = time.perf_counter() - t0
-        late = fill_duplicates(cfg, url, mover, reasons)
+        late = fill_duplicates(cfg, url, mover, reasons, hashes=report.hash_column or None)
         report.duplicates_filled += late.total()
         # Rows marked duplicate in this run and filled now count under the status they got.
         statuses[F.DUPLICATE] -= min(statuses[F.DUPLICATE], late.total())

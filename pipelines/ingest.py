@@ -143,6 +143,7 @@ class IngestReport(FailureCounts):
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["rows_per_second"] = round(self.rows_per_second, 1)
+        d["next_step"] = self.next_step
         return d
 
     def text(self) -> str:
@@ -168,7 +169,21 @@ class IngestReport(FailureCounts):
                 lines.append(f"    {f['path']}: {f['error']}: {f['message']}")
             if len(self.failures) > 20:
                 lines.append(f"    ... {len(self.failures) - 20:,} more (--json lists them all)")
+        hint = self.next_step
+        if hint:
+            lines.append(f"  next: {hint}")
         return "\n".join(lines)
+
+    @property
+    def next_step(self) -> str | None:
+        """What to run next when every row written is a URL without image bytes."""
+        urls = self.kept.get("probe_error:missing_image", 0)
+        if urls and urls == self.rows_written:
+            return (
+                f"python -m prx_data.download --table {self.table} "
+                f"(the {urls:,} rows have a URL and no image yet)"
+            )
+        return None
 
 
 # --- schema -------------------------------------------------------------------

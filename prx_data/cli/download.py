@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipelines.download import FAILED, DownloadConfig, run_download
+from pipelines.download import DEFAULT_MAX_ERROR_RATE, FAILED, DownloadConfig, run_download
 from prx_data.cli.reporting import finish
-from prx_data.core.errors import Conflict, NotFound, PrxDataError
+from prx_data.core.errors import Conflict, NotFound, PrxDataError, add_max_error_rate
 from prx_data.download import fetch as F
 
 #: The politeness and limits options: (flag, its ``FetchConfig`` field, help), in help order.
@@ -78,12 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.download",
         description="Fetch the images of rows that have a URL and no image (LAION-style "
-        "parquet ingested with `python -m prx_data.ingest`) into the table: image, width, "
+        "parquet, CSV, TSV, txt or JSON lines ingested with `python -m prx_data.ingest`) "
+        "into the table: image, width, "
         "height, format and probe_error are filled as ingest fills them, and "
         "download_status / download_error say what happened per row. Resumable: a rerun "
         "fetches only rows without a status; each URL is fetched once per table. Private, "
         "loopback, link-local and metadata addresses are refused unless --allow-private "
-        "names them; X-Robots-Tag noai/noimageai is honoured.",
+        "names them; X-Robots-Tag noai/noimageai is honoured; bytes that do not match the "
+        "row's sha256/md5 column are not stored.",
     )
     p.add_argument("--table", required=True, help="Lance table URI")
     p.add_argument(
@@ -92,12 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="column holding the URL (default: the first of url, URL, image_url, img_url)",
     )
     p.add_argument(
+        "--hash-column",
+        default=None,
+        help="column of expected content hashes, hex md5, sha1 or sha256 by length (default: "
+        "sha256 or md5 when the table has one); bytes that do not match are not stored and "
+        "the row gets download_error hash_mismatch",
+    )
+    p.add_argument(
+        "--no-hash-check", action="store_true", help="store the bytes whatever the hash column says"
+    )
+    p.add_argument(
         "--only",
         action="append",
         default=[],
         metavar="SELECTOR",
-        help=f"redo rows fetched before instead of new ones: '{FAILED}' (transient and "
-        "permanent failures), a status (transient, permanent, refused, opted_out), or a "
+        help=f"redo rows fetched before instead of new ones: '{FAILED}' (transient, "
+        "permanent and refused rows), a status (transient, permanent, refused, opted_out), or a "
         "reason such as http_503 or timeout ('*' matches any text: 'http_5*'); repeatable",
     )
     p.add_argument("--limit", type=int, default=None, help="fetch at most this many rows")
@@ -165,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DownloadConfig.commit_bytes / 2**20,
         help="MiB buffered before a commit (default: %(default)s)",
     )
+    add_max_error_rate(r, "the rows fetched in this run (dead links, refusals, opt-outs)")
+    r.set_defaults(max_error_rate=DEFAULT_MAX_ERROR_RATE)
     r.add_argument("--report-json", default=None, help="also write the report here as JSON")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -183,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = DownloadConfig(
             table=args.table,
             url_column=args.url_column,
+            hash_column=args.hash_column,
+            check_hashes=not args.no_hash_check,
             only=tuple(args.only),
             limit=args.limit,
             fetch=fetch,
@@ -205,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"download: {e}", file=sys.stderr)
         return 2
-    return finish(report, report_json=args.report_json, sort_keys=True)
+    return finish(
+        report,
+        report_json=args.report_json,
+        max_error_rate=args.max_error_rate,
+        sort_keys=True,
+    )
 
 
 if __name__ == "__main__":

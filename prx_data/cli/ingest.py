@@ -3,7 +3,8 @@
 Thin CLI over :func:`pipelines.ingest.ingest`; the Ray Data job graph is
 :mod:`pipelines.ingest`. Sources: image folders (captions from same-stem
 ``.txt``/``.json``), parquet (image bytes or paths, HF exports, LAION-style
-metadata), WebDataset tars, twin-tar modality folders, and Lance tables.
+metadata), URL lists (txt, csv, tsv, JSON lines), WebDataset tars, twin-tar modality
+folders, and Lance tables.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sources",
         nargs="+",
         metavar="SOURCE",
-        help="a folder, parquet file/folder, tar(s), twin-tar root or .lance table; "
+        help="a folder, parquet file/folder, URL list (.txt one URL a line, .csv, .tsv "
+        "with or without a header, .jsonl), tar(s), twin-tar root or .lance table; "
         "write NAME=PATH to choose the id prefix (default: the base name of PATH)",
     )
     p.add_argument(
@@ -87,8 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="parquet: column with image paths (relative to the file)",
     )
-    p.add_argument("--caption-column", default=None, help="parquet/lance: caption column")
-    p.add_argument("--key-column", default=None, help="parquet/lance: column giving the id key")
+    p.add_argument(
+        "--url-column",
+        default=None,
+        help="csv/tsv/jsonl: column with the image URL (default: url, URL, image_url...; "
+        "a file without a header calls it url)",
+    )
+    p.add_argument(
+        "--caption-column",
+        default=None,
+        help="parquet/lance/csv/tsv/jsonl: caption column (default: caption, text, TEXT...)",
+    )
+    p.add_argument(
+        "--key-column",
+        default=None,
+        help="parquet/lance/csv/tsv/jsonl: column giving the id key (default: key, uid... "
+        "else the row number)",
+    )
     p.add_argument(
         "--keys",
         default=None,
@@ -108,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in {
             "image_column": args.image_column,
             "path_column": args.path_column,
+            "url_column": args.url_column,
             "caption_column": args.caption_column,
             "key_column": args.key_column,
             "keys": args.keys,

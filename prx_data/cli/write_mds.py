@@ -70,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="Comma-separated caption columns to carry (default: every caption* column).",
     )
     p.add_argument(
+        "--keep-columns",
+        type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
+        default=(),
+        metavar="A,B,...",
+        help="Comma-separated table columns to copy into every sample with their types "
+        "(similarity, punsafe, aesthetic, url...): floats as float64 (null: NaN); integers, "
+        "booleans, strings and lists of numbers or strings as json. BucketedDataset("
+        "extra_columns=...) hands them to the batches.",
+    )
+    p.add_argument(
         "--format",
         dest="image_format",
         choices=["jpeg", "png"],
@@ -250,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         min_units=args.min_units,
         filter=args.filter,
         max_caption_chars=args.max_caption_chars,
+        keep_columns=args.keep_columns,
     )
     try:
         report = run_export(

@@ -756,3 +756,36 @@ def _is_ip(host: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+# --- expected content hashes (DataComp's sha256, other lists' md5) ---------------------
+
+#: Hash algorithm by the length of its hex digest.
+HASH_BY_LENGTH = {32: "md5", 40: "sha1", 64: "sha256"}
+HASH_MISMATCH = "hash_mismatch"
+BAD_EXPECTED_HASH = "bad_expected_hash"
+
+
+def check_hash(result: FetchResult, expected: str | None) -> FetchResult:
+    """Drop the bytes of an ``ok`` result that do not hash to ``expected`` (a hex digest).
+
+    The algorithm follows from the digest's length (md5, sha1, sha256). A
+    mismatch, or an expected value that is no such digest, makes the result
+    ``permanent`` with reason ``hash_mismatch`` / ``bad_expected_hash`` and no
+    data, so the bytes are never stored. No ``expected``: unchanged.
+    """
+    import hashlib
+
+    if result.status != OK or expected is None or not str(expected).strip():
+        return result
+    want = str(expected).strip().lower()
+    algo = HASH_BY_LENGTH.get(len(want))
+    reason = None
+    if algo is None or any(c not in "0123456789abcdef" for c in want):
+        reason = BAD_EXPECTED_HASH
+    elif hashlib.new(algo, result.data or b"").hexdigest() != want:
+        reason = HASH_MISMATCH
+    if reason is not None:
+        result.status, result.reason = PERMANENT, reason
+        result.data = result.width = result.height = result.format = None
+    return result

@@ -25,7 +25,7 @@ import uuid
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import pyarrow as pa
 
@@ -126,6 +126,10 @@ class ExportConfig:
     #: Optional Lance SQL filter applied before bucketing (e.g. ``label = 'visual'``).
     filter: str | None = None
     max_caption_chars: int = 20000
+    #: Table columns copied into every sample with their types (``similarity``,
+    #: ``punsafe``, a URL...): floats as MDS ``float64`` (null: NaN); integers, booleans,
+    #: strings and lists of numbers or strings as ``json`` (null stays null).
+    keep_columns: tuple[str, ...] = ()
     #: Pinned table version (set by :func:`prepare_output`), so a resume reads the same rows.
     table_version: int | None = None
 
@@ -198,6 +202,15 @@ class UnitResult:
 
 #: Drop reasons that are choices, not failures: they never count toward --max-error-rate.
 POLICY_DROPS = frozenset({"filtered", "unbucketed", DROP_TOO_SMALL, DROP_ASPECT_RATIO})
+#: Prefix of the drop reason of a row whose download failed (``download:http_404``): the
+#: download job's reason, judged by that job's own error rate rather than the export's.
+DOWNLOAD_DROP = "download:"
+_DOWNLOAD_STATUS, _DOWNLOAD_ERROR = "download_status", "download_error"
+
+
+def is_failure(reason: str) -> bool:
+    """Whether a drop reason counts toward ``--max-error-rate`` (not a choice, not a download)."""
+    return reason not in POLICY_DROPS and not reason.startswith(DOWNLOAD_DROP)
 
 
 @dataclass
@@ -224,7 +237,7 @@ class ExportReport(FailureCounts):
     @property
     def failed(self) -> int:
         """Rows dropped for a broken, empty or undecodable image (not by ``--filter`` or size)."""
-        return sum(n for reason, n in self.dropped.items() if reason not in POLICY_DROPS)
+        return sum(n for reason, n in self.dropped.items() if is_failure(reason))
 
     @property
     def total(self) -> int:
@@ -418,6 +431,7 @@ def prepare_output(
         pin_table_version(cfg, ds)
         check_table_columns(cfg.table, ds.schema)
         caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
+        _columns(replace(cfg, caption_columns=caps), ds.schema)
         now = _normalise(
             ExportConfig(
                 **{
@@ -454,6 +468,7 @@ def prepare_output(
     ds = open_table(cfg.table, cfg.table_version)
     check_table_columns(cfg.table, ds.schema)
     caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
+    _columns(replace(cfg, caption_columns=caps), ds.schema)
     if entries:  # only after every check: a refused run deletes nothing
         _clear_export(cfg.out, entries)
     pinned = ExportConfig(**{**asdict(cfg), "table_version": ds.version, "caption_columns": caps})
@@ -541,7 +556,7 @@ def _warn(messages: list[str]) -> None:
 
 def _normalise(cfg: ExportConfig) -> ExportConfig:
     d = asdict(cfg)
-    for k in ("tiers", "hashes", "caption_columns"):
+    for k in ("tiers", "hashes", "caption_columns", "keep_columns"):
         if d[k] is not None:
             d[k] = tuple(d[k])
     return ExportConfig(**d)
@@ -560,13 +575,71 @@ def done_parts(out: str) -> dict[str, UnitResult]:
 # --- one work unit -------------------------------------------------------------
 
 
-def _columns(cfg: ExportConfig) -> dict[str, str]:
+def _columns(cfg: ExportConfig, schema: pa.Schema | None = None) -> dict[str, str]:
     cols = dict(MDS_COLUMNS)
     for c in cfg.caption_columns or ():
         if c in cols:
             raise ExportError(f"caption column {c!r} clashes with a built-in sample column")
         cols[c] = "str"
+    if cfg.keep_columns:
+        if schema is None:
+            raise ExportError("--keep-columns needs the table's schema")  # a caller's bug
+        cols.update(keep_column_encodings(schema, cfg.keep_columns, tuple(cols)))
     return cols
+
+
+def _kept_type(t: pa.DataType) -> str | None:
+    """The MDS encoding of a kept column of type ``t`` (None: not one we carry)."""
+    if pa.types.is_floating(t):
+        return "float64"
+    if (
+        pa.types.is_integer(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+    ):
+        return "json"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        v = t.value_type
+        if pa.types.is_integer(v) or pa.types.is_floating(v) or pa.types.is_boolean(v):
+            return "json"
+        if pa.types.is_string(v) or pa.types.is_large_string(v):
+            return "json"
+    return None
+
+
+def keep_column_encodings(
+    schema: pa.Schema, names: tuple[str, ...], taken: tuple[str, ...] = tuple(MDS_COLUMNS)
+) -> dict[str, str]:
+    """MDS encoding of each ``--keep-columns`` column; a missing, clashing or unsupported one
+    is refused in one line before anything is written."""
+    out: dict[str, str] = {}
+    for name in names:
+        if name in taken or name in out:
+            raise ExportError(
+                f"--keep-columns {name!r} clashes with a sample column ({', '.join(taken)}) "
+                "or is named twice"
+            )
+        if name not in schema.names:
+            raise ExportError(
+                f"--keep-columns {name!r} is not in the table; it has {sorted(schema.names)}"
+            )
+        t = schema.field(name).type
+        enc = _kept_type(t)
+        if enc is None:
+            raise ExportError(
+                f"--keep-columns {name!r} is {t}: only numbers, booleans, strings and lists of "
+                "numbers or strings are carried into samples (leave it out, or cast it in a "
+                "new column)"
+            )
+        out[name] = enc
+    return out
+
+
+def _kept_value(value, encoding: str):
+    if encoding == "float64":
+        return float("nan") if value is None else float(value)
+    return value
 
 
 def _clean_caption(value, limit: int, notes: Counter, column: str) -> str:
@@ -582,6 +655,18 @@ def _clean_caption(value, limit: int, notes: Counter, column: str) -> str:
         notes[f"{column}_truncated"] += 1
         value = value[:limit]
     return value
+
+
+def _probe_drop(row: dict) -> tuple[str, str]:
+    """(reason, detail) of a row with a probe error: the download's reason for a URL row."""
+    error = str(row["probe_error"])
+    status = row.get(_DOWNLOAD_STATUS)
+    if error == "missing_image" and status not in (None, "ok"):
+        why = row.get(_DOWNLOAD_ERROR) or status
+        return f"{DOWNLOAD_DROP}{why}", f"download {status}: {why}"
+    if error == "missing_image":
+        return error, "no image bytes (a URL row not downloaded yet: python -m prx_data.download)"
+    return error, "the image header could not be read"
 
 
 def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
@@ -603,6 +688,8 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     frag = ds.get_fragment(unit.fragment_id)
     caption_cols = list(cfg.caption_columns or ())
     wanted = ["id", "image", "width", "height", "probe_error", QUALITY_COLUMN, *caption_cols]
+    wanted += [_DOWNLOAD_STATUS, _DOWNLOAD_ERROR]
+    wanted += [c for c in cfg.keep_columns if c not in wanted]
     available = set(ds.schema.names)
     read_cols = [c for c in wanted if c in available]
     result = UnitResult(part=unit.part)
@@ -617,7 +704,8 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     notes: Counter = Counter()
     writers: dict[str, MDSWriter] = {}
     ids: dict[str, list[str]] = {}
-    columns = _columns(cfg)
+    columns = _columns(cfg, ds.schema)
+    kept = {c: columns[c] for c in cfg.keep_columns}
     local = not storage.is_remote(cfg.out)
     stage = _stage_dir(cfg.out, unit.part) if local else cfg.out
 
@@ -637,7 +725,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                     drop(row, "filtered")
                     continue
                 if row.get("probe_error"):
-                    drop(row, str(row["probe_error"]), "the image header could not be read")
+                    drop(row, *_probe_drop(row))
                     continue
                 data = row.get("image")
                 w, h = row.get("width"), row.get("height")
@@ -680,6 +768,8 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                 )
                 for c in caption_cols:
                     sample[c] = _clean_caption(row.get(c), cfg.max_caption_chars, notes, c)
+                for c, enc in kept.items():
+                    sample[c] = _kept_value(row.get(c), enc)
                 writer = writers.get(b.name)
                 if writer is None:
                     if not local:  # an earlier attempt's shards, index or manifest

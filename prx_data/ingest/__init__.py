@@ -11,12 +11,12 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Any
 
 import pyarrow as pa
 
 from prx_data.core.errors import UsageError
-from prx_data.ingest import folder, lance_table, parquet, twintar, webdataset
+from prx_data.ingest import folder, lance_table, parquet, twintar, urllist, webdataset
 from prx_data.ingest.common import NOTES, Counts, Plan, WorkUnit, conform
 
 __all__ = [
@@ -34,9 +34,10 @@ __all__ = [
 ]
 
 
-#: Readers by format name. Detection tries them in this order (folder last).
-READERS: dict[str, ModuleType] = {
-    m.KIND: m for m in (lance_table, twintar, parquet, webdataset, folder)
+#: Readers by format name (a module, or an object with the same ``KIND``, ``plan``,
+#: ``load`` and ``detect``). Detection tries them in this order (folder last).
+READERS: dict[str, Any] = {
+    m.KIND: m for m in (lance_table, twintar, parquet, webdataset, *urllist.READERS, folder)
 }
 FORMATS = tuple(READERS)
 
@@ -62,7 +63,8 @@ def parse_source(text: str, fmt: str | None = None) -> SourceSpec:
 
 
 def detect_format(path: str) -> str:
-    """Guess the reader from the path: ``.lance`` table, parquet, tar(s), twin-tar root, folder."""
+    """Guess the reader from the path: ``.lance`` table, parquet, tar(s), twin-tar root,
+    a URL list (``.txt``, ``.csv``, ``.tsv``, ``.jsonl``), folder."""
     for kind, mod in READERS.items():
         if kind == folder.KIND:
             continue

@@ -342,14 +342,21 @@ def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
     return decode_chw(data, shape)  # higher tiers decode at reduced size (JPEG draft)
 
 
+#: Keys every item has (an extra column may not take one of them).
+_ITEM_KEYS = ("image", "id", "tier", "bucket", "source_bucket", "width", "height")
+
+
 class BucketedDataset(StreamingDataset):
     """A StreamingDataset over the buckets of one or more export trees.
 
     Each item: ``image`` (uint8 [3, H, W] at the run tier's shape for the
     sample's aspect ratio; higher-tier samples are Lanczos-downsized), ``id``,
     each caption column, ``tier`` (the run tier), ``bucket`` (its run-tier
-    bucket name), ``width``/``height`` (the original image size), and
-    ``source_bucket``. Every device batch comes from one bucket.
+    bucket name), ``width``/``height`` (the original image size),
+    ``source_bucket``, and each of ``extra_columns`` (table columns the export
+    kept with ``write_mds --keep-columns``, as they were stored: NaN for a
+    missing float, None for another missing value). Every device batch comes
+    from one bucket.
 
     Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
     ``cache_limit``, ``download_retry``, ``shuffle_block_size``), except
@@ -377,6 +384,7 @@ class BucketedDataset(StreamingDataset):
         batch_size: int | None = None,
         include_higher_tiers: bool = False,
         caption_columns: Sequence[str] = ("caption",),
+        extra_columns: Sequence[str] = (),
         batching_method: str = "per_stream",
         shuffle: bool = True,
         shuffle_seed: int = 9176,
@@ -423,6 +431,12 @@ class BucketedDataset(StreamingDataset):
         spec.tiers()  # unknown tier -> clear error
         self.run_tier = spec.tier
         self.caption_columns = tuple(caption_columns)
+        self.extra_columns = tuple(extra_columns)
+        clash = set(self.extra_columns) & {*self.caption_columns, *_ITEM_KEYS}
+        if clash:
+            raise UsageError(
+                f"extra_columns {sorted(clash)} clash with a caption column or an item key"
+            )
         self.bucket_spec = spec.bucket_spec
         destroy_dist = maybe_init_dist()
         try:
@@ -532,6 +546,13 @@ class BucketedDataset(StreamingDataset):
             if c not in raw:
                 raise UnknownName(
                     f"caption column {c!r} is not in the export (columns: {sorted(raw)})"
+                )
+            item[c] = raw[c]
+        for c in self.extra_columns:
+            if c not in raw:
+                raise UnknownName(
+                    f"extra column {c!r} is not in the export (columns: {sorted(raw)}); "
+                    "export it with write_mds --keep-columns"
                 )
             item[c] = raw[c]
         return item
