@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from prx_data.columns.quality import LOW, OK, OUTCOME, UNREADABLE, measure_batch
-from prx_data.columns.runner import ENGINES, ColumnJob, Step, run_column_job
+from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.core import quality
 from prx_data.core import schema as S
 from prx_data.core.reports import FailureCounts
+from prx_data.core.runtime import check_engine
 from prx_data.table import lance_ops as T
 
 
@@ -34,7 +35,7 @@ class QualityConfig:
     column: str = quality.COLUMN
     #: Rows per read batch.
     chunk_rows: int = 2048
-    engine: str = "local"
+    engine: str = "auto"
     ray_address: str | None = None
     num_cpus: int | None = None
     #: Fragments per commit (each finished fragment is checkpointed regardless).
@@ -43,8 +44,7 @@ class QualityConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        check_engine(self.engine)
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if self.column in (S.ID, S.IMAGE, S.CAPTION):

@@ -32,6 +32,7 @@ from prx_data.columns.scores import (
 )
 from prx_data.core.errors import UsageError
 from prx_data.core.reports import FailureCounts
+from prx_data.core.runtime import check_engine
 from prx_data.table.search import CLIP_IMAGE_COLUMN
 
 __all__ = ["ScoreConfig", "ScoreReport", "build_job", "run_score", "score_outputs"]
@@ -51,7 +52,7 @@ class ScoreConfig:
     embedding_column: str = CLIP_IMAGE_COLUMN
     caption_column: str = "caption"
     device: str = "auto"
-    engine: str = "ray"
+    engine: str = "auto"
     replicas: int = 1
     batch_size: int = 64
     limit: int | None = None
@@ -62,6 +63,7 @@ class ScoreConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_engine(self.engine)
         if self.scorer not in SCORERS:
             raise UsageError(f"scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
         if self.replicas < 1 or self.batch_size < 1:

@@ -428,7 +428,7 @@ class RunOptions:
         }
 
 
-def add_run_args(p, *, title: str = "run") -> None:
+def add_run_args(p, *, title: str = "run options") -> None:
     """Add the run flags of :class:`RunOptions` to ``p`` (a parser), in one group."""
     add_flags(p.add_argument_group(title), RunOptions)
 
