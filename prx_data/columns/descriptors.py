@@ -67,10 +67,11 @@ def compute_descriptors(
     ``errors``, when given, counts the rows without a descriptor by reason.
     """
     from prx_data.columns.runner import ColumnJob, Step, run_column_job
+    from prx_data.columns.writeback import pending_filter
     from prx_data.table import lance_ops as T
 
     ds = T.open_table(uri, storage_options)
-    where = f"{T.quote(column)} IS NULL" if column in ds.schema.names else None
+    where = pending_filter(ds.schema.names, column)
     report = run_column_job(
         ColumnJob(
             table=uri,
