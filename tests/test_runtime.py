@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 import threading
@@ -163,3 +164,30 @@ def test_ray_gives_the_results_of_the_driver_threads(ray_local):
     assert sorted(r["n"] for r in out) == sorted(r["n"] for r in local)
     with pytest.raises(runtime.UnitError, match="refused"):
         list(map_units(_refuse, units[:1], on_ray))
+
+
+class _DeadClusterDataset:
+    """Test double for a Ray Dataset whose cluster dies while the job reads its results."""
+
+    def map_batches(self, *a, **k):
+        return self
+
+    def iter_batches(self, **k):
+        raise ConnectionError("GCS unreachable")
+        yield  # pragma: no cover
+
+
+def test_a_cluster_that_dies_mid_job_ends_it_with_one_line(monkeypatch):
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(runtime, "ensure_ray", lambda *a, **k: dead)
+    monkeypatch.setattr(runtime, "unit_dataset", lambda *a, **k: _DeadClusterDataset())
+    with pytest.raises(runtime.ClusterLost) as err:
+        list(map_units(_square, [{"n": 1}], Placement(threads=None)))
+    line = str(err.value)
+    assert dead in line and "--engine local" in line and "\n" not in line
+    # a private local Ray (no cluster joined) keeps the error as it is
+    monkeypatch.setattr(runtime, "ensure_ray", lambda *a, **k: None)
+    with pytest.raises(ConnectionError):
+        list(map_units(_square, [{"n": 1}], Placement(threads=None)))

@@ -195,10 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DRIVER_UNIT_ROWS,
         metavar="N",
-        help="A table of at most N rows (default: %(default)s) is exported on threads of this "
-        "process instead of a local Ray runtime started for it, sparing Ray's start-up (5-15 s); "
-        "same units and bytes. Never when joining a cluster (--ray-address, $RAY_ADDRESS, a "
-        "running `ray start` cluster on this host). 0: always Ray.",
+        help="With --engine auto: a table of at most N rows (default: %(default)s) is "
+        "exported on threads of this process, without starting Ray; same units and bytes. "
+        "Never when a cluster is given (--ray-address, $RAY_ADDRESS). 0: always Ray.",
     )
     add_run_args(p)
     return p

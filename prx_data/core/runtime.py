@@ -714,8 +714,7 @@ class _RayCall:
 def _on_ray(fn, units, placement: Placement, resources: Resources, tables, single_operator):
     import ray
 
-    ensure_ray(placement.ray_address, placement.num_cpus)
-    address = _joined_address()
+    address = ensure_ray(placement.ray_address, placement.num_cpus)  # None: a private Ray
     ds = unit_dataset([{"unit": json.dumps(u)} for u in units], single_operator=single_operator)
     kw: dict = {"batch_size": 1, "batch_format": "pyarrow", "num_cpus": resources.num_cpus}
     if resources.num_gpus:
@@ -756,16 +755,6 @@ def _task_cause(e: BaseException) -> BaseException | None:
         cause = getattr(e, "cause", None) or e.__cause__
         e, seen = cause, seen + 1
     return None
-
-
-def _joined_address() -> str | None:
-    """The GCS address of the Ray runtime this process is connected to, if any."""
-    try:
-        import ray
-
-        return ray.get_runtime_context().gcs_address
-    except Exception:
-        return None
 
 
 def _cluster_answers(address: str) -> bool:
