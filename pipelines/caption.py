@@ -45,7 +45,7 @@ from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
 from prx_data.core.errors import UsageError
-from prx_data.core.runtime import ensure_ray
+from prx_data.core.runtime import check_engine
 from prx_data.core.schema import error_column, status_column
 
 #: Internal column carrying why a row was flagged (counted in the report).
@@ -76,11 +76,15 @@ class CaptionConfig:
     #: Fragments per commit (each finished fragment is checkpointed regardless).
     commit_every: int = 16
     storage_options: dict | None = None
+    engine: str = "auto"
+    ray_address: str | None = None
+    num_cpus: int | None = None
     progress: bool = True
     #: A JSON schema file: write structured attributes (a struct column) instead of captions.
     schema_file: str | None = None
 
     def __post_init__(self) -> None:
+        check_engine(self.engine)
         if self.column in (S.ID, S.IMAGE, S.CAPTION):
             raise UsageError(f"refusing to write captions into the {self.column!r} column")
         bad = set(self.redo) - set(checks.STATUSES)
@@ -301,6 +305,9 @@ def caption_job(
         count_column=st,
         reason_column=REASON,
         storage_options=cfg.storage_options,
+        engine=cfg.engine,
+        ray_address=cfg.ray_address,
+        num_cpus=cfg.num_cpus,
         progress=cfg.progress,
         desc=f"caption {cfg.column}",
     )
@@ -336,5 +343,4 @@ def run_caption(
         )
     if schema is not None:
         spec = replace(spec, generation=replace(spec.generation, json_schema=canonical(schema)))
-    ensure_ray()
     return run_column_job(caption_job(cfg, spec, prompt, limits or checks.LoopLimits(), schema))

@@ -41,7 +41,7 @@ from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
 from prx_data.core.errors import UsageError
-from prx_data.core.runtime import ensure_ray
+from prx_data.core.runtime import check_engine
 from prx_data.core.schema import error_column
 
 _RULE = "__rule"
@@ -74,9 +74,13 @@ class ClassifyConfig:
     #: Fragments per commit (each finished fragment is checkpointed regardless).
     commit_every: int = 16
     storage_options: dict | None = None
+    engine: str = "auto"
+    ray_address: str | None = None
+    num_cpus: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_engine(self.engine)
         if self.column in (S.ID, S.IMAGE, S.CAPTION, self.source_column):
             raise UsageError(f"refusing to write labels into the {self.column!r} column")
         bad = set(self.redo) - {*L.LABELS, L.UNKNOWN}
@@ -229,6 +233,9 @@ def classify_job(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | 
         count_column=cfg.column,
         reason_column=REASON,
         storage_options=cfg.storage_options,
+        engine=cfg.engine,
+        ray_address=cfg.ray_address,
+        num_cpus=cfg.num_cpus,
         progress=cfg.progress,
         desc=f"classify {cfg.column}",
     )
@@ -251,5 +258,4 @@ def run_classify(cfg: ClassifyConfig, spec: BackendSpec | None = None) -> Column
                 batch_size=cfg.batch_size,
                 text_only=True,
             )
-    ensure_ray()
     return run_column_job(classify_job(cfg, spec, template))

@@ -31,6 +31,7 @@ from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.clusters import MAX_RADIUS, export_skips, find_duplicates
 from prx_data.core.errors import UsageError
 from prx_data.core.reports import FailureCounts
+from prx_data.core.runtime import check_engine
 from prx_data.skips.dedup import (
     DEFAULT_SKIP_NAME,
     DUP_OF,
@@ -64,7 +65,7 @@ class DedupConfig:
     write_column: bool = True
     #: Hash rows that lack a ``phash`` first (else only existing hashes are used).
     compute: bool = True
-    engine: str = "ray"
+    engine: str = "auto"
     exact: bool = False
     batch_size: int = 256
     ray_address: str | None = None
@@ -171,8 +172,8 @@ class PhashJobConfig:
     """Options of one hashing run."""
 
     table: str
-    #: ``"ray"`` (Ray Data tasks; local runtime or ``RAY_ADDRESS``) or ``"local"`` (this process).
-    engine: str = "ray"
+    #: :data:`prx_data.core.runtime.ENGINES`: ``auto`` hashes a small table in this process.
+    engine: str = "auto"
     #: Full Pillow decode, bit-identical to ``imagehash.phash`` (slower). Default: reduced JPEG decode.
     exact: bool = False
     batch_size: int = 256
@@ -186,8 +187,7 @@ class PhashJobConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ("ray", "local"):
-            raise UsageError(f"engine must be 'ray' or 'local', got {self.engine!r}")
+        check_engine(self.engine)
         if self.batch_size < 1 or self.commit_every < 1:
             raise UsageError("batch_size and commit_every must be >= 1")
 

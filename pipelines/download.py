@@ -45,6 +45,7 @@ import pyarrow.compute as pc
 from prx_data.core import schema as S
 from prx_data.core.errors import Conflict, UsageError
 from prx_data.core.reports import FailureCounts
+from prx_data.core.runtime import check_engine
 from prx_data.download import fetch as F
 
 STATUS = S.status_column("download")
@@ -82,7 +83,7 @@ class DownloadConfig:
     only: tuple[str, ...] = ()
     limit: int | None = None
     fetch: F.FetchConfig = field(default_factory=F.FetchConfig)
-    engine: str = "ray"
+    engine: str = "auto"
     num_cpus: int | None = None
     ray_address: str | None = None
     #: Rows handed to one fetch call (fetched on ``fetch.threads`` threads). A batch ends
@@ -103,8 +104,7 @@ class DownloadConfig:
     on_commit: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.engine not in ("ray", "local"):
-            raise UsageError(f"engine must be 'ray' or 'local', got {self.engine!r}")
+        check_engine(self.engine)
         if self.limit is not None and self.limit < 0:
             raise UsageError("limit must be >= 0")
         for name in ("batch_size", "rows_per_unit", "commit_rows", "commit_bytes"):
@@ -784,11 +784,7 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
         read_cpus=cfg.task_cpus,
         progress=False,
     )
-    counts = R.pending_counts(ds, where)
-    rows_per_unit = cfg.rows_per_unit
-    if cfg.engine == "ray" and counts:
-        rows_per_unit = R.unit_rows(job, sum(counts.values()))
-    units, expected = R.plan_units(counts, cfg.limit, rows_per_unit)
+    placement, units, expected = R.plan(job, R.pending_counts(ds, where))
     report.pending = sum(expected.values())
     statuses: Counter = Counter()
     reasons: Counter = Counter()
@@ -796,7 +792,7 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
     t0 = time.perf_counter()
     bar = tqdm(total=report.pending, desc="download", unit="row", disable=not cfg.progress)
     try:
-        for batch in R.iter_results(job, units, ds.version) if units else ():
+        for batch in R.iter_results(job, units, ds.version, placement) if units else ():
             if not batch.num_rows:
                 continue
             fetched = batch[_FETCHED]

@@ -47,7 +47,7 @@ from prx_data.core import schema as S
 from prx_data.core import storage
 from prx_data.core.errors import AlreadyExists, UsageError
 from prx_data.core.reports import FailureCounts
-from prx_data.core.runtime import ensure_ray
+from prx_data.core.runtime import check_engine, ensure_ray, map_units, place
 from prx_data.ingest import (
     NOTES,
     Counts,
@@ -82,6 +82,9 @@ ORDER = "__order"
 #: took 8.2 s fused, 5.6 s unfused on 2 CPUs).
 LOAD_TASK_CPUS = 0.5
 WRITE_TASK_CPUS = 0.25
+#: Ingests of at most this many work units (a folder unit is a few hundred images) load
+#: on driver threads under ``engine="auto"``: starting Ray costs more than their work.
+SMALL_UNITS = 8
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,12 @@ class IngestConfig:
     rows_per_fragment: int | None = None  # None: from the images' size
     fragment_bytes: int = DEFAULT_FRAGMENT_BYTES
     items_per_unit: int | None = None  # None: the reader's default
-    num_cpus: int | None = None  # local Ray only; None: all cores
+    num_cpus: int | None = None  # this process or a private local Ray; None: all cores
     storage_options: dict | None = None
     reader_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    engine: str = "auto"
+    ray_address: str | None = None
     #: Build or update the BTREE index on ``id`` after the commit (large tables).
     id_index: bool = True
 
@@ -298,11 +303,7 @@ def unit_location(unit: WorkUnit) -> str:
 
 
 def _load_batch(batch: pa.Table, tally, schema: pa.Schema, check: dict | None = None) -> pa.Table:
-    """Ray Data UDF: load the work units of one batch; drop ids already in the table.
-
-    ``check`` (appends to a non-empty table): the pinned table and the
-    sources it already has ids of. Rows keep their notes and get their order.
-    """
+    """Ray Data UDF: load the work units of one batch (:func:`load_staged`), tally them."""
     import ray
 
     staged = _staging_schema(schema)
@@ -310,53 +311,67 @@ def _load_batch(batch: pa.Table, tally, schema: pa.Schema, check: dict | None = 
     for unit_json, unit_index in zip(
         batch["unit"].to_pylist(), batch["index"].to_pylist(), strict=True
     ):
-        counts = Counts()
-        unit = WorkUnit.from_json(unit_json)
-        failure = None
-        try:
-            table = load_unit(unit, counts)
-        except Exception as e:  # a unit that cannot be read is recorded; the error rate decides
-            counts.dropped(f"unit_failed:{type(e).__name__}")
-            failure = {
-                "unit": unit_index,
-                "kind": unit.kind,
-                "path": unit_location(unit),
-                "error": type(e).__name__,
-                "message": str(e)[:500],
-            }
-            table = schema.empty_table()
-        order = pa.array([(unit_index << 32) + i for i in range(table.num_rows)], pa.int64())
-        table = table.append_column(ORDER, order)
-        if table.num_rows:
-            # Within a unit the first occurrence of an id wins.
-            ids = table[S.ID].to_pylist()
-            seen: set[str] = set()
-            keep = []
-            for i in ids:
-                keep.append(i not in seen)
-                seen.add(i)
-            counts.dropped("duplicate_id", keep.count(False))
-            if check is not None:
-                prefix = f"{unit.source}/"
-                ask = [
-                    i
-                    for i, k in zip(ids, keep, strict=True)
-                    if k and (unit.source in check["sources"] or not i.startswith(prefix))
-                ]
-                if ask:
-                    ds = T.pinned_table(
-                        check["uri"], check["version"], check["storage_options"], check["run"]
-                    )
-                    found = ids_in_table(ds, ask)
-                    for n, i in enumerate(ids):
-                        if keep[n] and i in found:
-                            keep[n] = False
-                            counts.dropped("already_in_table")
-            table = table.filter(pa.array(keep, pa.bool_()))
-        table = conform(table, staged)
+        table, counts, failure = load_staged(unit_json, unit_index, schema, check)
         ray.get(tally.report.remote(unit_index, dict(counts), table.num_rows, failure))
         outs.append(table)
     return pa.concat_tables(outs) if outs else staged.empty_table()
+
+
+def load_staged(
+    unit_json: str, unit_index: int, schema: pa.Schema, check: dict | None = None
+) -> tuple[pa.Table, Counts, dict | None]:
+    """Load one work unit in the staging schema; drop ids already in the table.
+
+    ``check`` (appends to a non-empty table): the pinned table and the
+    sources it already has ids of. Rows keep their notes and get their order.
+    Returns the rows, the unit's counts and its failure record (None: read).
+    """
+    staged = _staging_schema(schema)
+    counts = Counts()
+    unit = WorkUnit.from_json(unit_json)
+    failure = None
+    try:
+        table = load_unit(unit, counts)
+    except Exception as e:  # a unit that cannot be read is recorded; the error rate decides
+        counts.dropped(f"unit_failed:{type(e).__name__}")
+        failure = {
+            "unit": unit_index,
+            "kind": unit.kind,
+            "path": unit_location(unit),
+            "error": type(e).__name__,
+            "message": str(e)[:500],
+        }
+        table = schema.empty_table()
+    order = pa.array([(unit_index << 32) + i for i in range(table.num_rows)], pa.int64())
+    table = table.append_column(ORDER, order)
+    if table.num_rows:
+        # Within a unit the first occurrence of an id wins.
+        ids = table[S.ID].to_pylist()
+        seen: set[str] = set()
+        keep = []
+        for i in ids:
+            keep.append(i not in seen)
+            seen.add(i)
+        counts.dropped("duplicate_id", keep.count(False))
+        if check is not None:
+            prefix = f"{unit.source}/"
+            ask = [
+                i
+                for i, k in zip(ids, keep, strict=True)
+                if k and (unit.source in check["sources"] or not i.startswith(prefix))
+            ]
+            if ask:
+                ds = T.pinned_table(
+                    check["uri"], check["version"], check["storage_options"], check["run"]
+                )
+                found = ids_in_table(ds, ask)
+                for n, i in enumerate(ids):
+                    if keep[n] and i in found:
+                        keep[n] = False
+                        counts.dropped("already_in_table")
+        table = table.filter(pa.array(keep, pa.bool_()))
+    table = conform(table, staged)
+    return table, counts, failure
 
 
 def _staging_schema(schema: pa.Schema) -> pa.Schema:
@@ -567,11 +582,118 @@ def _schedule(items: list[dict]) -> list[dict]:
 # --- the job -------------------------------------------------------------------
 
 
-def run_ingest(cfg: IngestConfig) -> IngestReport:
-    """Plan the sources, load and stage them with Ray Data, de-duplicate, commit once, report."""
+def _stage_on_ray(cfg, units, schema, check, rows_per_fragment, write_mode, where):
+    """Load and stage on Ray Data: load tasks, then write tasks over ``rows_per_fragment``
+    batches; counts come back through a tally actor. Returns (claims, counts, failures)."""
     import ray
     import ray.data
 
+    started = not ray.is_initialized()
+    ensure_ray(where.ray_address, where.num_cpus)
+    claims = _claims_table({"fragment": [], "ids": [], "orders": [], "notes": []})
+    try:
+        tally = ray.remote(num_cpus=0)(_Tally).remote()
+        if units:
+            items = _schedule([{"unit": u.to_json(), "index": i} for i, u in enumerate(units)])
+            ds = ray.data.from_items(items, override_num_blocks=len(items))
+            ds = ds.map_batches(
+                _load_batch,
+                batch_size=1,
+                batch_format="pyarrow",
+                num_cpus=LOAD_TASK_CPUS,
+                fn_kwargs={"tally": tally, "schema": schema, "check": check},
+            )
+            ds = ds.map_batches(
+                _write_batch,
+                batch_size=rows_per_fragment,
+                batch_format="pyarrow",
+                num_cpus=WRITE_TASK_CPUS,  # not fused with loading
+                fn_kwargs={
+                    "uri": cfg.table_uri,
+                    "schema": schema,
+                    "write_mode": write_mode,
+                    "max_rows": rows_per_fragment,
+                    "storage_options": cfg.storage_options,
+                },
+            )
+            stop, poller = _progress_thread(tally, len(units), cfg.progress)
+            try:
+                parts = [b for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
+            finally:
+                stop.set()
+                poller.join()
+            if parts:
+                claims = pa.concat_tables(parts)
+        counts = ray.get(tally.totals.remote())
+        failures = ray.get(tally.failures.remote())
+        ray.kill(tally)
+    finally:
+        if started:
+            ray.shutdown()
+
+    return claims, counts, failures
+
+
+def _stage_on_threads(cfg, units, schema, check, rows_per_fragment, write_mode, where):
+    """Load and stage on driver threads (:func:`prx_data.core.runtime.map_units`): units in
+    plan order, staged in ``rows_per_fragment`` batches as the Ray path does."""
+    items = _schedule([{"unit": u.to_json(), "index": i} for i, u in enumerate(units)])
+    counts: Counter = Counter()
+    failures: list[dict] = []
+    rows = [0]
+
+    def load(item: dict):
+        return load_staged(item["unit"], item["index"], schema, check)
+
+    def write(table: pa.Table) -> pa.Table:
+        return _write_batch(
+            table,
+            uri=cfg.table_uri,
+            schema=schema,
+            write_mode=write_mode,
+            max_rows=rows_per_fragment,
+            storage_options=cfg.storage_options,
+        )
+
+    parts: list[pa.Table] = []
+    buffer: list[pa.Table] = []
+    buffered = 0
+    loaded = map_units(
+        load,
+        items,
+        where,
+        desc="ingest",
+        progress=cfg.progress,
+        postfix=lambda: {"rows": rows[0]},
+    )
+    for table, unit_counts, failure in loaded:
+        counts.update(dict(unit_counts))
+        if failure is not None:
+            failures.append(failure)
+        rows[0] += table.num_rows
+        if table.num_rows:
+            buffer.append(table)
+            buffered += table.num_rows
+        if buffered >= rows_per_fragment:
+            whole = pa.concat_tables(buffer)
+            cut = buffered - buffered % rows_per_fragment
+            parts.append(write(whole.slice(0, cut)))
+            buffer = [whole.slice(cut)] if cut < buffered else []
+            buffered -= cut
+    if buffered:
+        parts.append(write(pa.concat_tables(buffer)))
+    claims = (
+        pa.concat_tables(parts)
+        if parts
+        else _claims_table({"fragment": [], "ids": [], "orders": [], "notes": []})
+    )
+    return claims, dict(counts), sorted(failures, key=lambda f: f["unit"])
+
+
+def run_ingest(cfg: IngestConfig) -> IngestReport:
+    """Plan the sources, load and stage them (driver threads for a few work units, else
+    Ray Data), de-duplicate, commit once, report."""
+    check_engine(cfg.engine)
     if cfg.mode not in MODES:
         raise UsageError(f"mode must be one of {MODES}, got {cfg.mode!r}")
     t0 = time.perf_counter()
@@ -637,48 +759,15 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
             pinned = T.open_table(cfg.table_uri, cfg.storage_options)
     read_version = pinned.version if pinned is not None else None
 
-    started = not ray.is_initialized()
-    ensure_ray(num_cpus=cfg.num_cpus)
-    claims = _claims_table({"fragment": [], "ids": [], "orders": [], "notes": []})
-    try:
-        tally = ray.remote(num_cpus=0)(_Tally).remote()
-        if units:
-            items = _schedule([{"unit": u.to_json(), "index": i} for i, u in enumerate(units)])
-            ds = ray.data.from_items(items, override_num_blocks=len(items))
-            ds = ds.map_batches(
-                _load_batch,
-                batch_size=1,
-                batch_format="pyarrow",
-                num_cpus=LOAD_TASK_CPUS,
-                fn_kwargs={"tally": tally, "schema": schema, "check": check},
-            )
-            ds = ds.map_batches(
-                _write_batch,
-                batch_size=rows_per_fragment,
-                batch_format="pyarrow",
-                num_cpus=WRITE_TASK_CPUS,  # not fused with loading
-                fn_kwargs={
-                    "uri": cfg.table_uri,
-                    "schema": schema,
-                    "write_mode": write_mode,
-                    "max_rows": rows_per_fragment,
-                    "storage_options": cfg.storage_options,
-                },
-            )
-            stop, poller = _progress_thread(tally, len(units), cfg.progress)
-            try:
-                parts = [b for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
-            finally:
-                stop.set()
-                poller.join()
-            if parts:
-                claims = pa.concat_tables(parts)
-        counts = ray.get(tally.totals.remote())
-        failures = ray.get(tally.failures.remote())
-        ray.kill(tally)
-    finally:
-        if started:
-            ray.shutdown()
+    where = place(
+        cfg.engine,
+        size=len(units),
+        small=SMALL_UNITS,
+        ray_address=cfg.ray_address,
+        num_cpus=cfg.num_cpus,
+    )
+    run = _stage_on_ray if where.on_ray else _stage_on_threads
+    claims, counts, failures = run(cfg, units, schema, check, rows_per_fragment, write_mode, where)
 
     # Resolve duplicates across units (smallest order wins), then commit once.
     from lance.fragment import FragmentMetadata
@@ -758,6 +847,8 @@ def ingest(
     num_cpus: int | None = None,
     storage_options: dict | None = None,
     progress: bool = True,
+    engine: str = "auto",
+    ray_address: str | None = None,
     **reader_options,
 ) -> IngestReport:
     """Ingest ``sources`` (paths, or ``NAME=PATH`` to set the id prefix) into ``table_uri``.
@@ -779,5 +870,7 @@ def ingest(
         storage_options=storage_options,
         reader_options=reader_options,
         progress=progress,
+        engine=engine,
+        ray_address=ray_address,
     )
     return run_ingest(cfg)

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from prx_data.columns.quality import LOW, OK, OUTCOME, UNREADABLE, measure_batch
-from prx_data.columns.runner import ENGINES, ColumnJob, Step, run_column_job
+from prx_data.columns.runner import ColumnJob, Step, run_column_job
+from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import quality
 from prx_data.core import schema as S
-from prx_data.core.reports import FailureCounts
+from prx_data.core.reports import JobReport
+from prx_data.core.runtime import check_engine
 from prx_data.table import lance_ops as T
 
 
@@ -34,7 +36,7 @@ class QualityConfig:
     column: str = quality.COLUMN
     #: Rows per read batch.
     chunk_rows: int = 2048
-    engine: str = "local"
+    engine: str = "auto"
     ray_address: str | None = None
     num_cpus: int | None = None
     #: Fragments per commit (each finished fragment is checkpointed regardless).
@@ -43,8 +45,7 @@ class QualityConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        check_engine(self.engine)
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if self.column in (S.ID, S.IMAGE, S.CAPTION):
@@ -52,20 +53,36 @@ class QualityConfig:
 
 
 @dataclass
-class QualityReport(FailureCounts):
-    """Rows measured, unreadable (left null) and low-information, in this run."""
+class QualityReport(JobReport):
+    """Rows measured, unreadable (left null) and low-information: the column runner's
+    report (``run``) read by outcome."""
 
     table: str
     column: str
-    written: int = 0
-    unreadable: int = 0
-    low_information: int = 0
-    seconds: float = 0.0
-    table_version: int = 0
-    final_version: int = 0
+    run: ColumnReport | None = None
 
     job_label = "quality"
     counted = "rows"
+
+    def __post_init__(self) -> None:
+        if self.run is None:
+            self.run = ColumnReport(self.table, [self.column])
+
+    @property
+    def low_information(self) -> int:
+        return self.run.counts.get(LOW, 0)
+
+    @property
+    def written(self) -> int:
+        return self.run.counts.get(OK, 0) + self.low_information
+
+    @property
+    def unreadable(self) -> int:
+        return self.run.counts.get(UNREADABLE, 0)
+
+    @property
+    def seconds(self) -> float:
+        return self.run.seconds
 
     @property
     def failed(self) -> int:
@@ -90,15 +107,13 @@ class QualityReport(FailureCounts):
         )
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
-
-        return asdict(self)
+        return {**super().to_dict(), **self.counts()}
 
 
 def run_quality(cfg: QualityConfig) -> QualityReport:
     """Measure every row of ``cfg.table`` that lacks ``cfg.column``; resumable."""
     ds = T.open_table(cfg.table, cfg.storage_options)
-    where = f"{T.quote(cfg.column)} IS NULL" if cfg.column in ds.schema.names else None
+    where = pending_filter(ds.schema.names, cfg.column)
     job = ColumnJob(
         table=cfg.table,
         outputs=pa.schema([pa.field(cfg.column, quality.QUALITY_TYPE)]),
@@ -116,17 +131,7 @@ def run_quality(cfg: QualityConfig) -> QualityReport:
         progress=cfg.progress,
         desc=f"image quality -> {cfg.column}",
     )
-    col = run_column_job(job)
-    return QualityReport(
-        table=cfg.table,
-        column=cfg.column,
-        written=col.counts.get(OK, 0) + col.counts.get(LOW, 0),
-        unreadable=col.counts.get(UNREADABLE, 0),
-        low_information=col.counts.get(LOW, 0),
-        seconds=col.seconds,
-        table_version=col.table_version,
-        final_version=col.final_version,
-    )
+    return QualityReport(cfg.table, cfg.column, run_column_job(job))
 
 
 def compute_quality(

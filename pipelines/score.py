@@ -13,7 +13,7 @@ cannot be scored keeps null values and its reason in ``<prefix>_error``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pyarrow as pa
@@ -30,8 +30,10 @@ from prx_data.columns.scores import (
     resolve_device,
     vector_type,
 )
+from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core.errors import UsageError
-from prx_data.core.reports import FailureCounts
+from prx_data.core.reports import JobReport
+from prx_data.core.runtime import check_engine
 from prx_data.table.search import CLIP_IMAGE_COLUMN
 
 __all__ = ["ScoreConfig", "ScoreReport", "build_job", "run_score", "score_outputs"]
@@ -51,7 +53,7 @@ class ScoreConfig:
     embedding_column: str = CLIP_IMAGE_COLUMN
     caption_column: str = "caption"
     device: str = "auto"
-    engine: str = "ray"
+    engine: str = "auto"
     replicas: int = 1
     batch_size: int = 64
     limit: int | None = None
@@ -62,6 +64,7 @@ class ScoreConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_engine(self.engine)
         if self.scorer not in SCORERS:
             raise UsageError(f"scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
         if self.replicas < 1 or self.batch_size < 1:
@@ -72,33 +75,52 @@ class ScoreConfig:
         return self.prefix or self.scorer
 
 
+_RUN_FIELDS = frozenset(f.name for f in fields(ColumnReport))
+
+
 @dataclass
-class ScoreReport(FailureCounts):
-    """What a score job did: rows scored, failures by reason, the columns written."""
+class ScoreReport(JobReport):
+    """What a score job did: the column runner's report (``run``) and the scorer's view of it."""
 
     table: str
     scorer: str
     columns: list[str]
-    pending: int = 0
-    rows: int = 0
-    written: int = 0
-    scored: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-    recovered_rows: int = 0
-    seconds: float = 0.0
-    table_version: int = 0
-    final_version: int = 0
+    run: ColumnReport | None = None
 
     counted = "rows"
+
+    def __post_init__(self) -> None:
+        if self.run is None:
+            self.run = ColumnReport(self.table, list(self.columns))
+
+    def __getattr__(self, name: str):
+        """The column runner's counts (``pending``, ``written``, ``seconds``, ...) are read
+        from ``run``, not copied."""
+        if name in _RUN_FIELDS and "run" in self.__dict__:
+            return getattr(self.__dict__["run"], name)
+        raise AttributeError(name)
 
     @property
     def job_label(self) -> str:
         return f"score {self.scorer}"
 
     @property
+    def failures(self) -> dict[str, int]:
+        """Rows that could not be scored (retried next run), by reason."""
+        return dict(self.run.reasons)
+
+    @property
+    def rows(self) -> int:
+        return self.run.rows
+
+    @property
+    def scored(self) -> int:
+        return self.rows - self.failed
+
+    @property
     def failed(self) -> int:
         """Rows of this run that could not be scored (retried next run)."""
-        return sum(self.failures.values())
+        return sum(self.run.reasons.values())
 
     @property
     def total(self) -> int:
@@ -108,37 +130,23 @@ class ScoreReport(FailureCounts):
         return f"the reasons above, and {self.columns[-1]} in {self.table}"
 
     def text(self) -> str:
-        rate = self.rows / self.seconds if self.seconds else 0.0
+        r = self.run
+        rate = r.rows / r.seconds if r.seconds else 0.0
         lines = [
-            f"{self.scorer}: {self.rows:,} rows in {self.seconds:.1f}s ({rate:,.0f} rows/s), "
+            f"{self.scorer}: {r.rows:,} rows in {r.seconds:.1f}s ({rate:,.0f} rows/s), "
             f"{self.scored:,} scored, {self.failed:,} failed"
-            + (
-                f", {self.recovered_rows:,} recovered from a killed run"
-                if self.recovered_rows
-                else ""
-            ),
-            f"columns: {', '.join(self.columns)} (table version {self.final_version})",
+            + (f", {r.recovered_rows:,} recovered from a killed run" if r.recovered_rows else ""),
+            f"columns: {', '.join(self.columns)} (table version {r.final_version})",
         ]
         for reason, n in sorted(self.failures.items(), key=lambda kv: -kv[1])[:10]:
             lines.append(f"  {n:>8,}  {reason}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {
-            "table": self.table,
-            "scorer": self.scorer,
-            "columns": self.columns,
-            "pending": self.pending,
-            "rows": self.rows,
-            "written": self.written,
-            "scored": self.scored,
-            "failed": self.failed,
-            "failures": dict(self.failures),
-            "recovered_rows": self.recovered_rows,
-            "seconds": round(self.seconds, 3),
-            "table_version": self.table_version,
-            "final_version": self.final_version,
-        }
+        """The run's counts at the top level (as before), then the scorer's."""
+        own = super().to_dict()
+        own.pop("run")
+        return {**self.run.to_dict(), **own, "scored": self.scored, "failures": self.failures}
 
 
 def _model_config(model: str):
@@ -197,7 +205,7 @@ def build_job(cfg: ScoreConfig, **overrides: Any):
             raise UsageError(f"{cfg.table!r} has no column {col!r}{hint}")
     if cfg.scorer == "clip" and cfg.caption_column not in names:
         raise UsageError(f"{cfg.table!r} has no caption column {cfg.caption_column!r}")
-    where = f"{T.quote(done)} IS NULL" if done in names else None
+    where = pending_filter(names, done)
     if cfg.scorer == "aesthetic":
         has = f"{T.quote(cfg.embedding_column)} IS NOT NULL"
         where = f"({where}) AND {has}" if where else has
@@ -248,18 +256,4 @@ def run_score(cfg: ScoreConfig, **overrides: Any) -> ScoreReport:
 
     job = build_job(cfg, **overrides)
     rep = run_column_job(job)
-    failed = sum(rep.reasons.values())
-    return ScoreReport(
-        table=cfg.table,
-        scorer=cfg.scorer,
-        columns=list(job.outputs.names),
-        pending=rep.pending,
-        rows=rep.rows,
-        written=rep.written,
-        scored=rep.rows - failed,
-        failures=dict(rep.reasons),
-        recovered_rows=rep.recovered_rows,
-        seconds=rep.seconds,
-        table_version=rep.table_version,
-        final_version=rep.final_version,
-    )
+    return ScoreReport(cfg.table, cfg.scorer, list(job.outputs.names), rep)

@@ -41,6 +41,7 @@ import pyarrow.compute as pc
 
 from prx_data.core.errors import UsageError
 from prx_data.core.reports import FailureCounts
+from prx_data.core.runtime import check_engine, place
 from prx_data.skips.semdedup import (
     DEFAULT_REPORT_THRESHOLDS,
     DEFAULT_SKIP_NAME,
@@ -54,7 +55,9 @@ from prx_data.table.search import (
     SEMDEDUP_COSINE_COLUMN,
 )
 
-ENGINES = ("ray", "local")
+#: Tables of at most this many rows are deduplicated in this process under ``engine="auto"``
+#: (the local engine holds every vector in memory; starting Ray costs more than their work).
+SMALL_ROWS = 50_000
 #: The columns the job stores (null for rows that took no part).
 OUTPUTS = pa.schema(
     [
@@ -83,7 +86,7 @@ class SemDedupConfig:
     #: Rows fetched per read while assigning clusters.
     batch_rows: int = 65_536
     storage_options: dict | None = field(default=None, hash=False)
-    engine: str = "ray"
+    engine: str = "auto"
     #: Store ``semdedup_cluster`` / ``semdedup_cosine`` in the table.
     store_columns: bool = True
     #: Rows per cluster-bucket task (whole clusters; ray engine).
@@ -92,10 +95,10 @@ class SemDedupConfig:
     spill_dir: str | None = None
     ray_address: str | None = None
     num_cpus: int | None = None
+    progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise UsageError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        check_engine(self.engine)
         if self.rows_per_task < 1:
             raise UsageError("rows_per_task must be >= 1")
         for t in (self.threshold, *self.report_thresholds):
@@ -170,7 +173,14 @@ def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
         )
     if cfg.store_columns:  # metadata only; every read below is pinned to this version
         ds = _open(cfg.table, cfg.storage_options, ensure_columns(cfg.table, OUTPUTS))
-    run = _run_local if cfg.engine == "local" else _run_ray
+    where = place(
+        cfg.engine,
+        size=ds.count_rows(),
+        small=SMALL_ROWS,
+        ray_address=cfg.ray_address,
+        num_cpus=cfg.num_cpus,
+    )
+    run = _run_ray if where.on_ray else _run_local
     rep, removed = run(cfg, ds)
     rep.table = cfg.table
     if cfg.export is not None:

@@ -20,31 +20,35 @@ Ray task per pack, or threads on the driver when the whole export is small
 (:data:`DRIVER_PACK_BYTES`), since a Ray Data stage costs seconds to start.
 The merge, and the skip lists bound after it, then see only packs.
 
-A small job does not start Ray at all: a table of at most ``driver_rows``
-rows (:data:`DRIVER_UNIT_ROWS`), exported where the job would start a private
-local Ray runtime, runs its work units and packs on threads of the driver
-(:func:`prx_data.core.runtime.local_ray_cpus` tells, starting nothing). The
-units, parts and bytes are those of the Ray path: the unit count comes from
-the CPUs that runtime would have. A job joining a cluster, or one run where
-Ray is already up, takes the Ray path whatever its size.
+Units and packs run through :func:`prx_data.core.runtime.map_units`. A small
+job does not start Ray at all: under ``engine="auto"`` a table of at most
+``driver_rows`` rows (:data:`DRIVER_UNIT_ROWS`) runs its work units and packs
+on threads of the driver, one per CPU a private local Ray would have
+(:func:`prx_data.core.runtime.place` decides, starting nothing). The units,
+parts and bytes are those of the Ray path. A job given a cluster, or one run
+where Ray is already up, takes the Ray path whatever its size.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
-
-from tqdm.auto import tqdm
 
 from prx_data.core import storage
 from prx_data.core.imaging import check_codec
-from prx_data.core.runtime import ensure_ray, local_ray_cpus, unit_dataset
+from prx_data.core.runtime import (
+    Placement,
+    Resources,
+    check_engine,
+    map_units,
+    place,
+    placement_cpus,
+)
 from prx_data.core.storage import storage_env
-from prx_data.export.layout import foreign_entries, imap_bounded, list_top, remove_stale_parts
+from prx_data.export.layout import foreign_entries, list_top, remove_stale_parts
 from prx_data.export.lock import ExportLock
 from prx_data.export.pack import Pack, done_packs, plan_packs, write_pack
 from prx_data.export.unit import (
@@ -85,17 +89,9 @@ DRIVER_PACK_THREADS = 2
 DRIVER_UNIT_ROWS = 64
 
 
-def auto_min_units(
-    ray_address: str | None = None, num_cpus: int | None = None, cpus: int | None = None
-) -> int:
-    """``UNITS_PER_CPU`` x the CPUs of the Ray cluster (started or joined here), or x
-    ``cpus`` when the units run on that many driver threads instead (no Ray started)."""
-    if cpus is not None:
-        return UNITS_PER_CPU * max(1, cpus)
-    ensure_ray(ray_address, num_cpus)
-    import ray
-
-    return UNITS_PER_CPU * max(1, int(ray.cluster_resources().get("CPU", 1)))
+def auto_min_units(placement: Placement) -> int:
+    """``UNITS_PER_CPU`` x the CPUs the units get: the driver threads, or the Ray cluster's."""
+    return UNITS_PER_CPU * placement_cpus(placement)
 
 
 @dataclass
@@ -131,10 +127,9 @@ class _ExportTask:
     def __init__(self, cfg: ExportConfig):
         self.cfg = cfg
 
-    def __call__(self, row: dict) -> dict:
+    def __call__(self, row: dict) -> str:
         unit = WorkUnit(int(row["fragment_id"]), int(row["start"]), int(row["count"]))
-        result = export_unit(self.cfg, unit)
-        return {"part": result.part, "result": result.to_json()}
+        return export_unit(self.cfg, unit).to_json()
 
 
 class _PackTask:
@@ -143,8 +138,8 @@ class _PackTask:
     def __init__(self, cfg: ExportConfig):
         self.cfg = cfg
 
-    def __call__(self, row: dict) -> dict:
-        return {"pack": write_pack(self.cfg, Pack.from_json(row["pack"])).to_json()}
+    def __call__(self, pack: str) -> str:
+        return write_pack(self.cfg, Pack.from_json(pack)).to_json()
 
 
 def run_packs(
@@ -152,7 +147,7 @@ def run_packs(
     packs: list[Pack],
     *,
     check=lambda: None,
-    ray_address: str | None = None,
+    placement: Placement | None = None,
     num_cpus: int | None = None,
     progress: bool = False,
     on_driver: bool = False,
@@ -160,26 +155,28 @@ def run_packs(
     """Write every pack; returns {bucket: {pack: samples}} for :func:`finalize`.
 
     The driver handles one small record per pack (never a sample): a plan, a
-    task and a result each. ``on_driver``: threads of the driver whatever the
-    size (a job whose units ran there has no Ray to hand the packs to).
+    task and a result each. Packs go to threads of the driver when they are
+    small (:data:`DRIVER_PACK_BYTES`) or ``on_driver`` (a job whose units ran
+    there has no Ray to hand them to), else to ``placement`` (default: Ray).
     """
-    bar = tqdm(total=len(packs), desc="pack", unit="pack", disable=not progress, file=sys.stderr)
     if on_driver or sum(p.nbytes for p in packs) <= DRIVER_PACK_BYTES:
-        done = imap_bounded(lambda p: write_pack(cfg, p), packs, DRIVER_PACK_THREADS)
-    else:
-        ensure_ray(ray_address, num_cpus)
-        remote_args: dict = {"num_cpus": 1}
-        env = storage_env()
-        if env:
-            remote_args["runtime_env"] = {"env_vars": env}
-        ds = unit_dataset([{"pack": p.to_json()} for p in packs]).map(_PackTask(cfg), **remote_args)
-        done = (Pack.from_json(row["pack"]) for row in ds.iter_rows())
+        placement = Placement(threads=DRIVER_PACK_THREADS)
+    elif placement is None or not placement.on_ray:
+        placement = Placement(threads=None, num_cpus=num_cpus)
+    done = map_units(
+        _PackTask(cfg),
+        [p.to_json() for p in packs],
+        placement,
+        Resources(num_cpus=1, env=storage_env() or None),
+        desc="pack",
+        progress=progress,
+        unit_name="pack",
+    )
     out: dict[str, dict[str, int]] = {}
-    for p in done:
+    for text in done:
+        p = Pack.from_json(text)
         check()
         out.setdefault(p.bucket, {})[p.name] = p.samples
-        bar.update(1)
-    bar.close()
     if sum(len(v) for v in out.values()) != len(packs):
         raise RuntimeError(f"{len(packs)} packs planned, {sum(map(len, out.values()))} reported")
     return {b: dict(sorted(v.items())) for b, v in sorted(out.items())}
@@ -196,6 +193,7 @@ def run_export(
     drop_lists: tuple[str, ...] = (),
     driver_rows: int = DRIVER_UNIT_ROWS,
     drop_list: tuple[str, ...] = (),
+    engine: str = "auto",
 ) -> ExportReport:
     """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report.
 
@@ -204,10 +202,11 @@ def run_export(
     ``drop_lists`` names skip lists of the tree being overwritten that may be
     left behind because their ids cannot be recovered (any other list is kept).
     ``drop_list`` names lists removed from the table's registry first (undoing a trial).
-    A table of at most ``driver_rows`` rows that would get a private local Ray
-    runtime runs on threads of this process instead (0: always Ray); the
-    export it writes is the same.
+    Under ``engine="auto"`` a table of at most ``driver_rows`` rows with no
+    cluster named runs on threads of this process (0: always Ray); the export
+    it writes is the same. ``engine``: :data:`prx_data.core.runtime.ENGINES`.
     """
+    check_engine(engine)
     try:
         check_codec(cfg.codec, cfg.resample, cfg.draft_margin)
     except ValueError as e:
@@ -230,6 +229,7 @@ def run_export(
                 tuple(drop_lists),
                 driver_rows,
                 tuple(drop_list),
+                engine,
             )
     except BaseException:
         if created and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
@@ -249,6 +249,7 @@ def _run_locked(
     drop_lists: tuple[str, ...] = (),
     driver_rows: int = DRIVER_UNIT_ROWS,
     drop_list: tuple[str, ...] = (),
+    engine: str = "auto",
 ) -> ExportReport:
     from prx_data.skips import lists as idlists
 
@@ -263,10 +264,10 @@ def _run_locked(
             idlists.carry(cfg.out, registry, drop=drop_lists)
     except idlists.ListError as e:
         raise ExportError(str(e)) from None
-    threads = driver_threads(cfg, driver_rows, ray_address, num_cpus)
+    where = placement(cfg, driver_rows, ray_address, num_cpus, engine)
     # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
     if cfg.min_units is None and not resume:  # a resume keeps the count it started with
-        cfg = replace(cfg, min_units=auto_min_units(ray_address, num_cpus, cpus=threads))
+        cfg = replace(cfg, min_units=auto_min_units(where))
     cfg = prepare_output(cfg, overwrite=overwrite, resume=resume)
     units = plan_units(cfg)
     finished = done_parts(cfg.out) if resume else {}
@@ -275,26 +276,27 @@ def _run_locked(
     todo = [u for u in units if u.part not in finished]
     results: dict[str, UnitResult] = {p: r for p, r in finished.items()}
     if todo:
-        if threads:
-            done = _units_on_driver(cfg, todo, threads)
-        else:
-            done = _units_on_ray(cfg, todo, ray_address, num_cpus)
-        bar = tqdm(
+        if not where.on_ray:
+            from prx_data.core.mds_writer import mds_writer
+
+            mds_writer()  # imported here, once, rather than by several threads at a time
+        totals = ProgressTotals.of(results.values())
+        done = map_units(
+            _ExportTask(cfg),
+            [asdict(u) for u in todo],
+            where,
+            Resources(num_cpus=1, env=storage_env() or None),
+            desc="write_mds",
+            progress=progress,
             total=len(units),
             initial=len(finished),
-            desc="write_mds",
-            unit="unit",
-            disable=not progress,
-            file=sys.stderr,
+            postfix=totals.postfix,
         )
-        totals = ProgressTotals.of(results.values())
-        for r in done:
+        for text in done:
+            r = UnitResult.from_json(text)
             lock.check()
             totals.add(r, replaces=results.get(r.part))
             results[r.part] = r
-            bar.update(1)
-            bar.set_postfix(totals.postfix())
-        bar.close()
     expected = {u.part for u in units}
     missing = expected - set(results)
     if missing:
@@ -307,10 +309,9 @@ def _run_locked(
             cfg,
             plan_packs(cfg.out, ordered, cfg.shard_size),
             check=lock.check,
-            ray_address=ray_address,
-            num_cpus=num_cpus,
+            placement=where,
             progress=progress,
-            on_driver=threads is not None,
+            on_driver=not where.on_ray,
         )
 
     def bind_lists() -> dict:
@@ -327,40 +328,16 @@ def _run_locked(
     return report
 
 
-def driver_threads(
-    cfg: ExportConfig, driver_rows: int, ray_address: str | None, num_cpus: int | None
-) -> int | None:
-    """Threads for running the units on the driver, or None for the Ray path.
-
-    The driver path is for a table of at most ``driver_rows`` rows (read from the
-    manifest, before anything is written) that would get a private local Ray runtime;
-    it gets one thread per CPU that runtime would have, as Ray would run one unit per CPU.
-    """
-    if driver_rows <= 0:
-        return None
-    cpus = local_ray_cpus(ray_address, num_cpus)
-    if cpus is None or open_table(cfg.table, cfg.table_version).count_rows() > driver_rows:
-        return None
-    return cpus
-
-
-def _units_on_driver(cfg: ExportConfig, todo: list[WorkUnit], threads: int) -> Iterator[UnitResult]:
-    """Each unit's :func:`export_unit` on a driver thread, as the Ray path runs it in a task."""
-    from prx_data.core.mds_writer import mds_writer
-
-    mds_writer()  # imported here, once, rather than by several threads at a time
-    return imap_bounded(lambda u: export_unit(cfg, u), todo, min(threads, len(todo)))
-
-
-def _units_on_ray(
-    cfg: ExportConfig, todo: list[WorkUnit], ray_address: str | None, num_cpus: int | None
-) -> Iterator[UnitResult]:
-    """One Ray task per unit (:class:`_ExportTask`), results as they finish."""
-    ensure_ray(ray_address, num_cpus)
-    ds = unit_dataset([asdict(u) for u in todo])
-    remote_args: dict = {"num_cpus": 1}
-    env = storage_env()
-    if env:  # workers started before these were set would not see them
-        remote_args["runtime_env"] = {"env_vars": env}
-    ds = ds.map(_ExportTask(cfg), **remote_args)
-    return (UnitResult.from_json(row["result"]) for row in ds.iter_rows())
+def placement(
+    cfg: ExportConfig,
+    driver_rows: int,
+    ray_address: str | None,
+    num_cpus: int | None,
+    engine: str = "auto",
+) -> Placement:
+    """Where the units run: :func:`prx_data.core.runtime.place` by the table's rows (read
+    from the manifest, before anything is written) against ``driver_rows`` (0: Ray)."""
+    rows = open_table(cfg.table, cfg.table_version).count_rows() if engine == "auto" else 0
+    if engine == "auto" and driver_rows <= 0:
+        engine = "ray"
+    return place(engine, size=rows, small=driver_rows, ray_address=ray_address, num_cpus=num_cpus)

@@ -86,9 +86,9 @@ def test_driver_threads_write_the_ray_paths_export_byte_for_byte(
     shutil.move(out, ray_tree)
     # As in a fresh process with no cluster: 2 CPUs, like the session's Ray runtime.
     cpus = int(ray_local.cluster_resources()["CPU"])
-    monkeypatch.setattr(pipeline, "local_ray_cpus", lambda address, num_cpus: cpus)
-    monkeypatch.setattr(pipeline, "unit_dataset", _no_ray_stage)
-    report = pipeline.run_export(cfg, progress=False)
+    monkeypatch.setattr(ray_local, "is_initialized", lambda: False)
+    monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
+    report = pipeline.run_export(cfg, progress=False, num_cpus=cpus)
     assert report.units == ray_report.units == len(SHAPES) + 1  # 8 per CPU, one row each
     assert report.samples_written == len(SHAPES) and report.dropped
     assert len(report.buckets) == 3
@@ -98,27 +98,39 @@ def test_driver_threads_write_the_ray_paths_export_byte_for_byte(
 @pytest.mark.ray
 def test_driver_path_packs_on_threads_whatever_the_size(table, tmp_path, ray_local, monkeypatch):
     """Packs over DRIVER_PACK_BYTES would go to Ray tasks; a job without Ray keeps them."""
-    monkeypatch.setattr(pipeline, "local_ray_cpus", lambda address, num_cpus: 2)
-    monkeypatch.setattr(pipeline, "unit_dataset", _no_ray_stage)
+    monkeypatch.setattr(ray_local, "is_initialized", lambda: False)
+    monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
     monkeypatch.setattr(pipeline, "DRIVER_PACK_BYTES", 0)
     cfg = ExportConfig(table=table, out=str(tmp_path / "out"), tiers=(512,), min_units=2)
-    assert pipeline.run_export(cfg, progress=False).samples_written == len(SHAPES)
+    report = pipeline.run_export(cfg, progress=False, num_cpus=2)
+    assert report.samples_written == len(SHAPES)
 
 
 @pytest.mark.ray
 def test_driver_rows_and_table_size_pick_the_path(table, tmp_path, ray_local, monkeypatch):
-    monkeypatch.setattr(pipeline, "local_ray_cpus", lambda address, num_cpus: 3)
     cfg = ExportConfig(table=table, out=str(tmp_path / "o"))
     rows = len(SHAPES) + 1
-    assert pipeline.driver_threads(cfg, rows, None, None) == 3
-    assert pipeline.driver_threads(cfg, rows - 1, None, None) is None  # a larger table: Ray
-    assert pipeline.driver_threads(cfg, 0, None, None) is None  # --driver-rows 0: always Ray
-    # the flag reaches the job: 0 runs on Ray although a private runtime would be started
-    monkeypatch.setattr(pipeline, "_units_on_driver", _no_ray_stage)
+    with monkeypatch.context() as m:  # as a fresh process sees it
+        m.setattr(ray_local, "is_initialized", lambda: False)
+        m.delenv("RAY_ADDRESS", raising=False)
+        assert pipeline.placement(cfg, rows, None, 3).threads == 3
+        assert pipeline.placement(cfg, rows - 1, None, 3).on_ray  # a larger table: Ray
+        assert pipeline.placement(cfg, 0, None, 3).on_ray  # --driver-rows 0: always Ray
+        assert pipeline.placement(cfg, rows, "10.1.2.3:6379", 3).on_ray  # a named cluster
+        assert pipeline.placement(cfg, 0, None, 3, engine="local").threads == 3
+    # the flag reaches the job: 0 runs the units on Ray
+    seen = []
+
+    def spy(fn, units, where, *a, **k):
+        seen.append((type(fn).__name__, where.on_ray))
+        return runtime.map_units(fn, units, where, *a, **k)
+
+    monkeypatch.setattr(pipeline, "map_units", spy)
     from prx_data.cli import write_mds as cli
 
     argv = ["--table", table, "--out", str(tmp_path / "o"), "--tiers", "512", "--no-progress"]
     assert cli.main([*argv, "--driver-rows", "0"]) == 0
+    assert ("_ExportTask", True) in seen
     assert cli.build_parser().parse_args(argv).driver_rows == pipeline.DRIVER_UNIT_ROWS
 
 
@@ -232,7 +244,7 @@ def test_a_local_runtime_gets_worker_settings_by_inheritance(no_ray_here, monkey
     with pytest.raises(_Stop):
         runtime.ensure_ray("127.0.0.1:6379")
     kwargs, _ = seen.pop()
-    assert kwargs["runtime_env"] == {"env_vars": {"LANCE_CPU_THREADS": "3"}}
+    assert kwargs["runtime_env"]["env_vars"]["LANCE_CPU_THREADS"] == "3"
 
 
 @pytest.mark.ray
@@ -253,11 +265,11 @@ def test_driver_threads_export_to_object_storage(
     from prx_data.cli import verify as verify_cli
     from prx_data.export.layout import is_complete
 
-    monkeypatch.setattr(pipeline, "local_ray_cpus", lambda address, num_cpus: 2)
-    monkeypatch.setattr(pipeline, "unit_dataset", _no_ray_stage)
+    monkeypatch.setattr(ray_local, "is_initialized", lambda: False)
+    monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
     out = f"s3://{s3_bucket}/exports/driver"
     cfg = ExportConfig(table=table, out=out, tiers=(512,), min_units=4)
-    report = pipeline.run_export(cfg, progress=False)
+    report = pipeline.run_export(cfg, progress=False, num_cpus=2)
     assert report.units >= 4 and report.samples_written == len(SHAPES)
     assert is_complete(out)
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0

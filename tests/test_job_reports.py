@@ -55,7 +55,10 @@ def test_dedup_ingest_column_and_score_reports_say_what_failed():
     col = ColumnReport("t", ["caption_vlm"], rows=10, counts={"ok": 9, "error": 1})
     assert (col.failed, col.total, col.status(0.05), col.status(0.2)) == (1, 10, 1, 0)
     assert "caption_vlm" in col.failure(0.05, "r.json") and "r.json" in col.failure(0.05, "r.json")
-    score = ScoreReport("t", "clip", ["clip_error"], rows=5, failures={"decode_error": 5})
+    run = ColumnReport("t", ["clip_error"], rows=5, reasons={"decode_error": 5})
+    score = ScoreReport("t", "clip", ["clip_error"], run)
+    assert (score.rows, score.seconds, score.failures) == (5, 0.0, {"decode_error": 5})
+    assert score.to_dict()["rows"] == 5 and score.to_dict()["failed"] == 5
     assert score.failure(0.2).startswith("score clip: 5 of 5 rows failed")
     assert score.status(None) == 0  # no limit given: never fails
 

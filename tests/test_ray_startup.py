@@ -71,27 +71,31 @@ def test_stale_cluster_record_starts_a_local_ray_with_a_warning(fake_init, tmp_p
     assert path in message and "ray stop" in message
 
 
-def test_live_cluster_record_is_still_joined(fake_init, tmp_path):
+def test_live_cluster_record_is_joined_and_named_in_one_line(fake_init, tmp_path, capsys):
     with socket.socket() as gcs:  # something that accepts connections, like a live head's GCS
         gcs.bind(("127.0.0.1", 0))
         gcs.listen()
-        _record(str(tmp_path), f"127.0.0.1:{gcs.getsockname()[1]}")
+        address = f"127.0.0.1:{gcs.getsockname()[1]}"
+        _record(str(tmp_path), address)
         with pytest.raises(_Stop):
             runtime.ensure_ray()
     (kwargs,) = fake_init
     assert kwargs.get("address") is None  # Ray resolves the record itself, as before
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert address in line and "--engine local" in line and "RAY_ADDRESS=local" in line
 
 
-def test_live_cluster_record_with_sizes_is_joined_without_them(fake_init, tmp_path):
+def test_live_cluster_record_with_sizes_is_joined_without_them(fake_init, tmp_path, capsys):
     """Ray refuses num_cpus when it joins the recorded cluster: join it as it is, and say so."""
     with socket.socket() as gcs:
         gcs.bind(("127.0.0.1", 0))
         gcs.listen()
         _record(str(tmp_path), f"127.0.0.1:{gcs.getsockname()[1]}")
-        with pytest.warns(UserWarning, match="its own size applies"), pytest.raises(_Stop):
+        with pytest.raises(_Stop):
             runtime.ensure_ray(num_cpus=2, object_store_memory=2**28)
     (kwargs,) = fake_init
     assert "num_cpus" not in kwargs and "object_store_memory" not in kwargs
+    assert "at its own size" in capsys.readouterr().err
 
 
 def test_dead_ray_address_env_fails_within_the_timeout(fake_init, monkeypatch):

@@ -149,7 +149,7 @@ def test_ray_actors_give_the_same_scores_as_local(tmp_path, models, ray_local):
     a, b = table(tmp_path, "a.lance"), table(tmp_path, "b.lance")
     for scorer in ("clip", "watermark"):
         SJ.run_score(cfg(a, scorer, models))
-        SJ.run_score(SJ.ScoreConfig(b, scorer, models[scorer], progress=False))
+        SJ.run_score(SJ.ScoreConfig(b, scorer, models[scorer], engine="ray", progress=False))
     same_scores(a, b)
 
 

@@ -7,9 +7,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from prx_data.cli.reporting import finish
+from prx_data.cli.reporting import finish_run
 from prx_data.columns.backends import BACKENDS, GenerationConfig
-from prx_data.core.errors import add_max_error_rate
+from prx_data.core.runtime import add_run_args, run_options_from_args
 
 
 def add_backend_args(
@@ -114,12 +114,8 @@ def add_backend_args(
         action="store_true",
         help="allow checkpoints that ship their own modelling code",
     )
-    r = p.add_argument_group("run")
-    r.add_argument(
-        "--ray-address",
-        default=None,
-        help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)",
-    )
+    add_run_args(p)
+    r = p.add_argument_group("writing")
     r.add_argument(
         "--commit-every",
         type=int,
@@ -127,11 +123,6 @@ def add_backend_args(
         help="fragments per commit to the table; each finished fragment is also checkpointed, "
         "so a killed run never recomputes it (default: %(default)s)",
     )
-    r.add_argument(
-        "--report-json", default=None, help="also write the final report to this JSON file"
-    )
-    r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    add_max_error_rate(r, "the rows processed in this run (status 'error')")
 
 
 def generation_from_args(args: argparse.Namespace) -> GenerationConfig:
@@ -194,21 +185,21 @@ def redo_args(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
     return parse_list(args.redo), False
 
 
-def run_column_job(args: argparse.Namespace, make_config: Callable[[], Any], run: Callable) -> int:
-    """The shared tail of the caption/classify CLIs: build, start Ray, run, report.
+def run_column_job(
+    args: argparse.Namespace, make_config: Callable[[dict], Any], run: Callable
+) -> int:
+    """The shared tail of the caption/classify CLIs: build (``make_config`` gets the run
+    fields of :class:`prx_data.core.runtime.RunOptions`), run, report.
 
     Configuration and backend errors print one line and exit 2.
     """
-    import sys
-
+    from prx_data.cli.reporting import print_error
     from prx_data.core.errors import PrxDataError
-    from prx_data.core.runtime import ensure_ray
 
     try:
-        cfg = make_config()
-        ensure_ray(args.ray_address)
-        report = run(cfg)
+        opts = run_options_from_args(args)
+        report = run(make_config(opts.job_fields()))
     except PrxDataError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
-    return finish(report, report_json=args.report_json, max_error_rate=args.max_error_rate)
+    return finish_run(report, opts)

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_column_job(
         args,
-        lambda: CaptionConfig(
+        lambda run: CaptionConfig(
             table=args.table,
             backend=args.backend,
             model=args.model,
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             redo=redo_args(args)[0],
             only=redo_args(args)[1],
             commit_every=args.commit_every,
-            progress=not args.no_progress,
+            **run,
         ),
         run_caption,
     )

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_column_job(
         args,
-        lambda: ClassifyConfig(
+        lambda run: ClassifyConfig(
             table=args.table,
             backend=args.backend,
             model=args.model,
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             redo=redo_args(args)[0],
             only=redo_args(args)[1],
             commit_every=args.commit_every,
-            progress=not args.no_progress,
+            **run,
         ),
         run_classify,
     )

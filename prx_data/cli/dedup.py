@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from pipelines.dedup import DedupConfig, run_dedup
-from prx_data.cli.reporting import finish
+from prx_data.cli.reporting import finish_run
 from prx_data.core.buckets import DEFAULT_TIERS
-from prx_data.core.errors import PrxDataError, add_max_error_rate
+from prx_data.core.errors import PrxDataError
+from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.skips.dedup import (
     DEFAULT_REPORT,
     DEFAULT_SKIP_NAME,
@@ -70,12 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="Use the phash column as it is; do not hash rows that lack it.",
     )
     p.add_argument(
-        "--engine",
-        choices=["ray", "local"],
-        default="ray",
-        help="Hash with Ray Data tasks (default) or in this process (small tables).",
-    )
-    p.add_argument(
         "--exact",
         action="store_true",
         help="Hash from a full Pillow decode, bit-identical to imagehash.phash (several "
@@ -84,18 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size", type=int, default=256, help="Rows per hashing batch (default: %(default)s)."
     )
-    p.add_argument(
-        "--ray-address",
-        default=None,
-        help="Ray cluster address (default: $RAY_ADDRESS, else local Ray).",
-    )
-    p.add_argument(
-        "--num-cpus", type=int, default=None, help="CPUs for a local Ray runtime (default: all)."
-    )
-    p.add_argument(
-        "--no-progress", dest="progress", action="store_false", help="Hide the progress bar."
-    )
-    add_max_error_rate(p, "rows whose image could not be hashed")
+    add_run_args(p)
     return p
 
 
@@ -103,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     from prx_data.table.lance_ops import lance_storage_options
 
     args = build_parser().parse_args(argv)
+    try:
+        opts = run_options_from_args(args)
+    except PrxDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cfg = DedupConfig(
         table=args.table,
         export=args.export,
@@ -112,12 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         report=args.report or None,
         write_column=args.write_column,
         compute=args.compute,
-        engine=args.engine,
         exact=args.exact,
         batch_size=args.batch_size,
-        ray_address=args.ray_address,
-        num_cpus=args.num_cpus,
-        progress=args.progress,
+        **opts.job_fields(),
         storage_options=lance_storage_options(args.table),
     )
     try:
@@ -126,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     footer = f"report: {cfg.report}" if cfg.report else None
-    return finish(report, max_error_rate=args.max_error_rate, footer=footer)
+    return finish_run(report, opts, footer=footer)
 
 
 if __name__ == "__main__":

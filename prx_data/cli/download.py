@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from pipelines.download import DEFAULT_MAX_ERROR_RATE, FAILED, DownloadConfig, run_download
-from prx_data.cli.reporting import finish
-from prx_data.core.errors import Conflict, NotFound, PrxDataError, add_max_error_rate
+from prx_data.cli.reporting import finish_run
+from prx_data.core.errors import Conflict, NotFound, PrxDataError
+from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.download import fetch as F
 
 #: The politeness and limits options: (flag, its ``FetchConfig`` field, help), in help order.
@@ -144,14 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r = p.add_argument_group("run")
     r.add_argument(
-        "--engine",
-        choices=("ray", "local"),
-        default="ray",
-        help="ray: Ray Data tasks (local Ray or RAY_ADDRESS); local: this process "
-        "(default: %(default)s)",
-    )
-    r.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray runtime")
-    r.add_argument(
         "--task-cpus",
         type=float,
         default=DownloadConfig.task_cpus,
@@ -177,16 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=DownloadConfig.commit_bytes / 2**20,
         help="MiB buffered before a commit (default: %(default)s)",
     )
-    add_max_error_rate(r, "the rows fetched in this run (dead links, refusals, opt-outs)")
-    r.set_defaults(max_error_rate=DEFAULT_MAX_ERROR_RATE)
-    r.add_argument("--report-json", default=None, help="also write the report here as JSON")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_args(p)
+    p.set_defaults(max_error_rate=DEFAULT_MAX_ERROR_RATE)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        opts = run_options_from_args(args)
         fetch = F.FetchConfig(
             **_fetch_options(args),
             allow=tuple(args.allow_private),
@@ -202,13 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             only=tuple(args.only),
             limit=args.limit,
             fetch=fetch,
-            engine=args.engine,
-            num_cpus=args.num_cpus,
             task_cpus=args.task_cpus,
             batch_size=args.batch_size,
             commit_rows=args.commit_rows,
             commit_bytes=max(1, int(args.commit_mb * 2**20)),
-            progress=not args.no_progress,
+            **opts.job_fields(),
         )
         from prx_data.table.lance_ops import table_exists
 
@@ -221,12 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"download: {e}", file=sys.stderr)
         return 2
-    return finish(
-        report,
-        report_json=args.report_json,
-        max_error_rate=args.max_error_rate,
-        sort_keys=True,
-    )
+    return finish_run(report, opts, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ from pipelines.ingest import (
     IngestReport,
     ingest,
 )
-from prx_data.cli.reporting import finish
-from prx_data.core.errors import PrxDataError, add_max_error_rate
+from prx_data.cli.reporting import finish_run
+from prx_data.core.errors import PrxDataError
+from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.ingest import FORMATS
 
 __all__ = ["IngestReport", "ingest", "main"]
@@ -80,9 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="items per parallel work unit for folders and parquet (default: the reader's)",
     )
-    p.add_argument(
-        "--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all cores)"
-    )
     p.add_argument("--image-column", default=None, help="parquet/lance: column with image bytes")
     p.add_argument(
         "--path-column",
@@ -112,9 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="twin tars: parquet file listing the keys to load (index mode; missing and "
         "out-of-order keys are tolerated); default: positional zip of the tars",
     )
-    p.add_argument("--no-progress", action="store_true", help="hide Ray Data progress bars")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    add_max_error_rate(p, "work units (files, tars, fragments)")
+    add_run_args(p)
     return p
 
 
@@ -133,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None
     }
     try:
+        opts = run_options_from_args(args)
         report = ingest(
             args.sources,
             args.table,
@@ -141,16 +139,15 @@ def main(argv: list[str] | None = None) -> int:
             rows_per_fragment=args.rows_per_fragment,
             fragment_bytes=args.fragment_mb * 1024 * 1024,
             items_per_unit=args.items_per_unit,
-            num_cpus=args.num_cpus,
-            progress=not args.no_progress,
+            **opts.job_fields(),
             **reader_options,
         )
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return finish(
+    return finish_run(
         report,
-        max_error_rate=args.max_error_rate,
+        opts,
         text=json.dumps(report.to_dict(), indent=2) if args.json else None,
     )
 

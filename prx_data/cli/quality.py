@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish, print_error
+from prx_data.cli.reporting import finish_run, print_error
 from prx_data.core import quality
 from prx_data.core.errors import PrxDataError
+from prx_data.core.runtime import add_run_args, run_options_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="rows measured per write to the table (default: %(default)s)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_args(p)
     return p
 
 
@@ -35,15 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.quality import QualityConfig, run_quality
 
     try:
+        opts = run_options_from_args(args)
         report = run_quality(
-            QualityConfig(
-                table=args.table, chunk_rows=args.chunk_rows, progress=not args.no_progress
-            )
+            QualityConfig(table=args.table, chunk_rows=args.chunk_rows, **opts.job_fields())
         )
     except PrxDataError as e:
         print_error(e)
         return 2
-    return finish(report)
+    return finish_run(report, opts)
 
 
 if __name__ == "__main__":

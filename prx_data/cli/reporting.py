@@ -47,3 +47,11 @@ def finish(
         print(f"error: {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def finish_run(report: Any, opts: Any, **kwargs: Any) -> int:
+    """:func:`finish` with the report JSON path and error rate of ``opts``
+    (:class:`prx_data.core.runtime.RunOptions`)."""
+    return finish(
+        report, report_json=opts.report_json, max_error_rate=opts.max_error_rate, **kwargs
+    )

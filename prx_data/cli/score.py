@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from pipelines.score import ScoreConfig
-from prx_data.cli.reporting import finish, print_error
+from prx_data.cli.reporting import finish_run, print_error
 from prx_data.columns.scores import CLIP_IMAGE_COLUMN, SCORERS
-from prx_data.core.errors import PrxDataError, add_max_error_rate
+from prx_data.core.errors import PrxDataError
+from prx_data.core.runtime import add_run_args, run_options_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,20 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit", type=int, default=None, help="score at most this many rows")
     p.add_argument(
-        "--engine",
-        choices=("ray", "local"),
-        default="ray",
-        help="ray: Ray Data (local Ray or --ray-address); local: this process (default: ray)",
-    )
-    p.add_argument(
-        "--ray-address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS or local)"
-    )
-    p.add_argument(
         "--commit-every", type=int, default=16, help="fragments per commit (default: %(default)s)"
     )
-    p.add_argument("--report-json", default=None, help="also write the report to this JSON file")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    add_max_error_rate(p, "the rows scored in this run")
+    add_run_args(p)
     return p
 
 
@@ -74,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.score import run_score
 
     try:
+        opts = run_options_from_args(args)
         cfg = ScoreConfig(
             table=args.table,
             scorer=args.scorer,
@@ -82,19 +73,17 @@ def main(argv: list[str] | None = None) -> int:
             embedding_column=args.embedding_column,
             caption_column=args.caption_column,
             device=args.device,
-            engine=args.engine,
             replicas=args.replicas,
             batch_size=args.batch_size,
             limit=args.limit,
             commit_every=args.commit_every,
-            ray_address=args.ray_address,
-            progress=not args.no_progress,
+            **opts.job_fields(),
         )
         report = run_score(cfg)
     except PrxDataError as e:
         print_error(e)
         return 2
-    return finish(report, report_json=args.report_json, max_error_rate=args.max_error_rate)
+    return finish_run(report, opts)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from pipelines.semdedup import SemDedupConfig
-from prx_data.cli.reporting import finish, print_error
+from prx_data.cli.reporting import finish_run, print_error
 from prx_data.core.errors import PrxDataError
+from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.skips.semdedup import (
     DEFAULT_REPORT_THRESHOLDS,
     DEFAULT_SKIP_NAME,
@@ -85,14 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip-list name on the export (default: %(default)s)",
     )
     p.add_argument(
-        "--engine",
-        choices=("ray", "local"),
-        default="ray",
-        help="ray: tasks per fragment and per cluster bucket (local Ray or --ray-address); "
-        "local: all in this process, for small tables (default: %(default)s)",
-    )
-    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: local)")
-    p.add_argument(
         "--spill-dir",
         default=None,
         help="where the ray engine spills assignments; must be shared by all nodes "
@@ -104,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not store semdedup_cluster / semdedup_cosine in the table",
     )
-    p.add_argument("--report-json", default=None, help="also write the report to this JSON file")
+    add_run_args(p)
     return p
 
 
@@ -113,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.semdedup import run_semdedup
 
     try:
+        opts = run_options_from_args(args)
         cfg = SemDedupConfig(
             table=args.table,
             export=args.export,
@@ -124,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             iters=args.iters,
             seed=args.seed,
             skip_name=args.skip_name,
-            engine=args.engine,
-            ray_address=args.ray_address,
+            **opts.job_fields(),
             spill_dir=args.spill_dir,
             store_columns=args.store_columns,
         )
@@ -133,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print_error(e)
         return 2
-    return finish(report, report_json=args.report_json)
+    return finish_run(report, opts)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ import argparse
 import sys
 
 from pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
-from prx_data.cli.reporting import finish
+from prx_data.cli.reporting import finish_run
 from prx_data.core.buckets import DEFAULT_TIERS
-from prx_data.core.errors import PrxDataError, add_max_error_rate
+from prx_data.core.errors import PrxDataError
 from prx_data.core.imaging import CODECS, DEFAULT_CODEC, DRAFT_MARGIN
+from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
 
 EPILOG = """\
@@ -210,36 +211,25 @@ def build_parser() -> argparse.ArgumentParser:
         "at their next 'skips sync'). Repeatable.",
     )
     p.add_argument(
-        "--ray-address",
-        default=None,
-        help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray runtime).",
-    )
-    p.add_argument(
-        "--num-cpus",
-        type=int,
-        default=None,
-        help="CPUs for a local Ray runtime (default: all). Ignored on a cluster.",
-    )
-    p.add_argument(
         "--driver-rows",
         type=int,
         default=DRIVER_UNIT_ROWS,
         metavar="N",
-        help="A table of at most N rows (default: %(default)s) is exported on threads of this "
-        "process instead of a local Ray runtime started for it, sparing Ray's start-up (5-15 s); "
-        "same units and bytes. Never when joining a cluster (--ray-address, $RAY_ADDRESS, a "
-        "running `ray start` cluster on this host). 0: always Ray.",
+        help="With --engine auto: a table of at most N rows (default: %(default)s) is "
+        "exported on threads of this process, without starting Ray; same units and bytes. "
+        "Never when a cluster is given (--ray-address, $RAY_ADDRESS). 0: always Ray.",
     )
-    p.add_argument(
-        "--no-progress", dest="progress", action="store_false", help="Hide the progress bar."
-    )
-    add_max_error_rate(p, "rows read (broken, empty or undecodable images; not --filter or size)")
+    add_run_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-
+    try:
+        opts = run_options_from_args(args)
+    except PrxDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cfg = ExportConfig(
         table=args.table,
         out=args.out,
@@ -267,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg,
             overwrite=args.overwrite,
             resume=args.resume,
-            ray_address=args.ray_address,
-            num_cpus=args.num_cpus,
-            progress=args.progress,
+            **opts.job_fields(),
             drop_lists=tuple(args.drop_lists),
             drop_list=tuple(args.drop_list),
             driver_rows=args.driver_rows,
@@ -277,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return finish(
-        report, max_error_rate=args.max_error_rate, footer=f"\nreport: {report.report_path}"
-    )
+    return finish_run(report, opts, footer=f"\nreport: {report.report_path}")
 
 
 if __name__ == "__main__":

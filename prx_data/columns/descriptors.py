@@ -47,6 +47,7 @@ def compute_descriptors(
     column: str = COLUMN,
     chunk_rows: int = 4096,
     use_ray: bool = False,
+    engine: str = "auto",
     num_cpus: int | None = None,
     progress: bool = True,
     storage_options: dict | None = None,
@@ -59,44 +60,36 @@ def compute_descriptors(
     written once (image files untouched), so an interrupted run continues
     where it stopped. A row whose image cannot be described keeps a null
     vector, with the reason in ``<column>_error``; it is tried again on the
-    next run. ``use_ray`` spreads the decoding over Ray Data tasks (local
-    Ray or ``RAY_ADDRESS``); ``chunk_rows`` is the rows per batch.
+    next run. ``engine`` (:data:`prx_data.core.runtime.ENGINES`; ``use_ray``:
+    ``"ray"``) says where the decoding runs: ``auto`` keeps a small table in
+    this process and spreads a large one over Ray; ``chunk_rows`` is the rows
+    per batch.
     ``errors``, when given, counts the rows without a descriptor by reason.
     """
     from prx_data.columns.runner import ColumnJob, Step, run_column_job
+    from prx_data.columns.writeback import pending_filter
     from prx_data.table import lance_ops as T
 
     ds = T.open_table(uri, storage_options)
-    where = f"{T.quote(column)} IS NULL" if column in ds.schema.names else None
-    started = False
-    if use_ray:
-        import ray
-
-        started = not ray.is_initialized()
-    try:
-        report = run_column_job(
-            ColumnJob(
-                table=uri,
-                outputs=pa.schema(
-                    [pa.field(column, VECTOR_TYPE), pa.field(error_column(column), pa.string())]
-                ),
-                read_columns=["id", "image"],
-                steps=[Step(describe_batch, kwargs={"column": column}, batch_size=256)],
-                where=where,
-                engine="ray" if use_ray else "local",
-                batch_size=min(chunk_rows, 256) if use_ray else chunk_rows,
-                reason_column=error_column(column),
-                storage_options=storage_options,
-                num_cpus=num_cpus,
-                progress=progress,
-                desc=f"descriptors -> {column}",
-            )
+    where = pending_filter(ds.schema.names, column)
+    report = run_column_job(
+        ColumnJob(
+            table=uri,
+            outputs=pa.schema(
+                [pa.field(column, VECTOR_TYPE), pa.field(error_column(column), pa.string())]
+            ),
+            read_columns=["id", "image"],
+            steps=[Step(describe_batch, kwargs={"column": column}, batch_size=256)],
+            where=where,
+            engine="ray" if use_ray else engine,
+            batch_size=chunk_rows,
+            reason_column=error_column(column),
+            storage_options=storage_options,
+            num_cpus=num_cpus,
+            progress=progress,
+            desc=f"descriptors -> {column}",
         )
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
+    )
     if errors is not None:
         errors.update(report.reasons)
     return report.written

@@ -26,11 +26,13 @@ guarantees at any table size:
   as read and as written). A killed run leaves the committed fragments done
   and the checkpointed ones committable: the next run commits them without
   recomputing (when the fragment has not changed since) and plans the rest.
-- **Distributed.** With ``engine="ray"`` (local Ray or ``RAY_ADDRESS``) each
-  work unit (a fragment, or a row range of a large one) is one Ray Data read
-  task; the job's steps run as Ray Data stages (tasks, or an actor pool for
-  models) and only the output columns come back to the driver.
-  ``engine="local"`` runs the same steps in this process.
+- **One runner.** Work units (a fragment, or a row range of a large one)
+  run through :func:`prx_data.core.runtime.map_units`: on driver threads for
+  a small job (``engine="auto"``, at most ``small_rows`` pending rows, no
+  cluster named) or ``engine="local"``, else on Ray (a private local Ray or
+  ``RAY_ADDRESS``). Each unit is read and passed through every step in one
+  task (an actor holding the models when a step is a class), and only the
+  output columns come back to the driver.
 - **Failures per row.** Steps return an output row for every input row; a
   row that failed gets its reason in a ``<column>_status`` /
   ``<column>_error`` output column, so it is in the table, not only in the
@@ -49,7 +51,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -57,14 +59,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_data.columns.writeback import ColumnReport, count_into
-from prx_data.core import storage
+from prx_data.core import runtime, storage
 from prx_data.core.errors import Conflict, UsageError
 from prx_data.table.pins import column_pin, pinned
 
 ROWADDR = "_rowaddr"
 #: Where a table keeps the checkpoints of unfinished column jobs.
 CHECKPOINT_DIR = "_prx_column_jobs"
-ENGINES = ("ray", "local")
+ENGINES = runtime.ENGINES
+#: Column jobs with at most this many pending rows run on driver threads under
+#: ``engine="auto"``: starting Ray and its workers costs more than their work.
+SMALL_ROWS = 512
 
 
 @dataclass
@@ -104,7 +109,9 @@ class ColumnJob:
     #: Checkpoint namespace (default: the first output column).
     name: str | None = None
     limit: int | None = None
-    engine: str = "ray"
+    engine: str = "auto"
+    #: ``engine="auto"``: jobs of at most this many pending rows stay on driver threads.
+    small_rows: int = SMALL_ROWS
     #: Rows per read batch.
     batch_size: int = 256
     #: Split fragments with more pending rows than this into row-range units
@@ -130,8 +137,7 @@ class ColumnJob:
     on_fragment: Callable[[int, int], None] | None = None
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise UsageError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        runtime.check_engine(self.engine)
         if not len(self.outputs):
             raise UsageError("a column job needs at least one output column")
         if ROWADDR in self.outputs.names:
@@ -227,16 +233,32 @@ UNITS_PER_CPU = 4
 MIN_ROWS_PER_UNIT = 64
 
 
-def unit_rows(job: ColumnJob, pending: int) -> int | None:
-    """Rows per unit: ``job.rows_per_unit``, smaller when that leaves CPUs idle."""
-    import ray
-
-    from prx_data.core.runtime import ensure_ray
-
-    ensure_ray(job.ray_address, job.num_cpus)
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+def unit_rows(job: ColumnJob, pending: int, cpus: int) -> int | None:
+    """Rows per unit: ``job.rows_per_unit``, smaller when that leaves some of ``cpus`` idle."""
     fair = max(MIN_ROWS_PER_UNIT, -(-pending // (UNITS_PER_CPU * cpus)))
     return min(job.rows_per_unit, fair) if job.rows_per_unit else fair
+
+
+def plan(
+    job: ColumnJob, counts: dict[int, int]
+) -> tuple[runtime.Placement, list[Unit], dict[int, int]]:
+    """Where ``job`` runs (:func:`prx_data.core.runtime.place` by its pending rows), its
+    work units and the rows expected per fragment. On Ray every CPU gets units."""
+    pending = sum(counts.values())
+    if job.limit is not None:
+        pending = min(pending, job.limit)
+    where = runtime.place(
+        job.engine,
+        size=pending,
+        small=job.small_rows,
+        ray_address=job.ray_address,
+        num_cpus=job.num_cpus,
+    )
+    rows_per_unit = job.rows_per_unit
+    if where.on_ray and pending:
+        rows_per_unit = unit_rows(job, pending, runtime.placement_cpus(where))
+    units, expected = plan_units(counts, job.limit, rows_per_unit)
+    return where, units, expected
 
 
 def _pinned(uri: str, version: int, storage_options: dict | None, run: str = ""):
@@ -518,117 +540,94 @@ def apply_step(fn: Callable, batch: pa.Table, kwargs: dict | None = None) -> pa.
     return out
 
 
-def _read_batch(batch: pa.Table, **kwargs) -> Iterator[pa.Table]:
-    """Ray Data stage: one unit per call (``batch_size=1``), its rows in batches."""
-    for text in batch["unit"].to_pylist():
-        yield from read_unit(Unit(**json.loads(text)), **kwargs)
+class _UnitWorker:
+    """Reads one work unit and passes it through every step; one per thread or Ray actor.
 
+    Class steps are built once per worker (the models live here) and closed at
+    the end; a step's ``batch_size`` splits larger read batches before it.
+    """
 
-def _function_stage(batch: pa.Table, fn: Callable, fn_kwargs: dict) -> pa.Table:
-    return apply_step(fn, batch, fn_kwargs)
+    def __init__(self, job: ColumnJob, version: int, run: str):
+        self.job = job
+        self.version = version
+        self.run = run
+        self.instances = {
+            i: s.fn(*s.constructor_args) for i, s in enumerate(job.steps) if s.is_class
+        }
 
+    def __call__(self, unit: dict) -> Iterator[pa.Table]:
+        job = self.job
+        for batch in read_unit(
+            Unit(**unit),
+            uri=job.table,
+            version=self.version,
+            columns=job.read_columns,
+            where=job.where,
+            batch_size=job.batch_size,
+            storage_options=job.storage_options,
+            run=self.run,
+        ):
+            for i, step in enumerate(job.steps):
+                fn = self.instances.get(i, step.fn)
+                kwargs = None if step.is_class else step.kwargs
+                n = step.batch_size
+                if n and batch.num_rows > n:
+                    parts = [batch.slice(o, n) for o in range(0, batch.num_rows, n)]
+                    batch = pa.concat_tables([apply_step(fn, b, kwargs) for b in parts])
+                else:
+                    batch = apply_step(fn, batch, kwargs)
+            yield batch
 
-class _ActorStage:
-    """Ray Data actor: builds the step's class once, carries ``_rowaddr``."""
-
-    def __init__(self, cls: type, args: tuple):
-        self.inner = cls(*args)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return apply_step(self.inner, batch)
-
-
-def _ray_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[pa.Table]:
-    import ray
-
-    from prx_data.core.runtime import ensure_ray, unit_dataset
-
-    ensure_ray(job.ray_address, job.num_cpus)
-    items = [{"unit": json.dumps(u.__dict__)} for u in units]
-    # Task steps on the read's resources fuse with it into one operator.
-    fused = all(
-        not s.is_class and not s.num_gpus and s.num_cpus in (None, job.read_cpus) for s in job.steps
-    )
-    ds = unit_dataset(items, single_operator=fused)
-    ds = ds.map_batches(
-        _read_batch,
-        batch_size=1,
-        batch_format="pyarrow",
-        num_cpus=job.read_cpus,
-        fn_kwargs={
-            "uri": job.table,
-            "version": version,
-            "columns": job.read_columns,
-            "where": job.where,
-            "batch_size": job.batch_size,
-            "storage_options": job.storage_options,
-            "run": uuid.uuid4().hex,
-        },
-    )
-    for step in job.steps:
-        kw: dict[str, Any] = {"batch_format": "pyarrow", "batch_size": step.batch_size}
-        if step.num_cpus is not None:
-            kw["num_cpus"] = step.num_cpus
-        elif not step.is_class:
-            # Same resources as the read: Ray Data fuses the read and the task steps into
-            # one task per unit, so rows do not cross the object store between them.
-            kw["num_cpus"] = job.read_cpus
-        if step.num_gpus:
-            kw["num_gpus"] = step.num_gpus
-        if step.is_class:
-            ds = ds.map_batches(
-                _ActorStage,
-                fn_constructor_args=(step.fn, tuple(step.constructor_args)),
-                compute=ray.data.ActorPoolStrategy(size=step.actors or 1),
-                **kw,
-            )
-        else:
-            ds = ds.map_batches(
-                _function_stage,
-                fn_kwargs={"fn": step.fn, "fn_kwargs": step.kwargs},
-                zero_copy_batch=step.zero_copy_batch,
-                **kw,
-            )
-    yield from ds.iter_batches(batch_format="pyarrow", batch_size=None)
-
-
-def _local_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[pa.Table]:
-    instances: dict[int, Any] = {}
-    try:
-        for unit in units:
-            for batch in read_unit(
-                unit,
-                uri=job.table,
-                version=version,
-                columns=job.read_columns,
-                where=job.where,
-                batch_size=job.batch_size,
-                storage_options=job.storage_options,
-            ):
-                for i, step in enumerate(job.steps):
-                    if step.is_class:
-                        if i not in instances:
-                            instances[i] = step.fn(*step.constructor_args)
-                        batch = apply_step(instances[i], batch)
-                    else:
-                        batch = apply_step(step.fn, batch, step.kwargs)
-                yield batch
-    finally:
-        for inst in instances.values():
+    def close(self) -> None:
+        for inst in self.instances.values():
             close = getattr(inst, "close", None)
             if callable(close):
                 close()
 
 
-def iter_results(job: ColumnJob, units: list[Unit], version: int) -> Iterator[pa.Table]:
+def _resources(job: ColumnJob) -> runtime.Resources:
+    """One task per unit on the read's CPUs; an actor (pool) sized by the model steps."""
+    classes = [s for s in job.steps if s.is_class]
+    cpus = max([job.read_cpus, *(s.num_cpus for s in job.steps if s.num_cpus is not None)])
+    return runtime.Resources(
+        num_cpus=cpus,
+        num_gpus=max([0.0, *(s.num_gpus or 0.0 for s in job.steps)]),
+        actors=max(s.actors or 1 for s in classes) if classes else None,
+    )
+
+
+def _results(
+    job: ColumnJob, units: list[Unit], version: int, where: runtime.Placement, **bar
+) -> Iterator[pa.Table]:
+    worker = _UnitWorker if any(s.is_class for s in job.steps) else None
+    items = [u.__dict__ for u in units]
+    res = _resources(job)
+    run = uuid.uuid4().hex
+    if worker is None:  # a plain function: no instances to hold
+        fn = _UnitWorker(job, version, run)
+    else:
+        fn, res = worker, replace(res, constructor_args=(job, version, run))
+    return runtime.map_units(fn, items, where, res, tables=True, **bar)
+
+
+def iter_results(
+    job: ColumnJob, units: list[Unit], version: int, where: runtime.Placement | None = None
+) -> Iterator[pa.Table]:
     """The last step's batches for ``units`` at the pinned ``version``, written nowhere.
 
     For jobs that place their rows themselves (the download job moves the rows
     it fills into new fragments instead of rewriting a fragment's column).
+    ``where``: from :func:`plan` (default: placed by the units' rows).
     """
-    if job.engine == "ray":
-        return _ray_results(job, units, version)
-    return _local_results(job, units, version)
+    if where is None:
+        where = runtime.place(
+            job.engine,
+            size=sum(u.count for u in units),
+            small=job.small_rows,
+            ray_address=job.ray_address,
+            num_cpus=job.num_cpus,
+        )
+    return _results(job, units, version, where)
 
 
 # --- the job -------------------------------------------------------------------------------
@@ -650,15 +649,9 @@ def run_column_job(job: ColumnJob) -> ColumnReport:
 
 def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> ColumnReport:
     """The job at its pinned version ``ds`` (tagged, so a cleanup meanwhile keeps it)."""
-    from tqdm.auto import tqdm
-
     name = job.job_name
     report.table_version = ds.version
-    counts_by_fragment = pending_counts(ds, job.where)
-    rows_per_unit = job.rows_per_unit
-    if job.engine == "ray":
-        rows_per_unit = unit_rows(job, sum(counts_by_fragment.values()))
-    units, expected = plan_units(counts_by_fragment, job.limit, rows_per_unit)
+    where, units, expected = plan(job, pending_counts(ds, job.where))
     total = report.pending = sum(expected.values())
     report.fragments = len(expected)
     report.units = len(units)
@@ -672,17 +665,17 @@ def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> Colum
     received: Counter = Counter()
     counts: Counter = Counter()
     reasons: Counter = Counter()
-    results = (
-        _ray_results(job, units, ds.version)
-        if job.engine == "ray"
-        else _local_results(job, units, ds.version)
-    )
-    bar = tqdm(
-        total=total,
+    results = _results(
+        job,
+        units,
+        ds.version,
+        where,
         desc=job.desc or f"column job {name}",
-        unit="row",
-        disable=not job.progress,
-        smoothing=0.1,
+        progress=job.progress,
+        total=total,
+        weight=lambda b: b.num_rows,
+        postfix=lambda: dict(counts.most_common(4)),
+        unit_name="row",
     )
     t0 = time.perf_counter()
     ok = False
@@ -713,12 +706,9 @@ def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> Colum
                 if received[f] >= expected.get(f, 0):
                     committer.write(f, pa.concat_tables(buffers.pop(f)))
             report.rows += batch.num_rows
-            bar.update(batch.num_rows)
-            if counts:
-                bar.set_postfix(dict(counts.most_common(4)), refresh=False)
         ok = True
     finally:
-        bar.close()
+        results.close()
         try:
             if ok:
                 # Rows a step left out stay pending; the rest of those fragments is written.

@@ -8,6 +8,8 @@ belongs to the job, not to its command line: a notebook calling ``run_x`` and
 
 from __future__ import annotations
 
+import dataclasses
+
 from prx_data.core.errors import ErrorRateExceeded, check_error_rate
 
 
@@ -65,3 +67,33 @@ class FailureCounts:
     def status(self, max_error_rate: float | None, report_json: str | None = None) -> int:
         """The exit status the run earns: 0, or 1 past ``max_error_rate``."""
         return 0 if self.failure(max_error_rate, report_json) is None else 1
+
+
+class JobReport(FailureCounts):
+    """Base of a job's report (a dataclass): the failure policy of :class:`FailureCounts`,
+    :meth:`to_dict` from the fields (nested reports included) plus ``failed``, ``total``
+    and ``error_rate``, and a default :meth:`text`.
+
+    A job that runs the column runner holds its :class:`ColumnReport` as a field
+    rather than copying its counts.
+    """
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                value = round(value, 3)
+            elif hasattr(value, "to_dict"):
+                value = value.to_dict()
+            elif dataclasses.is_dataclass(value):
+                value = dataclasses.asdict(value)
+            out[f.name] = value
+        out.update(failed=self.failed, total=self.total, error_rate=round(self.error_rate, 6))
+        return out
+
+    def text(self) -> str:
+        return (
+            f"{self.job_label}: {self.total:,} {self.counted}, {self.failed:,} failed "
+            f"({self.error_rate:.1%})"
+        )

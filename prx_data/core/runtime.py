@@ -12,15 +12,19 @@ after ``PRX_RAY_CONNECT_TIMEOUT_S`` seconds with one line saying what to do.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from prx_data.core.errors import PrxDataError
+from prx_data.core.errors import DEFAULT_MAX_ERROR_RATE, PrxDataError, UsageError, error_rate_arg
+from prx_data.core.flags import add_flags, flag, from_args
 
 #: Seconds a job waits for the GCS port of the Ray cluster it was given to accept a
 #: connection (a head that is still starting) before it gives up.
@@ -90,13 +94,17 @@ def _read_record(path: str) -> str | None:
         return None
 
 
+#: The address of the Ray cluster this process joined (None: a private local Ray, or none).
+_joined: str | None = None
+
+
 def ensure_ray(
     address: str | None = None,
     num_cpus: int | None = None,
     object_store_memory: int | None = None,
     *,
     connect_timeout: float | None = None,
-) -> None:
+) -> str | None:
     """Join ``address`` (or ``$RAY_ADDRESS``), else start a local Ray runtime.
 
     Reuses an already-initialised runtime (notebooks, tests). Each worker is
@@ -104,16 +112,23 @@ def ensure_ray(
     A given address where nothing answers within ``connect_timeout`` seconds
     (default ``$PRX_RAY_CONNECT_TIMEOUT_S`` or 20) raises :class:`RayStartError`;
     with no address, a stale record of a dead ``ray start`` cluster is skipped
-    with a warning and a local Ray is started.
+    with a warning and a local Ray is started, and a live one is joined after
+    one line on stderr naming it and how to run locally instead.
+
+    Returns the address of the cluster joined, or None for a private local Ray.
     """
+    global _joined
     import ray
 
     if ray.is_initialized():
-        return
+        return _joined
+    quiet_logs()
     timeout = connect_timeout_s(connect_timeout)
     source = "--ray-address" if address else "RAY_ADDRESS"
     address = address or os.environ.get("RAY_ADDRESS") or None
     worker_env = {"LANCE_CPU_THREADS": os.environ.get("LANCE_CPU_THREADS", "1")}
+    if not _verbose:
+        worker_env["PYTHONWARNINGS"] = os.environ.get("PYTHONWARNINGS") or _WORKER_WARNINGS
     kwargs: dict = {
         "log_to_driver": True,
         "logging_level": logging.WARNING,
@@ -125,24 +140,27 @@ def ensure_ray(
     }  # a cluster's workers do not inherit our environment
     if address and address != "local":
         _check_address(address, source, timeout)
+        _quiet_token_auth(joining=True)
         ray.init(address=address, **joined)
+        _joined = address
     else:
         state = _record_state() if address is None else "none"
         if state == "stale":
             address = "local"  # Ray would retry the recorded one for many minutes
-        if state == "live" and (num_cpus is not None or object_store_memory is not None):
-            # Ray joins the recorded cluster and refuses sizes for it: join it as it is.
-            warnings.warn(
-                f"joining the running Ray cluster named in {ray_record_path()}; its own size "
-                "applies (num_cpus / object_store_memory are ignored). Pass --ray-address "
-                "local for a private local Ray.",
-                UserWarning,
-                stacklevel=2,
+        if state == "live":
+            recorded = _read_record(ray_record_path()) or "auto"
+            sizes = num_cpus is not None or object_store_memory is not None
+            print(
+                f"joining the Ray cluster at {recorded} (a `ray start` cluster on this host)"
+                + (", at its own size" if sizes else "")
+                + "; to run on this machine alone pass --engine local or set RAY_ADDRESS=local",
+                file=sys.stderr,
             )
-            ray.init(**joined)
-        elif state == "live":
-            ray.init(address=address, **joined)
+            _quiet_token_auth(joining=True)
+            ray.init(**joined)  # Ray refuses sizes for a cluster it joins: join it as it is
+            _joined = recorded
         else:
+            _quiet_token_auth(joining=False)
             with _inherited_by_workers(worker_env):
                 ray.init(
                     address=address,
@@ -150,12 +168,56 @@ def ensure_ray(
                     object_store_memory=object_store_memory,
                     **kwargs,
                 )
+            _joined = None
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the jobs draw one bar of their own
     ctx.print_on_execution_start = False
     quiet_ray_data()
+    return _joined
+
+
+#: Known warnings, handled by the project, kept out of job output unless ``-v``.
+_KNOWN_WARNINGS = ("lance is not fork-safe",)
+_WORKER_WARNINGS = ",".join(f"ignore:{m}" for m in _KNOWN_WARNINGS)
+_verbose = False
+
+
+def quiet_logs(*, verbose: bool | None = None) -> None:
+    """Keep job output to the job's own lines; ``verbose=True`` (``-v``) shows everything.
+
+    Lance warns at every fork that it is not fork-safe (Ray's and the
+    job's subprocesses exec at once, so it does not apply); Ray warns about
+    token authentication, whose mode this module sets explicitly
+    (:func:`_quiet_token_auth`). Both are hidden unless verbose.
+    """
+    global _verbose
+    if verbose is not None:
+        _verbose = verbose
+    if _verbose:
+        warnings.filterwarnings("default", message=_KNOWN_WARNINGS[0])
+        return
+    for message in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
+def _quiet_token_auth(*, joining: bool) -> None:
+    """Set Ray's token-auth mode to what Ray would choose, so it does not warn about choosing.
+
+    A private local Ray uses token auth by default; a joined cluster needs it
+    when this host has a token. An explicit ``RAY_AUTH_MODE`` is left alone,
+    and so is everything with ``-v``.
+    """
+    if _verbose or os.environ.get("RAY_AUTH_MODE"):
+        return
+    if joining:
+        token = os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(
+            os.path.expanduser("~/.ray/auth_token")
+        )
+        if not token:
+            return
+    os.environ["RAY_AUTH_MODE"] = "token"
 
 
 @contextlib.contextmanager
@@ -268,3 +330,433 @@ def quiet_ray_data() -> None:
     """Keep job output readable: Ray Data's per-operator logging stays at WARNING."""
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+
+
+# --- run options: one set of run flags for every job ----------------------------------------
+
+#: How a job runs its work units: ``auto`` (driver threads for small work, Ray for the
+#: rest or whenever a cluster is named), ``local`` (driver threads, never Ray), ``ray``.
+ENGINES = ("auto", "local", "ray")
+
+
+def check_engine(engine: str) -> str:
+    """``engine`` if it is one of :data:`ENGINES`; else a one-line :class:`UsageError`."""
+    if engine not in ENGINES:
+        raise UsageError(
+            f"engine must be one of {', '.join(ENGINES)}, got {engine!r} (--engine auto runs "
+            "small work in this process and the rest on Ray)"
+        )
+    return engine
+
+
+def _positive_int(value: str) -> int:
+    import argparse
+
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a job runs, the same for every job; each field carries its command-line flag.
+
+    Built from the command line by :func:`run_options_from_args` after
+    :func:`add_run_args`; a notebook builds one directly. A job's own config
+    takes :meth:`job_fields`; ``max_error_rate`` and ``report_json`` are read
+    by the CLI's :func:`prx_data.cli.reporting.finish`.
+    """
+
+    engine: str = flag(
+        "auto",
+        "--engine",
+        help="where the work runs: auto = in this process when the job is small and no Ray "
+        "cluster is named, else Ray; local = in this process (threads), never Ray; ray = a "
+        "Ray runtime (default: %(default)s)",
+        choices=ENGINES,
+    )
+    ray_address: str | None = flag(
+        None,
+        "--ray-address",
+        help="Ray cluster to join (default: $RAY_ADDRESS; unset, or RAY_ADDRESS=local, runs "
+        "on a private local Ray when Ray is used). A named cluster always runs the job on Ray",
+        metavar="HOST:PORT",
+    )
+    num_cpus: int | None = flag(
+        None,
+        "--num-cpus",
+        help="CPUs for the work in this process or on a private local Ray (default: all); "
+        "a joined cluster keeps its own size",
+        type=_positive_int,
+    )
+    progress: bool = flag(True, "--no-progress", help="hide the progress bar", negate=True)
+    max_error_rate: float = flag(
+        DEFAULT_MAX_ERROR_RATE,
+        "--max-error-rate",
+        help="fail (exit status 1) when more than this share of the job's items (rows, work "
+        "units) failed (default: %(default)s; 1 never fails)",
+        type=error_rate_arg,
+    )
+    report_json: str | None = flag(
+        None, "--report-json", help="also write the final report to this JSON file"
+    )
+    verbose: bool = flag(
+        False,
+        "-v",
+        "--verbose",
+        help="show Ray's and Lance's full logs (by default known warnings are shown once)",
+    )
+
+    def __post_init__(self) -> None:
+        check_engine(self.engine)
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise UsageError(f"num_cpus must be at least 1, got {self.num_cpus}")
+        if not 0.0 <= self.max_error_rate <= 1.0:
+            raise UsageError(f"max_error_rate must be between 0 and 1, got {self.max_error_rate}")
+
+    def job_fields(self) -> dict:
+        """The fields every job config takes: engine, ray_address, num_cpus, progress."""
+        return {
+            "engine": self.engine,
+            "ray_address": self.ray_address,
+            "num_cpus": self.num_cpus,
+            "progress": self.progress,
+        }
+
+
+def add_run_args(p, *, title: str = "run options") -> None:
+    """Add the run flags of :class:`RunOptions` to ``p`` (a parser), in one group."""
+    add_flags(p.add_argument_group(title), RunOptions)
+
+
+def run_options_from_args(args, **overrides) -> RunOptions:
+    """The :class:`RunOptions` that ``args`` (parsed after :func:`add_run_args`) spell.
+
+    ``-v`` also turns the known warnings back on for this process (:func:`quiet_logs`).
+    """
+    opts = from_args(RunOptions, args, **overrides)
+    quiet_logs(verbose=opts.verbose)
+    return opts
+
+
+# --- where a job runs -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where :func:`map_units` runs: ``threads`` driver threads, or Ray (``threads`` None)."""
+
+    threads: int | None
+    ray_address: str | None = None
+    num_cpus: int | None = None
+    #: Why (for logs and tests): "small", "local", "ray", "cluster".
+    reason: str = ""
+
+    @property
+    def on_ray(self) -> bool:
+        return self.threads is None
+
+
+def named_cluster(address: str | None = None) -> str | None:
+    """The cluster a job was told to join (``address``, else ``$RAY_ADDRESS``), or None
+    (nothing named, or ``local``: a private local Ray)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    return None if address in (None, "local") else address
+
+
+def place(
+    engine: str,
+    *,
+    size: int,
+    small: int,
+    ray_address: str | None = None,
+    num_cpus: int | None = None,
+) -> Placement:
+    """Decide where a job of ``size`` (rows or bytes, the job's own measure) runs.
+
+    ``auto`` keeps work of at most ``small`` on driver threads, one per CPU the
+    private local Ray would have had, and starts nothing; any named cluster
+    (``ray_address``, ``$RAY_ADDRESS``), or a Ray already running in this
+    process, takes the Ray path whatever the size. ``local`` always runs on
+    threads, ``ray`` always on Ray.
+    """
+    check_engine(engine)
+    if engine == "local":
+        return Placement(_driver_cpus(num_cpus), reason="local")
+    if engine == "ray":
+        return Placement(None, ray_address, num_cpus, reason="ray")
+    if named_cluster(ray_address):
+        return Placement(None, ray_address, num_cpus, reason="cluster")
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return Placement(None, ray_address, num_cpus, reason="ray")
+    if size <= small:
+        return Placement(_driver_cpus(num_cpus), reason="small")
+    return Placement(None, ray_address, num_cpus, reason="ray")
+
+
+def _driver_cpus(num_cpus: int | None) -> int:
+    """``num_cpus``, else the CPUs this process may use (affinity, then a cgroup quota), as
+    Ray would count them for a local runtime, without importing Ray."""
+    if num_cpus is not None:
+        return max(1, num_cpus)
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def placement_cpus(placement: Placement) -> int:
+    """CPUs the work gets: the driver threads, or the Ray cluster's CPUs (Ray started here)."""
+    if not placement.on_ray:
+        return placement.threads or 1
+    ensure_ray(placement.ray_address, placement.num_cpus)
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+# --- one runner ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What each call of a :func:`map_units` function needs.
+
+    ``num_cpus`` / ``num_gpus`` per Ray task or actor; ``actors``: a pool of that
+    many instances of a class (Ray), or at most that many driver threads, each
+    with its own instance; ``env``: variables the Ray workers need (a joined
+    cluster's workers do not inherit the driver's).
+    """
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    actors: int | None = None
+    constructor_args: tuple = ()
+    env: dict | None = None
+
+
+class UnitError(PrxDataError, RuntimeError):
+    """A work unit failed with a :class:`PrxDataError`: the one line says which and why."""
+
+
+class ClusterLost(PrxDataError, RuntimeError):
+    """The Ray cluster a job ran on stopped answering before the job ended."""
+
+
+def map_units(
+    fn: Callable | type,
+    units: Sequence,
+    placement: Placement,
+    resources: Resources = Resources(),
+    *,
+    desc: str = "units",
+    progress: bool = False,
+    total: int | None = None,
+    initial: int = 0,
+    weight: Callable[[Any], int] | None = None,
+    postfix: Callable[[], dict] | None = None,
+    unit_name: str = "unit",
+    tables: bool = False,
+    single_operator: bool = True,
+) -> Iterator[Any]:
+    """Run ``fn`` over ``units`` where ``placement`` says; results as they finish.
+
+    ``fn`` is a function ``unit -> result`` or a class whose instances are
+    called with a unit (one per driver thread or Ray actor: models live
+    there; a ``close()`` is called at the end on the driver). A call may
+    return an iterator of results (a unit yielding several batches); they are
+    flattened. On Ray, units and results travel as JSON (``tables``: results
+    are ``pyarrow.Table`` s and travel as blocks).
+
+    One progress bar (``weight(result)`` steps per result, ``total`` of them)
+    and one error policy: the first unit that raises ends the job. A
+    :class:`PrxDataError` comes back as one line naming the unit
+    (:class:`UnitError`); anything else is a bug and keeps its traceback. A
+    Ray cluster that stops answering mid-job ends it with
+    :class:`ClusterLost`, one line that says how to run locally.
+    """
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=len(units) if total is None else total,
+        initial=initial,
+        desc=desc,
+        unit=unit_name,
+        disable=not progress,
+        file=sys.stderr,
+        smoothing=0.1,
+    )
+    if not units:
+        bar.close()
+        return
+    if placement.on_ray:
+        results = _on_ray(fn, units, placement, resources, tables, single_operator)
+    else:
+        results = _on_threads(fn, units, placement.threads or 1, resources)
+    try:
+        for r in results:
+            bar.update(weight(r) if weight else 1)
+            if postfix is not None:
+                bar.set_postfix(postfix(), refresh=False)
+            yield r
+    finally:
+        bar.close()
+        close = getattr(results, "close", None)
+        if close is not None:
+            close()
+
+
+def _flatten(out) -> Iterator[Any]:
+    if isinstance(out, Iterator):
+        yield from out
+    else:
+        yield out
+
+
+def _on_threads(fn, units: Sequence, threads: int, resources: Resources) -> Iterator[Any]:
+    """``fn`` over ``units`` on at most ``threads`` driver threads, in unit order.
+
+    At most ``2 * threads`` calls are in flight or waiting, so a million units
+    cost a bounded number of futures; a class gets one instance per thread.
+    """
+    import threading
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    is_class = isinstance(fn, type)
+    if resources.actors:
+        threads = min(threads, resources.actors)
+    threads = max(1, min(threads, len(units)))
+    local = threading.local()
+    made: list = []
+    lock = threading.Lock()
+
+    def call(i: int) -> list:
+        target = fn
+        if is_class:
+            target = getattr(local, "inst", None)
+            if target is None:
+                target = local.inst = fn(*resources.constructor_args)
+                with lock:
+                    made.append(target)
+        try:
+            return list(_flatten(target(units[i])))
+        except PrxDataError as e:
+            raise UnitError(_unit_line(units[i], e)) from e
+
+    try:
+        if threads == 1:
+            for i in range(len(units)):
+                yield from call(i)
+            return
+        pending: deque = deque()
+        with ThreadPoolExecutor(threads, thread_name_prefix="prx-unit") as ex:
+            try:
+                for i in range(len(units)):
+                    pending.append(ex.submit(call, i))
+                    if len(pending) >= 2 * threads:
+                        yield from pending.popleft().result()
+                while pending:
+                    yield from pending.popleft().result()
+            finally:
+                for f in pending:  # an error or an abandoned generator: start nothing new
+                    f.cancel()
+    finally:
+        for inst in made:
+            close = getattr(inst, "close", None)
+            if callable(close):
+                close()
+
+
+def _unit_line(unit, e: BaseException) -> str:
+    text = json.dumps(unit, default=str) if not isinstance(unit, str) else unit
+    if len(text) > 200:
+        text = text[:197] + "..."
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f"work unit {text} failed: {first}"
+
+
+class _RayCall:
+    """Ray Data UDF around a job's function or class: JSON units in, results out."""
+
+    def __init__(self, fn, constructor_args: tuple, tables: bool):
+        self.fn = fn(*constructor_args) if isinstance(fn, type) else fn
+        self.tables = tables
+
+    def __call__(self, batch):
+        import pyarrow as pa
+
+        for text in batch["unit"].to_pylist():
+            unit = json.loads(text)
+            try:
+                outs = list(_flatten(self.fn(unit)))
+            except PrxDataError as e:
+                raise UnitError(_unit_line(unit, e)) from e
+            if self.tables:
+                yield from (t for t in outs if t.num_rows)
+            elif outs:
+                yield pa.table({"result": [json.dumps(o) for o in outs]})
+
+
+def _on_ray(fn, units, placement: Placement, resources: Resources, tables, single_operator):
+    import ray
+
+    address = ensure_ray(placement.ray_address, placement.num_cpus)  # None: a private Ray
+    ds = unit_dataset([{"unit": json.dumps(u)} for u in units], single_operator=single_operator)
+    kw: dict = {"batch_size": 1, "batch_format": "pyarrow", "num_cpus": resources.num_cpus}
+    if resources.num_gpus:
+        kw["num_gpus"] = resources.num_gpus
+    if resources.env:
+        kw["runtime_env"] = {"env_vars": dict(resources.env)}
+    if isinstance(fn, type):
+        kw["compute"] = ray.data.ActorPoolStrategy(size=resources.actors or 1)
+        kw["fn_constructor_args"] = (fn, tuple(resources.constructor_args), tables)
+        ds = ds.map_batches(_RayCall, **kw)
+    else:
+        ds = ds.map_batches(_RayCall(fn, (), tables).__call__, **kw)
+    try:
+        for block in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            if tables:
+                yield block
+            else:
+                yield from (json.loads(t) for t in block["result"].to_pylist())
+    except Exception as e:
+        unit_err = _task_cause(e)
+        if unit_err is not None:
+            raise unit_err from e
+        if address and not _cluster_answers(address):
+            raise ClusterLost(
+                f"the Ray cluster at {address} stopped answering before the job ended; what "
+                "is committed stays. Restart it, or rerun with --engine local (or "
+                "RAY_ADDRESS=local) to run on this machine"
+            ) from e
+        raise
+
+
+def _task_cause(e: BaseException) -> BaseException | None:
+    """The :class:`PrxDataError` a Ray task raised, if that is what ended the job."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, PrxDataError):
+            return e if isinstance(e, UnitError) else UnitError(str(e).splitlines()[0])
+        cause = getattr(e, "cause", None) or e.__cause__
+        e, seen = cause, seen + 1
+    return None
+
+
+def _cluster_answers(address: str) -> bool:
+    hp = _host_port(address)
+    return hp is None or _answers(*hp, RECORD_PROBE_S, retry=False)

@@ -1,0 +1,65 @@
+"""One spelling per setting: a config field carries its command-line flag in its metadata.
+
+A frozen config dataclass declares each setting once, with :func:`flag` as its
+default; :func:`add_flags` adds the options to an ``argparse`` parser (names,
+defaults and help from the fields) and :func:`from_args` builds the config back
+from the parsed namespace. Every job that takes the config then takes the same
+flags, spelled the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+
+def flag(
+    default: Any,
+    *names: str,
+    help: str,
+    type: Any = None,
+    choices: tuple | None = None,
+    metavar: str | None = None,
+    negate: bool = False,
+) -> Any:
+    """A dataclass field whose command-line option is ``names`` (the first long name wins
+    for the destination). A bool field is a switch: ``--name`` sets it, or with
+    ``negate`` (``--no-name``) clears a field that defaults to True."""
+    meta = {
+        "flags": names,
+        "help": help,
+        "type": type,
+        "choices": choices,
+        "metavar": metavar,
+        "negate": negate,
+    }
+    return dataclasses.field(default=default, metadata={"cli": meta})
+
+
+def _cli_fields(cls) -> list[tuple[dataclasses.Field, dict]]:
+    return [(f, f.metadata["cli"]) for f in dataclasses.fields(cls) if "cli" in f.metadata]
+
+
+def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls) -> None:
+    """Add an option per :func:`flag` field of ``cls`` to ``p``; each stores into the field's name."""
+    for f, meta in _cli_fields(cls):
+        kw: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+        if f.default is True or f.default is False:
+            kw["action"] = "store_false" if meta["negate"] else "store_true"
+        else:
+            kw["default"] = f.default
+            for key in ("type", "choices", "metavar"):
+                if meta[key] is not None:
+                    kw[key] = meta[key]
+        p.add_argument(*meta["flags"], **kw)
+
+
+def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
+    """``cls`` from the options :func:`add_flags` added (fields the parser lacks keep their
+    defaults); ``overrides`` win."""
+    values = {f.name: getattr(args, f.name) for f, _ in _cli_fields(cls) if hasattr(args, f.name)}
+    values.update(overrides)
+    return cls(**values)
