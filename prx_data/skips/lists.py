@@ -998,18 +998,21 @@ def iter_manifests(
         yield pa.concat_tables(pending)
 
 
-def _rows_of(root: str, ids: pa.Array) -> Iterator[tuple[str, pa.Table]]:
-    """(bucket, rows with ``shard``, ``index``, ``id``) covering every row of ``ids``.
+def _rows_of(root: str, ids: pa.Array) -> Iterator[tuple[str, pa.Table, np.ndarray]]:
+    """(bucket, rows with ``shard``, ``index``, ``id``, each row's position in ``ids``).
 
-    Through the export's id index when it is current (a lookup of the ids
-    only); else, in one log line saying why, every manifest a batch at a time.
+    ``ids`` must be unique. Through the export's id index when it is current (a
+    lookup of the ids only, a chunk at a time, each chunk's hits matched to their
+    positions in one pass, so the cost is linear in the ids); else, in one log line
+    saying why, every manifest a batch at a time.
     """
     index, why = idindex.open_index(root)
     if index is not None:
-        for t in index.lookup(ids):
-            buckets = pc.unique(t["bucket"]).to_pylist()
-            for b in buckets:
-                yield b, t if len(buckets) == 1 else t.filter(pc.equal(t["bucket"], b))
+        for start in range(0, len(ids), idindex.LOOKUP_CHUNK):
+            chunk = ids.slice(start, idindex.LOOKUP_CHUNK)
+            found = list(index.lookup(chunk))
+            if found:
+                yield from _coded(pa.concat_tables(found), chunk, start)
         return
     log.warning(
         "%s; reading every manifest to find the ids (build it with `python -m prx_data.skips "
@@ -1020,7 +1023,27 @@ def _rows_of(root: str, ids: pa.Array) -> Iterator[tuple[str, pa.Table]]:
     for bucket in layout.list_buckets(root):
         shards = layout.read_index(root, bucket)
         for batch in iter_manifests(root, bucket, shards):
-            yield bucket, batch
+            for _, sel, codes in _coded(batch, ids, 0):
+                yield bucket, sel, codes
+
+
+def _coded(t: pa.Table, ids: pa.Array, offset: int) -> Iterator[tuple[str, pa.Table, np.ndarray]]:
+    """Per bucket of ``t`` (or the one bucket of a manifest batch): the rows whose id is in
+    ``ids`` and their positions there (plus ``offset``)."""
+    code = pc.index_in(t["id"], value_set=ids)
+    hit = pc.is_valid(code)
+    if not pc.any(hit).as_py():
+        return
+    t = t.filter(hit)
+    codes = code.filter(hit).to_numpy(zero_copy_only=False).astype(np.int64) + offset
+    if "bucket" not in t.column_names:
+        yield "", t, codes
+        return
+    enc = pc.dictionary_encode(t["bucket"].combine_chunks())
+    which = enc.indices.to_numpy(zero_copy_only=False)
+    for k, b in enumerate(enc.dictionary.to_pylist()):
+        m = which == k
+        yield b, t.filter(pa.array(m)), codes[m]
 
 
 def bind(
@@ -1036,13 +1059,7 @@ def bind(
     found = np.zeros(len(union), bool)
     pieces: dict[str, dict[tuple[str, str], list[np.ndarray]]] = {}
     if len(union):
-        for bucket, batch in _rows_of(root, union):
-            code = pc.index_in(batch["id"], value_set=union)
-            hit = pc.is_valid(code)
-            if not pc.any(hit).as_py():
-                continue
-            sel = batch.filter(hit)
-            codes = code.filter(hit).to_numpy(zero_copy_only=False).astype(np.int64)
+        for bucket, sel, codes in _rows_of(root, union):
             found[codes] = True
             enc = pc.dictionary_encode(sel["shard"].combine_chunks())
             shard_names = enc.dictionary.to_pylist()
