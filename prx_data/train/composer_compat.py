@@ -1,0 +1,104 @@
+"""The one place the trainer reaches into Composer internals: per-node signal-file names.
+
+Composer 0.32 synchronises the ranks of a node with a file: during
+``Trainer.__init__`` (autoresume's checkpoint lookup, and the download of
+the checkpoint it loads), local rank 0 writes
+``<folder>/._signal_file_node<N>_<random>``, the other local ranks wait
+for it, and local rank 0 removes it after a global barrier.
+``composer.utils.dist.get_node_signal_file_name`` broadcasts that name from
+global rank 0, so every node gets *node 0's* name. For autoresume the folder
+is ``save_folder``; when the nodes share it (NFS, Lustre, or one working
+directory under a remote ``s3://`` save folder, which Composer mirrors
+under ``./s3:/...``), every node's local rank 0 writes the same file and
+the second one to remove it fails with ``FileNotFoundError``, so a
+multi-node run cannot start.
+
+The fix keeps the random part that global rank 0 drew (every rank still
+makes the same collective call) and puts each node's own rank in the name,
+which is what the function's docstring intends: one file per node.
+Checkpoints stay where they are; only Composer's scratch name changes.
+
+The patch applies only while a ``Trainer`` is built (:func:`per_node_signal_files`)
+and only on the Composer versions in :data:`SUPPORTED`; the contract tests in
+``tests/test_train_nodes.py`` check the symbols it relies on. When upgrading
+Composer, re-run them and the slow two-node tests, then add the version.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import composer
+from composer.utils import dist as composer_dist
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+#: Composer release prefixes whose signal-file handling this module was checked against.
+SUPPORTED = ("0.32.",)
+#: Composer's name: ``._signal_file_node<node rank of global rank 0>_<6 random characters>``.
+_NAME = re.compile(r"\._signal_file_node\d+_(?P<tag>[A-Za-z0-9]+)")
+
+
+def node_signal_file_name(broadcast_name: str, node_rank: int) -> str:
+    """This node's signal-file name from the one global rank 0 broadcast (pure).
+
+    Keeps Composer's format when it recognises it; otherwise appends the node
+    rank, which is just as unique.
+    """
+    m = _NAME.fullmatch(broadcast_name)
+    if m is None:
+        return f"{broadcast_name}.node{node_rank}"
+    return f"._signal_file_node{node_rank}_{m.group('tag')}"
+
+
+def supported(version: str | None = None) -> bool:
+    """True when ``version`` (default: the installed Composer) is one this module knows."""
+    return (version or composer.__version__).startswith(SUPPORTED)
+
+
+@contextmanager
+def per_node_signal_files() -> Iterator[None]:
+    """Within the block, Composer's node signal files are named per node (see the module doc).
+
+    Restores Composer's function on exit. On an unknown Composer version it
+    changes nothing and warns when the job spans several nodes.
+    """
+    if not supported():
+        if composer_dist.get_world_size() > composer_dist.get_local_world_size():
+            log.warning(
+                "composer %s is not one of %s: its node signal files are left as they are; "
+                "on a save_folder shared by the nodes, autoresume may fail at start-up with "
+                "FileNotFoundError ._signal_file_node0_* (see prx_data/train/composer_compat.py)",
+                composer.__version__,
+                ", ".join(v + "x" for v in SUPPORTED),
+            )
+        yield
+        return
+    original: Callable[..., str] = composer_dist.get_node_signal_file_name
+
+    def per_node(*args, **kwargs) -> str:
+        name = original(*args, **kwargs)  # collective: every rank calls it, as Composer does
+        return node_signal_file_name(name, composer_dist.get_node_rank())
+
+    composer_dist.get_node_signal_file_name = per_node
+    try:
+        yield
+    finally:
+        composer_dist.get_node_signal_file_name = original
+
+
+def with_per_node_signal_files(factory: Callable[..., _T]) -> Callable[..., _T]:
+    """``factory`` (e.g. ``composer.Trainer``) called inside :func:`per_node_signal_files`."""
+
+    @functools.wraps(factory)
+    def build(*args, **kwargs) -> _T:
+        with per_node_signal_files():
+            return factory(*args, **kwargs)
+
+    return build
