@@ -112,6 +112,44 @@ def test_the_patch_is_undone_when_building_the_trainer_fails():
     assert seen == [False] and cdist.get_node_signal_file_name is original
 
 
+def test_composer_mirrors_a_remote_save_folder_where_the_trainer_looks():
+    """The autoresume lookup still abspath-joins the URI and downloads only when absent."""
+    import inspect
+
+    from composer import Trainer
+
+    from prx_data.train.composer_compat import LATEST_FILENAME, remote_autoresume_copy
+
+    src = inspect.getsource(Trainer._get_autoresume_checkpoint)
+    assert "latest_checkpoint_path = os.path.join(save_folder, save_latest_filename)" in src
+    assert "[os.path.abspath(latest_checkpoint_path)]" in src
+    assert "not os.path.exists(latest_checkpoint_path)" in src  # an old copy is never refreshed
+    init = inspect.signature(Trainer.__init__).parameters
+    assert init["save_latest_filename"].default == LATEST_FILENAME
+    got = remote_autoresume_copy("s3://bkt/runs/{run_name}/checkpoints", "r1", cwd="/work/dir")
+    assert got == "/work/dir/s3:/bkt/runs/r1/checkpoints/latest-rank0.pt"
+    assert remote_autoresume_copy("/shared/runs/{run_name}/checkpoints", "r1") is None
+
+
+def test_a_resume_drops_only_the_earlier_download_of_a_remote_checkpoint(tmp_path, monkeypatch):
+    from prx_data.train.composer_compat import drop_stale_autoresume_copy
+
+    monkeypatch.chdir(tmp_path)
+    mirror = tmp_path / "s3:" / "bkt" / "runs" / "r1" / "ckpt"
+    mirror.mkdir(parents=True)
+    (mirror / "latest-rank0.pt").write_bytes(b"old")
+    (mirror / "ep0-ba2-rank0.pt").write_bytes(b"keep")
+    removed = drop_stale_autoresume_copy("s3://bkt/runs/{run_name}/ckpt", "r1")
+    assert removed == str(mirror / "latest-rank0.pt")
+    assert sorted(p.name for p in mirror.iterdir()) == ["ep0-ba2-rank0.pt"]
+    assert drop_stale_autoresume_copy("s3://bkt/runs/{run_name}/ckpt", "r1") is None
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "latest-rank0.pt").write_bytes(b"the real checkpoint")
+    assert drop_stale_autoresume_copy(str(local), "r1") is None
+    assert (local / "latest-rank0.pt").exists()
+
+
 # --- the simulated cluster (slow) ------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -102,3 +103,55 @@ def with_per_node_signal_files(factory: Callable[..., _T]) -> Callable[..., _T]:
             return factory(*args, **kwargs)
 
     return build
+
+
+#: Composer's default ``save_latest_filename`` (the trainer does not change it).
+LATEST_FILENAME = "latest-rank{rank}.pt"
+
+
+def remote_autoresume_copy(save_folder: str, run_name: str, cwd: str | None = None) -> str | None:
+    """Where Composer 0.32 mirrors a remote save folder's latest checkpoint; None if local.
+
+    Autoresume joins the URI with the latest file name and takes
+    ``os.path.abspath`` of it, so ``s3://b/runs/x/checkpoints`` becomes
+    ``<cwd>/s3:/b/runs/x/checkpoints/latest-rank0.pt``. Local rank 0 of each
+    node downloads the remote latest checkpoint there *only if that file does
+    not exist*, so a copy left by an earlier resume is loaded instead of the
+    newer checkpoint in the bucket.
+    """
+    from composer.utils import format_name_with_dist, parse_uri
+
+    backend, _, _ = parse_uri(save_folder)
+    if not backend:
+        return None
+    folder = format_name_with_dist(save_folder, run_name)
+    name = LATEST_FILENAME.format(rank=0)  # the path global rank 0 broadcasts
+    path = os.path.join(folder, name)
+    return os.path.abspath(path) if cwd is None else os.path.normpath(os.path.join(cwd, path))
+
+
+def drop_stale_autoresume_copy(save_folder: str | None, run_name: str | None) -> str | None:
+    """Before autoresume on a remote save folder: remove Composer's previous download of it.
+
+    The bucket holds the run's checkpoints; the mirror under the working
+    directory is only ever a download Composer made at an earlier resume
+    (checkpoints are saved under ``TMPDIR`` and uploaded). Removing it makes
+    every resume fetch the newest checkpoint. Local rank 0 of each node
+    removes it, then all ranks meet at a barrier, before any node downloads.
+    Returns the path removed, if any. Does nothing for a local save folder or
+    an unknown Composer version.
+    """
+    if not save_folder or not run_name or not supported():
+        return None
+    path = remote_autoresume_copy(save_folder, run_name)
+    removed = None
+    if path is not None and composer_dist.get_local_rank() == 0:
+        try:
+            os.remove(path)
+            removed = path
+            log.info("autoresume: removed the earlier download %s; fetching the latest", path)
+        except FileNotFoundError:
+            pass
+    if path is not None:
+        composer_dist.barrier()
+    return removed
