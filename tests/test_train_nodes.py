@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -42,6 +43,8 @@ HOLDOUT_FRACTION = 0.2  # the smoke configs' value
 CANONICAL_NODES = 2
 KILL_AFTER_BATCH = 5  # rank 0 logged batch 5: the checkpoint at 4 exists, the epoch is not done
 SAVE_INTERVAL = 2
+#: Where the nodes' TMPDIRs go (pytest's tmp paths are too long for AF_UNIX sockets).
+SHORT_TMP = "/tmp"
 
 
 # --- Composer contract (fast) ------------------------------------------------------------------
@@ -98,7 +101,7 @@ def test_each_node_gets_its_own_signal_file_name(monkeypatch):
 def test_the_patch_is_undone_when_building_the_trainer_fails():
     from composer.utils import dist as cdist
 
-    from prx_data.train.composer_compat import with_per_node_signal_files
+    from prx_data.train.composer_compat import multinode_safe
 
     original = cdist.get_node_signal_file_name
     seen = []
@@ -108,8 +111,32 @@ def test_the_patch_is_undone_when_building_the_trainer_fails():
         raise ValueError("bad config")
 
     with pytest.raises(ValueError, match="bad config"):
-        with_per_node_signal_files(failing)(model=None)
+        multinode_safe(failing)(model=None)
     assert seen == [False] and cdist.get_node_signal_file_name is original
+
+
+def test_a_checkpoint_missing_on_a_node_is_one_line_that_says_what_to_do():
+    import inspect
+
+    from composer import Trainer
+
+    from prx_data.core.errors import PrxDataError
+    from prx_data.train.composer_compat import MISSING_ON_A_NODE, multinode_safe
+
+    assert MISSING_ON_A_NODE in inspect.getsource(Trainer._get_autoresume_checkpoint)
+
+    def composer_refuses(**kwargs):
+        raise RuntimeError(MISSING_ON_A_NODE)
+
+    with pytest.raises(PrxDataError, match="node-local disk.*s3://") as info:
+        multinode_safe(composer_refuses)(save_folder="/disk/ckpt")
+    assert "'/disk/ckpt'" in str(info.value) and "\n" not in str(info.value)
+
+    def other_failure(**kwargs):
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        multinode_safe(other_failure)(save_folder="/disk/ckpt")
 
 
 def test_composer_mirrors_a_remote_save_folder_where_the_trainer_looks():
@@ -210,7 +237,14 @@ class Cluster:
         self.config = config
         self.overrides = overrides
         self.env = env
+        self._tmp: dict[int, Path] = {}
         (run / "logs").mkdir(parents=True, exist_ok=True)
+
+    def node_tmp(self, node_rank: int) -> Path:
+        """The node's TMPDIR: short, since multiprocessing puts AF_UNIX sockets in it."""
+        if node_rank not in self._tmp:
+            self._tmp[node_rank] = Path(tempfile.mkdtemp(prefix=f"n{node_rank}.", dir=SHORT_TMP))
+        return self._tmp[node_rank]
 
     def node_dir(self, node_rank: int) -> Path:
         """What is local to one node (its TMPDIR, its disk): outside the shared folder."""
@@ -259,8 +293,7 @@ class Cluster:
         port = _free_port()
         procs = []
         for n in range(nodes):
-            tmp = self.node_dir(n) / "tmp"
-            tmp.mkdir(parents=True, exist_ok=True)
+            tmp = self.node_tmp(n)
             binds = node_binds[n] if node_binds else {}
             for source in binds.values():
                 source.mkdir(parents=True, exist_ok=True)
@@ -398,6 +431,15 @@ def check_eval_and_grids(run: Path) -> None:
     assert list((run / "samples").glob("ba*.png")), "no sample grid"
 
 
+@pytest.fixture(autouse=True)
+def _short_tmp(monkeypatch):
+    """A short parent for the nodes' TMPDIRs, removed after each test."""
+    short = tempfile.mkdtemp(prefix="prx-nodes.")
+    monkeypatch.setattr(sys.modules[__name__], "SHORT_TMP", short)
+    yield
+    shutil.rmtree(short, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def cluster_data(tmp_path_factory):
     """A tiny encoder, the export, a hold-out salt that trims nothing, the training ids."""
@@ -455,3 +497,78 @@ def test_two_nodes_on_a_shared_folder_killed_resume_exactly_once_on_one_node(
         cluster(run).run_to_end(nodes, nproc)
         check_exactly_once(run / "ids", expected, f"{config} {nodes}x{nproc}", attempts=2)
         check_eval_and_grids(run)
+
+
+def _latest_batch(bucket: str, run_name: str) -> int:
+    """The batch of the checkpoint the bucket's ``latest-rank0.pt`` symlink names."""
+    import re
+
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT_URL"])
+    key = f"runs/{run_name}/checkpoints/latest-rank0.pt.symlink"
+    target = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    m = re.search(r"-ba(\d+)-", target)
+    assert m, target
+    return int(m.group(1))
+
+
+@needs_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_two_nodes_with_an_s3_save_folder_resume_from_the_newest_checkpoint(
+    tmp_path, cluster_data, s3_bucket
+):
+    """save_folder on S3 (moto on loopback), one shared working directory, three attempts.
+
+    2 nodes x 1 (killed), 1 node x 2 (killed), 2 nodes x 1 to the end. The
+    third attempt must start from the newest checkpoint in the bucket, not
+    from the copy Composer downloaded into ``./s3:/...`` at the second.
+    """
+    encoder, export_root, salt, expected = cluster_data
+    run = tmp_path / "work"
+    save = f"s3://{s3_bucket}/runs/{{run_name}}/checkpoints"
+    cluster = Cluster(
+        run, CONFIGS / "smoke_cpu.yaml", overrides(encoder, export_root, run, salt, save), _env()
+    )
+    cluster.kill_after(2, 1, KILL_AFTER_BATCH)
+    first = _latest_batch(s3_bucket, "nodes")
+    assert first >= SAVE_INTERVAL
+    cluster.kill_after(1, 2, 8)
+    newest = _latest_batch(s3_bucket, "nodes")
+    assert newest > first, (first, newest)
+    cluster.run_to_end(2, 1)
+    from prx_data.train.callbacks import attempts_summary
+
+    starts = [a["start_batch"] for a in attempts_summary(run / "ids")]
+    assert starts == [0, first, newest], starts
+    check_exactly_once(run / "ids", expected, "s3 save folder", attempts=3)
+    check_eval_and_grids(run)
+
+
+@needs_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_node_local_save_folders_resume_on_the_node_that_holds_the_checkpoint(
+    tmp_path, cluster_data
+):
+    """The same save_folder path on each node, a different disk behind it (a bind mount).
+
+    Only node 0 holds rank 0's checkpoint: a 2-node resume is refused with one
+    line saying what to do; a resume on node 0 alone (2 processes) is exact.
+    """
+    encoder, export_root, salt, expected = cluster_data
+    run = tmp_path / "work"
+    disk = run / "ckpt"
+    extra = ("sampling.enabled=false",)
+    ov = overrides(encoder, export_root, run, salt, str(disk), extra)
+    cluster = Cluster(run, CONFIGS / "smoke_cpu.yaml", ov, _env())
+    binds = [{str(disk): cluster.node_dir(n) / "disk"} for n in range(2)]
+    cluster.kill_after(2, 1, KILL_AFTER_BATCH, node_binds=binds)
+    assert (cluster.node_dir(0) / "disk" / "latest-rank0.pt").exists()
+    assert not (cluster.node_dir(1) / "disk" / "latest-rank0.pt").exists()
+    assert not list(disk.iterdir()), "the shared path itself got files"
+    out = cluster.run_expecting_failure(2, 1, node_binds=binds)
+    assert "is on global rank 0's node only" in out, out[-3000:]
+    cluster.run_to_end(1, 2, node_binds=binds[:1])
+    check_exactly_once(run / "ids", expected, "node-local disks", attempts=2)

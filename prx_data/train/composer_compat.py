@@ -1,27 +1,31 @@
-"""The one place the trainer reaches into Composer internals: per-node signal-file names.
+"""Where the trainer works around Composer 0.32's autoresume on several nodes.
 
-Composer 0.32 synchronises the ranks of a node with a file: during
-``Trainer.__init__`` (autoresume's checkpoint lookup, and the download of
-the checkpoint it loads), local rank 0 writes
-``<folder>/._signal_file_node<N>_<random>``, the other local ranks wait
-for it, and local rank 0 removes it after a global barrier.
-``composer.utils.dist.get_node_signal_file_name`` broadcasts that name from
-global rank 0, so every node gets *node 0's* name. For autoresume the folder
-is ``save_folder``; when the nodes share it (NFS, Lustre, or one working
-directory under a remote ``s3://`` save folder, which Composer mirrors
-under ``./s3:/...``), every node's local rank 0 writes the same file and
-the second one to remove it fails with ``FileNotFoundError``, so a
-multi-node run cannot start.
+Three things, all during ``Trainer.__init__`` (autoresume's checkpoint
+lookup and the checkpoint load); docs/TRAINING.md, "Multi-node":
 
-The fix keeps the random part that global rank 0 drew (every rank still
-makes the same collective call) and puts each node's own rank in the name,
-which is what the function's docstring intends: one file per node.
-Checkpoints stay where they are; only Composer's scratch name changes.
+* **Per-node signal files** (:func:`per_node_signal_files`). Composer
+  synchronises the ranks of a node with a file: local rank 0 writes
+  ``<folder>/._signal_file_node<N>_<random>``, the other local ranks wait for
+  it, and local rank 0 removes it after a global barrier.
+  ``composer.utils.dist.get_node_signal_file_name`` broadcasts that name from
+  global rank 0, so every node gets *node 0's* name. For autoresume the
+  folder is ``save_folder``; when the nodes share it (NFS, Lustre, or one
+  working directory under an ``s3://`` save folder, which Composer mirrors
+  under ``./s3:/...``), every node's local rank 0 writes the same file and
+  the second to remove it fails with ``FileNotFoundError``: a multi-node run
+  cannot start. The fix keeps the random part global rank 0 drew (every rank
+  still makes the same collective call) and puts each node's own rank in the
+  name, which is what the function's docstring intends: one file per node.
+  Checkpoints stay where they are; only Composer's scratch name changes.
+* **A fresh download of a remote checkpoint** (:func:`drop_stale_autoresume_copy`).
+* **One line** instead of Composer's traceback when a node cannot read the
+  checkpoint rank 0 found (:func:`multinode_safe`).
 
-The patch applies only while a ``Trainer`` is built (:func:`per_node_signal_files`)
-and only on the Composer versions in :data:`SUPPORTED`; the contract tests in
-``tests/test_train_nodes.py`` check the symbols it relies on. When upgrading
-Composer, re-run them and the slow two-node tests, then add the version.
+The patch applies only while a ``Trainer`` is built and only on the Composer
+versions in :data:`SUPPORTED`; the contract tests in
+``tests/test_train_nodes.py`` pin the Composer source each piece relies on.
+When upgrading Composer, re-run them and the slow two-node tests, then add
+the version.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from typing import TypeVar
 
 import composer
 from composer.utils import dist as composer_dist
+
+from prx_data.core.errors import UsageError
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -94,15 +100,39 @@ def per_node_signal_files() -> Iterator[None]:
         composer_dist.get_node_signal_file_name = original
 
 
-def with_per_node_signal_files(factory: Callable[..., _T]) -> Callable[..., _T]:
-    """``factory`` (e.g. ``composer.Trainer``) called inside :func:`per_node_signal_files`."""
+def multinode_safe(factory: Callable[..., _T]) -> Callable[..., _T]:
+    """``factory`` (``composer.Trainer``) built inside :func:`per_node_signal_files`.
+
+    Composer's "Downloading the checkpoint to all nodes failed" (a node
+    cannot read the checkpoint global rank 0 found) becomes one line that
+    says what to do.
+    """
 
     @functools.wraps(factory)
     def build(*args, **kwargs) -> _T:
-        with per_node_signal_files():
-            return factory(*args, **kwargs)
+        try:
+            with per_node_signal_files():
+                return factory(*args, **kwargs)
+        except RuntimeError as e:
+            if MISSING_ON_A_NODE not in str(e):
+                raise
+            raise CheckpointNotOnEveryNode(
+                f"autoresume: the latest checkpoint in save_folder {kwargs.get('save_folder')!r} "
+                "is on global rank 0's node only; the other nodes cannot read it (a node-local "
+                "disk?). Put trainer.save_folder on a file system every node mounts or on object "
+                "storage (s3://...), copy the folder to every node, or resume on that node alone "
+                "(docs/TRAINING.md, Multi-node)"
+            ) from None
 
     return build
+
+
+#: What Composer 0.32 raises when some node lacks the checkpoint rank 0 resumes from.
+MISSING_ON_A_NODE = "Downloading the checkpoint to all nodes failed"
+
+
+class CheckpointNotOnEveryNode(UsageError):
+    """Autoresume found the checkpoint on global rank 0's node but not on every node."""
 
 
 #: Composer's default ``save_latest_filename`` (the trainer does not change it).

@@ -36,7 +36,7 @@ from prx_data.train.callbacks import DataWaitMonitor, ResumeGuard, SampleIdLogge
 from prx_data.train.captions import CaptionPolicy
 from prx_data.train.composer_compat import (
     drop_stale_autoresume_copy,
-    with_per_node_signal_files,
+    multinode_safe,
 )
 from prx_data.train.config import TrainConfig, device_batch_size, metrics_folder
 from prx_data.train.data import build_dataspec
@@ -363,7 +363,7 @@ def build_trainer(
         drop_stale_autoresume_copy(t.save_folder, t.run_name)
     # Autoresume and the checkpoint load run inside Trainer(): name Composer's node signal
     # files per node, so that nodes sharing save_folder do not write and remove one file.
-    return with_per_node_signal_files(Trainer)(
+    return multinode_safe(Trainer)(
         model=model,
         train_dataloader=dataspec,
         max_duration=t.max_duration,
