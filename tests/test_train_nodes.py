@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -333,13 +334,20 @@ class Cluster:
         assert any(codes), f"expected a failure\n{self.logs()}"
         return self.logs()
 
-    def kill_after(self, nodes: int, nproc: int, batch: int, **kw) -> set[int]:
-        """Start, SIGKILL every node once global rank 0 logged ``batch``; the batches logged."""
+    def kill_after(
+        self, nodes: int, nproc: int, batch: int, ready: Callable[[], bool] | None = None, **kw
+    ) -> set[int]:
+        """Start, SIGKILL every node once global rank 0 logged ``batch`` (and ``ready()``).
+
+        Returns the batches logged.
+        """
         procs = self.start(nodes, nproc, **kw)
         try:
             deadline = time.monotonic() + 1200
             while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-                if max(logged_batches(self.run / "ids"), default=-1) >= batch:
+                if max(logged_batches(self.run / "ids"), default=-1) >= batch and (
+                    ready is None or ready()
+                ):
                     break
                 time.sleep(0.1)
         finally:
@@ -491,6 +499,13 @@ def test_two_nodes_on_a_shared_folder_killed_resume_exactly_once_on_one_node(
     assert KILL_AFTER_BATCH <= max(done) < batches - 1, done
     assert (first / "ckpt" / "latest-rank0.pt").exists()
     assert not list((first / "ckpt").glob("._signal_file*")), "signal files left behind"
+    import torch
+
+    ckpt = torch.load(first / "ckpt" / "latest-rank0.pt", weights_only=False, map_location="cpu")
+    data_state = ckpt["state"]["dataset_state"]["train"]
+    # The order is fixed by the canonical node count, not by the 2 physical nodes it ran on.
+    assert data_state["num_canonical_nodes"] == CANONICAL_NODES, data_state
+    assert data_state["initial_physical_nodes"] == 2, data_state
     for nodes, nproc in resumes:
         run = tmp_path / f"resume-{nodes}x{nproc}"
         _resume_copy(first, run)
@@ -500,14 +515,17 @@ def test_two_nodes_on_a_shared_folder_killed_resume_exactly_once_on_one_node(
 
 
 def _latest_batch(bucket: str, run_name: str) -> int:
-    """The batch of the checkpoint the bucket's ``latest-rank0.pt`` symlink names."""
+    """The batch of the checkpoint the bucket's ``latest-rank0.pt`` symlink names (-1: none)."""
     import re
 
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT_URL"])
     key = f"runs/{run_name}/checkpoints/latest-rank0.pt.symlink"
-    target = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    try:
+        target = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    except s3.exceptions.NoSuchKey:
+        return -1
     m = re.search(r"-ba(\d+)-", target)
     assert m, target
     return int(m.group(1))
@@ -531,10 +549,11 @@ def test_two_nodes_with_an_s3_save_folder_resume_from_the_newest_checkpoint(
     cluster = Cluster(
         run, CONFIGS / "smoke_cpu.yaml", overrides(encoder, export_root, run, salt, save), _env()
     )
-    cluster.kill_after(2, 1, KILL_AFTER_BATCH)
+    # Rank 0 uploads checkpoints in the background: kill once the bucket has one.
+    cluster.kill_after(2, 1, KILL_AFTER_BATCH, ready=lambda: _latest_batch(s3_bucket, "nodes") > 0)
     first = _latest_batch(s3_bucket, "nodes")
     assert first >= SAVE_INTERVAL
-    cluster.kill_after(1, 2, 8)
+    cluster.kill_after(1, 2, first, ready=lambda: _latest_batch(s3_bucket, "nodes") > first)
     newest = _latest_batch(s3_bucket, "nodes")
     assert newest > first, (first, newest)
     cluster.run_to_end(2, 1)
