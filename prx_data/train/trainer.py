@@ -34,6 +34,10 @@ from streaming import StreamingDataset
 
 from prx_data.train.callbacks import DataWaitMonitor, ResumeGuard, SampleIdLogger
 from prx_data.train.captions import CaptionPolicy
+from prx_data.train.composer_compat import (
+    drop_stale_autoresume_copy,
+    multinode_safe,
+)
 from prx_data.train.config import TrainConfig, device_batch_size, metrics_folder
 from prx_data.train.data import build_dataspec
 from prx_data.train.model import PRXFlowModel, build_transformer
@@ -355,7 +359,11 @@ def build_trainer(
     plan = getattr(dataspec.dataloader.dataset, "plan", None)
     if plan is not None and dist.get_global_rank() == 0:
         log.info("data plan at start:\n%s", plan.report())
-    return Trainer(
+    if t.autoresume:  # an s3:// save folder: fetch its newest checkpoint, not an old copy
+        drop_stale_autoresume_copy(t.save_folder, t.run_name)
+    # Autoresume and the checkpoint load run inside Trainer(): name Composer's node signal
+    # files per node, so that nodes sharing save_folder do not write and remove one file.
+    return multinode_safe(Trainer)(
         model=model,
         train_dataloader=dataspec,
         max_duration=t.max_duration,
