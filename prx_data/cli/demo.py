@@ -31,6 +31,27 @@ def _add_broken_files(folder: str) -> None:
     Image.new("RGB", (2400, 300), (90, 140, 200)).save(os.path.join(folder, "banner_8to1.jpg"))
 
 
+#: Where the demo's URL list points: a loopback server over its sample folder (README).
+URL_PORT = 8765
+
+
+def _write_url_list(workdir: str, src: str, n: int = 4) -> str:
+    """A LAION-style parquet (url, caption) of a few sample images, served from loopback.
+
+    ``python -m http.server 8765 -b 127.0.0.1 -d <workdir>/src`` serves them, so the
+    download job can be tried offline (``--allow-private 127.0.0.1:8765``).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = sorted(f for f in os.listdir(src) if f.startswith("img_") and f.endswith(".jpg"))[:n]
+    urls = [f"http://127.0.0.1:{URL_PORT}/{name}" for name in names]
+    captions = [f"sample {name}" for name in names]
+    path = os.path.join(workdir, "urls.parquet")
+    pq.write_table(pa.table({"url": urls, "caption": captions}), path)
+    return path
+
+
 def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dict:
     from pipelines.ingest import ingest
     from pipelines.write_mds import run_export
@@ -62,6 +83,15 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
 
     tiny = save_tiny_metric_models(workdir)
     print(f"tiny random-weight FID/CLIP/DINOv2 models for its metrics: {', '.join(tiny.values())}")
+    from prx_data.core.tinymodels import save_demo_models
+
+    jobs = save_demo_models(workdir)
+    urls = _write_url_list(workdir, src)
+    print(f"a URL list for the download job (served by python -m http.server): {urls}")
+    print(
+        "tiny random-weight models for the column jobs (offline, CPU; outputs are noise): "
+        + ", ".join(f"{k} {v}" for k, v in jobs.items())
+    )
     print()
     print(report.table_text())
     print(f"\nreport: {os.path.join(out, 'report.json')}")
