@@ -134,7 +134,7 @@ def _fit(cfg, monkeypatch=None):
 
 def test_smoke_config_runs_eval_and_writes_a_sample_grid(tmp_path, export, tiny_t5, monkeypatch):
     from prx_data.train.evaluation import TOTAL, band_edges, band_name
-    from prx_data.train.sampling import grid_size
+    from prx_data.train.sampling import LABEL_H, PROMPT_W, grid_size, labelled_size
 
     cfg = _smoke_cfg(tmp_path, export, tiny_t5, "a")
     metrics, written, recorder = _fit(cfg, monkeypatch)
@@ -147,11 +147,15 @@ def test_smoke_config_runs_eval_and_writes_a_sample_grid(tmp_path, export, tiny_
 
     assert written == [str(tmp_path / "a" / "samples" / "ba0000004.png")]
     s = cfg.sampling
-    want = grid_size(len(s.prompts), len(s.seeds), s.shapes)
-    assert want == (4 * 64, 2 * 96)
+    assert grid_size(len(s.prompts), len(s.seeds), s.shapes) == (4 * 64, 2 * 96)
+    want = labelled_size(len(s.prompts), len(s.seeds), s.shapes)
+    assert want == (4 * 64 + PROMPT_W, 2 * 96 + LABEL_H)
     with Image.open(written[0]) as im:
         assert im.size == want and im.mode == "RGB"
-        arr = np.asarray(im)
+        labels = np.asarray(im)
+        arr = labels[LABEL_H:, PROMPT_W:]
+    # The seed band and the prompt band carry text (dark pixels on white).
+    assert labels[:LABEL_H, PROMPT_W:].min() < 128 and labels[LABEL_H:, :PROMPT_W].min() < 128
     # 64x64 cells are centred in 64x96 cells: black bands above and below them only.
     assert arr[:16, :128].max() == 0 and arr[:16, 128:].max() > 0
     # The grid and the eval metrics reached the configured loggers.

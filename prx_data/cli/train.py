@@ -145,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("composer").setLevel(args.log_level)
+    from prx_data.train.logs import quiet_logs
+
+    quiet_logs(args.log_level)
 
     from prx_data.train.trainer import build_trainer, finished_message, run_is_finished
 

@@ -262,24 +262,38 @@ class Plan:
     def mix_report(self) -> str:
         """Requested vs realised share per dataset, one line each."""
         epoch = self.epoch_size
-        rows = [f"{'dataset':<24} {'requested':>9} {'realised':>9} {'samples':>9}"]
+        w = max([len("dataset"), *(len(d.name) for d in self.mix)])
+        rows = [f"{'dataset':<{w}} {'requested':>9} {'realised':>9} {'samples':>9}"]
         for d in self.mix:
             rows.append(
-                f"{d.name[-24:]:<24} {d.requested:>9.4f} {d.realised(epoch):>9.4f} {d.planned:>9}"
+                f"{d.name:<{w}} {d.requested:>9.4f} {d.realised(epoch):>9.4f} {d.planned:>9}"
             )
         return "\n".join(rows)
 
-    def report(self) -> str:
-        """A table for humans: one row per bucket, the mix per dataset, then totals."""
+    def summary(self) -> str:
+        """The epoch in one line: samples, batches per rank, what is not reached or repeated."""
+        kept = sum(b.kept for b in self.buckets)
+        return (
+            f"epoch: {self.epoch_size} samples, {self.batches_per_rank} batches per rank; "
+            f"{sum(b.dropped for b in self.buckets)} of {kept} kept samples not reached this "
+            f"epoch, {sum(b.repeated for b in self.buckets)} drawn again"
+        )
+
+    def report(self, warnings: bool = True) -> str:
+        """A table for humans: one row per bucket, the mix per dataset, then totals.
+
+        ``warnings=False`` leaves out the warnings (logged on their own, once each).
+        """
         head = (
             f"batching={self.batching_method} world={self.world_size} nodes={self.num_nodes} "
             f"device_batch={self.device_batch_size} global_batch={self.global_batch_size} "
             f"workers={self.num_workers} canonical_nodes={self.num_canonical_nodes} "
             f"replication={self.replication} unit={self.unit}"
         )
+        w = max([len("dataset"), *(len(n) for n in self.datasets)])
         rows = [
             head,
-            f"{'dataset':<12} {'bucket':<12} {'samples':>9} {'skipped':>8} {'kept':>9} "
+            f"{'dataset':<{w}} {'bucket':<12} {'samples':>9} {'skipped':>8} {'kept':>9} "
             f"{'target':>9} {'epoch':>9} {'batches':>8} {'dropped':>8}",
         ]
         for b in self.buckets:
@@ -287,18 +301,14 @@ class Plan:
             if b.repeated:
                 note = f"  (up-sampled: {b.repeated} repeats)"
             rows.append(
-                f"{self.datasets[b.dataset][-12:]:<12} {b.bucket:<12} {b.samples:>9} "
+                f"{self.datasets[b.dataset]:<{w}} {b.bucket:<12} {b.samples:>9} "
                 f"{b.skipped:>8} {b.kept:>9} {b.target:>9} {b.choose:>9} {b.batches:>8} "
                 f"{b.dropped:>8}{note}"
             )
         rows.append(self.mix_report())
-        kept = sum(b.kept for b in self.buckets)
-        rows.append(
-            f"epoch: {self.epoch_size} samples, {self.batches_per_rank} batches per rank; "
-            f"{sum(b.dropped for b in self.buckets)} of {kept} kept samples not reached this "
-            f"epoch, {sum(b.repeated for b in self.buckets)} drawn again"
-        )
-        rows += [f"WARNING: {w}" for w in self.warnings]
+        rows.append(self.summary())
+        if warnings:
+            rows += [f"WARNING: {w}" for w in self.warnings]
         rows += [f"PROBLEM: {p}" for p in self.problems]
         return "\n".join(rows)
 

@@ -230,7 +230,7 @@ def build_evaluator(cfg: TrainConfig, world_size: int, patch_size: int) -> Evalu
     except ValueError as exc:
         raise ValueError(str(exc).replace("data.", "eval.", 1)) from None
     try:
-        ds = build_dataset(dcfg, batch, holdout=holdout_for(cfg, "eval"))
+        ds = build_dataset(dcfg, batch, holdout=holdout_for(cfg, "eval"), plan_label="eval")
     except PlanError as exc:
         raise PlanError(f"eval: {_one_line(exc)}; {EVAL_FIX}") from None
     kept = sum(b.choose for b in ds.plan.buckets if not b.excluded)

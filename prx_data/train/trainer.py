@@ -352,9 +352,6 @@ def build_trainer(
         place.device,
         place.precision,
     )
-    plan = getattr(dataspec.dataloader.dataset, "plan", None)
-    if plan is not None and dist.get_global_rank() == 0:
-        log.info("data plan at start:\n%s", plan.report())
     return Trainer(
         model=model,
         train_dataloader=dataspec,
