@@ -569,3 +569,16 @@ def test_a_passed_in_dataset_cannot_hide_the_holdout(export, tiny_t5):
     )
     with pytest.raises(ValueError, match="eval.source=slice with a dataset passed in"):
         build_trainer(cfg, dataset=object())
+
+
+def test_eval_plan_that_cannot_run_is_one_line_naming_eval(tmp_path, export, tiny_t5):
+    from prx_data.stream.planner import PlanError
+    from prx_data.train.evaluation import build_evaluator
+
+    # A hold-out so thin that no sample falls in it: nothing to evaluate.
+    cfg = _smoke_cfg(tmp_path, export, tiny_t5, "thin", ["eval.holdout_fraction=1e-9"])
+    with pytest.raises(PlanError) as info:
+        build_evaluator(cfg, 1, cfg.model.patch_size)
+    msg = str(info.value)
+    assert msg.startswith("eval: ") and "\n" not in msg
+    assert "eval.holdout_fraction" in msg  # and how to fix it

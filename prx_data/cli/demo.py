@@ -100,8 +100,12 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
         f"  python -m prx_data.stats --table {table} --out {workdir}/stats\n"
         f"  python -m prx_data.explore --table {table} --build-indexes\n"
         f"  python -m prx_data.skips stats {out}\n"
+        f"  python -m prx_data.caption --table {table} --backend transformers "
+        f"--model {workdir}/tiny-vlm --max-tokens 16 --limit 8\n"
+        f"  python -m prx_data.score clip --table {table} --model {workdir}/tiny-clip\n"
         "  python -m prx_data.train configs/train/smoke_cpu.yaml\n"
-        "  python -m prx_data.train configs/train/smoke_latent_cpu.yaml"
+        "  composer -n 2 -m prx_data.train configs/train/smoke_latent_cpu.yaml\n"
+        "(README.md, 'Every job': one offline command per job)"
     )
     return report.to_dict()
 

@@ -351,8 +351,8 @@ class BucketedDataset(StreamingDataset):
     Each item: ``image`` (uint8 [3, H, W] at the run tier's shape for the
     sample's aspect ratio; higher-tier samples are Lanczos-downsized), ``id``,
     each caption column, ``tier`` (the run tier), ``bucket`` (its run-tier
-    bucket name), ``width``/``height`` (the original image size), and
-    ``source_bucket``. Every device batch comes from one bucket.
+    bucket name), ``width``/``height`` (the original image size),
+    ``source_bucket`` and ``dataset`` (its :attr:`DatasetSpec.label`). Every device batch comes from one bucket.
 
     Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
     ``cache_limit``, ``download_retry``, ``shuffle_block_size``), except
