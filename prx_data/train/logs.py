@@ -27,7 +27,10 @@ CHATTER = (
 )
 
 #: Notices at any level that name an optional speed-up, not a problem of the run.
-NOTICES = (("diffusers", r"^Cannot initialize model with low cpu memory usage"),)
+NOTICES = (
+    ("diffusers", r"^Cannot initialize model with low cpu memory usage"),
+    ("transformers", r"^Using a slow image processor as `use_fast` is unset"),
+)
 
 #: Libraries whose deprecation notices are theirs to act on, not the user's.
 LIBRARIES = r"(diffusers|transformers|torch|composer|streaming|accelerate|torchmetrics)(\.|$)"
