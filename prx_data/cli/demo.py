@@ -52,6 +52,22 @@ def _write_url_list(workdir: str, src: str, n: int = 4) -> str:
     return path
 
 
+def _write_plain_mds(workdir: str, src: str, n: int = 4) -> str:
+    """A small MDS tree as another writer makes it (``<tier>/<ratio>/``), for ``adopt``."""
+    from streaming import MDSWriter
+
+    root = os.path.join(workdir, "plain-mds")
+    if os.path.exists(root):
+        shutil.rmtree(root)
+    names = sorted(f for f in os.listdir(src) if f.startswith("img_") and f.endswith(".jpg"))[:n]
+    out = os.path.join(root, "512", "1.000")
+    with MDSWriter(out=out, columns={"image": "bytes", "caption": "str"}) as w:
+        for name in names:
+            with open(os.path.join(src, name), "rb") as f:
+                w.write({"image": f.read(), "caption": f"sample {name}"})
+    return root
+
+
 def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dict:
     from pipelines.ingest import ingest
     from pipelines.write_mds import run_export
@@ -88,6 +104,8 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
     jobs = save_demo_models(workdir)
     urls = _write_url_list(workdir, src)
     print(f"a URL list for the download job (served by python -m http.server): {urls}")
+    plain = _write_plain_mds(workdir, src)
+    print(f"an MDS tree another writer made, for the adopt job: {plain}")
     print(
         "tiny random-weight models for the column jobs (offline, CPU; outputs are noise): "
         + ", ".join(f"{k} {v}" for k, v in jobs.items())
