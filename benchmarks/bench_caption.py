@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"][size] = run
 
         if args.tiny_rows:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-            from tinymodels import build_tiny_vlm
+            from prx_data.core.tinymodels import build_tiny_vlm
 
             model = str(build_tiny_vlm(Path(tmp) / "tiny-vlm"))
             tiny_uri = f"{tmp}/tiny.lance"

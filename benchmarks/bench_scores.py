@@ -80,7 +80,7 @@ def make_table(uri: str, rows: int, per_fragment: int, dim: int = 16) -> None:
 
 
 def bench_score_jobs(args, root: Path) -> dict:
-    from tests.tinymodels import build_tiny_aesthetic_head, build_tiny_image_classifier
+    from prx_data.core.tinymodels import build_tiny_aesthetic_head, build_tiny_image_classifier
 
     head = str(build_tiny_aesthetic_head(root / "head.safetensors"))
     clf = str(build_tiny_image_classifier(root / "clf"))

@@ -10,10 +10,12 @@ Graph (:mod:`prx_data.columns.runner`)::
 
 A killed run keeps every committed and checkpointed fragment; a rerun
 picks up the rest. Every row ends with a status: ``ok`` (caption stored),
-``empty``, ``looping``, ``truncated`` or ``error`` (caption left null), and
-every row that is not ``ok`` has the reason in ``<column>_error`` (e.g.
-``image: empty_file``, ``image: not_an_image``, ``image: truncated``,
-``backend: http 503``, ``flagged: looping``).
+``empty``, ``looping``, ``truncated``, ``error`` (the backend failed) or
+``unreadable`` (the image did not decode: a drop, not counted by
+``--max-error-rate``; caption left null), and every row that is not ``ok``
+has the reason in ``<column>_error`` (e.g. ``image: empty_file``,
+``image: not_an_image``, ``image: truncated``, ``backend: http 503``,
+``flagged: looping``).
 
 With ``schema_file`` (``--schema``) the job asks for structured attributes
 instead (:mod:`prx_data.columns.structured`): the schema guides generation
@@ -189,7 +191,7 @@ class CaptionActor(_BackendActor):
     def __call__(self, batch: pa.Table) -> pa.Table:
         images, reasons, todo, gens = self._generate(batch)
         captions: list[str | None] = [None] * len(images)
-        statuses = [checks.ERROR] * len(images)
+        statuses = [checks.UNREADABLE] * len(images)  # rows not sent: their image did not decode
         for i, g in zip(todo, gens, strict=True):
             status, text = checks.check(g.text, g.finish_reason, g.error, self.limits)
             statuses[i], captions[i] = status, text
@@ -217,7 +219,7 @@ class AttributesActor(_BackendActor):
         images, reasons, todo, gens = self._generate(batch)
         details = list(reasons)
         values: list[dict | None] = [None] * len(images)
-        statuses = [checks.ERROR] * len(images)
+        statuses = [checks.UNREADABLE] * len(images)  # rows not sent: their image did not decode
 
         def flag(i: int, status: str, why: str) -> None:
             statuses[i] = status
@@ -226,6 +228,7 @@ class AttributesActor(_BackendActor):
 
         for i, g in zip(todo, gens, strict=True):
             if g.error is not None:
+                statuses[i] = checks.ERROR
                 details[i] = reasons[i] = f"backend: {g.error}"[:120]
             elif not checks.clean(g.text):
                 statuses[i] = checks.EMPTY

@@ -76,6 +76,8 @@ class ScoreConfig:
 
 
 _RUN_FIELDS = frozenset(f.name for f in fields(ColumnReport))
+#: How a model failure's reason starts (``prx_data.columns.scores``); other reasons are images.
+MODEL_FAILURE = "model_error"
 
 
 @dataclass
@@ -115,12 +117,17 @@ class ScoreReport(JobReport):
 
     @property
     def scored(self) -> int:
-        return self.rows - self.failed
+        return self.rows - sum(self.failures.values())
 
     @property
     def failed(self) -> int:
-        """Rows of this run that could not be scored (retried next run)."""
-        return sum(self.run.reasons.values())
+        """Rows the model failed on in this run (``--max-error-rate`` counts these)."""
+        return sum(n for r, n in self.failures.items() if r.startswith(MODEL_FAILURE))
+
+    @property
+    def unreadable(self) -> int:
+        """Rows whose image did not decode (missing, empty, not an image): drops, by reason."""
+        return sum(self.failures.values()) - self.failed
 
     @property
     def total(self) -> int:
@@ -134,7 +141,7 @@ class ScoreReport(JobReport):
         rate = r.rows / r.seconds if r.seconds else 0.0
         lines = [
             f"{self.scorer}: {r.rows:,} rows in {r.seconds:.1f}s ({rate:,.0f} rows/s), "
-            f"{self.scored:,} scored, {self.failed:,} failed"
+            f"{self.scored:,} scored, {self.failed:,} failed, {self.unreadable:,} unreadable"
             + (f", {r.recovered_rows:,} recovered from a killed run" if r.recovered_rows else ""),
             f"columns: {', '.join(self.columns)} (table version {r.final_version})",
         ]
@@ -146,7 +153,14 @@ class ScoreReport(JobReport):
         """The run's counts at the top level (as before), then the scorer's."""
         own = super().to_dict()
         own.pop("run")
-        return {**self.run.to_dict(), **own, "scored": self.scored, "failures": self.failures}
+        return {
+            **self.run.to_dict(),
+            **own,
+            "scored": self.scored,
+            "failed": self.failed,
+            "unreadable": self.unreadable,
+            "failures": self.failures,
+        }
 
 
 def _model_config(model: str):
@@ -162,12 +176,26 @@ def _model_config(model: str):
         ) from None
 
 
+def _expect_model(cfg: ScoreConfig, config: Any, ok: bool, expected: str) -> None:
+    """One line naming the model type found and the one this scorer needs, before any work."""
+    if ok:
+        return
+    archs = list(getattr(config, "architectures", None) or [])
+    found = archs[0] if archs else type(config).__name__
+    raise UsageError(
+        f"--model {cfg.model!r} is a {found} (model_type {config.model_type!r}); "
+        f"score {cfg.scorer} needs {expected}"
+    )
+
+
 def score_outputs(cfg: ScoreConfig) -> tuple[pa.Schema, list[str], str]:
     """(output schema, columns read, value column that marks a row done) for ``cfg``."""
     p = cfg.column_prefix
     err = pa.field(error_column(p), pa.string())
     if cfg.scorer == "clip":
-        dim = int(_model_config(cfg.model).projection_dim)
+        config = _model_config(cfg.model)
+        _expect_model(cfg, config, config.model_type == "clip", "a CLIPModel (model_type 'clip')")
+        dim = int(config.projection_dim)
         schema = pa.schema(
             [
                 pa.field(f"{p}_image_embedding", vector_type(dim)),
@@ -181,7 +209,15 @@ def score_outputs(cfg: ScoreConfig) -> tuple[pa.Schema, list[str], str]:
         cached_head(cfg.model)  # a bad file fails here, in one line, before any work
         schema = pa.schema([pa.field(f"{p}_score", pa.float32()), err])
         return schema, [cfg.embedding_column], f"{p}_score"
-    labels = class_labels(_model_config(cfg.model))
+    config = _model_config(cfg.model)
+    archs = list(getattr(config, "architectures", None) or [])
+    _expect_model(
+        cfg,
+        config,
+        not archs or any(a.endswith("ForImageClassification") for a in archs),
+        "an image classifier (an ...ForImageClassification checkpoint)",
+    )
+    labels = class_labels(config)
     cols = [class_column(p, label) for label in labels]
     if len(set(cols)) != len(cols):
         raise UsageError(f"the class names of {cfg.model!r} collide as columns: {cols}")

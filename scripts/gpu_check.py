@@ -382,7 +382,7 @@ def step_vllm(work: Path, args) -> dict:
     from PIL import Image
 
     from prx_data.columns.backends import GenerationConfig, Request, VLLMBackend
-    from tests.tinymodels import build_tiny_vlm
+    from prx_data.core.tinymodels import build_tiny_vlm
 
     path = build_tiny_vlm(work / "tiny-vlm", hidden_size=256, vision_embed_dim=128)
     backend = VLLMBackend(

@@ -260,7 +260,7 @@ def test_attributes_job_stores_valid_flags_invalid_and_filters_a_subset(tmp_path
         assert fmt["json_schema"]["schema"] == ST.load_schema(SCHEMA_FILE)
     assert rc == 0
     report = json.loads(report_file.read_text())  # the default column with --schema: attributes
-    assert report["counts"] == {"ok": 3, "invalid": 2, "error": 1}
+    assert report["counts"] == {"ok": 3, "invalid": 2, "unreadable": 1}
     assert report["reasons"]["invalid: schema"] == 1
     assert report["reasons"]["invalid: not JSON"] == 1
     got = read(uri)
@@ -271,7 +271,7 @@ def test_attributes_job_stores_valid_flags_invalid_and_filters_a_subset(tmp_path
     assert value is None and status == "invalid"
     assert error.startswith("invalid: schema: style: 'oil painting' is not one of")
     assert got["a/grey"][:2] == (None, "invalid") and "not JSON" in got["a/grey"][2]
-    assert got["a/bad"][:2] == (None, "error")
+    assert got["a/bad"][:2] == (None, "unreadable")
     ds = lance.dataset(uri)
     assert ds.schema.field("attributes").type == ST.arrow_type(ST.load_schema(SCHEMA_FILE))
     # Images untouched: the same bytes, and every data file that was there is unchanged.

@@ -246,7 +246,7 @@ def test_openai_backend_gives_up_per_request():
 
 @pytest.fixture(scope="module")
 def tiny_vlm(tmp_path_factory):
-    from tests.tinymodels import build_tiny_vlm
+    from prx_data.core.tinymodels import build_tiny_vlm
 
     return str(build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl"))
 
@@ -315,7 +315,14 @@ def test_caption_pipeline_openai_statuses_resume_and_redo(tmp_path, ray_local):
         )
         report = run_caption(cfg)
         assert report.rows == 7
-        assert report.counts == {"ok": 2, "empty": 1, "looping": 1, "truncated": 1, "error": 2}
+        assert report.counts == {
+            "ok": 2,
+            "empty": 1,
+            "looping": 1,
+            "truncated": 1,
+            "unreadable": 2,
+        }
+        assert report.failed == 0  # unreadable images are drops, not backend failures
         assert report.reasons["image: not_an_image"] == 1 and report.reasons["image: no_image"] == 1
         got = read_back(uri)
         w, h = fit_size(1200, 900, 100_000)
@@ -325,8 +332,8 @@ def test_caption_pipeline_openai_statuses_resume_and_redo(tmp_path, ray_local):
             (None, "empty"),
             (None, "looping"),
             (None, "truncated"),
-            (None, "error"),
-            (None, "error"),
+            (None, "unreadable"),
+            (None, "unreadable"),
         ]
         assert max(a * b for a, b in srv.image_sizes) <= 100_000
         sent = srv.requests
@@ -453,3 +460,34 @@ def test_caption_pipeline_stops_when_the_backend_is_down(tmp_path, ray_local):
         run_caption(cfg)
     # Nothing was stored as a caption; the rows stay selectable for the next run.
     assert all(cap is None for cap, _ in read_back(uri).values())
+
+
+@pytest.mark.timeout(600)
+def test_transformers_backend_follows_the_schema_on_cpu(tiny_vlm):
+    import json
+
+    from prx_data.columns.backends import TransformersBackend
+    from prx_data.columns.structured import Validator, canonical, load_schema
+
+    schema = load_schema("attributes")  # the example shipped with the package
+    gen = GenerationConfig(max_tokens=300, json_schema=canonical(schema))
+    b = TransformersBackend(tiny_vlm, gen, device="cpu")
+    reqs = [
+        Request("Describe.", fit_image(jpeg(120, 90, c))[0]) for c in [(250, 0, 0), (0, 0, 250)]
+    ]
+    out = b(reqs)
+    check = Validator(schema)
+    for g in out:  # random weights, yet every output is a schema-valid object
+        assert g.error is None and g.finish_reason == "stop"
+        value, why = check.parse(g.text)
+        assert why is None and value == json.loads(g.text)
+    # Unconstrained, the same model does not write JSON at all.
+    free = TransformersBackend(tiny_vlm, GenerationConfig(max_tokens=30), device="cpu")
+    assert all(check.parse(g.text)[1] is not None for g in free(reqs))
+
+
+def test_packaged_schema_is_the_documented_example():
+    from prx_data.columns.structured import load_schema, schema_path
+
+    assert schema_path("attributes").is_file()
+    assert load_schema("attributes") == load_schema("configs/attributes.schema.json")

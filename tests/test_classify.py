@@ -135,7 +135,7 @@ def test_classify_openai_rules_then_model_resume_redo(tmp_path, ray_local):
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
-    from tests.tinymodels import build_tiny_causal_lm
+    from prx_data.core.tinymodels import build_tiny_causal_lm
 
     return str(build_tiny_causal_lm(tmp_path_factory.mktemp("lm") / "tiny-qwen2"))
 

@@ -323,3 +323,27 @@ def test_nested_outputs_take_the_update_columns_path(tmp_path):
     assert rep.rows == ROWS and rep.fragments_written == ROWS // PER_FRAGMENT
     t = lance.dataset(uri).to_table(columns=["image", "shape"]).to_pylist()
     assert all(r["shape"] == {"size": len(r["image"]), "even": len(r["image"]) % 2 == 0} for r in t)
+
+
+class BrokenModel:
+    """A step whose model fails to load (a wrong --model): it fails before any row."""
+
+    def __init__(self) -> None:
+        raise Boom("cannot load the model")
+
+    def __call__(self, batch: pa.Table) -> pa.Table:  # pragma: no cover - never reached
+        return measure(batch)
+
+
+def test_job_failing_before_its_first_write_leaves_the_table_as_it_was(tmp_path):
+    uri = make_table(str(tmp_path / "t.lance"))
+    ds0 = lance.dataset(uri)
+    with pytest.raises(Boom):
+        R.run_column_job(job(uri, steps=[R.Step(BrokenModel)], where=None))
+    ds = lance.dataset(uri)
+    assert ds.version == ds0.version and ds.schema == ds0.schema  # no columns, no version
+    # The same job with a working step adds its columns with the first write.
+    rep = R.run_column_job(job(uri, where=None, commit_every=100))
+    assert rep.written == ROWS and rep.commits == 1
+    assert lance.dataset(uri).version == ds0.version + 2  # the columns, then the one commit
+    assert values(uri) == {f"t/{i:04d}": expected(i) for i in range(ROWS)}

@@ -54,6 +54,24 @@ def test_small_bucket_is_fatal_or_dropped():
     assert p.buckets[1].excluded and p.buckets[1].dropped == 8 and p.epoch_size == 96
 
 
+def test_fill_streams_small_buckets_only_when_nothing_else_would():
+    # The eval side of a small hold-out: one or two samples per bucket, two ranks.
+    small = [ds("a", (1, 0), (2, 1), (0, 0))]
+    with pytest.raises(PlanError, match="nothing to train on"):
+        plan_buckets(small, device_batch_size=1, world_size=2, small_buckets="drop").check()
+    p = plan_buckets(small, device_batch_size=1, world_size=2, small_buckets="fill").check()
+    assert [b.choose for b in p.buckets] == [2, 2, 0]
+    assert [b.excluded for b in p.buckets] == [False, False, False]
+    assert p.batches_per_rank == 2 and p.mix[0].planned == 4
+    assert len(p.warnings) == 1 and "2 of 4 samples drawn twice" in p.warnings[0]
+    # A bucket with a whole unit: "fill" plans exactly as "drop" does (no repeats).
+    big = [ds("a", (10, 0), (1, 0))]
+    fill = plan_buckets(big, device_batch_size=1, world_size=2, small_buckets="fill")
+    drop = plan_buckets(big, device_batch_size=1, world_size=2, small_buckets="drop")
+    assert [b.choose for b in fill.buckets] == [b.choose for b in drop.buckets] == [10, 0]
+    assert fill.warnings == drop.warnings
+
+
 def test_canonical_node_mismatch_is_refused():
     with pytest.raises(PlanError, match="one must divide the other"):
         plan_buckets(

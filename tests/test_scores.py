@@ -17,9 +17,13 @@ import pytest
 from pipelines import score as SJ
 from prx_data.columns import scores as SC
 from prx_data.columns.runner import checkpoint_root
+from prx_data.core.tinymodels import (
+    build_tiny_aesthetic_head,
+    build_tiny_clip,
+    build_tiny_image_classifier,
+)
 from tests.dedup_images import jpeg, make_image, png
 from tests.tablekit import make_table
-from tests.tinymodels import build_tiny_aesthetic_head, build_tiny_clip, build_tiny_image_classifier
 
 ROWS = 12
 PER_FRAGMENT = 3
@@ -199,7 +203,8 @@ def test_cli_runs_reports_and_rejects_bad_heads_in_one_line(tmp_path, models, ca
     argv = ["--table", uri, "--engine", "local", "--no-progress", "--max-error-rate", "0.5"]
     assert main(["clip", "--model", models["clip"], "--report-json", str(out), *argv]) == 0
     rep = json.loads(out.read_text())
-    assert rep["rows"] == ROWS and rep["failures"] == {"not_an_image": 1} and rep["failed"] == 1
+    assert rep["rows"] == ROWS and rep["failures"] == {"not_an_image": 1}
+    assert rep["failed"] == 0 and rep["unreadable"] == 1  # a drop, not a model failure
     assert "clip: 12 rows" in capsys.readouterr().out
 
     # A head for another embedding size, a pickled object, a missing file: exit 2, one line.
@@ -277,3 +282,34 @@ def test_explorer_filters_and_shows_scores(tmp_path):
         for bad in ("high", "nan", "inf"):
             status, _, body = get(f"{url}/api/search?min.clip_score={bad}")
             assert status == 400 and b"must be a number" in body
+
+
+def test_wrong_model_class_is_one_line_and_leaves_the_table_alone(tmp_path, models, capsys):
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    from prx_data.cli.score import main
+
+    uri = table(tmp_path)
+    v0 = lance.dataset(uri).version
+    vision = tmp_path / "vision-only"
+    CLIPVisionModelWithProjection(
+        CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+    ).save_pretrained(vision)
+    argv = ["--table", uri, "--engine", "local", "--no-progress"]
+    assert main(["clip", "--model", str(vision), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "CLIPVisionModelWithProjection" in err and "needs a CLIPModel" in err
+    # A CLIP model is no image classifier either.
+    assert main(["watermark", "--model", models["clip"], *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "CLIPModel" in err and "image classifier" in err and len(err.splitlines()) == 1
+    assert lance.dataset(uri).version == v0
+    assert not [n for n in lance.dataset(uri).schema.names if n.startswith(("clip_", "watermark_"))]

@@ -174,6 +174,9 @@ def test_higher_tier_is_downsized_and_item_fields(export):
         assert item["image"].shape == (3, 512, 512) and item["image"].dtype == torch.uint8
         assert (item["tier"], item["bucket"], item["width"]) == (512, "512/1.000", 2048)
         assert item["caption"] == f"caption of {item['id']}"
+        # Every item names its dataset: by default the root's last two path parts.
+        assert item["dataset"] == "/".join(export.root.rstrip("/").split("/")[-2:])
+        assert ds.plan.datasets == [item["dataset"]] and item["dataset"] in ds.plan.report()
         n = int(item["id"].rsplit("/", 1)[1])
         assert abs(int(item["image"][0, 256, 256]) - n % 251) <= 3  # the colour survives the resize
     finally:
@@ -241,3 +244,12 @@ def test_replication_gives_identical_batches_to_a_group(export):
     kw = dict(tier=512, small_buckets="drop", replication=2, num_canonical_nodes=1)
     runs = [run_rank(export.root, rank=r, world_size=2, batch_size=4, **kw) for r in range(2)]
     assert runs[0].batches == runs[1].batches and runs[0].batches
+
+
+def test_dataset_names_default_to_the_roots_last_parts():
+    from prx_data.stream.dataset import default_name
+
+    assert default_name("s3://bucket/exports/v1/") == "exports/v1"
+    assert default_name("/data/ex") == "data/ex" and default_name("ex") == "ex"
+    assert DatasetSpec("/a/b/c", name="photos").label == "photos"
+    assert DatasetSpec("/a/b/c").label == "b/c"

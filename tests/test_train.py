@@ -249,8 +249,8 @@ def test_text_encoder_loads_by_path(tiny_t5):
 
 def test_decoder_only_text_tower_loads(tmp_path):
     """A causal LM (Qwen-style) serves as encoder through its base model's hidden states."""
+    from prx_data.core.tinymodels import build_tiny_causal_lm
     from prx_data.train.text_encoder import TextEncoder
-    from tests.tinymodels import build_tiny_causal_lm
 
     enc = TextEncoder.from_pretrained(str(build_tiny_causal_lm(tmp_path / "qwen")), max_length=8)
     assert type(enc.model).__name__ == "Qwen2Model" and enc.hidden_size == 32

@@ -134,7 +134,7 @@ def _fit(cfg, monkeypatch=None):
 
 def test_smoke_config_runs_eval_and_writes_a_sample_grid(tmp_path, export, tiny_t5, monkeypatch):
     from prx_data.train.evaluation import TOTAL, band_edges, band_name
-    from prx_data.train.sampling import grid_size
+    from prx_data.train.sampling import LABEL_H, PROMPT_W, grid_size, labelled_size
 
     cfg = _smoke_cfg(tmp_path, export, tiny_t5, "a")
     metrics, written, recorder = _fit(cfg, monkeypatch)
@@ -147,11 +147,15 @@ def test_smoke_config_runs_eval_and_writes_a_sample_grid(tmp_path, export, tiny_
 
     assert written == [str(tmp_path / "a" / "samples" / "ba0000004.png")]
     s = cfg.sampling
-    want = grid_size(len(s.prompts), len(s.seeds), s.shapes)
-    assert want == (4 * 64, 2 * 96)
+    assert grid_size(len(s.prompts), len(s.seeds), s.shapes) == (4 * 64, 2 * 96)
+    want = labelled_size(len(s.prompts), len(s.seeds), s.shapes)
+    assert want == (4 * 64 + PROMPT_W, 2 * 96 + LABEL_H)
     with Image.open(written[0]) as im:
         assert im.size == want and im.mode == "RGB"
-        arr = np.asarray(im)
+        labels = np.asarray(im)
+        arr = labels[LABEL_H:, PROMPT_W:]
+    # The seed band and the prompt band carry text (dark pixels on white).
+    assert labels[:LABEL_H, PROMPT_W:].min() < 128 and labels[LABEL_H:, :PROMPT_W].min() < 128
     # 64x64 cells are centred in 64x96 cells: black bands above and below them only.
     assert arr[:16, :128].max() == 0 and arr[:16, 128:].max() > 0
     # The grid and the eval metrics reached the configured loggers.
@@ -565,3 +569,16 @@ def test_a_passed_in_dataset_cannot_hide_the_holdout(export, tiny_t5):
     )
     with pytest.raises(ValueError, match="eval.source=slice with a dataset passed in"):
         build_trainer(cfg, dataset=object())
+
+
+def test_eval_plan_that_cannot_run_is_one_line_naming_eval(tmp_path, export, tiny_t5):
+    from prx_data.stream.planner import PlanError
+    from prx_data.train.evaluation import build_evaluator
+
+    # A hold-out so thin that no sample falls in it: nothing to evaluate.
+    cfg = _smoke_cfg(tmp_path, export, tiny_t5, "thin", ["eval.holdout_fraction=1e-9"])
+    with pytest.raises(PlanError) as info:
+        build_evaluator(cfg, 1, cfg.model.patch_size)
+    msg = str(info.value)
+    assert msg.startswith("eval: ") and "\n" not in msg
+    assert "eval.holdout_fraction" in msg  # and how to fix it

@@ -277,3 +277,25 @@ def test_a_missing_metric_model_is_one_line_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match="metrics.clip_model: cannot load") as err:
         build_metrics(None, str(tmp_path / "no-clip"), None)
     assert "\n" not in str(err.value)
+
+
+def test_compare_puts_the_runs_last_sample_grids_side_by_side(tmp_path):
+    from PIL import Image
+
+    from prx_data.train.compare import compare
+
+    runs = []
+    for name, colour in (("a", (230, 20, 20)), ("b", (20, 200, 20))):
+        run = _fake_run(tmp_path / name, [80.0, 60.0, 50.0], [0.9, 0.8, 0.7])
+        (run / "samples").mkdir(exist_ok=True)
+        Image.new("RGB", (64, 32), (0, 0, 0)).save(run / "samples" / "ba0000100.png")
+        Image.new("RGB", (64, 32), colour).save(run / "samples" / "ba0000300.png")  # the last
+        runs.append(run)
+    png, _ = compare(str(runs[0]), str(runs[1]), tmp_path / "cmp.png")
+    with Image.open(png) as im:
+        arr = np.asarray(im.convert("RGB")).astype(int)
+    lower = arr[arr.shape[0] // 2 :]
+    red = (abs(lower - [230, 20, 20]).sum(-1) < 30).nonzero()[1]
+    green = (abs(lower - [20, 200, 20]).sum(-1) < 30).nonzero()[1]
+    assert len(red) > 500 and len(green) > 500
+    assert red.mean() < arr.shape[1] / 2 < green.mean()  # A on the left, B on the right

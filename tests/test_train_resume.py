@@ -237,4 +237,4 @@ def test_replicated_run_counts_unique_samples_and_resumes_exactly_once(tmp_path)
     dupes = {k: v for k, v in Counter(ids).items() if v > 1}
     assert not dupes, f"seen twice after the resume: {sorted(dupes)[:5]}"
     assert sorted(ids) == expected, f"missing {set(expected) - set(ids)}"
-    assert "4 unique per step, replication 2" in out and "data plan at start" in out, out[-3000:]
+    assert "4 unique per step, replication 2" in out and "bucket plan:" in out, out[-3000:]

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="JSON schema of structured attributes to ask for (an object schema; e.g. "
-        "configs/attributes.schema.json). Supported: type object/array/string/boolean/"
+        "configs/attributes.schema.json, or 'attributes' for that example as shipped in the "
+        "package). Supported: type object/array/string/boolean/"
         "integer/number, properties, required, enum, items, additionalProperties, bounds",
     )
     p.add_argument(

@@ -31,6 +31,43 @@ def _add_broken_files(folder: str) -> None:
     Image.new("RGB", (2400, 300), (90, 140, 200)).save(os.path.join(folder, "banner_8to1.jpg"))
 
 
+#: Where the demo's URL list points: a loopback server over its sample folder (README).
+URL_PORT = 8765
+
+
+def _write_url_list(workdir: str, src: str, n: int = 4) -> str:
+    """A LAION-style parquet (url, caption) of a few sample images, served from loopback.
+
+    ``python -m http.server 8765 -b 127.0.0.1 -d <workdir>/src`` serves them, so the
+    download job can be tried offline (``--allow-private 127.0.0.1:8765``).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = sorted(f for f in os.listdir(src) if f.startswith("img_") and f.endswith(".jpg"))[:n]
+    urls = [f"http://127.0.0.1:{URL_PORT}/{name}" for name in names]
+    captions = [f"sample {name}" for name in names]
+    path = os.path.join(workdir, "urls.parquet")
+    pq.write_table(pa.table({"url": urls, "caption": captions}), path)
+    return path
+
+
+def _write_plain_mds(workdir: str, src: str, n: int = 4) -> str:
+    """A small MDS tree as another writer makes it (``<tier>/<ratio>/``), for ``adopt``."""
+    from streaming import MDSWriter
+
+    root = os.path.join(workdir, "plain-mds")
+    if os.path.exists(root):
+        shutil.rmtree(root)
+    names = sorted(f for f in os.listdir(src) if f.startswith("img_") and f.endswith(".jpg"))[:n]
+    out = os.path.join(root, "512", "1.000")
+    with MDSWriter(out=out, columns={"image": "bytes", "caption": "str"}) as w:
+        for name in names:
+            with open(os.path.join(src, name), "rb") as f:
+                w.write({"image": f.read(), "caption": f"sample {name}"})
+    return root
+
+
 def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dict:
     from pipelines.ingest import ingest
     from pipelines.write_mds import run_export
@@ -62,6 +99,17 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
 
     tiny = save_tiny_metric_models(workdir)
     print(f"tiny random-weight FID/CLIP/DINOv2 models for its metrics: {', '.join(tiny.values())}")
+    from prx_data.core.tinymodels import save_demo_models
+
+    jobs = save_demo_models(workdir)
+    urls = _write_url_list(workdir, src)
+    print(f"a URL list for the download job (served by python -m http.server): {urls}")
+    plain = _write_plain_mds(workdir, src)
+    print(f"an MDS tree another writer made, for the adopt job: {plain}")
+    print(
+        "tiny random-weight models for the column jobs (offline, CPU; outputs are noise): "
+        + ", ".join(f"{k} {v}" for k, v in jobs.items())
+    )
     print()
     print(report.table_text())
     print(f"\nreport: {os.path.join(out, 'report.json')}")
@@ -70,8 +118,12 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
         f"  python -m prx_data.stats --table {table} --out {workdir}/stats\n"
         f"  python -m prx_data.explore --table {table} --build-indexes\n"
         f"  python -m prx_data.skips stats {out}\n"
+        f"  python -m prx_data.caption --table {table} --backend transformers "
+        f"--model {workdir}/tiny-vlm --max-tokens 16 --limit 8\n"
+        f"  python -m prx_data.score clip --table {table} --model {workdir}/tiny-clip\n"
         "  python -m prx_data.train configs/train/smoke_cpu.yaml\n"
-        "  python -m prx_data.train configs/train/smoke_latent_cpu.yaml"
+        "  composer -n 2 -m prx_data.train configs/train/smoke_latent_cpu.yaml\n"
+        "(README.md, 'Every job': one offline command per job)"
     )
     return report.to_dict()
 

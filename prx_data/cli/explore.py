@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"column: auto = with --build-indexes, if at most {AUTO_DESCRIPTOR_ROWS:,} rows "
         "(default); yes = compute them now (changes the table); no = never",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="start the explorer, load its page and first search results once over loopback, "
+        "print what came back and exit (0 when both answered): a smoke test, e.g. offline",
+    )
     # Deprecated: leaving the table unchanged is now the default.
     p.add_argument("--no-index", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -97,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     server = serve(cfg)
     host, port = server.server_address[:2]
+    if args.check:
+        return _check(server)
     print(f"exploring {cfg.table} at http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
     if host in ("0.0.0.0", "::") and not cfg.allowed_hosts:
         print(
@@ -111,6 +119,34 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _check(server) -> int:
+    """Serve two requests from a thread (the page, the first search page), then stop."""
+    import json
+    import threading
+    import urllib.request
+
+    port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(base + "/", timeout=60) as r:
+            page = r.status == 200 and b"<html" in r.read(4096).lower()
+        with urllib.request.urlopen(base + "/api/search", timeout=120) as r:
+            found = json.loads(r.read())
+    except OSError as e:
+        print(f"error: the explorer did not answer: {e}", file=sys.stderr)
+        return 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    rows = found.get("rows") or found.get("results") or []
+    print(
+        f"explorer ok: page {'served' if page else 'MISSING'}, {len(rows)} rows on the first page"
+    )
+    return 0 if page else 1
 
 
 if __name__ == "__main__":

@@ -145,10 +145,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("composer").setLevel(args.log_level)
+    from prx_data.train.logs import quiet_logs
+
+    quiet_logs(args.log_level)
 
     from prx_data.train.trainer import build_trainer, finished_message, run_is_finished
 
-    trainer = build_trainer(cfg)
+    try:
+        trainer = build_trainer(cfg)
+    except PrxDataError as exc:
+        # Every rank plans the same data and fails the same way: one line, from rank 0.
+        if _global_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
     if run_is_finished(trainer):
         # A rerun of a finished run (e.g. a requeued job) is not a failure: say so, exit 0.
         print(finished_message(cfg, trainer), file=sys.stderr)
@@ -157,6 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer.fit()
     trainer.close()
     return 0
+
+
+def _global_rank() -> int:
+    """This process's rank under Composer's launcher (0 when run alone)."""
+    import os
+
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ an error). The Ray pipelines build one backend per actor from a picklable
 
 A JSON schema in :class:`GenerationConfig` (``json_schema``, structured
 attributes) becomes vLLM guided decoding or the endpoint's
-``response_format``; transformers generates unconstrained, and the job
-validates every output either way (:mod:`prx_data.columns.structured`).
+``response_format``, or an xgrammar token mask in the transformers
+backend (:func:`compile_schema`, also on the CPU); the job validates every
+output either way (:mod:`prx_data.columns.structured`).
 
 Heavy imports (torch, transformers, vllm) happen inside the backends, so
 importing this module is cheap.
@@ -59,8 +60,8 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     seed: int | None = None
     #: A JSON schema (as JSON text, :func:`prx_data.columns.structured.canonical`) the
-    #: output must follow: vLLM guided decoding, or the endpoint's ``response_format``.
-    #: The transformers backend generates unconstrained; the job validates every output.
+    #: output must follow: vLLM guided decoding, the endpoint's ``response_format``, or
+    #: xgrammar's token mask in the transformers backend; the job validates every output.
     json_schema: str | None = None
 
     def __post_init__(self) -> None:
@@ -281,6 +282,11 @@ class TransformersBackend(Backend):
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = set(eos)
+        self._grammar = None
+        if self.generation.json_schema is not None:
+            self._grammar = compile_schema(
+                self.tokenizer, self.net, self.generation.json_schema, sorted(self.eos_ids)
+            )
 
     def _prompt_text(self, request: Request) -> str:
         if request.image is None:
@@ -333,6 +339,11 @@ class TransformersBackend(Backend):
                 self._torch.manual_seed(g.seed)
         if g.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = g.repetition_penalty
+        if self._grammar is not None:
+            from xgrammar.contrib.hf import LogitsProcessor
+
+            # One per generate() call: it holds each row's position in the grammar.
+            kwargs["logits_processor"] = [LogitsProcessor(self._grammar)]
         with self._torch.inference_mode():
             out = self.net.generate(**prepared, pad_token_id=self.tokenizer.pad_token_id, **kwargs)
         return out[:, prepared["input_ids"].shape[1] :].cpu()
@@ -349,6 +360,27 @@ class TransformersBackend(Backend):
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             results.append(Generation(text, reason))
         return results
+
+
+def compile_schema(tokenizer: Any, net: Any, json_schema: str, stop_ids: Sequence[int]) -> Any:
+    """The schema as an xgrammar grammar over this tokenizer's vocabulary.
+
+    xgrammar (what vLLM itself uses for guided decoding) masks, at every step,
+    the tokens that cannot continue a schema-valid JSON text, so even a small
+    model stores valid rows on the CPU; the output is still validated after.
+    No free whitespace between tokens: a model cannot pad an object forever.
+    """
+    try:
+        import xgrammar as xgr
+    except ImportError:  # pragma: no cover - a dependency of the package
+        raise BackendUnavailable(
+            "--schema with the transformers backend needs xgrammar: pip install xgrammar"
+        ) from None
+    vocab = int(net.get_output_embeddings().weight.shape[0])
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab, stop_token_ids=list(stop_ids)
+    )
+    return xgr.GrammarCompiler(info).compile_json_schema(json_schema, any_whitespace=False)
 
 
 # --- OpenAI-compatible HTTP ------------------------------------------------

@@ -21,8 +21,11 @@ TRUNCATED = "truncated"
 ERROR = "error"
 #: Structured output (``--schema``) that is not JSON or fails the schema.
 INVALID = "invalid"
+#: The row's image cannot be read (empty, truncated, not an image): a drop with its
+#: reason, not a model failure; ``--max-error-rate`` does not count it.
+UNREADABLE = "unreadable"
 #: Every status a row can get, in order of precedence.
-STATUSES = (ERROR, EMPTY, LOOPING, TRUNCATED, INVALID, OK)
+STATUSES = (ERROR, UNREADABLE, EMPTY, LOOPING, TRUNCATED, INVALID, OK)
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)

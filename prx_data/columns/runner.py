@@ -4,8 +4,10 @@ Caption, classify, pHash, descriptors, quality and scores all turn some
 columns of each row into new columns. They share this runner, which gives them the same
 guarantees at any table size:
 
-- **Pinned version.** The job reads the version current at its start (after
-  adding any missing output column, all null and metadata-only). Rows
+- **Pinned version.** The job reads the version current at its start. A
+  missing output column is added (all null, metadata-only) just before the
+  first data file is written, so a job that fails before that leaves the
+  table as it was. Rows
   appended while it runs live in new fragments: they are not touched and stay
   pending for the next run.
 - **Per fragment, written once.** Work is planned per fragment from one scan
@@ -47,6 +49,7 @@ runner carries ``_rowaddr`` across steps when a step drops it.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections import Counter
@@ -172,17 +175,22 @@ def _open(uri: str, storage_options: dict | None, version: int | None = None):
     return open_table(uri, storage_options, version)
 
 
-def ensure_columns(uri: str, outputs: pa.Schema, storage_options: dict | None = None) -> int:
-    """Add the output columns the table lacks (all null, no data written); returns the version."""
-    ds = _open(uri, storage_options)
+def missing_columns(ds, outputs: pa.Schema) -> list[pa.Field]:
+    """The output columns ``ds`` lacks; an existing one of another type is refused."""
     names = ds.schema.names
     for f in outputs:
         if f.name in names and ds.schema.field(f.name).type != f.type:
             raise UsageError(
-                f"column {f.name!r} is {ds.schema.field(f.name).type} in {uri!r}, "
+                f"column {f.name!r} is {ds.schema.field(f.name).type} in {ds.uri!r}, "
                 f"this job writes {f.type}"
             )
-    missing = [pa.field(f.name, f.type, nullable=True) for f in outputs if f.name not in names]
+    return [pa.field(f.name, f.type, nullable=True) for f in outputs if f.name not in names]
+
+
+def ensure_columns(uri: str, outputs: pa.Schema, storage_options: dict | None = None) -> int:
+    """Add the output columns the table lacks (all null, no data written); returns the version."""
+    ds = _open(uri, storage_options)
+    missing = missing_columns(ds, outputs)
     if missing:
         ds.add_columns(missing)
         ds = _open(uri, storage_options)
@@ -389,6 +397,16 @@ def write_columns(ds, frag, values: pa.Table, outputs: pa.Schema, storage_option
     return FragmentMetadata.from_json(json.dumps(meta)), ids
 
 
+def _fragment_key(meta) -> tuple:
+    """What a fragment's rows are: its data files, row count and deletions."""
+    deletion = meta.deletion_file
+    return (
+        tuple(f.path for f in meta.data_files()),
+        meta.physical_rows,
+        None if deletion is None else str(deletion),
+    )
+
+
 class Committer:
     """Writes each finished fragment's columns once, checkpoints it, commits in batches."""
 
@@ -404,8 +422,32 @@ class Committer:
         self.bytes_written = 0
         self.version = ds.version
 
+    def _add_columns(self) -> None:
+        """Add the missing output columns, just before the first data file is written.
+
+        Deferred so that a job failing before it has anything to write (a wrong
+        model, a backend that is down) leaves the table as it was: no columns,
+        no version. Adding all-null columns touches no fragment; the pinned
+        fragments must still be there, unchanged, or the job stops (rerun it).
+        """
+        if not missing_columns(self.ds, self.job.outputs):
+            return
+        version = ensure_columns(self.job.table, self.job.outputs, self.job.storage_options)
+        ds = _open(self.job.table, self.job.storage_options, version)
+        now = {f.fragment_id: f.metadata for f in ds.get_fragments()}
+        for f in self.ds.get_fragments():
+            new = now.get(f.fragment_id)
+            if new is None or _fragment_key(new) != _fragment_key(f.metadata):
+                raise Conflict(
+                    f"the fragments of {self.job.table!r} changed while the column job ran "
+                    "(compaction or deletion); nothing was written. Rerun the job."
+                )
+        self.ds = ds
+        self.version = ds.version
+
     def write(self, fragment: int, values: pa.Table) -> None:
         """Join ``values`` (``_rowaddr`` + outputs) onto the fragment: one new data file."""
+        self._add_columns()
         frag = self.ds.get_fragment(fragment)
         base = frag.metadata
         meta, fields = write_columns(
@@ -638,7 +680,11 @@ def run_column_job(job: ColumnJob) -> ColumnReport:
     start = time.perf_counter()
     name = job.job_name
     report = ColumnReport(job.table, list(job.outputs.names))
-    ensure_columns(job.table, job.outputs, job.storage_options)
+    # A column of the wrong type stops here; missing ones are added by the first write,
+    # unless the pending filter names one (it must exist to be scanned).
+    missing = missing_columns(_open(job.table, job.storage_options), job.outputs)
+    if job.where and any(re.search(rf"\b{re.escape(f.name)}\b", job.where) for f in missing):
+        ensure_columns(job.table, job.outputs, job.storage_options)
     report.recovered_fragments, report.recovered_rows = recover(
         job.table, name, job.storage_options
     )

@@ -6,8 +6,8 @@ schema does three things:
 
 1. **Guides generation** where the backend can: vLLM's offline engine gets
    ``GuidedDecodingParams(json=schema)``, an OpenAI-compatible endpoint gets
-   ``response_format={"type": "json_schema", ...}``. The transformers backend
-   generates unconstrained.
+   ``response_format={"type": "json_schema", ...}``, the transformers backend
+   masks the logits with xgrammar (the library vLLM's guided decoding uses).
 2. **Validates every output, on every backend** (guided decoding can still
    be cut off by the token limit, and servers differ in what they enforce):
    the text must parse as JSON and pass ``jsonschema`` (Draft 2020-12). An
@@ -131,9 +131,21 @@ def arrow_type(schema: dict, where: str = "schema") -> pa.DataType:
     )
 
 
-def load_schema(path: str | Path) -> dict:
-    """Read and check a schema file: a JSON object schema in the supported subset."""
+#: Schemas shipped with the package, by name (``--schema attributes``).
+BUILTIN_SCHEMAS = {"attributes": "attributes.schema.json"}
+
+
+def schema_path(path: str | Path) -> Path:
+    """``path``, or the packaged schema of that name when no such file exists."""
     p = Path(path)
+    if not p.exists() and str(path) in BUILTIN_SCHEMAS:
+        return Path(__file__).with_name("schemas") / BUILTIN_SCHEMAS[str(path)]
+    return p
+
+
+def load_schema(path: str | Path) -> dict:
+    """Read and check a schema file (or a packaged one by name, e.g. ``attributes``)."""
+    p = schema_path(path)
     try:
         schema = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:

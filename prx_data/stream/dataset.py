@@ -111,6 +111,19 @@ class DatasetSpec:
     tier: int | None = None
     #: Item key -> column of an MDS tree another writer made, e.g. ``{"caption": "prompt"}``.
     columns: dict[str, str] | None = None
+    #: Its name in plans and in each item's ``dataset`` (None: :func:`default_name` of the root).
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``name``, or the root's last two path parts."""
+        return self.name or default_name(self.root)
+
+
+def default_name(root: str) -> str:
+    """The last two parts of an export root: ``s3://b/exports/v1`` -> ``exports/v1``."""
+    parts = [p for p in root.rstrip("/").split("/") if p and not p.endswith(":")]
+    return "/".join(parts[-2:]) or root
 
 
 @dataclass
@@ -321,7 +334,7 @@ def plan_sources(
     sources = [load_sources(s, spec.tiers(), world, caption_columns) for s in specs]
     counts = [
         planner.DatasetCount(
-            s.root,
+            s.label,
             [planner.BucketCount(b.bucket, b.samples, b.skipped) for b in src],
             s.proportion,
             s.repeat,
@@ -353,7 +366,7 @@ class BucketedDataset(StreamingDataset):
     sample's aspect ratio; higher-tier samples are Lanczos-downsized), ``id``,
     each caption column, ``tier`` (the run tier), ``bucket`` (its run-tier
     bucket name), ``width``/``height`` (the original image size),
-    ``source_bucket``, and each of ``extra_columns`` (table columns the export
+    ``source_bucket``, ``dataset`` (its :attr:`DatasetSpec.label`), and each of ``extra_columns`` (table columns the export
     kept with ``write_mds --keep-columns``, as they were stored: NaN for a
     missing float, None for another missing value). Every device batch comes
     from one bucket.
@@ -396,6 +409,7 @@ class BucketedDataset(StreamingDataset):
         bucket_spec: BucketSpec = DEFAULT_SPEC,
         on_change: str = "error",
         spec: planner.PlanSpec | None = None,
+        plan_label: str = "bucket",
         **streaming_kwargs: Any,
     ) -> None:
         if on_change not in ON_CHANGE:
@@ -424,10 +438,14 @@ class BucketedDataset(StreamingDataset):
         if spec.shuffle_block_size is not None:
             streaming_kwargs["shuffle_block_size"] = spec.shuffle_block_size
         self.spec = spec
+        #: How the plan is logged: "bucket" (the table) or a side stream's name (one line).
+        self.plan_label = plan_label
         self.on_change = on_change
         #: Set by a resume that restarted its epoch: what changed and how many samples repeat.
         self.restarted_epoch: dict[str, Any] | None = None
         specs = _specs(datasets)
+        #: Each dataset's name (``DatasetSpec.label``), carried in every item as ``dataset``.
+        self.dataset_names = [s.label for s in specs]
         spec.tiers()  # unknown tier -> clear error
         self.run_tier = spec.tier
         self.caption_columns = tuple(caption_columns)
@@ -444,9 +462,12 @@ class BucketedDataset(StreamingDataset):
             sources, plan = plan_sources(specs, spec, world, caption_columns=self.caption_columns)
             self.plan = plan.check()
             if world.rank == 0:
-                log.info("bucket plan:\n%s", self.plan.report())
+                if self.plan_label == "bucket":
+                    log.info("bucket plan:\n%s", self.plan.report(warnings=False))
+                else:  # a side stream (eval): one line
+                    log.info("%s plan: %s", self.plan_label, self.plan.summary())
                 for w in self.plan.warnings:
-                    log.warning("bucket plan: %s", w)
+                    log.warning("%s plan: %s", self.plan_label, w)
             self.fingerprint = fingerprint(
                 specs,
                 sources,
@@ -526,11 +547,15 @@ class BucketedDataset(StreamingDataset):
     # Streaming calls this for every sample id of the epoch (after partitioning).
     def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
         raw = super().get_item(sample_id, retry)
+        shard_id, k = self.spanner[sample_id]
+        stream = self.stream_per_shard[shard_id]
+        dataset = self.dataset_names[self.stream_info[stream][0]]
         if any(self.stream_foreign):
-            shard_id, k = self.spanner[sample_id]
-            found = self.stream_foreign[self.stream_per_shard[shard_id]]
+            found = self.stream_foreign[stream]
             if found is not None:
-                return self._foreign_item(raw, shard_id, k, *found)
+                item = self._foreign_item(raw, shard_id, k, *found)
+                item["dataset"] = dataset
+                return item
         bucket = parse_bucket_name(raw["bucket"], self.bucket_spec)
         shape = same_ratio_shape(bucket, self.run_tier, self.bucket_spec)
         item: dict[str, Any] = {
@@ -539,6 +564,7 @@ class BucketedDataset(StreamingDataset):
             "tier": self.run_tier,
             "bucket": bucket_name(self.run_tier, *shape),
             "source_bucket": raw["bucket"],
+            "dataset": dataset,
             "width": int(raw["width"]),
             "height": int(raw["height"]),
         }

@@ -37,6 +37,8 @@ from prx_data.core.errors import PrxDataError
 from prx_data.export import layout
 
 BATCHING_METHODS = ("per_stream", "device_per_stream")
+#: What a plan does with a bucket too small for one unit (see :class:`PlanSpec`).
+SMALL_BUCKETS = ("error", "drop", "fill")
 #: streaming's default: max(4_000_000 // num_canonical_nodes, 1 << 18).
 DEFAULT_SHUFFLE_BLOCK = 1 << 18
 #: A dataset whose realised share is further than this from the requested one is warned about.
@@ -73,7 +75,9 @@ class PlanSpec:
     shuffle_seed: int = 9176
     #: None: streaming's default for the canonical node count.
     shuffle_block_size: int | None = None
-    #: Buckets too small for one planning unit: "error" or "drop" (with a warning).
+    #: Buckets too small for one planning unit: "error", "drop" (with a warning), or
+    #: "fill": as "drop", but when that leaves nothing to stream, every bucket with samples
+    #: gets one whole unit and its samples repeat (the eval stream of a small hold-out).
     small_buckets: str = "error"
     bucket_spec: BucketSpec = DEFAULT_SPEC
 
@@ -258,24 +262,38 @@ class Plan:
     def mix_report(self) -> str:
         """Requested vs realised share per dataset, one line each."""
         epoch = self.epoch_size
-        rows = [f"{'dataset':<24} {'requested':>9} {'realised':>9} {'samples':>9}"]
+        w = max([len("dataset"), *(len(d.name) for d in self.mix)])
+        rows = [f"{'dataset':<{w}} {'requested':>9} {'realised':>9} {'samples':>9}"]
         for d in self.mix:
             rows.append(
-                f"{d.name[-24:]:<24} {d.requested:>9.4f} {d.realised(epoch):>9.4f} {d.planned:>9}"
+                f"{d.name:<{w}} {d.requested:>9.4f} {d.realised(epoch):>9.4f} {d.planned:>9}"
             )
         return "\n".join(rows)
 
-    def report(self) -> str:
-        """A table for humans: one row per bucket, the mix per dataset, then totals."""
+    def summary(self) -> str:
+        """The epoch in one line: samples, batches per rank, what is not reached or repeated."""
+        kept = sum(b.kept for b in self.buckets)
+        return (
+            f"epoch: {self.epoch_size} samples, {self.batches_per_rank} batches per rank; "
+            f"{sum(b.dropped for b in self.buckets)} of {kept} kept samples not reached this "
+            f"epoch, {sum(b.repeated for b in self.buckets)} drawn again"
+        )
+
+    def report(self, warnings: bool = True) -> str:
+        """A table for humans: one row per bucket, the mix per dataset, then totals.
+
+        ``warnings=False`` leaves out the warnings (logged on their own, once each).
+        """
         head = (
             f"batching={self.batching_method} world={self.world_size} nodes={self.num_nodes} "
             f"device_batch={self.device_batch_size} global_batch={self.global_batch_size} "
             f"workers={self.num_workers} canonical_nodes={self.num_canonical_nodes} "
             f"replication={self.replication} unit={self.unit}"
         )
+        w = max([len("dataset"), *(len(n) for n in self.datasets)])
         rows = [
             head,
-            f"{'dataset':<12} {'bucket':<12} {'samples':>9} {'skipped':>8} {'kept':>9} "
+            f"{'dataset':<{w}} {'bucket':<12} {'samples':>9} {'skipped':>8} {'kept':>9} "
             f"{'target':>9} {'epoch':>9} {'batches':>8} {'dropped':>8}",
         ]
         for b in self.buckets:
@@ -283,18 +301,14 @@ class Plan:
             if b.repeated:
                 note = f"  (up-sampled: {b.repeated} repeats)"
             rows.append(
-                f"{self.datasets[b.dataset][-12:]:<12} {b.bucket:<12} {b.samples:>9} "
+                f"{self.datasets[b.dataset]:<{w}} {b.bucket:<12} {b.samples:>9} "
                 f"{b.skipped:>8} {b.kept:>9} {b.target:>9} {b.choose:>9} {b.batches:>8} "
                 f"{b.dropped:>8}{note}"
             )
         rows.append(self.mix_report())
-        kept = sum(b.kept for b in self.buckets)
-        rows.append(
-            f"epoch: {self.epoch_size} samples, {self.batches_per_rank} batches per rank; "
-            f"{sum(b.dropped for b in self.buckets)} of {kept} kept samples not reached this "
-            f"epoch, {sum(b.repeated for b in self.buckets)} drawn again"
-        )
-        rows += [f"WARNING: {w}" for w in self.warnings]
+        rows.append(self.summary())
+        if warnings:
+            rows += [f"WARNING: {w}" for w in self.warnings]
         rows += [f"PROBLEM: {p}" for p in self.problems]
         return "\n".join(rows)
 
@@ -429,8 +443,8 @@ def plan_buckets(
             f"batching_method={batching_method!r} does not keep one shape per batch; "
             f"use one of {BATCHING_METHODS}"
         )
-    if small_buckets not in ("error", "drop"):
-        raise PlanError(f"small_buckets must be 'error' or 'drop', got {small_buckets!r}")
+    if small_buckets not in SMALL_BUCKETS:
+        raise PlanError(f"small_buckets must be one of {SMALL_BUCKETS}, got {small_buckets!r}")
     if device_batch_size < 1 or world_size < 1 or num_nodes < 1:
         raise PlanError("device_batch_size, world_size and num_nodes must be positive")
     if world_size % num_nodes:
@@ -522,6 +536,8 @@ def plan_buckets(
         spec=spec,
     )
     _explain(plan, small_buckets)
+    if small_buckets == "fill" and not plan.active and not problems:
+        _fill(plan, per)
     if not plan.active and not problems:
         problems.append("no bucket has a full unit of samples: nothing to train on")
     if shuffle:
@@ -535,6 +551,27 @@ def plan_buckets(
                     f"streaming would fail. Pass shuffle_block_size>={need}."
                 )
     return plan
+
+
+def _fill(plan: Plan, per: int) -> None:
+    """One whole unit for every bucket with samples (repeating them): nothing else would stream.
+
+    Each rank then gets whole batches of one shape. The samples that repeat
+    count twice in a mean over the epoch; the warning says how many.
+    """
+    for b in plan.buckets:
+        if b.kept > 0:
+            b.choose = math.ceil(b.kept / plan.unit) * plan.unit
+            b.batches = b.choose // per
+            b.excluded = False
+    for i, d in enumerate(plan.mix):
+        d.planned = sum(b.choose for b in plan.buckets if b.dataset == i)
+    repeats = sum(b.repeated for b in plan.buckets)
+    plan.warnings[:] = [
+        f"no bucket holds a whole unit of {plan.unit} samples (global batch "
+        f"{plan.global_batch_size} x {plan.num_workers} workers); each bucket is filled to whole "
+        f"units, {repeats} of {plan.epoch_size} samples drawn twice or more"
+    ]
 
 
 def _explain(plan: Plan, small_buckets: str) -> None:

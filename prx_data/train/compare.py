@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from prx_data.core.errors import UsageError
 
 #: Lower is better for every metric compared here.
@@ -99,7 +101,25 @@ def plot(runs: list[RunMetrics], out: str | Path) -> Path:
     names = metric_names(runs)
     cols = min(3, max(1, len(names)))
     rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    grids = [last_grid(r.folder) for r in runs]
+    extra = 1 if any(g is not None for g in grids) else 0
+    fig = plt.figure(figsize=(4.5 * cols, 3.2 * rows + 3.6 * extra))
+    spec = fig.add_gridspec(rows + extra, cols * 2)
+    axes = np.array(
+        [[fig.add_subplot(spec[r, 2 * c : 2 * c + 2]) for c in range(cols)] for r in range(rows)]
+    )
+    if extra:  # the last sample grid of each run, side by side under the plots
+        for i, (run, grid) in enumerate(zip(runs, grids, strict=True)):
+            ax = fig.add_subplot(spec[rows, i * cols : (i + 1) * cols])
+            ax.axis("off")
+            if grid is None:
+                ax.set_title(f"{run.label}: no sample grid", fontsize=9)
+                continue
+            from PIL import Image
+
+            with Image.open(grid) as im:
+                ax.imshow(np.asarray(im.convert("RGB")))
+            ax.set_title(f"{run.label}: {grid.name}", fontsize=9)
     for ax, name in zip(axes.flat, names, strict=False):
         for run in runs:
             pts = sorted(run.series.get(name, {}).items())
@@ -117,6 +137,15 @@ def plot(runs: list[RunMetrics], out: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def last_grid(metrics_folder: Path) -> Path | None:
+    """The run's latest sample grid (``samples/ba*.png`` of the run folder), if it has one."""
+    for base in (metrics_folder, *metrics_folder.parents[:3]):
+        found = sorted((base / "samples").glob("ba*.png"))
+        if found:
+            return found[-1]
+    return None
 
 
 def compare(run_a: str, run_b: str, out: str | Path, labels=(None, None)) -> tuple[Path, str]:

@@ -125,6 +125,8 @@ class DatasetConfig:
     tier: int | None = None
     #: Item key -> column of another writer's MDS tree, e.g. {caption: prompt}.
     columns: dict[str, str] | None = None
+    #: Name in plans and in each item's ``dataset`` (None: the root's last two path parts).
+    name: str | None = None
 
 
 @dataclass

@@ -92,7 +92,9 @@ def _load_factory(path: str) -> Callable[[DataConfig, int], StreamingDataset]:
         raise ValueError(f"data.factory: cannot import {path!r}: {exc}") from None
 
 
-def build_dataset(cfg: DataConfig, batch_size: int, holdout: Any = None) -> StreamingDataset:
+def build_dataset(
+    cfg: DataConfig, batch_size: int, holdout: Any = None, plan_label: str = "bucket"
+) -> StreamingDataset:
     """The bucketed stream of ``cfg`` (``prx_data.stream.dataset.BucketedDataset``) for one rank.
 
     ``holdout`` (a ``prx_data.stream.holdout.Holdout``) leaves out one side of an
@@ -113,6 +115,7 @@ def build_dataset(cfg: DataConfig, batch_size: int, holdout: Any = None) -> Stre
         spec=cfg.plan_spec(batch_size),
         caption_columns=columns,
         on_change=cfg.on_change,
+        plan_label=plan_label,
         **streaming,
     )
 
@@ -134,6 +137,7 @@ def dataset_specs(cfg: DataConfig, holdout: Any = None) -> list:
             holdout=holdout,
             tier=d.tier,
             columns=dict(d.columns) if d.columns is not None else None,
+            name=d.name,
         )
         for d in cfg.datasets
     ]

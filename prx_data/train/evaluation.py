@@ -22,6 +22,7 @@ import torch
 from composer.core import DataSpec, Evaluator
 from torchmetrics import Metric
 
+from prx_data.stream.planner import PlanError
 from prx_data.train.captions import CaptionPolicy
 from prx_data.train.config import DataConfig, DatasetConfig, TrainConfig
 
@@ -129,6 +130,20 @@ def per_sample_band_losses(model: Any, batch: Mapping[str, Any]) -> torch.Tensor
     return torch.stack(cols, dim=1)
 
 
+#: How to make an eval plan that cannot run work (the end of its one-line error).
+EVAL_FIX = (
+    "raise eval.holdout_fraction, lower eval.device_batch_size / eval.global_batch_size, "
+    "or turn eval off (eval.enabled=false)"
+)
+
+
+def _one_line(exc: Exception) -> str:
+    """A plan refusal's problems on one line (its text lists them one per line)."""
+    lines = [ln.strip(" -") for ln in str(exc).splitlines()]
+    lines = [ln for ln in lines if ln and ln != "bucket plan refused:"]
+    return "; ".join(lines) or type(exc).__name__
+
+
 #: The eval stream's cache of a remote root: a subdirectory of the dataset's ``local``.
 EVAL_CACHE = "eval"
 
@@ -181,7 +196,9 @@ def eval_data_config(cfg: TrainConfig, world_size: int) -> DataConfig:
         shuffle=False,
         shuffle_seed=d.shuffle_seed,
         batching_method="per_stream",
-        small_buckets="drop",
+        # A hold-out too small for one whole eval batch per bucket (a small export, many
+        # ranks) is evaluated with a few samples repeated rather than not at all.
+        small_buckets="fill",
         decode=d.decode,
         num_canonical_nodes=d.num_canonical_nodes,
         replication=d.replication,
@@ -212,13 +229,13 @@ def build_evaluator(cfg: TrainConfig, world_size: int, patch_size: int) -> Evalu
         batch = _dbs(dcfg, world_size)
     except ValueError as exc:
         raise ValueError(str(exc).replace("data.", "eval.", 1)) from None
-    ds = build_dataset(dcfg, batch, holdout=holdout_for(cfg, "eval"))
+    try:
+        ds = build_dataset(dcfg, batch, holdout=holdout_for(cfg, "eval"), plan_label="eval")
+    except PlanError as exc:
+        raise PlanError(f"eval: {_one_line(exc)}; {EVAL_FIX}") from None
     kept = sum(b.choose for b in ds.plan.buckets if not b.excluded)
     if kept == 0:
-        raise ValueError(
-            "eval: no bucket holds one whole eval batch after the hold-out; raise "
-            "eval.holdout_fraction or lower eval.global_batch_size"
-        )
+        raise PlanError(f"eval: no held-out sample to evaluate; {EVAL_FIX}")
     loader = build_dataloader(ds, dcfg, batch)
     spec = DataSpec(
         loader,

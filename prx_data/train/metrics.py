@@ -35,6 +35,7 @@ from composer.core import Callback, Event
 from torch import nn
 from torchmetrics import Metric
 
+from prx_data.core.tinymodels import TINY_TRANSFORMER, build_tiny_clip, save_square_processor
 from prx_data.train.sampling import IntervalGate
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,7 @@ class GenerationMetrics(Callback):
     ) -> None:
         self.metrics = metrics
         self.num_samples = int(num_samples)
+        self._warned_short = False
         self.folder = folder
         self.seed = int(seed)
         self.steps = int(steps)
@@ -299,6 +301,17 @@ class GenerationMetrics(Callback):
         step = int(state.timestamp.batch)
         logger.log_metrics({f"metrics/gen/{k}": v for k, v in values.items()})
         self.history.append((step, values))
+        got = int(sum(counts))
+        if dist.get_global_rank() == 0 and got < self.num_samples and not self._warned_short:
+            self._warned_short = True
+            log.warning(
+                "metrics.num_samples=%d but the held-out stream gave %d images: FID/CMMD/"
+                "DINO-MMD are computed on %d. Raise eval.holdout_fraction, or lower "
+                "metrics.num_samples to what the hold-out holds.",
+                self.num_samples,
+                got,
+                got,
+            )
         if dist.get_global_rank() == 0 and self.folder:
             folder = self.folder.format(run_name=state.run_name)
             os.makedirs(folder, exist_ok=True)
@@ -346,20 +359,14 @@ class EvalLossWriter(Callback):
 # --- tiny models for offline smoke runs and tests -------------------------------------------------
 
 
-#: Width and depth of the tiny random transformers saved for offline smoke runs.
-TINY_TRANSFORMER: dict[str, int] = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-}
-
-
-def save_square_processor(cls: Any, path: str, edge: int) -> None:
-    """Save an image processor of type ``cls`` that resizes to ``edge`` and centre-crops square."""
-    cls(size={"shortest_edge": edge}, crop_size={"height": edge, "width": edge}).save_pretrained(
-        path
-    )
+def _saved(path: str, model_type: str | None = None) -> bool:
+    """A model saved at ``path`` (of ``model_type``, when given: older demos saved other types)."""
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            found = json.load(fh).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return model_type is None or found == model_type
 
 
 def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
@@ -367,13 +374,12 @@ def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
 
     For offline smoke runs and tests only: the numbers they give are not FID or
     CMMD values anyone can compare with, but every loading and feature path runs.
+    The CLIP one is a whole ``CLIPModel`` (CMMD loads its vision tower), so
+    ``score clip`` and ``semdedup`` can use it too.
     Returns ``{"fid": path, "clip": path, "dino": path}``.
     """
     from transformers import (
         BitImageProcessor,
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        CLIPVisionModelWithProjection,
         Dinov2Config,
         Dinov2Model,
         ResNetConfig,
@@ -381,7 +387,7 @@ def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
     )
 
     paths = {k: os.path.join(workdir, f"tiny-{k}") for k in ("fid", "clip", "dino")}
-    if all(os.path.exists(os.path.join(p, "config.json")) for p in paths.values()):
+    if all(_saved(p, "clip" if k == "clip" else None) for k, p in paths.items()):
         return paths
     torch.manual_seed(seed)
     # Inception-like: a small CNN with a global average pool, features from the pool.
@@ -395,10 +401,7 @@ def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
         )
     ).save_pretrained(paths["fid"])
     save_square_processor(BitImageProcessor, paths["fid"], 64)
-    CLIPVisionModelWithProjection(
-        CLIPVisionConfig(**TINY_TRANSFORMER, image_size=32, patch_size=8, projection_dim=16)
-    ).save_pretrained(paths["clip"])
-    save_square_processor(CLIPImageProcessor, paths["clip"], 32)
+    build_tiny_clip(paths["clip"], seed)
     Dinov2Model(Dinov2Config(**TINY_TRANSFORMER, image_size=28, patch_size=7)).save_pretrained(
         paths["dino"]
     )

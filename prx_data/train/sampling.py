@@ -202,6 +202,51 @@ def make_grid(
     return grid
 
 
+#: Height of the seed/shape band above a labelled grid, width of the prompt band left of it.
+LABEL_H, PROMPT_W = 14, 128
+
+
+def labelled_size(n_prompts: int, n_seeds: int, shapes: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(width, height) of :func:`label_grid`'s image: the grid plus its label bands."""
+    gw, gh = grid_size(n_prompts, n_seeds, shapes)
+    return gw + PROMPT_W, gh + LABEL_H
+
+
+def label_grid(
+    grid: Image.Image, prompts: Sequence[str], seeds: Sequence[int], shapes
+) -> Image.Image:
+    """The grid with each column's seed and shape above it and each row's prompt to its left.
+
+    A grid is read across checkpoints and runs (``train compare``): the labels
+    say which prompt and noise each cell is, without the config at hand.
+    """
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    n_cols = len(seeds) * len(shapes)
+    cell_w, cell_h = grid.width // n_cols, grid.height // max(1, len(prompts))
+    out = Image.new("RGB", (grid.width + PROMPT_W, grid.height + LABEL_H), (255, 255, 255))
+    out.paste(grid, (PROMPT_W, LABEL_H))
+    draw = ImageDraw.Draw(out)
+    for si, (w, h) in enumerate(shapes):
+        for k, seed in enumerate(seeds):
+            x = PROMPT_W + (si * len(seeds) + k) * cell_w + 2
+            draw.text((x, 1), f"seed {seed} {w}x{h}", fill=(0, 0, 0), font=font)
+    per_line = max(1, (PROMPT_W - 4) // 6)
+    for p, prompt in enumerate(prompts):
+        words, lines, line = str(prompt).split(), [], ""
+        for word in words:
+            if line and len(line) + 1 + len(word) > per_line:
+                lines.append(line)
+                line = word
+            else:
+                line = f"{line} {word}".strip()
+        lines.append(line)
+        for i, text in enumerate(lines[: max(1, cell_h // 12)]):
+            draw.text((2, LABEL_H + p * cell_h + 2 + 12 * i), text, fill=(0, 0, 0), font=font)
+    return out
+
+
 class IntervalGate:
     """True once per batch on ``events`` when ``interval`` (Composer's time string) is due.
 
@@ -281,6 +326,7 @@ class SampleGrid(Callback):
                     )
                 )
         grid = make_grid(per_shape, len(self.prompts), len(self.seeds), self.shapes)
+        grid = label_grid(grid, self.prompts, self.seeds, self.shapes)
         if dist.get_global_rank() == 0:
             batch = int(state.timestamp.batch)
             folder = self.folder.format(run_name=state.run_name)

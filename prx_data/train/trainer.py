@@ -356,9 +356,6 @@ def build_trainer(
         place.device,
         place.precision,
     )
-    plan = getattr(dataspec.dataloader.dataset, "plan", None)
-    if plan is not None and dist.get_global_rank() == 0:
-        log.info("data plan at start:\n%s", plan.report())
     if t.autoresume:  # an s3:// save folder: fetch its newest checkpoint, not an old copy
         drop_stale_autoresume_copy(t.save_folder, t.run_name)
     # Autoresume and the checkpoint load run inside Trainer(): name Composer's node signal

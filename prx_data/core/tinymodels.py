@@ -1,20 +1,43 @@
-"""Test-only builders of tiny, randomly initialised Hugging Face models.
+"""Tiny, randomly initialised Hugging Face models, saved like real checkpoints.
 
-Nothing here is a feature: the weights are random and the generated text
-is noise. The point is that the captioning and classification jobs load
-these through the same ``from_pretrained(path)`` code they use for real
-checkpoints, so preprocessing, ``generate`` and decoding all run for real,
-on the CPU, with no downloads.
+Nothing here is a feature: the weights are random and the outputs are noise.
+The point is that every job loads these through the same
+``from_pretrained(path)`` code it uses for real checkpoints, so
+preprocessing, ``generate``, scoring and decoding all run for real, on the
+CPU, with no downloads: the demo saves one per job
+(:func:`save_demo_models`), and the tests build them too.
 
 * :func:`build_tiny_vlm` saves a ~0.3 M-parameter Qwen2-VL with its
-  processor (image processor + in-memory WordLevel tokenizer + chat template).
-* :func:`build_tiny_causal_lm` saves a tiny Qwen2 causal LM with a WordLevel
-  tokenizer and a chat template.
+  processor (image processor + in-memory byte-level tokenizer + chat
+  template), for ``caption`` and ``caption --schema``.
+* :func:`build_tiny_causal_lm` saves a tiny Qwen2 causal LM (``classify``).
+* :func:`build_tiny_clip` saves a ``CLIPModel`` (``score clip``, ``semdedup``,
+  and CMMD, which loads its vision tower).
+* :func:`build_tiny_image_classifier` saves a ViT classifier (``score
+  watermark`` / ``score nsfw``); :func:`build_tiny_aesthetic_head` a
+  LAION-style head (``score aesthetic``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+#: Width and depth of the tiny random transformers (metric models, CLIP, classifiers).
+TINY_TRANSFORMER: dict[str, int] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+
+def save_square_processor(cls: Any, path: str, edge: int) -> None:
+    """Save an image processor of type ``cls`` that resizes to ``edge`` and centre-crops square."""
+    cls(size={"shortest_edge": edge}, crop_size={"height": edge, "width": edge}).save_pretrained(
+        path
+    )
+
 
 # Words of the tiny vocabularies: the model emits these at random.
 _WORDS = [
@@ -78,15 +101,26 @@ CHAT_TEMPLATE = (
 )
 
 
+#: Single characters, so that any JSON text (and so any schema-valid object) is expressible.
+_CHARS = [chr(c) for c in range(32, 127)]
+
+
 def _tokenizer(extra_special: list[str]):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """Words plus every printable ASCII character; decoding concatenates tokens as they are.
+
+    The characters let constrained decoding (``caption --schema``) spell any
+    JSON object; the words keep captions word-like noise.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import Qwen2TokenizerFast
 
-    vocab_list = _SPECIAL + extra_special + ["user", "assistant", "system"] + _WORDS
+    words = [w + " " for w in _WORDS]
+    vocab_list = _SPECIAL + extra_special + ["user", "assistant", "system"] + words + _CHARS
     # Words of the default prompts tokenize to <unk>: fine for noise generation.
     vocab = {w: i for i, w in enumerate(dict.fromkeys(vocab_list))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.Fuse()
     # Qwen2TokenizerFast wraps any `tokenizers` object; the Qwen2-VL processor insists on it.
     fast = Qwen2TokenizerFast(
         tokenizer_object=tok,
@@ -176,8 +210,6 @@ def build_tiny_causal_lm(path: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from prx_data.train.metrics import TINY_TRANSFORMER
-
     path = Path(path)
     tok = _tokenizer([])
     torch.manual_seed(seed)
@@ -213,12 +245,16 @@ def _word_tokenizer():
     )
 
 
-def build_tiny_clip(path: str | Path, seed: int = 0, projection_dim: int = 16) -> Path:
+#: Embedding width of :func:`build_tiny_clip` (what the tiny aesthetic head reads).
+CLIP_PROJECTION_DIM = 16
+
+
+def build_tiny_clip(
+    path: str | Path, seed: int = 0, projection_dim: int = CLIP_PROJECTION_DIM
+) -> Path:
     """Save a tiny random ``CLIPModel`` with a WordLevel tokenizer and a CLIP image processor."""
     import torch
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
-
-    from prx_data.train.metrics import TINY_TRANSFORMER, save_square_processor
 
     path = Path(path)
     tok = _word_tokenizer()
@@ -235,6 +271,8 @@ def build_tiny_clip(path: str | Path, seed: int = 0, projection_dim: int = 16) -
             **TINY_TRANSFORMER,
             "image_size": 32,
             "patch_size": 8,
+            # As in OpenAI's checkpoints: CLIPVisionModelWithProjection (CMMD) reads it here.
+            "projection_dim": projection_dim,
         },
         projection_dim=projection_dim,
     )
@@ -250,8 +288,6 @@ def build_tiny_image_classifier(
     """Save a tiny random ``ViTForImageClassification`` with its image processor."""
     import torch
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
-
-    from prx_data.train.metrics import TINY_TRANSFORMER
 
     path = Path(path)
     torch.manual_seed(seed)
@@ -280,3 +316,38 @@ def build_tiny_aesthetic_head(path: str | Path, dim: int = 16, seed: int = 0) ->
     )
     save_file({f"layers.{k}": v.contiguous() for k, v in head.state_dict().items()}, str(path))
     return path
+
+
+#: What :func:`save_demo_models` writes under its folder, per job.
+DEMO_MODELS = {
+    "vlm": "tiny-vlm",  # caption (and caption --schema)
+    "lm": "tiny-lm",  # classify
+    "clip": "tiny-clip",  # score clip, semdedup, CMMD
+    "aesthetic": "tiny-aesthetic.safetensors",  # score aesthetic (over the clip embedding)
+    "watermark": "tiny-watermark",  # score watermark
+    "nsfw": "tiny-nsfw",  # score nsfw
+}
+
+
+def save_demo_models(workdir: str | Path, seed: int = 0) -> dict[str, str]:
+    """Save one tiny random-weight model per job under ``workdir``; ``{job: path}``.
+
+    Existing ones are kept (their ``config.json`` or weights file present).
+    """
+    workdir = Path(workdir)
+    paths = {k: workdir / v for k, v in DEMO_MODELS.items()}
+    builders = {
+        "vlm": lambda p: build_tiny_vlm(p, seed),
+        "lm": lambda p: build_tiny_causal_lm(p, seed),
+        "clip": lambda p: build_tiny_clip(p, seed),
+        "aesthetic": lambda p: build_tiny_aesthetic_head(p, CLIP_PROJECTION_DIM, seed),
+        "watermark": lambda p: build_tiny_image_classifier(p, ("clean", "watermark"), seed),
+        "nsfw": lambda p: build_tiny_image_classifier(p, ("normal", "nsfw"), seed),
+    }
+    for key, path in paths.items():
+        done = path.is_file() or (path / "config.json").is_file()
+        if done and key == "clip":  # older demos saved a vision tower alone here
+            done = '"model_type": "clip"' in (path / "config.json").read_text()
+        if not done:
+            builders[key](path)
+    return {k: str(v) for k, v in paths.items()}
