@@ -58,8 +58,14 @@ def test_dedup_ingest_column_and_score_reports_say_what_failed():
     run = ColumnReport("t", ["clip_error"], rows=5, reasons={"decode_error": 5})
     score = ScoreReport("t", "clip", ["clip_error"], run)
     assert (score.rows, score.seconds, score.failures) == (5, 0.0, {"decode_error": 5})
-    assert score.to_dict()["rows"] == 5 and score.to_dict()["failed"] == 5
-    assert score.failure(0.2).startswith("score clip: 5 of 5 rows failed")
+    # Unreadable images are drops, not model failures: --max-error-rate does not count them.
+    d = score.to_dict()
+    assert (d["rows"], d["failed"], d["unreadable"], d["scored"]) == (5, 0, 5, 0)
+    assert score.status(0.0) == 0
+    run = ColumnReport("t", ["clip_error"], rows=5, reasons={"model_error: oom": 2, "empty": 1})
+    score = ScoreReport("t", "clip", ["clip_error"], run)
+    assert (score.failed, score.unreadable, score.scored) == (2, 1, 2)
+    assert score.failure(0.2).startswith("score clip: 2 of 5 rows failed")
     assert score.status(None) == 0  # no limit given: never fails
 
 
