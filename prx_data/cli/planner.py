@@ -2,7 +2,7 @@
 
 Two ways in: export roots and flags, or ``--config train.yaml [key=value ...]``,
 which plans exactly what the run's loader plans (the same ``PlanSpec``, skip
-lists and eval hold-out, through ``prx_data.stream.dataset.plan_sources``).
+lists and eval hold-out, through ``prx_data.stream.sources.plan_sources``).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _from_flags(p, args) -> Plan:
 
 def _from_config(p, args) -> Plan:
     """The run's own plan: its PlanSpec, datasets, skip lists and hold-out, via plan_sources."""
-    from prx_data.stream.dataset import plan_sources
+    from prx_data.stream.sources import plan_sources
     from prx_data.train.config import device_batch_size, load_config
     from prx_data.train.data import dataset_specs
     from prx_data.train.evaluation import eval_data_config, holdout_for

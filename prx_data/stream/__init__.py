@@ -11,15 +11,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BucketSource": "prx_data.stream.dataset",
+    "BucketSource": "prx_data.stream.spec",
     "BucketedDataset": "prx_data.stream.dataset",
-    "DatasetSpec": "prx_data.stream.dataset",
-    "SkipMDSReader": "prx_data.stream.dataset",
-    "SkipStream": "prx_data.stream.dataset",
-    "discover_buckets": "prx_data.stream.dataset",
-    "fetch_catalog": "prx_data.stream.dataset",
-    "load_sources": "prx_data.stream.dataset",
-    "plan_sources": "prx_data.stream.dataset",
+    "DatasetSpec": "prx_data.stream.spec",
+    "SkipMDSReader": "prx_data.skips.reader",
+    "SkipStream": "prx_data.stream.reader",
+    "discover_buckets": "prx_data.stream.catalog",
+    "fetch_catalog": "prx_data.stream.catalog",
+    "load_sources": "prx_data.stream.sources",
+    "plan_sources": "prx_data.stream.sources",
     "PlanSpec": "prx_data.stream.planner",
 }
 

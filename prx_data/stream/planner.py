@@ -192,6 +192,13 @@ class Plan:
     def epoch_size(self) -> int:
         return sum(b.choose for b in self.buckets)
 
+    def decisions(self) -> dict[tuple[int, str], BucketPlan]:
+        """Each bucket's decision by (dataset index, bucket name): what a loader looks up."""
+        out = {(b.dataset, b.bucket): b for b in self.buckets}
+        if len(out) != len(self.buckets):
+            raise PlanError("the plan names a bucket of one dataset twice")
+        return out
+
     @property
     def active(self) -> list[BucketPlan]:
         return [b for b in self.buckets if not b.excluded and b.choose > 0]

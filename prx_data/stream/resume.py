@@ -24,7 +24,7 @@ from prx_data.core.buckets import BucketSpec
 from prx_data.stream import planner
 
 if TYPE_CHECKING:
-    from prx_data.stream.dataset import BucketSource, DatasetSpec
+    from prx_data.stream.spec import BucketSource, DatasetSpec
 
 
 #: What ``BucketedDataset.load_state_dict`` may do when the sample space changed since the
