@@ -339,7 +339,7 @@ def driver_threads(
 
 def _units_on_driver(cfg: ExportConfig, todo: list[WorkUnit], threads: int) -> Iterator[UnitResult]:
     """Each unit's :func:`export_unit` on a driver thread, as the Ray path runs it in a task."""
-    from prx_data.core.mds_writer import mds_writer
+    from prx_data.core.streaming_compat import mds_writer
 
     mds_writer()  # imported here, once, rather than by several threads at a time
     return imap_bounded(lambda u: export_unit(cfg, u), todo, min(threads, len(todo)))

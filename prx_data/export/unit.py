@@ -587,7 +587,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     clears its own part before writing it. Either way the marker comes last,
     after everything it vouches for is durable.
     """
-    from prx_data.core.mds_writer import mds_writer
+    from prx_data.core.streaming_compat import mds_writer
 
     MDSWriter = mds_writer()  # noqa: N806 (a class); not all of `streaming`: see mds_writer
     t0 = time.perf_counter()
