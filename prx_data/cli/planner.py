@@ -157,11 +157,13 @@ def _from_flags(p, args) -> Plan:
     )
     names = [] if args.no_skips else args.skip_list
     counts = []
-    from prx_data.export.adopt import declare_if_flat
+    from prx_data.export.adopt import resolve_tree
 
     for arg in args.datasets:
         root, prop = _parse_dataset(arg)
-        declare_if_flat(root, args.tier)  # one folder per aspect ratio, not adopted: the run's tier
+        root = resolve_tree(
+            root, args.tier
+        )  # one folder per aspect ratio, not adopted: the run's tier
         counts.append(DatasetCount(root, count_export(root, spec.tiers(), names), proportion=prop))
     return plan_buckets(counts, spec, world_size=args.world_size, num_nodes=args.nodes)
 

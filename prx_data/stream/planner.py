@@ -594,6 +594,7 @@ def count_export(
     """Per-bucket samples and skipped samples of one export tree (reads indexes and sidecars)."""
     from prx_data.skips import sidecar as skiplist
 
+    root = layout.tree(root)
     out = []
     for bucket in layout.list_buckets(root, tiers):
         shards = layout.read_index(root, bucket)

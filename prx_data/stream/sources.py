@@ -10,6 +10,7 @@ the epoch per bucket (:mod:`prx_data.stream.planner`). Both what
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -47,8 +48,8 @@ def load_sources(
     from prx_data.export import adopt
 
     world = world or World.detect()
-    if spec.tier is not None:
-        layout.declare_flat_tier(spec.root, spec.tier)
+    # The tree's layout, resolved once: every path below reads it from the root.
+    spec = dataclasses.replace(spec, root=layout.tree(spec.root, spec.tier))
     plain = adopt.is_foreign_tree(spec.root)
     mapping = dict(spec.columns or {})
     if plain:  # ids as adopted: skip lists name samples by them
