@@ -7,8 +7,7 @@ that plan do not import Mosaic Streaming (and torch) just to start.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prx_data.core.lazy import lazy_exports
 
 _EXPORTS = {
     "BucketSource": "prx_data.stream.spec",
@@ -23,10 +22,4 @@ _EXPORTS = {
     "PlanSpec": "prx_data.stream.planner",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)
