@@ -11,7 +11,8 @@ itself; two units on the same layer may not import each other)::
     skips
     stream
     train
-    pipelines                  (Ray Data job graphs)
+    pipelines                  (``prx_data.pipelines``: the Ray Data job graphs, kept in the
+                                top-level ``pipelines/`` folder; its folder name is refused)
     cli                        (``prx_data.cli.*``: argument parsing over the library)
     shims                      (``python -m prx_data.<job>`` modules and ``__main__``)
 
@@ -66,18 +67,35 @@ class Violation:
         )
 
 
+@dataclass(frozen=True)
+class TopLevelName:
+    """An import of the job graphs by the folder's name instead of ``prx_data.pipelines``."""
+
+    path: str
+    line: int
+    importer: str
+    imported: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.path}:{self.line}: imports {self.imported!r} by its folder name: the jobs "
+            "install as prx_data.pipelines (import prx_data.pipelines.<job>)"
+        )
+
+
 def module_name(root: Path, path: Path) -> str:
+    """The dotted name a file imports as; the top-level ``pipelines/`` is ``prx_data.pipelines``."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
+    if parts and parts[0] == "pipelines":
+        parts = ["prx_data", *parts]
     return ".".join(parts)
 
 
 def unit_of(module: str) -> str | None:
     """The layering unit of a dotted module name, or None when it is not ours / exempt."""
     parts = module.split(".")
-    if parts[0] == "pipelines":
-        return "pipelines"
     if parts[0] != "prx_data" or len(parts) == 1:
         return None
     if parts[-1] == "__main__":
@@ -240,9 +258,9 @@ def _shortest_loop(graph: dict, start: str, group: set[str]) -> list[str]:
     raise AssertionError("a strongly connected group always has a loop")
 
 
-def check(root: str | Path) -> list[Violation]:
+def check(root: str | Path) -> list[Violation | TopLevelName]:
     root = Path(root)
-    out: list[Violation] = []
+    out: list[Violation | TopLevelName] = []
     for pkg in PACKAGES:
         for path in sorted((root / pkg).rglob("*.py")):
             module = module_name(root, path)
@@ -252,6 +270,10 @@ def check(root: str | Path) -> list[Violation]:
             tree = ast.parse(path.read_text(), filename=str(path))
             seen: set[tuple[int, str]] = set()
             for line, target in imports_of(tree, module, path.name == "__init__.py"):
+                if target.split(".")[0] == "pipelines" and (line, "top") not in seen:
+                    seen.add((line, "top"))
+                    out.append(TopLevelName(str(path.relative_to(root)), line, importer, target))
+                    continue
                 imported = unit_of(target)
                 if imported is None or imported == importer or (line, imported) in seen:
                     continue

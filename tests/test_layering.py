@@ -96,7 +96,9 @@ def test_wrong_way_imports_fail_the_check(tmp_path):
     )
     (tmp_path / "prx_data/skips/bad_rel.py").write_text("from ..stream import dataset\n")
     (tmp_path / "prx_data/ingest/bad_same.py").write_text("from prx_data.columns import checks\n")
-    (tmp_path / "prx_data/export/bad_job.py").write_text("import pipelines.write_mds\n")
+    (tmp_path / "prx_data/export/bad_job.py").write_text("import prx_data.pipelines.write_mds\n")
+    # The jobs by their folder's name: a second name for the same modules.
+    (tmp_path / "prx_data/cli/bad_name.py").write_text("from pipelines import write_mds\n")
     found = {(v.path, v.imported) for v in _checker().check(tmp_path)}
     assert found == {
         ("prx_data/core/bad_core.py", "stream"),
@@ -104,12 +106,14 @@ def test_wrong_way_imports_fail_the_check(tmp_path):
         ("prx_data/skips/bad_rel.py", "stream"),
         ("prx_data/ingest/bad_same.py", "columns"),
         ("prx_data/export/bad_job.py", "pipelines"),
+        ("prx_data/cli/bad_name.py", "pipelines.write_mds"),
     }
     r = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 1
     assert "prx_data/core/bad_core.py:1: core (layer 0) imports stream (layer 5)" in r.stdout
+    assert "bad_name.py:1: imports 'pipelines.write_mds' by its folder name" in r.stdout
 
 
 def test_the_loaders_value_types_and_leader_protocol_load_without_torch():

@@ -14,9 +14,9 @@ import lance
 import numpy as np
 import pytest
 
-from pipelines import score as SJ
 from prx_data.columns import scores as SC
 from prx_data.columns.runner import checkpoint_root
+from prx_data.pipelines import score as SJ
 from tests.dedup_images import jpeg, make_image, png
 from tests.tablekit import make_table
 from tests.tinymodels import build_tiny_aesthetic_head, build_tiny_clip, build_tiny_image_classifier
@@ -157,7 +157,7 @@ KILL = textwrap.dedent(
     """
     import os, sys
     sys.path.insert(0, {root!r})
-    from pipelines import score as SJ
+    from prx_data.pipelines import score as SJ
 
     def kill(fragment, done):
         if done == 2:

@@ -32,9 +32,9 @@ def _add_broken_files(folder: str) -> None:
 
 
 def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dict:
-    from pipelines.ingest import ingest
-    from pipelines.write_mds import run_export
     from prx_data.export.unit import ExportConfig
+    from prx_data.pipelines.ingest import ingest
+    from prx_data.pipelines.write_mds import run_export
 
     src = os.path.join(workdir, "src")
     table = os.path.join(workdir, "table.lance")

@@ -1,14 +1,14 @@
-"""``python -m prx_data.download``: argument parsing over :mod:`pipelines.download`."""
+"""``python -m prx_data.download``: argument parsing over :mod:`prx_data.pipelines.download`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pipelines.download import FAILED, DownloadConfig, run_download
 from prx_data.cli.reporting import finish
 from prx_data.core.errors import Conflict, NotFound, PrxDataError
 from prx_data.download import fetch as F
+from prx_data.pipelines.download import FAILED, DownloadConfig, run_download
 
 #: The politeness and limits options: (flag, its ``FetchConfig`` field, help), in help order.
 #: Each default is the field's; ``--max-mb`` gives ``max_bytes`` in MiB.

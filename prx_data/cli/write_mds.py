@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
 from prx_data.cli.reporting import finish
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError, add_max_error_rate
 from prx_data.core.imaging import CODECS, DEFAULT_CODEC, DRAFT_MARGIN
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
+from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
 
 EPILOG = """\
 output layout:
