@@ -5,7 +5,7 @@ Measures, in one run:
 1. ``anchor``: the same per-row work done in one plain Python loop in the
    driver (fit each image to the pixel budget, check the output, write the
    columns back with one ``update_column`` per column at the end), no Ray.
-2. ``pipeline``: ``pipelines.caption.run_caption`` over the same table with
+2. ``pipeline``: ``prx_data.pipelines.caption.run_caption`` over the same table with
    :class:`ZeroCostBackend`, i.e. everything except the model: Lance read,
    decode + downsize, the actor pool, output checks, the per-fragment
    write-back of the column runner.
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
 
-    from pipelines.caption import CaptionConfig, run_caption
+    from prx_data.pipelines.caption import CaptionConfig, run_caption
+
     from prx_data.core.runtime import ensure_ray
 
     ensure_ray(num_cpus=args.num_cpus, object_store_memory=512 * 2**20)

@@ -46,7 +46,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.ingest import ingest, update_id_index  # noqa: E402
+from prx_data.pipelines.ingest import ingest, update_id_index  # noqa: E402
+
 from prx_data.columns import runner as R  # noqa: E402
 from prx_data.core import schema as S  # noqa: E402
 from prx_data.core.runtime import ensure_ray  # noqa: E402

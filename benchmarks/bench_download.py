@@ -203,9 +203,9 @@ def du(path: str) -> int:
 
 def run_prx(args, port: int, work: str, faults: dict[int, str]) -> dict:
     import ray
+    from prx_data.pipelines.download import DownloadConfig, run_download
+    from prx_data.pipelines.ingest import ingest
 
-    from pipelines.download import DownloadConfig, run_download
-    from pipelines.ingest import ingest
     from prx_data.core.runtime import ensure_ray
     from prx_data.download import fetch as F
 

@@ -2,7 +2,7 @@
 
 Nothing is fetched: a table of ``--rows`` URL rows (10 % repeated URLs, a
 tenth of the rows already ``ok``) is planned with
-:func:`pipelines.download.plan_duplicates` in a fresh process per setting,
+:func:`prx_data.pipelines.download.plan_duplicates` in a fresh process per setting,
 once in memory and once spilled by URL hash, and each run reports its peak
 resident memory (sampled) above the process's level before planning.
 
@@ -60,7 +60,7 @@ def measure(uri: str, partition_rows: int) -> dict:
 
     import lance
 
-    import pipelines.download as D
+    import prx_data.pipelines.download as D
 
     ds = lance.dataset(uri)
     where = D.pending_filter("url")

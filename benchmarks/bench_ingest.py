@@ -39,7 +39,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.ingest import ingest  # noqa: E402
+from prx_data.pipelines.ingest import ingest  # noqa: E402
+
 from prx_data.core import schema as S  # noqa: E402
 from prx_data.core.imaging import (
     ImageError,

@@ -3,7 +3,7 @@
 Fabricates an export in the exporter's layout (13 buckets of tier 512,
 ``--parts`` unit parts per bucket of ``--per-part`` samples each, written by
 ``streaming.MDSWriter`` with real noise JPEGs of about ``--kb`` KB, manifests
-and unit markers), then runs the real pack stage (``pipelines.write_mds.run_packs``,
+and unit markers), then runs the real pack stage (``prx_data.pipelines.write_mds.run_packs``,
 on driver threads, or on Ray with ``--ray``) and compares its throughput with
 a plain copy of the same shard files (``shutil.copyfile``, fsync per file, like
 the pack's durability). Prints shards per bucket before and after, MB/s of
@@ -121,7 +121,8 @@ def main() -> None:
     p.add_argument("--work", default=None)
     args = p.parse_args()
 
-    import pipelines.write_mds as pipeline
+    import prx_data.pipelines.write_mds as pipeline
+
     from prx_data.export import pack
     from prx_data.export.unit import ExportConfig
 

@@ -732,7 +732,8 @@ def one_size(
     workers: int = 2,
 ) -> dict:
     """Every operation at one size (run in its own process); returns {op: figures}."""
-    import pipelines.write_mds as pipeline
+    import prx_data.pipelines.write_mds as pipeline
+
     from prx_data.cli.verify import check_sidecar
     from prx_data.export import layout
     from prx_data.export.pack import plan_packs

@@ -1,6 +1,6 @@
 """Score jobs and semantic dedup at scale.
 
-1. **Score-job overhead** (:mod:`pipelines.score` through the column
+1. **Score-job overhead** (:mod:`prx_data.pipelines.score` through the column
    runner): ``--rows`` rows of tiny images over fragments of
    ``--rows-per-fragment``.
    - ``aesthetic``: the real aesthetic job over a stored 16-d embedding with a
@@ -17,7 +17,7 @@
    pair compared):
    the share of brute-force removals the clustered run also finds (recall)
    and the share it finds that brute force does not (0 by construction).
-3. **The semantic dedup job** (:func:`pipelines.semdedup.run_semdedup`) for
+3. **The semantic dedup job** (:func:`prx_data.pipelines.semdedup.run_semdedup`) for
    each of ``--job-embeddings`` (comma-separated sizes) over a Lance table of
    those embeddings (``--rows-per-fragment`` rows per fragment), with
    ``engine=local`` and ``engine=ray``, each in a fresh subprocess: seconds,
@@ -50,10 +50,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines import score as SJ  # noqa: E402
 from prx_data.columns import scores as SC  # noqa: E402
 from prx_data.core import schema as S  # noqa: E402
 from prx_data.core.runtime import ensure_ray  # noqa: E402
+from prx_data.pipelines import score as SJ  # noqa: E402
 from prx_data.skips import semdedup as SD  # noqa: E402
 
 
@@ -162,7 +162,7 @@ def engine_run(uri: str, engine: str, cpus: int, iters: int, out: str) -> None:
     """One job run in this (fresh) process; figures and removed ids to ``out``."""
     import tracemalloc
 
-    from pipelines.semdedup import SemDedupConfig, run_semdedup
+    from prx_data.pipelines.semdedup import SemDedupConfig, run_semdedup
 
     if engine == "ray":
         ensure_ray(num_cpus=cpus)

@@ -103,7 +103,7 @@ def bench_skip10(work: str, samples: int, rounds: int, chunk: int = 50) -> dict:
     # The per-sample cost of the kept -> stored mapping itself, for scale.
     from streaming.base.format.mds.reader import MDSReader
 
-    from prx_data.stream.dataset import SkipMDSReader
+    from prx_data.skips.reader import SkipMDSReader
 
     shard = MDSReader.__new__(MDSReader)
     shard.samples = 2000

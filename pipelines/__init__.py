@@ -1,2 +1,13 @@
-"""Ray Data job graphs. Each module builds and runs one job; the CLIs in
-``prx_data`` parse arguments and call these."""
+"""Ray Data job graphs, imported as ``prx_data.pipelines.<job>``. Each module builds and runs
+one job; the CLIs in ``prx_data.cli`` parse arguments and call these.
+
+This folder installs as ``prx_data.pipelines`` (pyproject.toml, ``package-dir``), and
+``prx_data/pipelines/__init__.py`` points a source checkout here, so each job has one
+import name: a second one would load its module twice.
+"""
+
+if __name__ == "pipelines":
+    raise ImportError(
+        "the jobs are prx_data.pipelines.<job>: import prx_data.pipelines.write_mds, "
+        "not pipelines.write_mds"
+    )

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import pyarrow as pa
+from prx_data.pipelines.caption import REASON
 
-from pipelines.caption import REASON
 from prx_data.columns import labels as L
 from prx_data.columns.backends import (
     BackendSpec,

@@ -43,8 +43,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_data.core import lance_compat, storage
 from prx_data.core import schema as S
-from prx_data.core import storage
 from prx_data.core.errors import AlreadyExists, UsageError
 from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import check_engine, ensure_ray, map_units, place
@@ -410,7 +410,7 @@ def _write_batch(
     off = 0
     for frag in frags:
         n = frag.physical_rows
-        out["fragment"].append(json.dumps(frag.to_json()))
+        out["fragment"].append(lance_compat.fragment_text(frag))
         out["ids"].append(ids[off : off + n])
         out["orders"].append(orders[off : off + n])
         out["notes"].append(
@@ -770,8 +770,6 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
     claims, counts, failures = run(cfg, units, schema, check, rows_per_fragment, write_mode, where)
 
     # Resolve duplicates across units (smallest order wins), then commit once.
-    from lance.fragment import FragmentMetadata
-
     all_counts = Counter(plan_counts)
     all_counts.update(counts)
     drop = losers(claims)
@@ -780,7 +778,7 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
     for k, (text, notes) in enumerate(
         zip(claims["fragment"].to_pylist(), claims["notes"].to_pylist(), strict=True)
     ):
-        meta = FragmentMetadata.from_json(text)
+        meta = lance_compat.fragment_from_text(text)
         gone = set(drop.get(k, ()))
         for off, row_notes in json.loads(notes).items():
             if int(off) not in gone:

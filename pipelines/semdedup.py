@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_data.core import lance_compat
 from prx_data.core.errors import UsageError
 from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import check_engine, place
@@ -379,14 +380,15 @@ def _write_fragment(ds, fragment: int, values: pa.Table, storage_options=None) -
 
 
 def _commit(cfg: SemDedupConfig, ds, metas: list[tuple[str, list]]) -> None:
-    from lance.fragment import FragmentMetadata
-
     from prx_data.columns.runner import commit_fragments
 
     if not metas:
         return
     frags = [
-        FragmentMetadata.from_json(m if isinstance(m, str) else json.dumps(m)) for m, _ in metas
+        lance_compat.fragment_from_text(m)
+        if isinstance(m, str)
+        else lance_compat.fragment_from_dict(m)
+        for m, _ in metas
     ]
     fields = sorted({f for _, fs in metas for f in fs})
     commit_fragments(cfg.table, frags, fields, ds.version, cfg.storage_options)

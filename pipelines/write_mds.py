@@ -277,7 +277,7 @@ def _run_locked(
     results: dict[str, UnitResult] = {p: r for p, r in finished.items()}
     if todo:
         if not where.on_ray:
-            from prx_data.core.mds_writer import mds_writer
+            from prx_data.core.streaming_compat import mds_writer
 
             mds_writer()  # imported here, once, rather than by several threads at a time
         totals = ProgressTotals.of(results.values())

@@ -11,8 +11,7 @@ are the public API; they load lazily so ``import prx_data`` stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prx_data.core.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -28,10 +27,4 @@ _EXPORTS = {
     "build_trainer": "prx_data.train",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

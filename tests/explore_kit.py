@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pyarrow as pa
 from PIL import Image
+from prx_data.pipelines.quality import compute_quality
 
-from pipelines.quality import compute_quality
 from prx_data.explore.app import ExploreConfig, serve
 from prx_data.table.lance_ops import update_column
 from tests.tablekit import make_table

@@ -23,7 +23,8 @@ make_export = make_sample_export
 
 def finalize_reference(cfg, results: dict):
     """Pack and merge units run in this process, as ``run_export`` does (an undisturbed run)."""
-    from pipelines.write_mds import run_packs
+    from prx_data.pipelines.write_mds import run_packs
+
     from prx_data.export.pack import plan_packs
     from prx_data.export.unit import finalize
 

@@ -126,7 +126,6 @@ def test_flat_tree_with_declared_tier(flat, capsys):
     assert res.layout == "flat" and res.id_column is None
     assert read_record(flat)["tier"] == 512
     assert _digest(flat) == before
-    layout._DECLARED_FLAT.clear()  # from here the record alone says the tier
     ids, _ = _ids(DatasetSpec(flat, columns={"caption": "prompt"}))
     synthetic = re.compile(r"512/(1\.000|0\.882)/w[01]/shard\.[0-9]{5}\.mds:[0-9]+")
     assert all(synthetic.fullmatch(i) for i in ids), ids[:3]  # <bucket>/<shard>:<index>
@@ -143,6 +142,31 @@ def test_flat_tree_with_declared_tier(flat, capsys):
     again, _ = _ids(DatasetSpec(flat, columns={"caption": "prompt"}))
     assert sorted(again) == sorted(set(ids) - gone)
     assert _digest(flat) == before
+    # No process-wide layout: a plain root is read as <tier>/<ar>/, and an adopted flat
+    # one is refused rather than read as empty; resolved, it lists its buckets.
+    with pytest.raises(layout.ForeignTreeError, match=r"layout\.tree\(root\)"):
+        layout.list_buckets(flat)
+    assert layout.list_buckets(layout.tree(flat)) == ["512/0.882", "512/1.000"]
+    assert layout.list_buckets(layout.tree(flat, 512), [256]) == []
+    with pytest.raises(layout.ForeignTreeError, match="says tier 512, not 256"):
+        layout.tree(flat, 256)
+
+
+def test_a_tree_is_a_frozen_path_that_keeps_its_layout():
+    import pickle
+
+    t = layout.Tree("/data/flat", 512)
+    assert t == "/data/flat" and t.flat_tier == 512 and not t.remote
+    assert layout.rel_join(t, "512/1.000/index.json") == "/data/flat/1.000/index.json"
+    assert (
+        layout.rel_join("/data/flat", "512/1.000/index.json") == "/data/flat/512/1.000/index.json"
+    )
+    back = pickle.loads(pickle.dumps(t))
+    assert isinstance(back, layout.Tree) and back.flat_tier == 512
+    assert layout.tree(t) is t  # resolved once: no second read
+    with pytest.raises(AttributeError, match="frozen"):
+        t.flat_tier = 256
+    assert layout.Tree("s3://b/x").remote
 
 
 def test_loader_names_the_columns_it_needs(flat):

@@ -204,7 +204,7 @@ class ScriptedBackend(Backend):
 
 def test_validation_alone_flags_a_backend_that_ignores_the_schema():
     """The actor as the job runs it, on a stand-in backend that cannot enforce the schema."""
-    from pipelines.caption import AttributesActor, prepare_images
+    from prx_data.pipelines.caption import AttributesActor, prepare_images
 
     sizes = (400, 300, 200, 250)
     batch = pa.table(
@@ -229,7 +229,8 @@ def test_validation_alone_flags_a_backend_that_ignores_the_schema():
 
 @pytest.mark.ray
 def test_attributes_job_stores_valid_flags_invalid_and_filters_a_subset(tmp_path, ray_local):
-    from pipelines.write_mds import run_export
+    from prx_data.pipelines.write_mds import run_export
+
     from prx_data.cli.caption import main as caption_main
     from prx_data.export.layout import read_manifests
     from prx_data.export.unit import ExportConfig

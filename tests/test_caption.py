@@ -290,7 +290,7 @@ def scripted(image, prompt):
 
 @pytest.mark.ray
 def test_caption_pipeline_openai_statuses_resume_and_redo(tmp_path, ray_local):
-    from pipelines.caption import CaptionConfig, run_caption
+    from prx_data.pipelines.caption import CaptionConfig, run_caption
 
     images = [
         jpeg(1200, 900, (220, 20, 20)),  # ok, downsized to the budget
@@ -356,7 +356,7 @@ def test_caption_pipeline_openai_statuses_resume_and_redo(tmp_path, ray_local):
 @pytest.mark.slow  # a fresh actor imports torch and loads the model: 10-25 s here
 @pytest.mark.ray
 def test_caption_pipeline_transformers_tiny_vlm(tmp_path, ray_local, tiny_vlm):
-    from pipelines.caption import CaptionConfig, run_caption
+    from prx_data.pipelines.caption import CaptionConfig, run_caption
 
     uri = make_table(
         tmp_path / "v.lance", [jpeg(160, 120, (i * 60, 90, 30)) for i in range(4)] + [b"x"]
@@ -443,7 +443,7 @@ def test_caption_cli_help_and_bad_input(tmp_path):
 @pytest.mark.slow  # Ray tears the failed pipeline down slowly: ~30 s here
 @pytest.mark.ray
 def test_caption_pipeline_stops_when_the_backend_is_down(tmp_path, ray_local):
-    from pipelines.caption import CaptionConfig, run_caption
+    from prx_data.pipelines.caption import CaptionConfig, run_caption
 
     uri = make_table(tmp_path / "down.lance", [jpeg(20, 20)] * 7)
     with ChatServer() as srv:

@@ -99,7 +99,7 @@ def labels_of(uri: str, column: str = "label") -> list:
 
 @pytest.mark.ray
 def test_classify_rules_only(tmp_path, ray_local):
-    from pipelines.classify import ClassifyConfig, run_classify
+    from prx_data.pipelines.classify import ClassifyConfig, run_classify
 
     uri = make_table(tmp_path / "r.lance")
     report = run_classify(ClassifyConfig(table=uri, rules_only=True, progress=False))
@@ -109,7 +109,7 @@ def test_classify_rules_only(tmp_path, ray_local):
 
 @pytest.mark.ray
 def test_classify_openai_rules_then_model_resume_redo(tmp_path, ray_local):
-    from pipelines.classify import ClassifyConfig, run_classify
+    from prx_data.pipelines.classify import ClassifyConfig, run_classify
 
     uri = make_table(tmp_path / "o.lance")
     with ChatServer(label_caption) as srv:
@@ -160,7 +160,7 @@ def test_transformers_text_backend(tiny_lm):
 @pytest.mark.slow  # a fresh actor imports torch and loads the model: 10-20 s here
 @pytest.mark.ray
 def test_classify_transformers_tiny_lm(tmp_path, ray_local, tiny_lm):
-    from pipelines.classify import ClassifyConfig, run_classify
+    from prx_data.pipelines.classify import ClassifyConfig, run_classify
 
     uri = make_table(tmp_path / "t.lance")
     cfg = ClassifyConfig(

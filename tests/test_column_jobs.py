@@ -26,7 +26,7 @@ def append_row(uri: str, row_id: str, **values) -> None:
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_caption_records_each_failure_reason_and_only_redoes_flagged_rows(tmp_path):
-    from pipelines.caption import CaptionConfig, run_caption
+    from prx_data.pipelines.caption import CaptionConfig, run_caption
 
     good = jpeg(64, 48, (220, 20, 20))
     images = [
@@ -122,7 +122,7 @@ def caption_table(uri: str, captions: list[str], per_fragment: int = 2) -> str:
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_classify_records_failure_reasons_and_only_redoes_unknown(tmp_path):
-    from pipelines.classify import ClassifyConfig, run_classify
+    from prx_data.pipelines.classify import ClassifyConfig, run_classify
 
     uri = caption_table(
         str(tmp_path / "c.lance"),
@@ -166,7 +166,7 @@ def test_classify_records_failure_reasons_and_only_redoes_unknown(tmp_path):
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_classify_backend_failure_keeps_its_reason_and_is_retried(tmp_path):
-    from pipelines.classify import ClassifyConfig, run_classify
+    from prx_data.pipelines.classify import ClassifyConfig, run_classify
 
     uri = caption_table(str(tmp_path / "f.lance"), ["A cat asleep on a sofa."])
     with ChatServer(label_caption) as srv:

@@ -88,7 +88,8 @@ def test_loader(planted):
 
 def test_loader_remote_fetch_path(planted, tmp_path):
     """The fetch path for remote roots checks the index before it reaches the cache."""
-    from prx_data.stream.dataset import DatasetSpec, _fetch
+    from prx_data.stream.catalog import _fetch
+    from prx_data.stream.spec import DatasetSpec
 
     cache = tmp_path / "cache"
     _refused(planted, _fetch, DatasetSpec(planted.root), [512], str(cache))

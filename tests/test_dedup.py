@@ -11,11 +11,11 @@ import pytest
 from PIL import Image
 from scipy.sparse.csgraph import connected_components
 
-from pipelines import dedup as PD
 from prx_data.cli import dedup as DC
 from prx_data.core import clusters as C
 from prx_data.core.phash import hamming
 from prx_data.export import layout
+from prx_data.pipelines import dedup as PD
 from prx_data.skips import sidecar as SL
 from tests.dedup_images import jpeg, make_image
 from tests.tablekit import make_table
@@ -275,7 +275,7 @@ def test_cli_help_and_local_run(dup_table, tmp_path, capsys):
 
 @pytest.mark.ray
 def test_ray_engine_matches_local(dup_table, tmp_path, ray_local):
-    from pipelines.dedup import PhashJobConfig, compute_phash
+    from prx_data.pipelines.dedup import PhashJobConfig, compute_phash
 
     uri, _ = dup_table
     local_uri = str(tmp_path / "local.lance")

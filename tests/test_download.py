@@ -10,8 +10,8 @@ import textwrap
 import lance
 import pyarrow as pa
 import pytest
+from prx_data.pipelines.download import DownloadConfig, run_download
 
-from pipelines.download import DownloadConfig, run_download
 from prx_data.download import fetch as F
 from tests.downloadkit import ImageServer, photo, url_table
 
@@ -274,7 +274,7 @@ def test_download_does_not_rewrite_images_the_table_holds(tmp_path):
 
 
 def test_pending_rows_are_found_without_reading_images():
-    from pipelines.download import pending_filter
+    from prx_data.pipelines.download import pending_filter
 
     for only in ((), ("failed",), ("http_5*",)):
         assert "image" not in pending_filter("url", only).replace("missing_image", "")
@@ -313,7 +313,7 @@ def test_killed_download_resumes_to_the_same_table_without_refetching(tmp_path):
             f"""
             import os
             from prx_data.download import fetch as F
-            from pipelines.download import DownloadConfig, run_download
+            from prx_data.pipelines.download import DownloadConfig, run_download
             def kill(n):
                 if n == 2:
                     os.kill(os.getpid(), 9)

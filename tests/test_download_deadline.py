@@ -12,7 +12,7 @@ import time
 import lance
 import pytest
 
-from pipelines.download import DownloadConfig, run_download
+from prx_data.pipelines.download import DownloadConfig, run_download
 from prx_data.download import fetch as F
 from tests.downloadkit import ImageServer, photo, url_table
 

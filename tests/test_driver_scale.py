@@ -14,8 +14,8 @@ import random
 import threading
 
 import pytest
+from prx_data.pipelines.write_mds import ProgressTotals
 
-from pipelines.write_mds import ProgressTotals
 from prx_data.cli.verify import check_sidecar
 from prx_data.core import storage
 from prx_data.export import layout

@@ -100,10 +100,10 @@ def _boom(exc: type[BaseException]):
         (
             "score",
             ["clip", "--table", "T", "--model", "m"],
-            "pipelines.score.run_score",
+            "prx_data.pipelines.score.run_score",
             ValueError,
         ),
-        ("semdedup", ["--table", "T"], "pipelines.semdedup.run_semdedup", OSError),
+        ("semdedup", ["--table", "T"], "prx_data.pipelines.semdedup.run_semdedup", OSError),
         ("download", ["--table", "T"], "prx_data.cli.download.run_download", RuntimeError),
         (
             "optout",

@@ -624,8 +624,7 @@ def test_structured_attributes_are_drop_down_filters(tmp_path):
 
 def test_cluster_view_shows_the_stored_semdedup_cluster(tmp_path):
     import lance
-
-    from pipelines.semdedup import SemDedupConfig, run_semdedup
+    from prx_data.pipelines.semdedup import SemDedupConfig, run_semdedup
 
     uri = str(tmp_path / "t.lance")
     make_scored_table(uri)

@@ -14,9 +14,9 @@ import lance
 import numpy as np
 import pytest
 from PIL import Image
+from prx_data.pipelines.write_mds import run_export
 from streaming import LocalDataset, StreamingDataset
 
-from pipelines.write_mds import run_export
 from prx_data.core.buckets import parse_bucket_name
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.unit import ExportConfig, ExportError
@@ -233,7 +233,7 @@ from ray.cluster_utils import Cluster
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 cluster.add_node(num_cpus=1)
 ray.init(address=cluster.address)
-from pipelines.write_mds import run_export
+from prx_data.pipelines.write_mds import run_export
 from prx_data.export.unit import ExportConfig
 report = run_export(ExportConfig(table=sys.argv[1], out=sys.argv[2], rows_per_task=2, min_units=1), progress=False)
 nodes = [n for n in ray.nodes() if n["Alive"]]

@@ -22,10 +22,10 @@ import sys
 import warnings
 
 import lance
+import prx_data.pipelines.write_mds as pipeline
 import pytest
 from PIL import Image
 
-import pipelines.write_mds as pipeline
 from prx_data.core import runtime
 from prx_data.export.idindex import index_uri
 from prx_data.export.unit import ExportConfig

@@ -17,8 +17,8 @@ import lance
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from prx_data.pipelines.write_mds import run_export
 
-from pipelines.write_mds import run_export
 from prx_data.cli import verify as verify_cli
 from prx_data.export import layout
 from prx_data.export.layout import content_digest, is_complete
@@ -270,8 +270,8 @@ def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
     first attempt left: shards and part indexes with no manifest yet in one unit, every
     file of its parts but no marker in another. The export still finishes, byte-identical
     to an undisturbed run of the same plan."""
-    from pipelines import write_mds
     from prx_data.export.unit import export_unit, plan_units, prepare_output
+    from prx_data.pipelines import write_mds
     from tests.tablekit import make_table
 
     table = str(tmp_path / "t.lance")

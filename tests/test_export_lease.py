@@ -256,7 +256,7 @@ def test_an_export_whose_lease_is_lost_after_its_units_writes_no_index_or_report
 ):
     import sys
 
-    from pipelines import write_mds
+    from prx_data.pipelines import write_mds
     from tests import badinputs
     from tests.tablekit import make_table
 

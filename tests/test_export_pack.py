@@ -14,11 +14,11 @@ import json
 import os
 from collections import Counter
 
+import prx_data.pipelines.write_mds as pipeline
 import pyarrow.parquet as pq
 import pytest
+from prx_data.pipelines.write_mds import run_export
 
-import pipelines.write_mds as pipeline
-from pipelines.write_mds import run_export
 from prx_data.cli import optout as optout_cli
 from prx_data.cli import verify as verify_cli
 from prx_data.export import layout

@@ -13,8 +13,8 @@ import sys
 import time
 
 import pytest
+from prx_data.pipelines.write_mds import run_export
 
-from pipelines.write_mds import run_export
 from prx_data.cli import verify as verify_cli
 from prx_data.export import layout
 from prx_data.export.lock import ExportLock, ExportLocked

@@ -20,14 +20,14 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from prx_data.pipelines.write_mds import run_export
 
-from pipelines import write_mds
-from pipelines.write_mds import run_export
 from prx_data.cli import verify as verify_cli
 from prx_data.core import storage
 from prx_data.export import layout
 from prx_data.export.layout import ExportError, content_digest, is_complete
 from prx_data.export.unit import ExportConfig, export_unit, plan_units, prepare_output
+from prx_data.pipelines import write_mds
 from tests.exportkit import finalize_reference
 from tests.s3proxy import relay
 

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pytest
 from lance.fragment import FragmentMetadata
 from PIL import Image
+from prx_data.pipelines.write_mds import UNITS_PER_CPU, run_export
 
-from pipelines.write_mds import UNITS_PER_CPU, run_export
 from prx_data.export.unit import ExportConfig, ExportError, WorkUnit, plan_units, prepare_output
 from tests.tablekit import make_table
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import ingest as I
+from prx_data.pipelines import ingest as I
 from tests.ingest_data import jpeg, write
 
 

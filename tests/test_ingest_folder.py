@@ -6,8 +6,8 @@ import json
 
 import lance
 import pytest
+from prx_data.pipelines.ingest import duplicate_ids, ingest, output_schema
 
-from pipelines.ingest import duplicate_ids, ingest, output_schema
 from prx_data.cli import ingest as ingest_cli
 from prx_data.ingest import Counts, SourceSpec, conform, folder, load_unit, plan_source
 from tests.ingest_data import jpeg, make_folder, write

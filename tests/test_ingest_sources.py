@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from prx_data.pipelines.ingest import duplicate_ids, ingest
 
-from pipelines.ingest import duplicate_ids, ingest
 from prx_data.ingest import Counts, SourceSpec, detect_format, load_unit, plan_source
 from tests.ingest_data import jpeg, make_tar, png, write
 

@@ -39,9 +39,10 @@ def test_export_report_counts_only_broken_images_as_failed():
 
 
 def test_dedup_ingest_column_and_score_reports_say_what_failed():
-    from pipelines.dedup import DedupReport
-    from pipelines.ingest import IngestReport
-    from pipelines.score import ScoreReport
+    from prx_data.pipelines.dedup import DedupReport
+    from prx_data.pipelines.ingest import IngestReport
+    from prx_data.pipelines.score import ScoreReport
+
     from prx_data.columns.writeback import ColumnReport
 
     dedup = DedupReport(
@@ -81,7 +82,8 @@ def test_finish_prints_writes_json_and_returns_the_reports_status(tmp_path, caps
 
 
 def test_quality_job_has_the_shape_of_every_job(tmp_path):
-    from pipelines.quality import QualityConfig, QualityReport, run_quality
+    from prx_data.pipelines.quality import QualityConfig, QualityReport, run_quality
+
     from tests.tablekit import make_table
 
     with pytest.raises(dataclasses.FrozenInstanceError):

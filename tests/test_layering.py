@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,66 @@ def test_project_respects_the_layers():
     assert [str(v) for v in _checker().check(ROOT)] == []
 
 
+def test_project_has_no_import_circles():
+    assert [str(c) for c in _checker().circles(ROOT)] == []
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for pkg in ("prx_data", "prx_data/core", "prx_data/stream"):
+        (tmp_path / pkg).mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "pipelines").mkdir(exist_ok=True)
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+def test_circles_closed_lazily_or_for_types_fail_the_check(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            # A circle closed by a type-only import, one closed inside a function,
+            # and a three-module loop through a relative import.
+            "prx_data/stream/spec.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from prx_data.stream.dataset import Thing\n",
+            "prx_data/stream/dataset.py": "from prx_data.stream.spec import Spec\n",
+            "prx_data/core/a.py": "def f():\n    from prx_data.core import b\n",
+            "prx_data/core/b.py": "import prx_data.core.a\n",
+            "prx_data/core/x.py": "from . import y\n",
+            "prx_data/core/y.py": "from prx_data.core.z import name\n",
+            "prx_data/core/z.py": "from prx_data.core.x import other\n",
+            # Not circles: a package naming its submodule, and an import of a sibling.
+            "prx_data/core/ok.py": "from prx_data.core import a\n",
+        },
+    )
+    found = {c.path for c in _checker().circles(root)}
+    assert found == {
+        ("prx_data.core.a", "prx_data.core.b"),
+        ("prx_data.core.x", "prx_data.core.y", "prx_data.core.z"),
+        ("prx_data.stream.dataset", "prx_data.stream.spec"),
+    }
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1
+    assert "import circle: 2 modules import each other (prx_data.stream.dataset, " in r.stdout
+    assert "prx_data/stream/spec.py:3" in r.stdout  # the type-only import is named
+
+
+def test_a_dag_passes_the_circle_check(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "prx_data/stream/spec.py": "import numpy\n",
+            "prx_data/stream/leader.py": "import os\n",
+            "prx_data/stream/catalog.py": "from prx_data.stream import leader, spec\n",
+            "prx_data/stream/dataset.py": "from prx_data.stream.catalog import f\n"
+            "def g():\n    from prx_data.stream.spec import Spec\n",
+        },
+    )
+    assert _checker().circles(root) == []
+
+
 def test_wrong_way_imports_fail_the_check(tmp_path):
     for pkg in ("prx_data", "pipelines"):
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
@@ -35,7 +96,9 @@ def test_wrong_way_imports_fail_the_check(tmp_path):
     )
     (tmp_path / "prx_data/skips/bad_rel.py").write_text("from ..stream import dataset\n")
     (tmp_path / "prx_data/ingest/bad_same.py").write_text("from prx_data.columns import checks\n")
-    (tmp_path / "prx_data/export/bad_job.py").write_text("import pipelines.write_mds\n")
+    (tmp_path / "prx_data/export/bad_job.py").write_text("import prx_data.pipelines.write_mds\n")
+    # The jobs by their folder's name: a second name for the same modules.
+    (tmp_path / "prx_data/cli/bad_name.py").write_text("from pipelines import write_mds\n")
     found = {(v.path, v.imported) for v in _checker().check(tmp_path)}
     assert found == {
         ("prx_data/core/bad_core.py", "stream"),
@@ -43,9 +106,31 @@ def test_wrong_way_imports_fail_the_check(tmp_path):
         ("prx_data/skips/bad_rel.py", "stream"),
         ("prx_data/ingest/bad_same.py", "columns"),
         ("prx_data/export/bad_job.py", "pipelines"),
+        ("prx_data/cli/bad_name.py", "pipelines.write_mds"),
     }
     r = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 1
     assert "prx_data/core/bad_core.py:1: core (layer 0) imports stream (layer 5)" in r.stdout
+    assert "bad_name.py:1: imports 'pipelines.write_mds' by its folder name" in r.stdout
+
+
+def test_the_loaders_value_types_and_leader_protocol_load_without_torch():
+    probe = (
+        "import sys\n"
+        "from prx_data.stream.spec import BucketSource, DatasetSpec\n"
+        "from prx_data.stream import leader, planner\n"
+        "DatasetSpec('/data/export'); planner.PlanSpec(tier=512, device_batch_size=4)\n"
+        "print(sorted(m for m in ('torch', 'streaming') if m in sys.modules))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"

@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
+from prx_data.pipelines.write_mds import run_export
 
-from pipelines.write_mds import run_export
 from prx_data.cli import optout as optout_cli
 from prx_data.cli import skips as skips_cli
 from prx_data.cli import verify as verify_cli

@@ -1,4 +1,8 @@
-"""Export workers get streaming's MDSWriter without the package's datasets (transformers...)."""
+"""Export workers get streaming's MDSWriter without the package's datasets (transformers...).
+
+The contract of ``streaming_compat``'s deferred package ``__init__``: the writer
+alone loads light, and a later ``import streaming`` is the whole package.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import sys
 
 _PROBE = """
 import json, sys
-from prx_data.core.mds_writer import mds_writer
+from prx_data.core.streaming_compat import mds_writer
 W = mds_writer()
 light = sorted(m for m in ("transformers", "streaming.text", "streaming.base.dataset") if m in sys.modules)
 import streaming
@@ -43,6 +47,6 @@ def test_writer_loads_without_the_datasets_and_the_package_still_imports_whole()
 def test_writer_in_a_process_that_already_imported_streaming_is_the_package_one():
     import streaming
 
-    from prx_data.core.mds_writer import mds_writer
+    from prx_data.core.streaming_compat import mds_writer
 
     assert mds_writer() is streaming.MDSWriter

@@ -12,8 +12,8 @@ import textwrap
 import lance
 import pytest
 from PIL import Image
+from prx_data.pipelines.write_mds import run_export
 
-from pipelines.write_mds import run_export
 from prx_data.cli import table as table_cli
 from prx_data.columns import runner as R
 from prx_data.export.layout import content_digest, is_complete

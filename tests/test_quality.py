@@ -10,8 +10,8 @@ import lance
 import numpy as np
 import pytest
 from PIL import Image
+from prx_data.pipelines.quality import compute_quality
 
-from pipelines.quality import compute_quality
 from prx_data.cli import quality as quality_cli
 from prx_data.cli import skips as skips_cli
 from prx_data.core import quality as Q

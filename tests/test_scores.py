@@ -14,7 +14,6 @@ import lance
 import numpy as np
 import pytest
 
-from pipelines import score as SJ
 from prx_data.columns import scores as SC
 from prx_data.columns.runner import checkpoint_root
 from prx_data.core.tinymodels import (
@@ -22,6 +21,7 @@ from prx_data.core.tinymodels import (
     build_tiny_clip,
     build_tiny_image_classifier,
 )
+from prx_data.pipelines import score as SJ
 from tests.dedup_images import jpeg, make_image, png
 from tests.tablekit import make_table
 
@@ -161,7 +161,7 @@ KILL = textwrap.dedent(
     """
     import os, sys
     sys.path.insert(0, {root!r})
-    from pipelines import score as SJ
+    from prx_data.pipelines import score as SJ
 
     def kill(fragment, done):
         if done == 2:

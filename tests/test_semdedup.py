@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 from PIL import ImageEnhance
 
-from pipelines import semdedup as SJ
 from prx_data.columns.descriptors import compute_descriptors
 from prx_data.export import layout
+from prx_data.pipelines import semdedup as SJ
 from prx_data.skips import semdedup as SD
 from prx_data.skips import sidecar as SL
 from tests.dedup_images import jpeg, make_image

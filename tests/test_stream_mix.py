@@ -157,3 +157,41 @@ def test_a_checkpoint_without_fingerprint_resumes_with_a_warning(two, caplog):
         rest = run_rank(a.root, rank=0, world_size=1, batch_size=8, state=state, **KW)
     assert "has no fingerprint" in caplog.text
     assert not set(flat(first)) & set(flat([rest]))
+
+
+def test_each_bucket_streams_its_own_decision_whatever_the_plan_order(two, monkeypatch):
+    """Decisions are looked up by (dataset, bucket), never paired with the buckets by position."""
+    from prx_data.stream import planner, sources
+
+    real = planner.plan_buckets
+
+    def reversed_plan(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        plan.buckets.reverse()
+        return plan
+
+    monkeypatch.setattr(sources.planner, "plan_buckets", reversed_plan)
+    a, b = two
+    run = run_rank(
+        [DatasetSpec(a.root, choose=140), DatasetSpec(b.root, choose=60)],
+        rank=0,
+        world_size=1,
+        batch_size=4,
+        num_workers=0,
+        tier=512,
+        small_buckets="drop",
+    )
+    seen = flat([run])
+    assert abs(_share(seen, "a") - 140) <= 4 and abs(_share(seen, "b") - 60) <= 4
+    assert all(len(s) == 1 for s in run.shapes), "a batch mixed shapes"
+
+
+def test_a_plan_naming_one_bucket_twice_is_refused():
+    from prx_data.stream import planner
+
+    counts = [planner.DatasetCount("a", [planner.BucketCount("512/1.000", 64, 0)])]
+    plan = planner.plan_buckets(counts, planner.PlanSpec(tier=512, device_batch_size=4))
+    assert set(plan.decisions()) == {(0, "512/1.000")}
+    plan.buckets.append(plan.buckets[0])
+    with pytest.raises(planner.PlanError, match="twice"):
+        plan.decisions()

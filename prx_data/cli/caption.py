@@ -1,7 +1,7 @@
 """``python -m prx_data.caption``: re-caption a Lance table with a vision-language model.
 
-Thin over :func:`pipelines.caption.run_caption`, which a notebook can call
-directly with a :class:`pipelines.caption.CaptionConfig`.
+Thin over :func:`prx_data.pipelines.caption.run_caption`, which a notebook can call
+directly with a :class:`prx_data.pipelines.caption.CaptionConfig`.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pipelines.caption import CaptionConfig, run_caption
+    from prx_data.pipelines.caption import CaptionConfig, run_caption
 
     return run_column_job(
         args,

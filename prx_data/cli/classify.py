@@ -1,7 +1,7 @@
 """``python -m prx_data.classify``: label captions visual / text / nsfw.
 
-Thin over :func:`pipelines.classify.run_classify`, which a notebook can
-call directly with a :class:`pipelines.classify.ClassifyConfig`.
+Thin over :func:`prx_data.pipelines.classify.run_classify`, which a notebook can
+call directly with a :class:`prx_data.pipelines.classify.ClassifyConfig`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.rules_only and not (args.backend and args.model):
         p.error("--backend and --model are required unless --rules-only is given")
-    from pipelines.classify import ClassifyConfig, run_classify
+    from prx_data.pipelines.classify import ClassifyConfig, run_classify
 
     return run_column_job(
         args,

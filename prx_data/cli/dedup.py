@@ -1,11 +1,11 @@
-"""``python -m prx_data.dedup``: argument parsing over :mod:`pipelines.dedup`."""
+"""``python -m prx_data.dedup``: argument parsing over :mod:`prx_data.pipelines.dedup`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pipelines.dedup import DedupConfig, run_dedup
+from prx_data.pipelines.dedup import DedupConfig, run_dedup
 from prx_data.cli.reporting import finish_run
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError

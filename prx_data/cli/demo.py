@@ -69,9 +69,9 @@ def _write_plain_mds(workdir: str, src: str, n: int = 4) -> str:
 
 
 def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dict:
-    from pipelines.ingest import ingest
-    from pipelines.write_mds import run_export
     from prx_data.export.unit import ExportConfig
+    from prx_data.pipelines.ingest import ingest
+    from prx_data.pipelines.write_mds import run_export
 
     src = os.path.join(workdir, "src")
     table = os.path.join(workdir, "table.lance")

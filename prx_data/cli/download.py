@@ -1,11 +1,11 @@
-"""``python -m prx_data.download``: argument parsing over :mod:`pipelines.download`."""
+"""``python -m prx_data.download``: argument parsing over :mod:`prx_data.pipelines.download`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pipelines.download import DEFAULT_MAX_ERROR_RATE, FAILED, DownloadConfig, run_download
+from prx_data.pipelines.download import DEFAULT_MAX_ERROR_RATE, FAILED, DownloadConfig, run_download
 from prx_data.cli.reporting import finish_run
 from prx_data.core.errors import Conflict, NotFound, PrxDataError
 from prx_data.core.runtime import add_run_args, run_options_from_args

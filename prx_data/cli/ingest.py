@@ -1,7 +1,7 @@
 """``python -m prx_data.ingest SOURCE... --table URI``: load image-text sources into Lance.
 
-Thin CLI over :func:`pipelines.ingest.ingest`; the Ray Data job graph is
-:mod:`pipelines.ingest`. Sources: image folders (captions from same-stem
+Thin CLI over :func:`prx_data.pipelines.ingest.ingest`; the Ray Data job graph is
+:mod:`prx_data.pipelines.ingest`. Sources: image folders (captions from same-stem
 ``.txt``/``.json``), parquet (image bytes or paths, HF exports, LAION-style
 metadata), URL lists (txt, csv, tsv, JSON lines), WebDataset tars, twin-tar modality
 folders, and Lance tables.
@@ -13,7 +13,10 @@ import argparse
 import json
 import sys
 
-from pipelines.ingest import (
+from prx_data.cli.reporting import finish
+from prx_data.core.errors import PrxDataError, add_max_error_rate
+from prx_data.ingest import FORMATS
+from prx_data.pipelines.ingest import (
     DEFAULT_FRAGMENT_BYTES,
     MODES,
     IngestReport,

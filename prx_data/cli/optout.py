@@ -95,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     from prx_data.core import storage
     from prx_data.core.errors import PrxDataError
+    from prx_data.export import layout
     from prx_data.export.adopt import refuse_plain_tree
 
     try:
         refuse_plain_tree(args.export)
+        args.export = layout.tree(args.export)  # an adopted flat tree: its layout, once
         report = add_optout(
             args.export,
             args.name,

@@ -2,7 +2,7 @@
 
 Two ways in: export roots and flags, or ``--config train.yaml [key=value ...]``,
 which plans exactly what the run's loader plans (the same ``PlanSpec``, skip
-lists and eval hold-out, through ``prx_data.stream.dataset.plan_sources``).
+lists and eval hold-out, through ``prx_data.stream.sources.plan_sources``).
 """
 
 from __future__ import annotations
@@ -157,18 +157,20 @@ def _from_flags(p, args) -> Plan:
     )
     names = [] if args.no_skips else args.skip_list
     counts = []
-    from prx_data.export.adopt import declare_if_flat
+    from prx_data.export.adopt import resolve_tree
 
     for arg in args.datasets:
         root, prop = _parse_dataset(arg)
-        declare_if_flat(root, args.tier)  # one folder per aspect ratio, not adopted: the run's tier
+        root = resolve_tree(
+            root, args.tier
+        )  # one folder per aspect ratio, not adopted: the run's tier
         counts.append(DatasetCount(root, count_export(root, spec.tiers(), names), proportion=prop))
     return plan_buckets(counts, spec, world_size=args.world_size, num_nodes=args.nodes)
 
 
 def _from_config(p, args) -> Plan:
     """The run's own plan: its PlanSpec, datasets, skip lists and hold-out, via plan_sources."""
-    from prx_data.stream.dataset import plan_sources
+    from prx_data.stream.sources import plan_sources
     from prx_data.train.config import device_batch_size, load_config
     from prx_data.train.data import dataset_specs
     from prx_data.train.evaluation import eval_data_config, holdout_for

@@ -1,4 +1,4 @@
-"""``python -m prx_data.quality``: argument parsing over :mod:`pipelines.quality`."""
+"""``python -m prx_data.quality``: argument parsing over :mod:`prx_data.pipelines.quality`."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pipelines.quality import QualityConfig, run_quality
+    from prx_data.pipelines.quality import QualityConfig, run_quality
 
     try:
         opts = run_options_from_args(args)

@@ -1,11 +1,11 @@
-"""``python -m prx_data.score``: argument parsing over :mod:`pipelines.score`."""
+"""``python -m prx_data.score``: argument parsing over :mod:`prx_data.pipelines.score`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pipelines.score import ScoreConfig
+from prx_data.pipelines.score import ScoreConfig
 from prx_data.cli.reporting import finish_run, print_error
 from prx_data.columns.scores import CLIP_IMAGE_COLUMN, SCORERS
 from prx_data.core.errors import PrxDataError
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pipelines.score import run_score
+    from prx_data.pipelines.score import run_score
 
     try:
         opts = run_options_from_args(args)

@@ -1,11 +1,11 @@
-"""``python -m prx_data.semdedup``: argument parsing over :mod:`pipelines.semdedup`."""
+"""``python -m prx_data.semdedup``: argument parsing over :mod:`prx_data.pipelines.semdedup`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pipelines.semdedup import SemDedupConfig
+from prx_data.pipelines.semdedup import SemDedupConfig
 from prx_data.cli.reporting import finish_run, print_error
 from prx_data.core.errors import PrxDataError
 from prx_data.core.runtime import add_run_args, run_options_from_args
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pipelines.semdedup import run_semdedup
+    from prx_data.pipelines.semdedup import run_semdedup
 
     try:
         opts = run_options_from_args(args)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from prx_data.core.errors import PrxDataError
+from prx_data.export import layout
 from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.sidecar import read_ids_file, read_indices_file
@@ -171,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     problems: list = []
     try:
+        args.root = layout.tree(args.root)  # an adopted flat tree: its layout, once
         if args.cmd in ("add", "remove", "sync", "rewrite"):
             _refuse_plain_tree(args.root)
         if args.cmd == "add":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
+from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
 from prx_data.cli.reporting import finish_run
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError

@@ -1,6 +1,6 @@
 """Captioning and caption classification: backends, prompts, output checks, labels.
 
-The Ray jobs live in ``pipelines.caption`` and ``pipelines.classify``; the
+The Ray jobs live in ``prx_data.pipelines.caption`` and ``prx_data.pipelines.classify``; the
 CLIs are ``python -m prx_data.caption`` and ``python -m prx_data.classify``.
 """
 

@@ -1,4 +1,4 @@
-"""The per-batch part of the image-quality column job (run by :mod:`pipelines.quality`).
+"""The per-batch part of the image-quality column job (run by :mod:`prx_data.pipelines.quality`).
 
 :func:`measure_batch` turns ``(id, image)`` rows into the ``image_quality``
 struct (std, entropy, flat) and an outcome per row, so the one column runner

@@ -62,7 +62,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_data.columns.writeback import ColumnReport, count_into
-from prx_data.core import runtime, storage
+from prx_data.core import lance_compat, runtime, storage
 from prx_data.core.errors import Conflict, UsageError
 from prx_data.table.pins import column_pin, pinned
 
@@ -309,12 +309,6 @@ def checkpoint_root(uri: str, name: str) -> str:
     return storage.join(uri, CHECKPOINT_DIR, name)
 
 
-def _meta_key(meta) -> str:
-    """A fragment's identity for 'unchanged since the checkpoint': its files and deletions."""
-    d = meta.to_json()
-    return json.dumps({"files": d.get("files"), "deletion_file": d.get("deletion_file")})
-
-
 def _storage_version(ds) -> tuple[int, int] | None:
     try:
         major, minor = (int(x) for x in str(ds.data_storage_version).split(".")[:2])
@@ -345,7 +339,6 @@ def write_columns(ds, frag, values: pa.Table, outputs: pa.Schema, storage_option
     Returns ``(FragmentMetadata, field ids)`` for an ``Update(rewrite_columns)``.
     """
     from lance.file import LanceFileWriter
-    from lance.fragment import FragmentMetadata
 
     version = _storage_version(ds)
     if version is None or not all(_flat(f.type) for f in outputs):
@@ -380,21 +373,7 @@ def write_columns(ds, frag, values: pa.Table, outputs: pa.Schema, storage_option
         size = fs.get_file_info(inner).size
     except Exception:  # the size is a hint to readers, not required
         size = None
-    meta = base.to_json()
-    for f in meta["files"]:
-        f["fields"] = [-2 if i in ids else i for i in f["fields"]]
-    meta["files"].append(
-        {
-            "path": name,
-            "fields": ids,
-            "column_indices": list(range(len(ids))),
-            "file_major_version": version[0],
-            "file_minor_version": version[1],
-            "file_size_bytes": size,
-            "base_id": None,
-        }
-    )
-    return FragmentMetadata.from_json(json.dumps(meta)), ids
+    return lance_compat.with_data_file(base, name, ids, version, size), ids
 
 
 def _fragment_key(meta) -> tuple:
@@ -524,8 +503,6 @@ def recover(uri: str, name: str, storage_options: dict | None = None) -> tuple[i
 
     Returns (fragments recovered, rows in them).
     """
-    from lance.fragment import FragmentMetadata
-
     root = checkpoint_root(uri, name)
     files = [f for f in storage.list_files(root, ".json")]
     if not files:
@@ -538,12 +515,12 @@ def recover(uri: str, name: str, storage_options: dict | None = None) -> tuple[i
         paths.append(path)
         try:
             rec = json.loads(storage.read_bytes(path))
-            base = FragmentMetadata.from_json(json.dumps(rec["base"]))
-            new = FragmentMetadata.from_json(json.dumps(rec["new"]))
+            base = lance_compat.fragment_from_dict(rec["base"])
+            new = lance_compat.fragment_from_dict(rec["new"])
         except (ValueError, KeyError, OSError):
             continue  # a torn or foreign file: ignore
         now = current.get(rec["fragment"])
-        if now is None or _meta_key(now) != _meta_key(base):
+        if now is None or lance_compat.fragment_key(now) != lance_compat.fragment_key(base):
             continue  # committed already, or the fragment changed: recompute
         old = {f.path for f in base.data_files()}
         if not all(

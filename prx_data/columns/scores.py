@@ -4,8 +4,8 @@ Caption-based labels are a cheap first pass; these look at the pixels. Each
 scorer is one column job (:mod:`prx_data.columns.runner`: pinned version,
 per-fragment write-once, checkpoints, per-row ``<prefix>_error``, Ray Data
 actors holding the model), so the image data files are never rewritten and
-a killed run resumes; the job itself (:class:`pipelines.score.ScoreConfig`,
-:func:`pipelines.score.run_score`) is in :mod:`pipelines.score`, this module
+a killed run resumes; the job itself (:class:`prx_data.pipelines.score.ScoreConfig`,
+:func:`prx_data.pipelines.score.run_score`) is in :mod:`prx_data.pipelines.score`, this module
 holds the scorers its steps run. Columns (``<prefix>`` defaults to the scorer's name):
 
 - ``clip``: ``clip_image_embedding`` and ``clip_text_embedding`` (L2-normalised

@@ -2,7 +2,8 @@
 
 The skip-aware loader and the rewrite reach below streaming's public API
 (``streaming.Stream`` / ``StreamingDataset`` / ``MDSWriter``) for shard
-readers, the world layout and decompression. Those internals change between
+readers, the world layout and decompression, and the export loads the writer
+without the package's ``__init__`` (:func:`mds_writer`). Those internals change between
 releases without notice, so they are imported here only, and importing
 this module on an unknown streaming version fails with what to check.
 
@@ -13,18 +14,76 @@ contract test per symbol) and the upstream suite with our Stream swapped in
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import threading
+import types
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from prx_data.core.mds_writer import streaming_version
-
-# Only streaming.base submodules are needed here: the package's own __init__ (its datasets,
-# transformers) runs when something asks for it (see prx_data.core.mds_writer).
-_streaming_version = streaming_version()
-
 #: Streaming release prefixes whose internals match what the project relies on.
 SUPPORTED = ("0.13.",)
+
+# --- ``streaming`` without its package ``__init__`` ------------------------------------------
+#
+# ``import streaming`` runs the package's ``__init__``, which imports every dataset it ships
+# (C4's tokenizer pulls in transformers and torch's dynamo): the main part of a fresh Ray
+# worker's start-up before its first export unit (benchmarks/results/streaming_import.md).
+# The writer and the internals below need only ``streaming.base`` submodules. So when
+# ``streaming`` is not imported yet, the packages ``streaming`` and ``streaming.base`` are
+# registered with their ``__init__`` deferred: the submodules load beneath them, and the first
+# attribute the package does not have yet (``streaming.StreamingDataset``,
+# ``streaming.__version__``, ...) runs the real ``__init__`` in that same module object.
+# Everything else that imports ``streaming`` sees the real package.
+
+_RUN_LOCK = threading.RLock()
+
+
+class _Deferred(types.ModuleType):
+    """A package module whose ``__init__`` runs on the first attribute it lacks."""
+
+    def __getattr__(self, attr: str):
+        with _RUN_LOCK:  # one thread runs the __init__; the others wait for it
+            if type(self) is _Deferred:
+                self.__class__ = types.ModuleType  # from here on a plain module
+                self.__spec__.loader.exec_module(self)
+        return getattr(self, attr)  # AttributeError as usual when the package has none
+
+
+def _defer(name: str) -> None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None or not spec.submodule_search_locations:
+        raise ImportError(f"{name} is not installed: `pip install mosaicml-streaming`")
+    mod = importlib.util.module_from_spec(spec)
+    mod.__class__ = _Deferred
+    sys.modules[name] = mod
+    parent, _, child = name.rpartition(".")
+    if parent:
+        types.ModuleType.__setattr__(sys.modules[parent], child, mod)
+
+
+def defer_package_init() -> None:
+    """Register ``streaming`` and ``streaming.base`` with their ``__init__`` deferred, if not imported."""
+    if "streaming" not in sys.modules:
+        _defer("streaming")
+        _defer("streaming.base")
+
+
+def streaming_version() -> str:
+    """The installed streaming release, without running the package ``__init__`` for it."""
+    defer_package_init()
+    pkg = sys.modules["streaming"]
+    if type(pkg) is _Deferred:
+        from streaming._version import __version__
+
+        return __version__
+    return pkg.__version__
+
+
+# Only streaming.base submodules are needed from here on: the package's own __init__ (its
+# datasets, transformers) runs when something asks for it.
+_streaming_version = streaming_version()
 
 if not _streaming_version.startswith(SUPPORTED):
     raise ImportError(
@@ -33,7 +92,8 @@ if not _streaming_version.startswith(SUPPORTED):
         "Stream.get_shards, Stream.prepare_shard, Reader.evict/set_up_local/get_max_size "
         "(pinned local shards), World.detect, maybe_init_dist, decompress, reader_from_json, "
         "get_partitions, get_hash, is_safe_mds_encoding and get_sampling (looked up as a "
-        "global of streaming.base.dataset) "
+        "global of streaming.base.dataset), MDSWriter at streaming.base.format.mds.writer and "
+        "the package's __init__ run on first use (defer_package_init) "
         "behave as before (tests/test_streaming_compat.py), then add the version to "
         "prx_data.core.streaming_compat.SUPPORTED; or pin mosaicml-streaming==0.13.0."
     )
@@ -54,6 +114,9 @@ from streaming.base.world import World  # noqa: E402
 
 __all__ = [
     "SUPPORTED",
+    "defer_package_init",
+    "mds_writer",
+    "streaming_version",
     "FileInfo",
     "MDSReader",
     "World",
@@ -66,6 +129,13 @@ __all__ = [
     "reader_from_json",
     "sampling_hooks",
 ]
+
+
+def mds_writer() -> type:
+    """Streaming's ``MDSWriter`` class, without the package's datasets (a light Ray worker)."""
+    from streaming.base.format.mds.writer import MDSWriter
+
+    return MDSWriter
 
 
 def mds_reader_args(reader: MDSReader) -> dict:

@@ -2,5 +2,5 @@
 
 :mod:`prx_data.download.fetch` fetches one URL safely (address policy,
 limits, retries, checks). The job that fills a table with it
-(``python -m prx_data.download``) is :mod:`pipelines.download`.
+(``python -m prx_data.download``) is :mod:`prx_data.pipelines.download`.
 """

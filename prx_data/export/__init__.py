@@ -2,7 +2,7 @@
 
 :mod:`prx_data.export.layout` owns the tree (part names, manifests, progress
 markers, the merged index); :mod:`prx_data.export.unit` turns one work unit (a row range of a fragment)
-into MDS parts; the Ray job graph is :mod:`pipelines.write_mds`.
+into MDS parts; the Ray job graph is :mod:`prx_data.pipelines.write_mds`.
 """
 
 from prx_data.export.layout import is_complete

@@ -212,8 +212,7 @@ def adopt_tree(root: str, *, tier: int | None = None, id_column: str | None = No
 
     t0 = time.monotonic()
     kind, flat = detect_layout(root, tier)
-    if flat is not None:
-        layout.declare_flat_tier(root, flat)
+    root = layout.Tree(root, flat)
     buckets = layout.list_buckets(root)
     per_bucket: dict[str, int] = {}
     records: dict[str, dict] = {}
@@ -307,9 +306,8 @@ def adopt_tree(root: str, *, tier: int | None = None, id_column: str | None = No
         "buckets": records,
     }
     storage.write_bytes_atomic(record_path(root), json.dumps(record, indent=1).encode())
-    layout.forget_flat_tiers()
     res = AdoptResult(
-        root=root,
+        root=str(root),
         layout=kind,
         tier=flat,
         buckets=per_bucket,
@@ -370,6 +368,7 @@ def verify_adopted(root: str, *, deep: bool = False) -> tuple[list[str], int, in
     rec = read_record(root)
     if rec is None:
         raise ForeignTreeError(f"{root}: not adopted; run python -m prx_data.adopt {root}")
+    root = layout.Tree(root, rec.get("tier") if rec.get("layout") == "flat" else None)
     problems: list[str] = []
     nshards = 0
     for bucket in sorted(rec.get("buckets") or {}):
@@ -453,23 +452,23 @@ __all__ = [
 ]
 
 
-def declare_if_flat(root: str, tier: int) -> bool:
-    """Take ``tier`` as the tier of ``root`` when it is a flat tree with no recorded tier."""
-    if storage.is_remote(root) and not storage.exists(root):
-        return False
-    if layout.flat_tier(root) is not None or _ours(root):
-        return False
+def resolve_tree(root: str, tier: int) -> layout.Tree:
+    """``root`` resolved, taking ``tier`` as its tier when it is a flat tree with no recorded tier."""
+    resolved = layout.tree(root)
+    if resolved.flat_tier is not None or (storage.is_remote(root) and not storage.exists(root)):
+        return resolved
+    if _ours(root):
+        return resolved
     try:
         dirs = storage.list_dirs(root)
     except (FileNotFoundError, NotADirectoryError):
-        return False
+        return resolved
     if any(
         layout._AR_RE.fullmatch(d) and storage.exists(storage.join(root, d, layout.INDEX_NAME))
         for d in dirs
     ):
-        layout.declare_flat_tier(root, tier)
-        return True
-    return False
+        return layout.Tree(root, tier)
+    return resolved
 
 
 def refuse_plain_tree(root: str) -> None:

@@ -703,6 +703,63 @@ class ShardInfo:
         )
 
 
+class Tree(str):
+    """An export root with its layout resolved once: the root's path, and its tier layout.
+
+    A ``str``, so it passes through every function that takes a root, and
+    :func:`rel_join` reads the layout from it: no process-wide state decides
+    where a path resolves. ``flat_tier`` is None for the exporter's
+    ``<tier>/<ar>/`` layout, else the tier of a tree with one folder per
+    aspect ratio (``<ar>/index.json``). Resolve it where a root comes in
+    (:func:`tree`) and pass it on; a plain string is a ``<tier>/<ar>/`` tree,
+    and a path built from a Tree (``os.path.abspath``, ``rstrip``) is plain.
+    """
+
+    flat_tier: int | None
+
+    def __new__(cls, root: str, flat_tier: int | None = None) -> Tree:
+        obj = super().__new__(cls, root)
+        object.__setattr__(obj, "flat_tier", None if flat_tier is None else int(flat_tier))
+        return obj
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Tree is frozen: cannot set {name!r}")
+
+    def __reduce__(self):  # pickles (Ray, process pools) as a Tree, layout included
+        return (Tree, (str(self), self.flat_tier))
+
+    def __repr__(self) -> str:
+        return f"Tree({str.__repr__(self)}, flat_tier={self.flat_tier})"
+
+    @property
+    def remote(self) -> bool:
+        return storage.is_remote(self)
+
+
+def tree(root: str, tier: int | None = None) -> Tree:
+    """``root`` resolved: its adoption record's layout, or ``tier`` for a flat tree not adopted.
+
+    ``tier`` says that ``root`` holds one folder per aspect ratio of that tier
+    (``DatasetSpec(tier=...)``, the planner's ``--tier``); it must agree with
+    the adoption record when there is one. One small read (the record) per
+    call: resolve once per root and pass the Tree on.
+    """
+    if isinstance(root, Tree) and (tier is None or root.flat_tier == int(tier)):
+        return root
+    recorded = _recorded_flat_tier(str(root))
+    if tier is not None and recorded is not None and recorded != int(tier):
+        raise ForeignTreeError(
+            f"{root}: its adoption record says tier {recorded}, not {tier}; declare {recorded} "
+            "or adopt the tree again with python -m prx_data.adopt --tier"
+        )
+    return Tree(str(root), recorded if tier is None else tier)
+
+
+def flat_tier(root: str) -> int | None:
+    """The tier of a flat tree as resolved in ``root`` (:class:`Tree`); None otherwise."""
+    return getattr(root, "flat_tier", None)
+
+
 def rel_join(root: str, rel: str) -> str:
     """``root/rel``; in a flat tree (:func:`flat_tier`) ``<tier>/<ar>/...`` is ``root/<ar>/...``."""
     bits = rel.split("/")
@@ -719,11 +776,6 @@ ADOPT_DIR = "_prx"
 ADOPTION_NAME = "_prx/adoption"
 #: Per adopted bucket, ``_prx/<tier>/<ar>/shards``: sha256 of its index.json, shard hashes.
 ADOPTED_SHARDS_NAME = "shards"
-_DECLARED_FLAT: dict[str, int] = {}
-
-
-def _root_key(root: str) -> str:
-    return root.rstrip("/") if storage.is_remote(root) else os.path.abspath(root)
 
 
 class ForeignTreeError(PrxDataError, ValueError):
@@ -735,43 +787,16 @@ def adopted_manifest(root: str, bucket: str) -> str:
     return storage.join(root, ADOPT_DIR, *check_bucket(bucket).split("/"), MANIFEST_NAME)
 
 
-def declare_flat_tier(root: str, tier: int) -> None:
-    """Say that ``root`` holds one folder per aspect ratio (``<ar>/index.json``) of ``tier``.
-
-    Bucket ``<tier>/<ar>`` then lives at ``root/<ar>`` for every reader in this
-    process. An adopted flat tree records its tier, so this is for trees not
-    adopted yet (``DatasetSpec(tier=...)``, the planner's ``--tier``).
-    """
-    recorded = _recorded_flat_tier(_root_key(root))
-    if recorded is not None and recorded != int(tier):
-        raise ForeignTreeError(
-            f"{root}: its adoption record says tier {recorded}, not {tier}; declare {recorded} "
-            "or adopt the tree again with python -m prx_data.adopt --tier"
-        )
-    _DECLARED_FLAT[_root_key(root)] = int(tier)
-
-
-def flat_tier(root: str) -> int | None:
-    """The tier of a flat tree (declared, or from its adoption record); None otherwise."""
-    key = _root_key(root)
-    return _DECLARED_FLAT.get(key, _recorded_flat_tier(key))
-
-
-@functools.lru_cache(maxsize=256)
-def _recorded_flat_tier(key: str) -> int | None:
+def _recorded_flat_tier(root: str) -> int | None:
+    """The tier an adoption record gives a flat tree (read now: records change on adoption)."""
     try:
-        path = storage.join(key, *ADOPTION_NAME.split("/"))
-        obj = json.loads(confined.read(key, path, confined.SMALL_MAX_BYTES))
+        path = storage.join(root, *ADOPTION_NAME.split("/"))
+        obj = json.loads(confined.read(root, path, confined.SMALL_MAX_BYTES))
     except (FileNotFoundError, OSError, ValueError):
         return None
     if isinstance(obj, dict) and obj.get("layout") == "flat" and isinstance(obj.get("tier"), int):
         return obj["tier"]
     return None
-
-
-def forget_flat_tiers() -> None:
-    """Drop cached adoption records (after an adoption rewrote one)."""
-    _recorded_flat_tier.cache_clear()
 
 
 def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
@@ -802,6 +827,12 @@ def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
                 bucket = f"{tier}/{ar}"
                 if storage.exists(rel_join(root, f"{bucket}/{INDEX_NAME}")):
                     out.append(bucket)
+    if not out and not isinstance(root, Tree) and _recorded_flat_tier(root) is not None:
+        # A caller that skipped tree(): never read an adopted flat tree as an empty one.
+        raise ForeignTreeError(
+            f"{root}: an adopted tree with one folder per aspect ratio; resolve its layout "
+            "first (prx_data.export.layout.tree(root)) and pass that on"
+        )
     return sorted(out, key=lambda b: (int(b.split("/")[0]), b))
 
 

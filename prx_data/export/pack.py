@@ -171,7 +171,7 @@ class _Encoded(bytes):
 @functools.cache
 def _encoded_writer() -> type:
     """``MDSWriter`` taking already-encoded samples: its shards, sizes, hashes, compression."""
-    from prx_data.core.mds_writer import mds_writer
+    from prx_data.core.streaming_compat import mds_writer
 
     class EncodedMDSWriter(mds_writer()):
         def encode_sample(self, sample) -> bytes:

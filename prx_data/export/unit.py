@@ -12,7 +12,7 @@ so an export never looks complete before it is. A unit's data is fsynced before
 its marker, and a unit that Ray retries after its worker died replaces what its
 first attempt left (:func:`export_unit`).
 
-The Ray Data graph that schedules the units lives in ``pipelines.write_mds``.
+The Ray Data graph that schedules the units lives in ``prx_data.pipelines.write_mds``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class ExportConfig:
     shard_size: int = 1 << 26
     rows_per_task: int = 1000
     #: Plan at least this many work units, so that a small table still keeps every core
-    #: busy (None: ``rows_per_task`` alone). ``pipelines.write_mds`` sets it from the
+    #: busy (None: ``rows_per_task`` alone). ``prx_data.pipelines.write_mds`` sets it from the
     #: cluster's CPUs when the export starts, and the pinned config keeps it for resumes.
     min_units: int | None = None
     #: Optional Lance SQL filter applied before bucketing (e.g. ``label = 'visual'``).
@@ -679,7 +679,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     clears its own part before writing it. Either way the marker comes last,
     after everything it vouches for is durable.
     """
-    from prx_data.core.mds_writer import mds_writer
+    from prx_data.core.streaming_compat import mds_writer
 
     MDSWriter = mds_writer()  # noqa: N806 (a class); not all of `streaming`: see mds_writer
     t0 = time.perf_counter()

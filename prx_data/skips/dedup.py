@@ -2,7 +2,7 @@
 
 Steps of ``python -m prx_data.dedup --table URI [--export OUT] [--radius R]``:
 
-1. fill the ``phash`` column for rows that lack it (:mod:`pipelines.dedup`, resumable);
+1. fill the ``phash`` column for rows that lack it (:mod:`prx_data.pipelines.dedup`, resumable);
 2. cluster the hashes: equal hashes at radius 0 (a sort), or hashes within
    Hamming distance ``R`` (multi-index hashing, then connected components);
 3. keep one row per cluster: the largest ``width * height``, then the
@@ -17,9 +17,9 @@ Clustering at radius > 0 is single-linkage: A~B and B~C put A, B and C in
 one cluster even when A and C are further apart than ``R``.
 
 This module holds the parts the job calls (group counts, bucket names, the
-skip-list replacement); the job itself (:class:`pipelines.dedup.DedupConfig`,
-:func:`pipelines.dedup.run_dedup`, :class:`pipelines.dedup.DedupReport`) is in
-:mod:`pipelines.dedup`.
+skip-list replacement); the job itself (:class:`prx_data.pipelines.dedup.DedupConfig`,
+:func:`prx_data.pipelines.dedup.run_dedup`, :class:`prx_data.pipelines.dedup.DedupReport`) is in
+:mod:`prx_data.pipelines.dedup`.
 """
 
 from __future__ import annotations

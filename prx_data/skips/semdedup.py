@@ -26,9 +26,9 @@ to a skip list (default ``semdedup``) through
 then the export's sidecars), so the shards stay as they are and a rerun
 replaces the list.
 
-This module holds the method; the job (:class:`pipelines.semdedup.SemDedupConfig`,
-:func:`pipelines.semdedup.run_semdedup`: read, cluster, report, skip list) is
-in :mod:`pipelines.semdedup`.
+This module holds the method; the job (:class:`prx_data.pipelines.semdedup.SemDedupConfig`,
+:func:`prx_data.pipelines.semdedup.run_semdedup`: read, cluster, report, skip list) is
+in :mod:`prx_data.pipelines.semdedup`.
 """
 
 from __future__ import annotations

@@ -7,26 +7,19 @@ that plan do not import Mosaic Streaming (and torch) just to start.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prx_data.core.lazy import lazy_exports
 
 _EXPORTS = {
-    "BucketSource": "prx_data.stream.dataset",
+    "BucketSource": "prx_data.stream.spec",
     "BucketedDataset": "prx_data.stream.dataset",
-    "DatasetSpec": "prx_data.stream.dataset",
-    "SkipMDSReader": "prx_data.stream.dataset",
-    "SkipStream": "prx_data.stream.dataset",
-    "discover_buckets": "prx_data.stream.dataset",
-    "fetch_catalog": "prx_data.stream.dataset",
-    "load_sources": "prx_data.stream.dataset",
-    "plan_sources": "prx_data.stream.dataset",
+    "DatasetSpec": "prx_data.stream.spec",
+    "SkipMDSReader": "prx_data.skips.reader",
+    "SkipStream": "prx_data.stream.reader",
+    "discover_buckets": "prx_data.stream.catalog",
+    "fetch_catalog": "prx_data.stream.catalog",
+    "load_sources": "prx_data.stream.sources",
+    "plan_sources": "prx_data.stream.sources",
     "PlanSpec": "prx_data.stream.planner",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

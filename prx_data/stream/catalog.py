@@ -12,12 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 import warnings
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
-
-import torch
+from collections.abc import Sequence
 
 from prx_data.core import storage
 from prx_data.core.schema import REPORT_NAME
@@ -25,9 +21,8 @@ from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.stream import cache as shard_cache
 from prx_data.stream.fetched import CatalogCache
-
-if TYPE_CHECKING:
-    from prx_data.stream.dataset import DatasetSpec
+from prx_data.stream.leader import lead, wait_for_leader
+from prx_data.stream.spec import DatasetSpec
 
 #: Written last by the node's fetching rank; the other ranks wait for it.
 CATALOG_PREFIX = "_prx_catalog."
@@ -102,50 +97,6 @@ def fetch_catalog(
         return buckets, "".join(b + "\n" for b in buckets).encode()
 
     return lead(marker, fetch)
-
-
-_ERROR = "ERROR "
-_T = TypeVar("_T")
-
-
-def wait_for_leader(marker: str, timeout: float, what: str) -> str:
-    """A non-leader rank: wait for the leader's ``marker`` and return its text.
-
-    The leader writes the marker last, or an error line when its work failed,
-    so a waiting rank fails with the leader's reason instead of timing out.
-    """
-    _node_barrier()
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(marker):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{marker}: local rank 0 did not finish {what}")
-        time.sleep(0.05)
-    with open(marker) as f:
-        text = f.read()
-    if text.startswith(_ERROR):
-        raise RuntimeError(f"local rank 0 failed {what}: {text[len(_ERROR) :]}")
-    return text
-
-
-def lead(marker: str, work: Callable[[], tuple[_T, bytes]]) -> _T:
-    """The leader rank: run ``work`` (result, marker body), then write the marker for the others."""
-    if os.path.exists(marker):
-        os.remove(marker)
-    try:
-        result, body = work()
-    except Exception as e:
-        # Tell the waiting ranks why, instead of leaving them at the barrier.
-        storage.write_bytes_atomic(marker, f"{_ERROR}{type(e).__name__}: {e}".encode())
-        _node_barrier()
-        raise
-    storage.write_bytes_atomic(marker, body)
-    _node_barrier()
-    return result
-
-
-def _node_barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:

@@ -24,18 +24,14 @@ See docs/STREAMING.md for the reasoning and the knobs.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from streaming import Stream, StreamingDataset
 
-from prx_data.core import storage
 from prx_data.core.buckets import (
     DEFAULT_SPEC,
     BucketSpec,
@@ -43,241 +39,42 @@ from prx_data.core.buckets import (
     parse_bucket_name,
     same_ratio_shape,
 )
-from prx_data.core.errors import NotFound, UnknownName, UsageError
+from prx_data.core.errors import UnknownName, UsageError
 from prx_data.core.streaming_compat import World, maybe_init_dist
-from prx_data.export import layout
-from prx_data.skips import sidecar as skiplist
-from prx_data.skips.reader import SkipMDSReader  # noqa: F401 (re-exported)
+from prx_data.skips.reader import SkipMDSReader
 from prx_data.stream import cache as shard_cache
 from prx_data.stream import foreign as foreign_tree
 from prx_data.stream import planner
-
-# Moved to their own modules; re-exported here, where callers import them from.
-from prx_data.stream.catalog import (  # noqa: F401
-    CATALOG_PREFIX,
-    FETCH_TIMEOUT_S,
-    _catalog_name,
-    _check_names,
-    _check_orphans,
-    _fetch,
-    _node_barrier,
-    _read_local,
-    discover_buckets,
-    fetch_catalog,
-)
+from prx_data.stream.catalog import fetch_catalog
 from prx_data.stream.decode import decode_chw
-from prx_data.stream.holdout import Holdout, held_digest, holdout_skips, merge_skips
 from prx_data.stream.reader import SkipStream
-from prx_data.stream.resume import (  # noqa: F401
+from prx_data.stream.resume import (
     FINGERPRINT_KEY,
     ON_CHANGE,
-    SINCE_CHECKPOINT,
     RankMismatch,
     ResumeMismatch,
     check_ranks_agree,
     check_workers,
-    describe_changes,
     describe_rank_mismatch,
     fingerprint,
     resume_state,
 )
 from prx_data.stream.sampling import vectorised_sampling
+from prx_data.stream.sources import load_sources, plan_sources
+from prx_data.stream.spec import DatasetSpec
+
+#: The dataset, and the loader's public names most callers import with it.
+__all__ = [
+    "BucketedDataset",
+    "DatasetSpec",
+    "RankMismatch",
+    "ResumeMismatch",
+    "describe_rank_mismatch",
+    "fetch_catalog",
+    "load_sources",
+]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DatasetSpec:
-    """One export tree and how much of it to use.
-
-    ``skip_lists``: None applies every list found; ``[]`` applies none; a list
-    of names applies those (an unknown name is an error, to catch typos).
-    ``allow_incomplete``: stream an export that has no ``report.json``, misses
-    unit markers, or whose bucket indexes disagree with its report (refused by
-    default: such an export did not finish, or was changed after it did).
-    """
-
-    root: str
-    local: str | None = None
-    proportion: float | None = None
-    repeat: float | None = None
-    choose: int | None = None
-    skip_lists: list[str] | None = None
-    allow_incomplete: bool = False
-    #: Hold-out by id hash (train side or eval side), merged with the skip lists. With
-    #: ``local`` (also for a local root) the node computes it once into ``<local>/holdout/``.
-    holdout: Holdout | None = None
-    #: The tier of an MDS tree with one folder per aspect ratio (``<ar>/index.json``).
-    tier: int | None = None
-    #: Item key -> column of an MDS tree another writer made, e.g. ``{"caption": "prompt"}``.
-    columns: dict[str, str] | None = None
-    #: Its name in plans and in each item's ``dataset`` (None: :func:`default_name` of the root).
-    name: str | None = None
-
-    @property
-    def label(self) -> str:
-        """``name``, or the root's last two path parts."""
-        return self.name or default_name(self.root)
-
-
-def default_name(root: str) -> str:
-    """The last two parts of an export root: ``s3://b/exports/v1`` -> ``exports/v1``."""
-    parts = [p for p in root.rstrip("/").split("/") if p and not p.endswith(":")]
-    return "/".join(parts[-2:]) or root
-
-
-@dataclass
-class BucketSource:
-    """One bucket of one export, ready to stream: where it is, its shards and its skips."""
-
-    bucket: str
-    #: Bucket URI when the root is remote; the export's bucket directory when its shards are
-    #: compressed (streaming then decompresses into ``local``, not into the export).
-    remote: str | None
-    local: str  # bucket directory (the export itself, or the cache)
-    shards: list[layout.ShardInfo]
-    skips: dict[str, np.ndarray]
-    #: Per skip list in force: (samples it removes here, sha1 of its indices here).
-    lists: dict[str, tuple[int, str]] = field(default_factory=dict)
-    #: With a hold-out: (samples it holds out here, sha1 of that set here), whatever the side.
-    held: tuple[int, str] | None = None
-    #: The columns of a tree another writer made (None: an export of ours).
-    foreign: foreign_tree.ForeignColumns | None = None
-
-    @property
-    def samples(self) -> int:
-        return sum(s.samples for s in self.shards)
-
-    @property
-    def skipped(self) -> int:
-        return sum(len(v) for v in self.skips.values())
-
-
-def load_sources(
-    spec: DatasetSpec,
-    tiers: Sequence[int],
-    world: World | None = None,
-    caption_columns: Sequence[str] = ("caption",),
-) -> list[BucketSource]:
-    """Every bucket of ``tiers`` in one export with its shards and (validated) skips.
-
-    A tree another writer made (no export marker or report, or adopted:
-    :mod:`prx_data.stream.foreign`) has no report to check, and its columns are
-    resolved per bucket.
-    """
-    from prx_data.export import adopt
-
-    world = world or World.detect()
-    if spec.tier is not None:
-        layout.declare_flat_tier(spec.root, spec.tier)
-    plain = adopt.is_foreign_tree(spec.root)
-    mapping = dict(spec.columns or {})
-    if plain:  # ids as adopted: skip lists name samples by them
-        rec = adopt.read_record(spec.root)
-        if rec is not None:
-            mapping["id"] = rec.get("id_column") or ""  # "": synthetic ids
-    if storage.is_remote(spec.root):
-        if not spec.local:
-            raise UsageError(
-                f"{spec.root}: a remote root needs DatasetSpec.local (a cache directory)"
-            )
-        buckets = fetch_catalog(spec, tiers, spec.local, is_leader=world.is_local_leader)
-        base = spec.local
-    else:
-        buckets = discover_buckets(spec.root, tiers)
-        base = spec.root
-    if not buckets:
-        raise NotFound(f"no buckets of tier(s) {list(tiers)} under {spec.root}")
-    out = []
-    found: set[str] = set()
-    report = None
-    if not spec.allow_incomplete and not plain:
-        report = layout.read_report(base)
-        layout.check_export_complete(
-            spec.root, report, count_markers=not storage.is_remote(spec.root)
-        )
-    orphans: list[skiplist.SidecarProblem] = []
-    decompress: shard_cache.DecompressCache | None = None
-    for bucket in buckets:
-        entries = layout.read_index_entries(base, bucket)
-        shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
-        cols = None
-        if plain:
-            index_path = layout.rel_join(spec.root, f"{bucket}/{layout.INDEX_NAME}")
-            cols = foreign_tree.resolve_columns(index_path, entries, mapping, caption_columns)
-        if report is not None:
-            layout.check_bucket_complete(spec.root, bucket, shards, report)
-        skips: dict[str, np.ndarray] = {}
-        lists: dict[str, tuple[int, str]] = {}
-        if spec.skip_lists != []:
-            listing, stray = skiplist.scan_sidecars(base, bucket, shards)
-            orphans += stray
-            found |= set(listing)
-            skips, lists = _load_lists(base, bucket, shards, spec.skip_lists, listing)
-        remote = layout.rel_join(spec.root, bucket) if storage.is_remote(spec.root) else None
-        local_b = os.path.join(base, *bucket.split("/"))
-        if not storage.is_remote(spec.root):
-            local_b = layout.rel_join(base, bucket)
-            if any(e.get("zip_data") for e in entries):
-                # Decompressed shards go to a cache, never next to their .zstd in the export.
-                if decompress is None:
-                    decompress = shard_cache.DecompressCache(spec.root, spec.local)
-                remote, local_b = local_b, decompress.bucket(bucket, entries)
-        out.append(BucketSource(bucket, remote, local_b, shards, skips, lists, foreign=cols))
-    if decompress is not None:
-        decompress.finish()
-    _check_orphans(spec.root, orphans, spec.skip_lists)
-    _check_names(spec.root, found, spec.skip_lists)
-    if spec.holdout is not None:
-        sets = holdout_skips(
-            spec.holdout,
-            spec.root,
-            base,
-            {b.bucket: b.shards for b in out},
-            spec.local,
-            is_leader=world.is_local_leader,
-        )
-        for b in out:
-            held, side = sets[b.bucket]
-            b.skips = merge_skips(b.skips, side)
-            b.held = held_digest(held)
-    return out
-
-
-def _load_lists(
-    base: str,
-    bucket: str,
-    shards: list[layout.ShardInfo],
-    names: Sequence[str] | None,
-    listing: dict[str, list[str]],
-) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, str]]]:
-    """The union of the chosen lists per shard, and per list its size and content digest.
-
-    Each sidecar is read once; the digests let a resume tell that a list was
-    added, removed or changed since its checkpoint.
-    """
-    chosen = sorted(listing) if names is None else list(names)
-    merged: dict[str, list[np.ndarray]] = {}
-    lists: dict[str, tuple[int, str]] = {}
-    for name in chosen:
-        one = skiplist.load_skips(base, bucket, shards, [name], listing=listing)
-        h = hashlib.sha1()
-        n = 0
-        for shard in sorted(one):
-            idx = np.ascontiguousarray(one[shard], dtype=np.uint32)
-            h.update(shard.encode() + b"\0" + idx.tobytes())
-            n += len(idx)
-            merged.setdefault(shard, []).append(idx)
-        if n:
-            lists[name] = (n, h.hexdigest())
-    skips = {
-        b: (a[0] if len(a) == 1 else np.unique(np.concatenate(a))).astype(np.uint32)
-        for b, a in merged.items()
-    }
-    return skips, lists
-
-
-# --- the dataset -----------------------------------------------------------------------------
 
 
 def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[DatasetSpec]:
@@ -313,42 +110,6 @@ def _plan_spec(
             f"shuffle_block_size={block} differs from the spec's {spec.shuffle_block_size}"
         )
     return spec if block is None else spec.replace(shuffle_block_size=block)
-
-
-def plan_sources(
-    specs: Sequence[DatasetSpec],
-    spec: planner.PlanSpec,
-    world: World | None = None,
-    *,
-    world_size: int | None = None,
-    num_nodes: int | None = None,
-    caption_columns: Sequence[str] = ("caption",),
-) -> tuple[list[list[BucketSource]], planner.Plan]:
-    """Every dataset's buckets (skip lists and hold-out applied) and the checked epoch plan.
-
-    What ``BucketedDataset`` streams and what ``python -m prx_data.planner``
-    previews; ``world_size`` / ``num_nodes`` plan for another world than the
-    one this process is in (the preview).
-    """
-    world = world or World.detect()
-    sources = [load_sources(s, spec.tiers(), world, caption_columns) for s in specs]
-    counts = [
-        planner.DatasetCount(
-            s.label,
-            [planner.BucketCount(b.bucket, b.samples, b.skipped) for b in src],
-            s.proportion,
-            s.repeat,
-            s.choose,
-        )
-        for s, src in zip(specs, sources, strict=True)
-    ]
-    plan = planner.plan_buckets(
-        counts,
-        spec,
-        world_size=world.num_ranks if world_size is None else world_size,
-        num_nodes=world.num_nodes if num_nodes is None else num_nodes,
-    )
-    return sources, plan
 
 
 def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
@@ -481,10 +242,10 @@ class BucketedDataset(StreamingDataset):
             self.stream_info: list[tuple[int, str, tuple[int, int]]] = []
             #: Per stream: the columns of a tree another writer made (None: an export of ours).
             self.stream_foreign: list[tuple[foreign_tree.ForeignColumns, Any] | None] = []
-            plans = iter(self.plan.buckets)
+            decisions = self.plan.decisions()
             for di, src in enumerate(sources):
                 for b in src:
-                    bp = next(plans)
+                    bp = decisions[(di, b.bucket)]
                     if bp.excluded or bp.choose == 0:
                         continue
                     streams.append(

@@ -4,7 +4,7 @@ The training stream and the eval stream read the same export; a sample
 belongs to the hold-out when a keyed hash of its id falls below
 ``fraction``. The training side skips the hold-out and the eval side skips
 everything else, both through the skip-aware shard readers of
-:mod:`prx_data.stream.dataset`, so the exclusion lives in the sample space:
+:mod:`prx_data.stream.reader`, so the exclusion lives in the sample space:
 epoch sizes, partitioning and resume positions all see the reduced dataset,
 and nothing is filtered in ``__iter__``.
 
@@ -37,13 +37,13 @@ from prx_data.core.errors import UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
+from prx_data.stream.leader import lead, wait_for_leader
 
 #: Keep the training samples (skip the hold-out) or keep the hold-out (skip the rest).
 SIDES = ("train", "eval")
 _SCALE = float(1 << 64)
 #: Subdirectory of a dataset's local cache that holds computed hold-out sets.
 HOLDOUT_DIR = "holdout"
-_ERROR = "ERROR "
 WAIT_TIMEOUT_S = 600.0
 
 #: Held-out sample indices per shard basename of one bucket (sorted, unique, int64).
@@ -294,8 +294,6 @@ def holdout_skips(
     ranks wait for it and read the sets (a missing one is computed, never
     guessed).
     """
-    from prx_data.stream.catalog import lead, wait_for_leader
-
     if cache is None:
         return {b: _pair(hold, held_set(hold, root, b, s), s) for b, s in shards.items()}
     keys = {b: _bucket_key(hold, base, b) for b in shards}
@@ -325,17 +323,6 @@ def holdout_skips(
 
 def _pair(hold: Holdout, held: Held, shards: Sequence[layout.ShardInfo]) -> tuple[Held, Held]:
     return held, hold.side(held, shards)
-
-
-def held_digest(held: Mapping[str, np.ndarray]) -> tuple[int, str]:
-    """(held-out samples, sha1 of the set) of one bucket, for the resume fingerprint."""
-    h = hashlib.sha1()
-    n = 0
-    for shard in sorted(held):
-        idx = np.ascontiguousarray(held[shard], dtype=np.uint32)
-        h.update(shard.encode() + b"\0" + idx.tobytes())
-        n += len(idx)
-    return n, h.hexdigest()
 
 
 def merge_skips(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -196,6 +196,13 @@ class Plan:
     def epoch_size(self) -> int:
         return sum(b.choose for b in self.buckets)
 
+    def decisions(self) -> dict[tuple[int, str], BucketPlan]:
+        """Each bucket's decision by (dataset index, bucket name): what a loader looks up."""
+        out = {(b.dataset, b.bucket): b for b in self.buckets}
+        if len(out) != len(self.buckets):
+            raise PlanError("the plan names a bucket of one dataset twice")
+        return out
+
     @property
     def active(self) -> list[BucketPlan]:
         return [b for b in self.buckets if not b.excluded and b.choose > 0]
@@ -624,6 +631,7 @@ def count_export(
     """Per-bucket samples and skipped samples of one export tree (reads indexes and sidecars)."""
     from prx_data.skips import sidecar as skiplist
 
+    root = layout.tree(root)
     out = []
     for bucket in layout.list_buckets(root, tiers):
         shards = layout.read_index(root, bucket)

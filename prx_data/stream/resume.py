@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from prx_data.core.buckets import BucketSpec
 from prx_data.stream import planner
 
 if TYPE_CHECKING:
-    from prx_data.stream.dataset import BucketSource, DatasetSpec
+    from prx_data.stream.spec import BucketSource, DatasetSpec
 
 
 #: What ``BucketedDataset.load_state_dict`` may do when the sample space changed since the
@@ -58,13 +58,8 @@ def fingerprint(
     for spec, src in zip(specs, sources, strict=True):
         per_list: dict[str, dict[str, Any]] = {}
         for name in sorted({n for b in src for n in b.lists}):
-            h = hashlib.sha1()
-            n = 0
-            for b in src:
-                if name in b.lists:
-                    n += b.lists[name][0]
-                    h.update(f"{b.bucket}:{b.lists[name][1]};".encode())
-            per_list[name] = {"samples": n, "digest": h.hexdigest()[:16]}
+            n, digest = _per_bucket((b.bucket, b.lists[name]) for b in src if name in b.lists)
+            per_list[name] = {"samples": n, "digest": digest}
         datasets.append(
             {
                 "root": spec.root,
@@ -98,19 +93,24 @@ def _holdout_entry(spec: DatasetSpec, src: Sequence[BucketSource]) -> dict[str, 
     hold = spec.holdout
     if hold is None:
         return None
-    h = hashlib.sha1()
-    n = 0
-    for b in src:
-        if b.held is not None:
-            n += b.held[0]
-            h.update(f"{b.bucket}:{b.held[1]};".encode())
+    n, digest = _per_bucket((b.bucket, b.held) for b in src if b.held is not None)
     return {
         "fraction": hold.fraction,
         "salt": hold.salt,
         "keep": hold.keep,
         "held_out": n,
-        "digest": h.hexdigest()[:16],
+        "digest": digest,
     }
+
+
+def _per_bucket(entries: Iterable[tuple[str, tuple[int, str]]]) -> tuple[int, str]:
+    """(samples, digest) of one dataset from each bucket's ``shard_digest``, in bucket order."""
+    h = hashlib.sha1()
+    n = 0
+    for bucket, (count, digest) in entries:
+        n += count
+        h.update(f"{bucket}:{digest};".encode())
+    return n, h.hexdigest()[:16]
 
 
 #: How :func:`describe_changes` words a list in force on one side only: since a checkpoint.

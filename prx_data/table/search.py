@@ -33,7 +33,7 @@ from prx_data.table import lance_ops as T
 DEFAULT_RRF_K = 60
 #: The column ``python -m prx_data.score clip`` writes its image embedding to.
 CLIP_IMAGE_COLUMN = "clip_image_embedding"
-#: Written by semantic dedup (:mod:`pipelines.semdedup`): each row's k-means cluster and its
+#: Written by semantic dedup (:mod:`prx_data.pipelines.semdedup`): each row's k-means cluster and its
 #: best cosine to a better member of it (null for the cluster's best), so a cluster can be shown.
 SEMDEDUP_CLUSTER_COLUMN = "semdedup_cluster"
 SEMDEDUP_COSINE_COLUMN = "semdedup_cosine"

@@ -6,8 +6,7 @@ Heavy modules (torch, diffusers, composer) load on first use of a name, so
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prx_data.core.lazy import lazy_exports
 
 _EXPORTS = {
     "ConfigError": "config",
@@ -31,11 +30,4 @@ _EXPORTS = {
     "train": "trainer",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -110,7 +110,7 @@ class CaptionColumn:
 
 @dataclass
 class DatasetConfig:
-    """One export tree to stream; mirrors ``prx_data.stream.dataset.DatasetSpec``."""
+    """One export tree to stream; mirrors ``prx_data.stream.spec.DatasetSpec``."""
 
     root: str = "???"
     #: Local cache directory for a remote root (None: streaming picks a temp dir).

@@ -124,7 +124,7 @@ def dataset_specs(cfg: DataConfig, holdout: Any = None) -> list:
     """The ``DatasetSpec`` of each of ``cfg.datasets`` (what the loader and the planner read)."""
     if not cfg.datasets:
         raise ValueError("data.datasets: at least one dataset (export root) is required")
-    from prx_data.stream.dataset import DatasetSpec
+    from prx_data.stream.spec import DatasetSpec
 
     return [
         DatasetSpec(

@@ -1,0 +1,102 @@
+"""What a loader streams, as plain values: one dataset's settings and one bucket's sources.
+
+The bottom of :mod:`prx_data.stream`: no torch, no streaming, no I/O. The
+catalog, the hold-out, resume safety and the dataset build on these.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from prx_data.export import layout
+
+if TYPE_CHECKING:
+    from prx_data.stream.foreign import ForeignColumns
+    from prx_data.stream.holdout import Holdout
+
+
+@dataclass
+class DatasetSpec:
+    """One export tree and how much of it to use.
+
+    ``skip_lists``: None applies every list found; ``[]`` applies none; a list
+    of names applies those (an unknown name is an error, to catch typos).
+    ``allow_incomplete``: stream an export that has no ``report.json``, misses
+    unit markers, or whose bucket indexes disagree with its report (refused by
+    default: such an export did not finish, or was changed after it did).
+    """
+
+    root: str
+    local: str | None = None
+    proportion: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+    skip_lists: list[str] | None = None
+    allow_incomplete: bool = False
+    #: Hold-out by id hash (train side or eval side), merged with the skip lists. With
+    #: ``local`` (also for a local root) the node computes it once into ``<local>/holdout/``.
+    holdout: Holdout | None = None
+    #: The tier of an MDS tree with one folder per aspect ratio (``<ar>/index.json``).
+    tier: int | None = None
+    #: Item key -> column of an MDS tree another writer made, e.g. ``{"caption": "prompt"}``.
+    columns: dict[str, str] | None = None
+    #: Its name in plans and in each item's ``dataset`` (None: :func:`default_name` of the root).
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``name``, or the root's last two path parts."""
+        return self.name or default_name(self.root)
+
+
+def default_name(root: str) -> str:
+    """The last two parts of an export root: ``s3://b/exports/v1`` -> ``exports/v1``."""
+    parts = [p for p in root.rstrip("/").split("/") if p and not p.endswith(":")]
+    return "/".join(parts[-2:]) or root
+
+
+@dataclass
+class BucketSource:
+    """One bucket of one export, ready to stream: where it is, its shards and its skips."""
+
+    bucket: str
+    #: Bucket URI when the root is remote; the export's bucket directory when its shards are
+    #: compressed (streaming then decompresses into ``local``, not into the export).
+    remote: str | None
+    local: str  # bucket directory (the export itself, or the cache)
+    shards: list[layout.ShardInfo]
+    skips: dict[str, np.ndarray]
+    #: Per skip list in force: (samples it removes here, sha1 of its indices here).
+    lists: dict[str, tuple[int, str]] = field(default_factory=dict)
+    #: With a hold-out: (samples it holds out here, sha1 of that set here), whatever the side.
+    held: tuple[int, str] | None = None
+    #: The columns of a tree another writer made (None: an export of ours).
+    foreign: ForeignColumns | None = None
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def skipped(self) -> int:
+        return sum(len(v) for v in self.skips.values())
+
+
+def shard_digest(per_shard: Mapping[str, np.ndarray]) -> tuple[int, str]:
+    """(indices, sha1 of the set) of one bucket's per-shard index sets.
+
+    Shards in name order, indices as stored (uint32), so equal sets give equal
+    digests whatever order they were built in; a resume compares them.
+    """
+    h = hashlib.sha1()
+    n = 0
+    for shard in sorted(per_shard):
+        idx = np.ascontiguousarray(per_shard[shard], dtype=np.uint32)
+        h.update(shard.encode() + b"\0" + idx.tobytes())
+        n += len(idx)
+    return n, h.hexdigest()
