@@ -59,7 +59,6 @@ def measure(uri: str, partition_rows: int) -> dict:
     import time
 
     import lance
-
     import prx_data.pipelines.download as D
 
     ds = lance.dataset(uri)

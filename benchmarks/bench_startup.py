@@ -71,6 +71,7 @@ def _run(job: str, args: list[str], engine: str, env: dict) -> dict:
 def _make_table(work: str, rows: int) -> str:
     sys.path.insert(0, ROOT)
     from prx_data.pipelines.ingest import ingest
+
     from prx_data.columns import descriptors
     from prx_data.core.sample_data import make_sample_collection
 

@@ -9,8 +9,8 @@ import lance
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from prx_data.pipelines.download import DownloadConfig, run_download
+
 from prx_data.download import fetch as F
 from tests.downloadkit import ImageServer, photo, url_table
 
@@ -86,6 +86,7 @@ def test_all_refused_run_fails_naming_allow_private_and_only_failed_retries_it(t
 
 def test_export_lists_the_download_reason_in_dropped_parquet(tmp_path):
     import prx_data.pipelines.write_mds as pipeline
+
     from prx_data.export.unit import ExportConfig
 
     uri = str(tmp_path / "t.lance")
@@ -107,7 +108,6 @@ def test_export_lists_the_download_reason_in_dropped_parquet(tmp_path):
 
 def test_duplicate_planning_spilled_by_url_hash_equals_the_in_memory_plan(tmp_path, monkeypatch):
     import numpy as np
-
     import prx_data.pipelines.download as D
 
     uri = str(tmp_path / "t.lance")

@@ -11,8 +11,8 @@ import time
 
 import lance
 import pytest
-
 from prx_data.pipelines.download import DownloadConfig, run_download
+
 from prx_data.download import fetch as F
 from tests.downloadkit import ImageServer, photo, url_table
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.pipelines.dedup import DedupConfig, run_dedup
 from prx_data.cli.reporting import finish_run
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError
 from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.pipelines.dedup import DedupConfig, run_dedup
 from prx_data.skips.dedup import (
     DEFAULT_REPORT,
     DEFAULT_SKIP_NAME,

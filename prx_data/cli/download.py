@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.pipelines.download import DEFAULT_MAX_ERROR_RATE, FAILED, DownloadConfig, run_download
 from prx_data.cli.reporting import finish_run
 from prx_data.core.errors import Conflict, NotFound, PrxDataError
 from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.download import fetch as F
+from prx_data.pipelines.download import DEFAULT_MAX_ERROR_RATE, FAILED, DownloadConfig, run_download
 
 #: The politeness and limits options: (flag, its ``FetchConfig`` field, help), in help order.
 #: Each default is the field's; ``--max-mb`` gives ``max_bytes`` in MiB.

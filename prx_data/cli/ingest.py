@@ -13,8 +13,9 @@ import argparse
 import json
 import sys
 
-from prx_data.cli.reporting import finish
-from prx_data.core.errors import PrxDataError, add_max_error_rate
+from prx_data.cli.reporting import finish_run
+from prx_data.core.errors import PrxDataError
+from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.ingest import FORMATS
 from prx_data.pipelines.ingest import (
     DEFAULT_FRAGMENT_BYTES,
@@ -22,10 +23,6 @@ from prx_data.pipelines.ingest import (
     IngestReport,
     ingest,
 )
-from prx_data.cli.reporting import finish_run
-from prx_data.core.errors import PrxDataError
-from prx_data.core.runtime import add_run_args, run_options_from_args
-from prx_data.ingest import FORMATS
 
 __all__ = ["IngestReport", "ingest", "main"]
 

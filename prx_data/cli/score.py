@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.pipelines.score import ScoreConfig
 from prx_data.cli.reporting import finish_run, print_error
 from prx_data.columns.scores import CLIP_IMAGE_COLUMN, SCORERS
 from prx_data.core.errors import PrxDataError
 from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.pipelines.score import ScoreConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.pipelines.semdedup import SemDedupConfig
 from prx_data.cli.reporting import finish_run, print_error
 from prx_data.core.errors import PrxDataError
 from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.pipelines.semdedup import SemDedupConfig
 from prx_data.skips.semdedup import (
     DEFAULT_REPORT_THRESHOLDS,
     DEFAULT_SKIP_NAME,

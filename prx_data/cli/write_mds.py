@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
 from prx_data.cli.reporting import finish_run
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError
 from prx_data.core.imaging import CODECS, DEFAULT_CODEC, DRAFT_MARGIN
 from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
+from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
 
 EPILOG = """\
 output layout:
