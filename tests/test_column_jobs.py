@@ -53,10 +53,10 @@ def test_caption_records_each_failure_reason_and_only_redoes_flagged_rows(tmp_pa
     assert report.rows == 7
     got = rows(uri, *cols)
     assert got["t/0"] == ("A plain red image of 64 by 48 pixels.", "ok", None)
-    assert got["t/1"] == (None, "error", "image: empty_file")
-    assert got["t/2"] == (None, "error", "image: not_an_image")
-    assert got["t/3"] == (None, "error", "image: decode_error")
-    assert got["t/4"] == (None, "error", "image: no_image")
+    assert got["t/1"] == (None, "unreadable", "image: empty_file")
+    assert got["t/2"] == (None, "unreadable", "image: not_an_image")
+    assert got["t/3"] == (None, "unreadable", "image: decode_error")
+    assert got["t/4"] == (None, "unreadable", "image: no_image")
     assert got["t/5"] == (None, "looping", "flagged: looping")
     assert got["t/6"] == (None, "empty", "flagged: empty")
 

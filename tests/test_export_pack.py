@@ -132,7 +132,12 @@ def test_overwrite_carries_the_optout_list_onto_packed_shards(table, tmp_path, r
     ids.write_text("s/01\ns/08\n")
     assert optout_cli.main(["--export", out, "--name", "optout", "--ids", str(ids)]) == 0
     report = _export(table, out, overwrite=True)  # re-exported packed: the list is carried
-    assert report.lists["optout"] == {"ids": 2, "samples": 2, "shards": 1}
+    assert {k: report.lists["optout"][k] for k in ("ids", "samples", "shards", "source")} == {
+        "ids": 2,
+        "samples": 2,
+        "shards": 1,
+        "source": "registry",
+    }
     shards = layout.read_index(out, B)
     assert all(s.basename.startswith("p") for s in shards)
     skipped = SL.load_skips(out, B, shards, ["optout"])

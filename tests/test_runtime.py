@@ -59,13 +59,15 @@ def test_engine_is_checked_in_one_place_with_one_line():
 
 def test_auto_keeps_small_work_off_ray_and_a_named_cluster_on_it(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # As in a fresh job process: no Ray runtime in this one (another test may have started one).
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
     small = place("auto", size=12, small=64, num_cpus=2)
     assert not small.on_ray and small.threads == 2 and small.reason == "small"
     assert place("auto", size=65, small=64).on_ray
     assert place("local", size=10**9, small=64).threads >= 1
     assert place("ray", size=1, small=64).on_ray
-    assert place("auto", size=1, small=64, ray_address="10.0.0.1:6379").reason == "cluster"
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert place("auto", size=1, small=64, ray_address="127.0.0.1:6379").reason == "cluster"
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     assert place("auto", size=1, small=64).reason == "cluster"
     monkeypatch.setenv("RAY_ADDRESS", "local")  # a private local Ray, when Ray is used
     assert not place("auto", size=1, small=64).on_ray

@@ -247,7 +247,7 @@ def test_replication_gives_identical_batches_to_a_group(export):
 
 
 def test_dataset_names_default_to_the_roots_last_parts():
-    from prx_data.stream.dataset import default_name
+    from prx_data.stream.spec import default_name
 
     assert default_name("s3://bucket/exports/v1/") == "exports/v1"
     assert default_name("/data/ex") == "data/ex" and default_name("ex") == "ex"

@@ -214,8 +214,11 @@ def test_latent_smoke_config_trains_evaluates_and_the_pipeline_samples_the_check
     assert metrics and all(np.isfinite(v) and v > 0 for v in metrics.values())
     grid = next(c for c in trainer.state.callbacks if isinstance(c, SampleGrid))
     assert len(grid.written) == 1
-    with Image.open(grid.written[0]) as im:
-        assert im.size == (4 * 64, 2 * 96)
+    from prx_data.train.sampling import labelled_size
+
+    s = cfg.sampling
+    with Image.open(grid.written[0]) as im:  # the 4 x 2 grid of 64 x 96 cells, with its labels
+        assert im.size == labelled_size(len(s.prompts), len(s.seeds), s.shapes)
     trainer.close()
 
     # A fresh model from the checkpoint's transformer weights (the only trained part).
