@@ -310,3 +310,18 @@ def test_fifo_adoption_record_refused_by_verify_and_loader(ex, capsys):
     assert err.count("\n") == 1 and record in err and "FIFO" in err
     with pytest.raises(PrxDataError, match="FIFO"):
         load_sources(DatasetSpec(root=ex), [512])
+
+
+@pytest.mark.timeout(30)
+def test_a_relative_root_reads_and_writes_its_own_files(tmp_path, monkeypatch):
+    """Paths are built from the root as spelled: with a relative root they are relative to
+    the working directory, not to the root a second time."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("out/512/1.000")
+    path = os.path.join("out", "512/1.000", "index.json")
+    confined.write_atomic("out", path, b"{}")
+    assert confined.read("out", path, 16) == b"{}"
+    assert (tmp_path / "out/512/1.000/index.json").read_bytes() == b"{}"
+    (tmp_path / "elsewhere").write_bytes(b"s")
+    with pytest.raises(confined.UnsafeFileError, match="not inside"):
+        confined.read("out", str(tmp_path / "elsewhere"), 16)

@@ -63,7 +63,8 @@ class Confined:
     """One tree's root, and the checks every path under it goes through.
 
     ``root`` is a local directory or an object-store URI. Local paths given to
-    the methods may be absolute (under ``root``) or relative to it.
+    the methods may be absolute (under ``root``), relative to the working directory
+    (built from a relative ``root``), or relative to ``root``.
     """
 
     root: str
@@ -86,7 +87,14 @@ class Confined:
 
     def _local(self, path: str) -> str:
         path = path.removeprefix("file://")
-        return path if os.path.isabs(path) else os.path.join(self.root, path)
+        if os.path.isabs(path):
+            return path
+        # Callers build paths from the root as they spelled it (storage.join(root, ...)): a
+        # relative path under a relative root is relative to the working directory, as the
+        # root is; any other relative path is relative to the root.
+        here = os.path.abspath(path)
+        top = os.path.abspath(self.root.removeprefix("file://")).rstrip(os.sep) + os.sep
+        return here if here.startswith(top) else os.path.join(self.root, path)
 
     def _real_dir(self, directory: str) -> str:
         """``directory`` resolved and checked to be inside the root (cached)."""
