@@ -1333,41 +1333,30 @@ def update_list(
         reg = registry if registry is not None else resolve(root, table, export_only=export_only)
         view = reg if reg is not None else _quiet_resolve(root)  # what materialises the export
         _import_unlogged(root, lease)
-        if reg is not None:
-
-            def make(seq: int) -> pa.Table:
-                have = _view(root, reg, name)  # under the registry's lease: nobody commits between
-                return _change_rows(
-                    name,
-                    have if whole else req,
-                    mode,
-                    have,
-                    prov,
-                    seq=seq,
-                    base=seq,
-                    kind=REGISTRY,
-                    export=root,
-                )
-
-            changes = {"seq": reg.append(make)}
-        else:
+        # A registry entry is based on its own commit; an export-only one on the registry
+        # position this export has seen (its order against later registry entries).
+        seen: int | None = None
+        if reg is None:
             st = read_state(root)
-            base = view.head() if view is not None else (st.position if st else 0)
+            seen = view.head() if view is not None else (st.position if st else 0)
 
-            def rows(seq: int) -> pa.Table:
-                have = _view(root, view, name)
-                return _change_rows(
-                    name,
-                    have if whole else req,
-                    mode,
-                    have,
-                    prov,
-                    seq=seq,
-                    base=base,
-                    kind=EXPORT_ONLY,
-                    export=root,
-                )
+        def rows(seq: int) -> pa.Table:
+            have = _view(root, reg if reg is not None else view, name)  # under the lease
+            return _change_rows(
+                name,
+                have if whole else req,
+                mode,
+                have,
+                prov,
+                seq=seq,
+                base=seq if seen is None else seen,
+                kind=REGISTRY if reg is not None else EXPORT_ONLY,
+                export=root,
+            )
 
+        if reg is not None:
+            changes = {"seq": reg.append(rows)}
+        else:
             changes = {"local_seq": _append_local(root, lease, rows)}
         lost: dict[str, pa.Array] = {}
         done = materialise(root, view, lease, names=[name], missing=lost)
