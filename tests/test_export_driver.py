@@ -116,7 +116,7 @@ def test_driver_rows_and_table_size_pick_the_path(table, tmp_path, ray_local, mo
         assert pipeline.placement(cfg, rows, None, 3).threads == 3
         assert pipeline.placement(cfg, rows - 1, None, 3).on_ray  # a larger table: Ray
         assert pipeline.placement(cfg, 0, None, 3).on_ray  # --driver-rows 0: always Ray
-        assert pipeline.placement(cfg, rows, "10.1.2.3:6379", 3).on_ray  # a named cluster
+        assert pipeline.placement(cfg, rows, "127.0.0.1:6379", 3).on_ray  # a named cluster
         assert pipeline.placement(cfg, 0, None, 3, engine="local").threads == 3
     # the flag reaches the job: 0 runs the units on Ray
     seen = []
