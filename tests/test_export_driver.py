@@ -81,12 +81,10 @@ def test_driver_threads_write_the_ray_paths_export_byte_for_byte(
 ):
     out, ray_tree = str(tmp_path / "out"), str(tmp_path / "ray")
     cfg = ExportConfig(table=table, out=out, tiers=(512,))  # the unit count is automatic
-    # Ray is up in this process: the Ray path, whatever the size.
-    ray_report = pipeline.run_export(cfg, progress=False)
+    ray_report = pipeline.run_export(cfg, progress=False, engine="ray")
     shutil.move(out, ray_tree)
-    # As in a fresh process with no cluster: 2 CPUs, like the session's Ray runtime.
+    # Small work on driver threads, Ray up or not: 2 CPUs, like the session's Ray runtime.
     cpus = int(ray_local.cluster_resources()["CPU"])
-    monkeypatch.setattr(ray_local, "is_initialized", lambda: False)
     monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
     report = pipeline.run_export(cfg, progress=False, num_cpus=cpus)
     assert report.units == ray_report.units == len(SHAPES) + 1  # 8 per CPU, one row each
@@ -98,7 +96,6 @@ def test_driver_threads_write_the_ray_paths_export_byte_for_byte(
 @pytest.mark.ray
 def test_driver_path_packs_on_threads_whatever_the_size(table, tmp_path, ray_local, monkeypatch):
     """Packs over DRIVER_PACK_BYTES would go to Ray tasks; a job without Ray keeps them."""
-    monkeypatch.setattr(ray_local, "is_initialized", lambda: False)
     monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
     monkeypatch.setattr(pipeline, "DRIVER_PACK_BYTES", 0)
     cfg = ExportConfig(table=table, out=str(tmp_path / "out"), tiers=(512,), min_units=2)
@@ -110,8 +107,7 @@ def test_driver_path_packs_on_threads_whatever_the_size(table, tmp_path, ray_loc
 def test_driver_rows_and_table_size_pick_the_path(table, tmp_path, ray_local, monkeypatch):
     cfg = ExportConfig(table=table, out=str(tmp_path / "o"))
     rows = len(SHAPES) + 1
-    with monkeypatch.context() as m:  # as a fresh process sees it
-        m.setattr(ray_local, "is_initialized", lambda: False)
+    with monkeypatch.context() as m:  # Ray is up in this process: size still decides
         m.delenv("RAY_ADDRESS", raising=False)
         assert pipeline.placement(cfg, rows, None, 3).threads == 3
         assert pipeline.placement(cfg, rows - 1, None, 3).on_ray  # a larger table: Ray
@@ -265,7 +261,6 @@ def test_driver_threads_export_to_object_storage(
     from prx_data.cli import verify as verify_cli
     from prx_data.export.layout import is_complete
 
-    monkeypatch.setattr(ray_local, "is_initialized", lambda: False)
     monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
     out = f"s3://{s3_bucket}/exports/driver"
     cfg = ExportConfig(table=table, out=out, tiers=(512,), min_units=4)

@@ -73,6 +73,16 @@ def test_auto_keeps_small_work_off_ray_and_a_named_cluster_on_it(monkeypatch):
     assert not place("auto", size=1, small=64).on_ray
 
 
+def test_auto_keeps_small_work_on_threads_while_a_ray_runs_in_this_process(monkeypatch):
+    """A notebook's (or a test session's) Ray does not make a 12-row job pay for Ray."""
+    import types
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
+    assert place("auto", size=12, small=64, num_cpus=2).reason == "small"
+    assert place("auto", size=65, small=64).on_ray
+
+
 @pytest.mark.timeout(60)
 def test_small_auto_job_does_not_import_ray():
     code = (

@@ -479,10 +479,11 @@ def place(
     """Decide where a job of ``size`` (rows or bytes, the job's own measure) runs.
 
     ``auto`` keeps work of at most ``small`` on driver threads, one per CPU the
-    private local Ray would have had, and starts nothing; any named cluster
-    (``ray_address``, ``$RAY_ADDRESS``), or a Ray already running in this
-    process, takes the Ray path whatever the size. ``local`` always runs on
-    threads, ``ray`` always on Ray.
+    private local Ray would have had, and starts nothing, even when a Ray
+    already runs in this process (a notebook's, a test session's): small work
+    pays Ray's scheduling and serialisation for nothing. Any named cluster
+    (``ray_address``, ``$RAY_ADDRESS``) takes the Ray path whatever the size.
+    ``local`` always runs on threads, ``ray`` always on Ray.
     """
     check_engine(engine)
     if engine == "local":
@@ -491,9 +492,6 @@ def place(
         return Placement(None, ray_address, num_cpus, reason="ray")
     if named_cluster(ray_address):
         return Placement(None, ray_address, num_cpus, reason="cluster")
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return Placement(None, ray_address, num_cpus, reason="ray")
     if size <= small:
         return Placement(_driver_cpus(num_cpus), reason="small")
     return Placement(None, ray_address, num_cpus, reason="ray")
