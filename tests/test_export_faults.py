@@ -301,7 +301,11 @@ def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
 
     monkeypatch.setattr(write_mds, "_ExportTask", DieOnce)
     out = str(tmp_path / "o")
-    run_export(ExportConfig(table=table, out=out, rows_per_task=2, min_units=1), progress=False)
+    run_export(
+        ExportConfig(table=table, out=out, rows_per_task=2, min_units=1),
+        progress=False,
+        engine="ray",
+    )
     assert sorted(os.listdir(flags)) == sorted(crashes)  # both workers did die
     assert is_complete(out) and content_digest(out) == content_digest(ref.out)
     assert not os.path.exists(os.path.join(out, layout.WRITING_DIR))

@@ -309,7 +309,7 @@ def test_fault_soak_ends_with_one_writer_and_identical_bytes(
         try:
             if wait is not None:
                 wait.wait(timeout=30)
-            outcomes[name] = run_export(cfg, progress=False)
+            outcomes[name] = run_export(cfg, progress=False, engine="ray")
         except BaseException as e:  # noqa: BLE001 - the outcome is what the test checks
             outcomes[name] = e
 
