@@ -48,24 +48,20 @@ from prx_data.core.runtime import (
     placement_cpus,
 )
 from prx_data.core.storage import storage_env
-from prx_data.export.layout import foreign_entries, list_top, remove_stale_parts
 from prx_data.export.lock import ExportLock
+from prx_data.export.merge import ExportReport, done_parts, finalize
+from prx_data.export.naming import ExportError
 from prx_data.export.pack import Pack, done_packs, plan_packs, write_pack
-from prx_data.export.unit import (
-    ExportConfig,
-    ExportError,
-    ExportReport,
-    UnitResult,
-    WorkUnit,
+from prx_data.export.prepare import (
     check_out_location,
-    done_parts,
-    export_unit,
-    finalize,
     open_table,
     plan_units,
     prepare_output,
     release_table_version,
 )
+from prx_data.export.safety import foreign_entries, list_top, remove_stale_parts
+from prx_data.export.spec import ExportConfig, UnitResult, WorkUnit
+from prx_data.export.unit import export_unit
 
 #: Work units per cluster CPU when ``min_units`` is not given. Units cost the same
 #: in rows, not in time (image sizes vary), so the last one ends late while other

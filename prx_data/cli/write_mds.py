@@ -10,7 +10,7 @@ from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError
 from prx_data.core.imaging import CODECS, DEFAULT_CODEC, DRAFT_MARGIN
 from prx_data.core.runtime import add_run_args, run_options_from_args
-from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
+from prx_data.export.spec import DEFAULT_HASHES, ExportConfig
 from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
 
 EPILOG = """\
