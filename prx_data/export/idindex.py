@@ -53,33 +53,30 @@ FORMAT = "prx-data id index"
 #: The BTREE on ``id`` (one segment per data file of the table, :func:`_build_btree`).
 BTREE_NAME = "id_idx"
 #: Rows per data file of the table, so per BTREE segment: what one sort of the build holds,
-#: against one more segment for every query to search (10^7 rows, 1 % of the ids looked
-#: up: 2^20 rows per file built in +249 MB and looked up in 1.9 CPU s, 2^21 in +310 MB and
-#: 1.4 s, one BTREE over the table in +423 MB and 1.3 s).
+#: against one more segment for every query to search (benchmarks/results/idindex.md).
 ROWS_PER_FILE = 1 << 21
 #: Manifest rows per record batch handed to Lance while building, and about the most
-#: manifest rows read ahead of it: what the build holds besides Lance's own buffers (at
-#: 2^18 rows and 8 manifests of 85k rows in flight the reading alone peaked at +230 MB).
+#: manifest rows read ahead of it: what the build holds besides Lance's own buffers.
 BUILD_BATCH_ROWS = 1 << 16
 #: BTREE pages one ``id IN (...)`` query should read. A query reads every page (Lance's
 #: BTREE page: :data:`BTREE_PAGE_ROWS` keys) that holds one of its ids, all at once, and a
-#: spread request touches a page per id: 10^4 random ids in one query at 10^7 rows added
-#: 150 MB, and more at 10^8. Ids are sorted and sliced so that a slice spans about this
+#: spread request touches a page per id, so its memory grows with the table (figures in
+#: benchmarks/results/idindex.md). Ids are sorted and sliced so that a slice spans about this
 #: many pages, whatever the table's size (:func:`slice_ids`).
 QUERY_PAGES = 64
 BTREE_PAGE_ROWS = 4096
-#: The most ids in one query (a dense request: neighbouring ids share pages). 10^4 ids per
-#: query is 3x faster per id than 10^3, and within 30 % of 5 * 10^4.
+#: The most ids in one query (a dense request: neighbouring ids share pages): near the
+#: fastest per id of the sizes measured (benchmarks/results/idindex.md).
 IN_CHUNK = 10_000
 #: Ids taken from the caller's stream at once (bounds the memory of a lookup).
 LOOKUP_CHUNK = 1 << 20
 #: A chunk is looked up by one scan of the table, not by the BTREE, when it holds more than
-#: 1 / SCAN_RATIO of the table's rows (benchmarks/bench_idindex.py, 10^7 rows, CPU seconds:
-#: 10^3 ids 0.35 by the BTREE vs 1.3 by a scan; 10^6 ids 67 vs 20).
+#: 1 / SCAN_RATIO of the table's rows: about where a scan overtakes the BTREE
+#: (benchmarks/results/idindex.md).
 SCAN_RATIO = 40
 #: Lance's caches for a lookup. Sorted chunks read each BTREE page once, so a cached page is
-#: never read again: a cache only holds memory, and Lance's fills to its cap (64 MiB index
-#: and 32 MiB metadata caches added 150 MB at 10^7 rows and grow with the table). Small
+#: never read again: a cache only holds memory, and Lance's fills to its default caps,
+#: which grow with the table (benchmarks/results/idindex.md). Small
 #: caps keep what every query reads again (the page lookup table, the file metadata).
 INDEX_CACHE_BYTES = 4 << 20
 METADATA_CACHE_BYTES = 4 << 20

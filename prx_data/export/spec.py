@@ -5,8 +5,9 @@ what it reports, the drop policy, and the columns a sample carries.
 from __future__ import annotations
 
 import json
+import shlex
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import pyarrow as pa
 
@@ -15,10 +16,14 @@ from prx_data.core.buckets import (
     DROP_ASPECT_RATIO,
     DROP_TOO_SMALL,
 )
+from prx_data.core.flags import REQUIRED, comma_ints, comma_list, flag, option_name
 from prx_data.core.imaging import (
+    CODECS,
     DEFAULT_CODEC,
     DEFAULT_JPEG_QUALITY,
     DRAFT_MARGIN,
+    RESAMPLE,
+    EncodeSpec,
 )
 from prx_data.core.schema import MDS_COLUMNS
 from prx_data.export.naming import ExportError, part_name
@@ -28,53 +33,145 @@ UNLISTED_REASONS = frozenset({"filtered"})
 #: Shard content hash recorded in every index by default (streaming's xxh64: fast, and
 #: what sidecars bind to and ``python -m prx_data.verify --deep`` checks).
 DEFAULT_HASHES = ("xxh64",)
+#: Where the codecs' speed against fidelity is measured.
+CODECS_RESULTS = "benchmarks/results/codecs.md"
 
 
 @dataclass(frozen=True)
 class ExportConfig:
-    table: str
-    out: str
-    tiers: tuple[int, ...] = DEFAULT_TIERS
-    #: Caption columns to carry; None = every ``caption*`` string column except a column
-    #: job's ``*_status`` / ``*_error``.
-    caption_columns: tuple[str, ...] | None = None
-    image_format: str = "jpeg"
-    quality: int = DEFAULT_JPEG_QUALITY
-    #: JPEG chroma subsampling: -1 = Pillow default (4:2:0), 0 = 4:4:4, 2 = 4:2:0.
-    subsampling: int = -1
-    use_draft: bool = True
-    #: JPEGs are DCT-downscaled while decoding, other formats box-reduced, to no less than
-    #: this multiple of the bucket before the Lanczos pass. On the real-photo benchmark,
-    #: 1.0 scores 30.9 dB on the worst detailed photo against 33.3 for 1.5 (an
-    #: img2dataset-style loop: 20.5), for no speed with the default codec (1.3x with
-    #: ``pillow``); see docs/ARCHITECTURE.md, Codecs.
-    draft_margin: float = DRAFT_MARGIN
-    #: Resize/encode path (``core.imaging.CODECS``): "vips-reduce" (draft + libvips'
-    #: Lanczos3 over the exact box), "pillow" (draft + Pillow's Lanczos) or "vips"
-    #: (libvips thumbnail).
-    codec: str = DEFAULT_CODEC
-    #: Resampling filter of the pillow codecs (``core.imaging.RESAMPLE``): lanczos, or a
-    #: faster, softer one (bicubic, hamming, bilinear, box); see docs/ARCHITECTURE.md.
-    resample: str = "lanczos"
-    compression: str | None = None
-    hashes: tuple[str, ...] = DEFAULT_HASHES
-    size_limit: int = 1 << 26
-    #: Target bytes of a bucket's shards: after the units, consecutive parts of a bucket
-    #: are packed into shards of about this size (``prx_data.export.pack``); 0 keeps one
-    #: part per unit and bucket. Shards still end at ``size_limit``.
-    shard_size: int = 1 << 26
-    rows_per_task: int = 1000
-    #: Plan at least this many work units, so that a small table still keeps every core
-    #: busy (None: ``rows_per_task`` alone). ``prx_data.pipelines.write_mds`` sets it from the
-    #: cluster's CPUs when the export starts, and the pinned config keeps it for resumes.
-    min_units: int | None = None
-    #: Optional Lance SQL filter applied before bucketing (e.g. ``label = 'visual'``).
-    filter: str | None = None
-    max_caption_chars: int = 20000
-    #: Table columns copied into every sample with their types (``similarity``,
-    #: ``punsafe``, a URL...): floats as MDS ``float64`` (null: NaN); integers, booleans,
-    #: strings and lists of numbers or strings as ``json`` (null stays null).
-    keep_columns: tuple[str, ...] = ()
+    """The export's settings, each spelled once: its ``write_mds`` flag, help and default
+    are the field's (:func:`prx_data.core.flags.flag`)."""
+
+    table: str = flag(REQUIRED, "--table", help="Lance table URI (local path or s3://...).")
+    out: str = flag(REQUIRED, "--out", help="Output root: local directory or s3:// / gs:// URI.")
+    tiers: tuple[int, ...] = flag(
+        DEFAULT_TIERS,
+        "--tiers",
+        type=comma_ints,
+        help="Comma-separated resolution tiers (default: 512,1024,2048,4096).",
+    )
+    #: None: every ``caption*`` string column except a column job's ``*_status`` / ``*_error``.
+    caption_columns: tuple[str, ...] | None = flag(
+        None,
+        "--caption-columns",
+        type=comma_list,
+        help="Comma-separated caption columns to carry (default: every caption* column).",
+    )
+    keep_columns: tuple[str, ...] = flag(
+        (),
+        "--keep-columns",
+        type=comma_list,
+        metavar="A,B,...",
+        help="Comma-separated table columns to copy into every sample with their types "
+        "(similarity, punsafe, aesthetic, url...): floats as float64 (null: NaN); integers, "
+        "booleans, strings and lists of numbers or strings as json. BucketedDataset("
+        "extra_columns=...) hands them to the batches.",
+    )
+    image_format: str = flag(
+        "jpeg",
+        "--format",
+        choices=("jpeg", "png"),
+        help="Sample encoding: JPEG (default) or lossless PNG for artifact-sensitive data.",
+    )
+    quality: int = flag(
+        DEFAULT_JPEG_QUALITY, "--quality", type=int, help="JPEG quality (default: %(default)s)."
+    )
+    subsampling: int = flag(
+        -1,
+        "--subsampling",
+        type=int,
+        choices=(-1, 0, 1, 2),
+        help="JPEG chroma subsampling: -1 Pillow default (4:2:0), 0 = 4:4:4, 1 = 4:2:2, 2 = 4:2:0.",
+    )
+    codec: str = flag(
+        DEFAULT_CODEC,
+        "--codec",
+        choices=CODECS,
+        help="Resize/encode path. vips-reduce (default): JPEG draft to >= --draft-margin x "
+        "the target, libvips' SIMD Lanczos3 over the exact crop box, Pillow encode; pillow: "
+        "the same with Pillow's Lanczos (slower, same fidelity); vips: libvips thumbnail "
+        f"(crops on whole pixels). Speed against fidelity: {CODECS_RESULTS}.",
+    )
+    resample: str = flag(
+        "lanczos",
+        "--resample",
+        choices=tuple(RESAMPLE),
+        help="Resampling filter (default: lanczos). The others are Pillow's, faster "
+        f"and softer (measured frontier: {CODECS_RESULTS}).",
+    )
+    use_draft: bool = flag(
+        True,
+        "--no-draft",
+        negate=True,
+        help="Always decode at full size (default: JPEG DCT-domain downscale to >= "
+        "--draft-margin x the target).",
+    )
+    draft_margin: float = flag(
+        DRAFT_MARGIN,
+        "--draft-margin",
+        type=float,
+        help="Decode/reduce to no less than this multiple of the bucket before the Lanczos "
+        "pass (default: %(default)s). Smaller margins lose fidelity on detailed photos for "
+        f"little or no speed ({CODECS_RESULTS}).",
+    )
+    compression: str | None = flag(
+        None,
+        "--compression",
+        help="MDS shard compression, e.g. zstd, zstd:7, br (default: none; JPEG does not "
+        "compress).",
+    )
+    hashes: tuple[str, ...] = flag(
+        DEFAULT_HASHES,
+        "--hashes",
+        type=comma_list,
+        help="Comma-separated shard hashes to record in each index; skip lists bind to them "
+        "and `verify --deep` checks them (default: xxh64; pass '' for none).",
+    )
+    size_limit: int = flag(
+        1 << 26,
+        "--size-limit",
+        type=int,
+        help="Maximum shard size in bytes before a new shard starts (default: 64 MiB).",
+    )
+    shard_size: int = flag(
+        1 << 26,
+        "--shard-size",
+        type=int,
+        help="Target bytes of a bucket's shards: once the work units are done, each bucket's "
+        "parts are packed into shards of about this size, copying the encoded samples "
+        "(default: 64 MiB, Mosaic's recommended 50-100 MB; 0 keeps one small part per unit "
+        "and bucket). Shards still end at --size-limit.",
+    )
+    rows_per_task: int = flag(
+        1000,
+        "--rows-per-task",
+        type=int,
+        help="Most rows per work unit (a row range of one Lance fragment). Smaller = finer "
+        "progress and resume, larger = fewer, bigger shards (default: %(default)s).",
+    )
+    #: None: ``prx_data.pipelines.write_mds`` sets it from the cluster's CPUs when the export
+    #: starts, and the pinned config keeps it for resumes.
+    min_units: int | None = flag(
+        None,
+        "--min-units",
+        type=int,
+        help="Plan at least this many work units, so that small tables use every core "
+        "(default: prx_data.pipelines.write_mds.UNITS_PER_CPU per CPU of the cluster, "
+        "recorded so that --resume plans the same "
+        "units; give a number for an export whose parts do not depend on the cluster).",
+    )
+    filter: str | None = flag(
+        None,
+        "--filter",
+        help="Lance SQL filter applied before bucketing; rows that fail it are counted as "
+        "'filtered' (e.g. \"label = 'visual'\").",
+    )
+    max_caption_chars: int = flag(
+        20000,
+        "--max-caption-chars",
+        type=int,
+        help="Longer captions are truncated and counted (default: %(default)s).",
+    )
     #: Pinned table version (set by :func:`prepare_output`), so a resume reads the same rows.
     table_version: int | None = None
 
@@ -84,21 +181,11 @@ class ExportConfig:
         d.pop("out")
         return d
 
-
-#: Settings a ``write_mds`` flag of the same name (dashes for underscores) sets to one value.
-_FLAG_SETTINGS = (
-    "codec",
-    "resample",
-    "draft_margin",
-    "quality",
-    "subsampling",
-    "compression",
-    "size_limit",
-    "shard_size",
-    "rows_per_task",
-    "min_units",
-    "max_caption_chars",
-)
+    @property
+    def encode(self) -> EncodeSpec:
+        """The encode settings as the codec paths take them (``image_format`` is ``fmt``)."""
+        names = [f.name for f in fields(EncodeSpec) if f.name != "fmt"]
+        return EncodeSpec(fmt=self.image_format, **{n: getattr(self, n) for n in names})
 
 
 def resume_flags(previous: dict) -> str:
@@ -108,9 +195,11 @@ def resume_flags(previous: dict) -> str:
     ``vips-reduce``) otherwise refuses a resume with no flag named.
     """
     return " ".join(
-        f"--{k.replace('_', '-')} {v}"
+        f"{option_name(ExportConfig, k)} {shlex.quote(str(v))}"
         for k, v in previous.items()
-        if k in _FLAG_SETTINGS and isinstance(v, (str, int, float)) and not isinstance(v, bool)
+        if option_name(ExportConfig, k)
+        and isinstance(v, (str, int, float))
+        and not isinstance(v, bool)
     )
 
 

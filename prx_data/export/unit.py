@@ -100,7 +100,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
 
     MDSWriter = mds_writer()  # noqa: N806 (a class); not all of `streaming`: see mds_writer
     t0 = time.perf_counter()
-    spec = BucketSpec(tiers=tuple(cfg.tiers))
+    spec, encode = BucketSpec(tiers=tuple(cfg.tiers)), cfg.encode
     ds = open_table(cfg.table, cfg.table_version)
     frag = ds.get_fragment(unit.fragment_id)
     caption_cols = list(cfg.caption_columns or ())
@@ -159,17 +159,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                 b = assignment.bucket
                 try:
                     prepared = prepare_with(
-                        cfg.codec,
-                        data,
-                        b.width,
-                        b.height,
-                        src_size=(int(w), int(h)),
-                        fmt=cfg.image_format,
-                        quality=cfg.quality,
-                        use_draft=cfg.use_draft,
-                        draft_margin=cfg.draft_margin,
-                        subsampling=cfg.subsampling,
-                        resample=cfg.resample,
+                        encode, data, b.width, b.height, src_size=(int(w), int(h))
                     )
                 except ImageError as e:
                     drop(row, e.reason, e.detail)
