@@ -4,7 +4,7 @@ Fabricates exports in the exporter's own layout (``prx_data.export.layout``):
 13 buckets of tier 512, one part per work unit per bucket (``--per-part``
 samples each, 40 by default: a 1,000-row unit spread over 25 buckets), one
 shard per part, ``ids.parquet`` manifests, one ``_progress`` marker per unit,
-then the real :func:`prx_data.export.unit.finalize`. Pixels are cached: one
+then the real :func:`prx_data.export.merge.finalize`. Pixels are cached: one
 JPEG per bucket, encoded once (``--image-px`` 8 by default: an 8x8 JPEG, 723 bytes
 per sample, so 10^7 samples are 7 GB; the loaders keep images encoded). Shard
 files are built with numpy from one sample encoded by ``streaming.MDSWriter``

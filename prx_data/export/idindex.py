@@ -87,7 +87,7 @@ class IdIndexError(PrxDataError, ValueError):
 
 
 def index_uri(root: str) -> str:
-    """Where the export's id index lives (the path :mod:`layout` owns)."""
+    """Where the export's id index lives (the path :mod:`~prx_data.export.naming` names)."""
     return storage.join(root, naming.IDS_INDEX_NAME)
 
 

@@ -250,7 +250,7 @@ def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
 
 
 def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) -> list[dict]:
-    """The raw shard entries of one bucket's merged index (checked by :func:`load_index`)."""
+    """The raw shard entries of one bucket's merged index (checked by :func:`~prx_data.export.safety.load_index`)."""
     path = rel_join(root, f"{check_bucket(bucket)}/{INDEX_NAME}")
     try:
         # Our own checks (rewrite, verify) need our layout; readers take any confined name.
@@ -268,7 +268,7 @@ def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) 
 
 
 def read_index(root: str, bucket: str, *, export_columns: bool = False) -> list[ShardInfo]:
-    """The shards of one bucket, in merged-index order (checked by :func:`load_index`)."""
+    """The shards of one bucket, in merged-index order (checked by :func:`~prx_data.export.safety.load_index`)."""
     entries = read_index_entries(root, bucket, export_columns=export_columns)
     return [ShardInfo.from_index_entry(e) for e in entries]
 

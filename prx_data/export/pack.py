@@ -19,7 +19,7 @@ its objects are PUT (each durable) after clearing an earlier attempt's. Then
 its marker ``_progress/packed/<tier>/<ar>/<pack>`` is written, and only then
 are the unit parts it holds deleted. A kill at any point leaves a tree
 without a report: ``--resume`` keeps packs with a marker, removes those
-without (:func:`layout.remove_stale_parts`), and packs again from the parts,
+without (:func:`safety.remove_stale_parts`), and packs again from the parts,
 which are still there.
 """
 

@@ -121,7 +121,7 @@ def prepare_output(
 
     Returns the config with ``table_version`` pinned. Never deletes anything
     unless ``overwrite`` is set, and resumes nothing, unless the tree is
-    provably an export of ours (:func:`layout.foreign_entries`). The caller
+    provably an export of ours (:func:`safety.foreign_entries`). The caller
     holds the run lock (:class:`prx_data.export.lock.ExportLock`).
     """
     if overwrite and resume:

@@ -278,7 +278,7 @@ _EXPORT_ENTRIES_EXTRA = {
     IDS_INDEX_NAME,
 }
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
-#: (Part directories themselves match ``PART_RE``, the pattern :func:`part_name` makes.)
+#: (Part directories themselves match ``PART_RE``, the pattern :func:`~prx_data.export.naming.part_name` makes.)
 _PART_FILE_RE = re.compile(
     rf"({SHARD_FILE_PATTERN}(\.{LIST_NAME_PATTERN}{re.escape(SIDECAR_SUFFIX)})?|index\.json"
     r"|ids\.parquet)(\.tmp-[0-9a-f]+)?"

@@ -7,7 +7,7 @@ sample's number, so a test can check pixels survived). Everything that
 defines the tree (part names, ``ids.parquet`` manifests, the merged bucket
 index) comes from :mod:`prx_data.export.layout`, as in the real exporter, and
 the tree is completed the way the exporter completes it (export marker, one
-progress marker per part, then :func:`prx_data.export.unit.finalize` merges the
+progress marker per part, then :func:`prx_data.export.merge.finalize` merges the
 buckets and writes ``report.json``), so the loader accepts it::
 
     <root>/report.json, dropped.parquet, _progress/export.marker, _progress/<part>.done

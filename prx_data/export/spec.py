@@ -172,7 +172,7 @@ class ExportConfig:
         type=int,
         help="Longer captions are truncated and counted (default: %(default)s).",
     )
-    #: Pinned table version (set by :func:`prepare_output`), so a resume reads the same rows.
+    #: Pinned table version (set by :func:`~prx_data.export.prepare.prepare_output`), so a resume reads the same rows.
     table_version: int | None = None
 
     def fingerprint(self) -> dict:
