@@ -332,7 +332,7 @@ def race(paths: dict[str, Path], work: list, rounds: int, anchor: str) -> dict:
 def export_once(table: str, workdir: str, tag: str, tiers: tuple[int, ...], **cfg) -> dict:
     from prx_data.pipelines.write_mds import run_export
 
-    from prx_data.export.unit import ExportConfig
+    from prx_data.export.spec import ExportConfig
 
     out = os.path.join(workdir, f"out-{tag}")
     t0 = time.perf_counter()

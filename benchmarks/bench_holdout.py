@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prx_data.export import layout  # noqa: E402
+from prx_data.export import layout, naming  # noqa: E402
 from prx_data.stream import holdout as ho  # noqa: E402
 
 BUCKET = "512/1.000"
@@ -42,7 +42,7 @@ def fabricate(root: str, n: int, per_part: int) -> list[layout.ShardInfo]:
     bdir = os.path.join(root, *BUCKET.split("/"))
     for start in range(0, n, per_part):
         k = min(per_part, n - start)
-        part = layout.part_name(0, start)
+        part = naming.part_name(0, start)
         name = f"{part}/shard.00000.mds"
         os.makedirs(os.path.join(bdir, part), exist_ok=True)
         t = pa.table(
@@ -54,7 +54,7 @@ def fabricate(root: str, n: int, per_part: int) -> list[layout.ShardInfo]:
         )
         pq.write_table(t, os.path.join(bdir, part, "ids.parquet"))
         shards.append(layout.ShardInfo(name, 1, k, {}))
-    with open(os.path.join(bdir, layout.INDEX_NAME), "w") as f:
+    with open(os.path.join(bdir, naming.INDEX_NAME), "w") as f:
         json.dump({"shards": [s.basename for s in shards], "version": 2}, f)
     return shards
 

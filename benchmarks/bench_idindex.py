@@ -44,7 +44,7 @@ def fabricate(root: str, n: int, per_part: int) -> None:
     import pyarrow.parquet as pq
 
     from prx_data.core.schema import MDS_COLUMNS
-    from prx_data.export import layout
+    from prx_data.export import naming, safety
 
     names, encs = list(MDS_COLUMNS), list(MDS_COLUMNS.values())
     per_bucket = n // len(BUCKETS)
@@ -54,7 +54,7 @@ def fabricate(root: str, n: int, per_part: int) -> None:
         shards = []
         for start in range(0, per_bucket, per_part):
             m = min(per_part, per_bucket - start)
-            part = layout.part_name(0, k)
+            part = naming.part_name(0, k)
             os.makedirs(os.path.join(bdir, part))
             base = f"{part}/shard.00000.mds"
             ids = pa.array([_sid(k + j) for j in range(m)], pa.string())
@@ -84,7 +84,7 @@ def fabricate(root: str, n: int, per_part: int) -> None:
             k += m
         with open(os.path.join(bdir, "index.json"), "w") as f:
             json.dump({"version": 2, "shards": shards}, f, sort_keys=True)
-    layout.write_export_marker(root)
+    safety.write_export_marker(root)
 
 
 def _rss_mb() -> float:

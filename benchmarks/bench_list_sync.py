@@ -62,7 +62,8 @@ def main() -> int:
     import bench_scale as BS
 
     from prx_data.core.buckets import DEFAULT_SPEC
-    from prx_data.export.unit import ExportConfig, done_parts
+    from prx_data.export.merge import done_parts
+    from prx_data.export.spec import ExportConfig
     from prx_data.skips import lists as L
     from tests.tablekit import make_table
 

@@ -71,10 +71,11 @@ def write_export(root: str, photos: list[bytes], tier: int, reps: int) -> int:
     writes ``report.json``, so the loader takes it as a finished export.
     """
     from prx_data.core import storage
-    from prx_data.export import layout
-    from prx_data.export.unit import ExportConfig, UnitResult, finalize
+    from prx_data.export import durable, naming, safety
+    from prx_data.export.merge import finalize
+    from prx_data.export.spec import ExportConfig, UnitResult
 
-    part = layout.part_name(0, 0)
+    part = naming.part_name(0, 0)
     writers: dict[str, MDSWriter] = {}
     ids: dict[str, list[str]] = {}
     for r in range(reps):
@@ -109,11 +110,11 @@ def write_export(root: str, photos: list[bytes], tier: int, reps: int) -> int:
         w.finish()
     result = UnitResult(part=part)
     for b, bids in ids.items():
-        layout.write_manifest(os.path.join(root, b), part, bids)
+        durable.write_manifest(os.path.join(root, b), part, bids)
         result.buckets[b] = len(bids)
     result.written = result.rows = sum(result.buckets.values())
-    layout.write_export_marker(root)
-    storage.write_bytes_atomic(layout.marker_path(root, part), result.to_json().encode())
+    safety.write_export_marker(root)
+    storage.write_bytes_atomic(naming.marker_path(root, part), result.to_json().encode())
     cfg = ExportConfig(table="(bench_loader_decode)", out=root, caption_columns=())
     finalize(cfg, {part: result}, 0.0)
     return result.written

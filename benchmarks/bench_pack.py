@@ -53,13 +53,13 @@ def fabricate(root: str, parts: int, per_part: int, kb: int) -> dict:
     from prx_data.core.buckets import DEFAULT_SPEC, bucket_name
     from prx_data.core.schema import MDS_COLUMNS
     from prx_data.core.storage import write_bytes_atomic
-    from prx_data.export import layout
-    from prx_data.export.unit import DEFAULT_HASHES, UnitResult
+    from prx_data.export import durable, naming, safety
+    from prx_data.export.spec import DEFAULT_HASHES, UnitResult
 
-    layout.write_export_marker(root)
+    safety.write_export_marker(root)
     columns = {**MDS_COLUMNS, "caption": "str"}
     results = {
-        layout.part_name(0, u * 1000): UnitResult(part=layout.part_name(0, u * 1000))
+        naming.part_name(0, u * 1000): UnitResult(part=naming.part_name(0, u * 1000))
         for u in range(parts)
     }
     n = 0
@@ -91,12 +91,12 @@ def fabricate(root: str, parts: int, per_part: int, kb: int) -> dict:
                             "caption": f"photo {sid}",
                         }
                     )
-            r.bucket_bytes[bucket] = layout.write_manifest(bdir, part, ids)
+            r.bucket_bytes[bucket] = durable.write_manifest(bdir, part, ids)
             r.buckets[bucket] = per_part
             r.written += per_part
             r.rows += per_part
     for r in results.values():
-        write_bytes_atomic(layout.marker_path(root, r.part), r.to_json().encode())
+        write_bytes_atomic(naming.marker_path(root, r.part), r.to_json().encode())
     return results
 
 
@@ -124,7 +124,7 @@ def main() -> None:
     import prx_data.pipelines.write_mds as pipeline
 
     from prx_data.export import pack
-    from prx_data.export.unit import ExportConfig
+    from prx_data.export.spec import ExportConfig
 
     work = tempfile.mkdtemp(dir=args.work)
     root = os.path.join(work, "export")

@@ -4,14 +4,14 @@ Fabricates exports in the exporter's own layout (``prx_data.export.layout``):
 13 buckets of tier 512, one part per work unit per bucket (``--per-part``
 samples each, 40 by default: a 1,000-row unit spread over 25 buckets), one
 shard per part, ``ids.parquet`` manifests, one ``_progress`` marker per unit,
-then the real :func:`prx_data.export.unit.finalize`. Pixels are cached: one
+then the real :func:`prx_data.export.merge.finalize`. Pixels are cached: one
 JPEG per bucket, encoded once (``--image-px`` 8 by default: an 8x8 JPEG, 723 bytes
 per sample, so 10^7 samples are 7 GB; the loaders keep images encoded). Shard
 files are built with numpy from one sample encoded by ``streaming.MDSWriter``
 itself (a template whose fixed-width id is patched in per row), manifests from
 Arrow buffers; no Python object per sample. The bench checks once that a
 fabricated part is byte-identical to one ``MDSWriter`` writes, and its manifest
-equal to ``layout.write_manifest``'s.
+equal to ``durable.write_manifest``'s.
 
 For each size (each in a fresh process) it times, where the operation exists:
 
@@ -109,7 +109,7 @@ class BucketTemplate:
         from streaming import MDSWriter
 
         from prx_data.core.schema import MDS_COLUMNS
-        from prx_data.export.unit import DEFAULT_HASHES
+        from prx_data.export.spec import DEFAULT_HASHES
 
         buf = io.BytesIO()
         # px > 0: a tiny px x px JPEG (a few hundred bytes) stands in for the bucket shape,
@@ -177,7 +177,7 @@ class BucketTemplate:
         """A fabricated part must be byte-identical to what MDSWriter writes for the same samples."""
         from streaming import MDSWriter
 
-        from prx_data.export import layout
+        from prx_data.export import durable
 
         ids = [_sid(i) for i in range(7)]
         real = os.path.join(work, "check-real")
@@ -187,12 +187,12 @@ class BucketTemplate:
         fake = os.path.join(work, "check-fake")
         self.write_part(fake, "p", 0, len(ids))
         os.rename(os.path.join(fake, "p", "ids.parquet"), os.path.join(fake, "fab.parquet"))
-        layout.write_manifest(fake, "p", ids)
+        durable.write_manifest(fake, "p", ids)
         import pyarrow.parquet as pq
 
         a, b = (pq.read_table(os.path.join(fake, x)) for x in ("fab.parquet", "p/ids.parquet"))
         if not a.equals(b):
-            raise SystemExit("fabricated ids.parquet differs from layout.write_manifest's")
+            raise SystemExit("fabricated ids.parquet differs from durable.write_manifest's")
         for name in ("shard.00000.mds", "index.json"):
             with (
                 open(os.path.join(real, name), "rb") as a,
@@ -212,7 +212,7 @@ def _id_digits(start: int, n: int) -> np.ndarray:
 
 
 def write_manifest(bdir: str, part: str, start: int, n: int) -> None:
-    """``layout.write_manifest``'s ids.parquet for one fabricated part, built from arrays.
+    """``durable.write_manifest``'s ids.parquet for one fabricated part, built from arrays.
 
     Same schema, compression and atomic write; checked once against the real one.
     """
@@ -247,18 +247,18 @@ def fabricate(
     """
     from prx_data.core.buckets import DEFAULT_SPEC, bucket_name
     from prx_data.core.storage import write_bytes_atomic
-    from prx_data.export import layout
-    from prx_data.export.unit import UnitResult
+    from prx_data.export import naming, safety
+    from prx_data.export.spec import UnitResult
 
     shapes = DEFAULT_SPEC.shapes(TIER)
     templates = [BucketTemplate(bucket_name(TIER, w, h), w, h, work, px) for w, h in shapes]
     templates[0].check_against_mdswriter(work)
-    layout.write_export_marker(root)
+    safety.write_export_marker(root)
     per_unit = per_part * len(templates)
     units = -(-n // per_unit)
     next_id = 0
     for u in range(units):
-        part = layout.part_name(u // 100, (u % 100) * per_unit)
+        part = naming.part_name(u // 100, (u % 100) * per_unit)
         result = UnitResult(part=part)
         for t in templates:
             k = min(per_part, n - next_id)
@@ -270,7 +270,7 @@ def fabricate(
             result.buckets[t.bucket] = k
             result.written += k
         result.rows = result.written
-        write_bytes_atomic(layout.marker_path(root, part), result.to_json().encode())
+        write_bytes_atomic(naming.marker_path(root, part), result.to_json().encode())
     return {
         "units": units,
         "parts": sum(1 for _ in _parts(root)),
@@ -648,7 +648,7 @@ def run_idindex_fresh(root: str, res: dict) -> None:
 def finalize_timed(cfg, finished: dict, n: int, res: dict, packs=None) -> None:  # noqa: ANN001
     """``finalize``, with the id index it builds inside timed apart as ``id_index``."""
     from prx_data.export import idindex
-    from prx_data.export.unit import finalize
+    from prx_data.export.merge import finalize
 
     build = idindex.write_id_index
 
@@ -699,7 +699,8 @@ def idindex_size(n: int, work: str, shard_size: int = 1 << 26, px: int = 8) -> d
     process), ``skips add`` of 1 %, ``optout`` and ``optout_fresh``, as in a full run.
     """
     from prx_data.core.buckets import DEFAULT_SPEC
-    from prx_data.export.unit import ExportConfig, done_parts
+    from prx_data.export.merge import done_parts
+    from prx_data.export.spec import ExportConfig
 
     root = os.path.join(work, f"export-{n}")
     res: dict = {}
@@ -735,9 +736,10 @@ def one_size(
     import prx_data.pipelines.write_mds as pipeline
 
     from prx_data.cli.verify import check_sidecar
-    from prx_data.export import layout
+    from prx_data.export import layout, safety
+    from prx_data.export.merge import done_parts
     from prx_data.export.pack import plan_packs
-    from prx_data.export.unit import ExportConfig, done_parts
+    from prx_data.export.spec import ExportConfig
     from prx_data.export.verify import verify_export
     from prx_data.skips.rewrite import rewrite_export
     from prx_data.stream.holdout import Holdout
@@ -749,9 +751,9 @@ def one_size(
         res["shape"] = fabricate(root, n, per_part, work, px)
     print(f"  ({res['shape']['units']:,} units, {res['shape']['parts']:,} parts)", flush=True)
     with measured(res, "resume"):  # what `write_mds --resume` does before scheduling units
-        assert not layout.foreign_entries(root)
+        assert not safety.foreign_entries(root)
         finished = done_parts(root)
-        layout.remove_stale_parts(root, set(finished), (TIER,))
+        safety.remove_stale_parts(root, set(finished), (TIER,))
     cfg = ExportConfig(
         table="(bench_scale)",
         out=root,

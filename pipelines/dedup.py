@@ -30,6 +30,7 @@ from prx_data.core import schema as S
 from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.clusters import MAX_RADIUS, export_skips, find_duplicates
 from prx_data.core.errors import UsageError
+from prx_data.core.flags import REQUIRED, comma_ints, flag
 from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import check_engine
 from prx_data.skips.dedup import (
@@ -53,21 +54,61 @@ _READ_COLUMNS = [S.ID, S.IMAGE, S.WIDTH, S.HEIGHT]
 class DedupConfig:
     """One dedup run over a table (and optionally an export made from it)."""
 
-    table: str
-    export: str | None = None
-    radius: int = 0
-    skip_name: str = DEFAULT_SKIP_NAME
+    table: str = flag(REQUIRED, "--table", help="Lance table URI (local path or s3://...).")
+    export: str | None = flag(
+        None,
+        "--export",
+        help="Export root made from this table (python -m prx_data.write_mds --out). The named "
+        "skip list there is replaced with the duplicates found now.",
+    )
+    radius: int = flag(
+        0,
+        "--radius",
+        type=int,
+        help="Largest Hamming distance between hashes that counts as a duplicate (default 0: "
+        "identical hashes). 1-4 catch more re-encoded/resized copies; larger radii also "
+        f"merge different images and get slow on big tables. At most {MAX_RADIUS}.",
+    )
+    skip_name: str = flag(
+        DEFAULT_SKIP_NAME, "--name", help="Skip-list name on the export (default: %(default)s)."
+    )
     #: Tiers used to name the bucket a row would get when there is no ``export``.
-    tiers: tuple[int, ...] = DEFAULT_TIERS
+    tiers: tuple[int, ...] = flag(
+        DEFAULT_TIERS,
+        "--tiers",
+        type=comma_ints,
+        help="Comma-separated tiers used, without --export, to name the bucket each row would "
+        "get in the report (default: %(default)s, the exporter's default).",
+    )
     #: JSON report path (None: do not write one; the CLI defaults to DEFAULT_REPORT).
-    report: str | None = None
-    #: Write the ``dup_of`` column into the table.
-    write_column: bool = True
-    #: Hash rows that lack a ``phash`` first (else only existing hashes are used).
-    compute: bool = True
+    report: str | None = flag(
+        None,
+        "--report",
+        help="Where to write the JSON report (default: %(default)s; '' for none). Keep it "
+        "outside the export tree.",
+    )
+    write_column: bool = flag(
+        True,
+        "--no-column",
+        negate=True,
+        help="Do not write the dup_of column into the table (report and skip list only).",
+    )
+    compute: bool = flag(
+        True,
+        "--no-compute",
+        negate=True,
+        help="Use the phash column as it is; do not hash rows that lack it.",
+    )
     engine: str = "auto"
-    exact: bool = False
-    batch_size: int = 256
+    exact: bool = flag(
+        False,
+        "--exact",
+        help="Hash from a full Pillow decode, bit-identical to imagehash.phash (several "
+        "times slower than the default reduced JPEG decode).",
+    )
+    batch_size: int = flag(
+        256, "--batch-size", type=int, help="Rows per hashing batch (default: %(default)s)."
+    )
     ray_address: str | None = None
     num_cpus: int | None = None
     storage_options: dict | None = None

@@ -32,6 +32,7 @@ from prx_data.columns.scores import (
 )
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core.errors import UsageError
+from prx_data.core.flags import REQUIRED, flag
 from prx_data.core.reports import JobReport
 from prx_data.core.runtime import check_engine
 from prx_data.table.search import CLIP_IMAGE_COLUMN
@@ -43,21 +44,37 @@ __all__ = ["ScoreConfig", "ScoreReport", "build_job", "run_score", "score_output
 class ScoreConfig:
     """One score job: which scorer, its model, where its columns go, how it runs."""
 
-    table: str
-    scorer: str
-    #: A Hugging Face name or a local path (aesthetic: the head's weights file).
-    model: str
-    #: Column prefix (default: the scorer's name).
-    prefix: str | None = None
-    #: aesthetic: the CLIP image embedding it reads.
-    embedding_column: str = CLIP_IMAGE_COLUMN
-    caption_column: str = "caption"
-    device: str = "auto"
+    table: str = flag(REQUIRED, "--table", help="Lance table URI")
+    scorer: str = flag(REQUIRED, "scorer", choices=SCORERS, help="what to compute")
+    model: str = flag(
+        REQUIRED,
+        "--model",
+        help="Hugging Face model name or local path (aesthetic: the head's weights file; "
+        "set HF_HUB_OFFLINE=1 to use only local files)",
+    )
+    prefix: str | None = flag(None, "--prefix", help="column prefix (default: the scorer's name)")
+    embedding_column: str = flag(
+        CLIP_IMAGE_COLUMN,
+        "--embedding-column",
+        help="aesthetic: the CLIP image embedding column it reads (default: %(default)s)",
+    )
+    caption_column: str = flag(
+        "caption", "--caption-column", help="clip: the text (default: %(default)s)"
+    )
+    device: str = flag(
+        "auto",
+        "--device",
+        help="cpu, cuda or cuda:N; cuda gives each replica one GPU (default: auto)",
+    )
     engine: str = "auto"
-    replicas: int = 1
-    batch_size: int = 64
-    limit: int | None = None
-    commit_every: int = 16
+    replicas: int = flag(1, "--replicas", type=int, help="model actors (default: %(default)s)")
+    batch_size: int = flag(
+        64, "--batch-size", type=int, help="rows per model call (default: %(default)s)"
+    )
+    limit: int | None = flag(None, "--limit", type=int, help="score at most this many rows")
+    commit_every: int = flag(
+        16, "--commit-every", type=int, help="fragments per commit (default: %(default)s)"
+    )
     ray_address: str | None = None
     num_cpus: int | None = None
     storage_options: dict | None = field(default=None, hash=False)

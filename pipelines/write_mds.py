@@ -38,7 +38,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 
 from prx_data.core import storage
-from prx_data.core.imaging import check_codec
 from prx_data.core.runtime import (
     Placement,
     Resources,
@@ -48,30 +47,26 @@ from prx_data.core.runtime import (
     placement_cpus,
 )
 from prx_data.core.storage import storage_env
-from prx_data.export.layout import foreign_entries, list_top, remove_stale_parts
 from prx_data.export.lock import ExportLock
+from prx_data.export.merge import ExportReport, done_parts, finalize
+from prx_data.export.naming import ExportError
 from prx_data.export.pack import Pack, done_packs, plan_packs, write_pack
-from prx_data.export.unit import (
-    ExportConfig,
-    ExportError,
-    ExportReport,
-    UnitResult,
-    WorkUnit,
+from prx_data.export.prepare import (
     check_out_location,
-    done_parts,
-    export_unit,
-    finalize,
     open_table,
     plan_units,
     prepare_output,
     release_table_version,
 )
+from prx_data.export.safety import foreign_entries, list_top, remove_stale_parts
+from prx_data.export.spec import ExportConfig, UnitResult, WorkUnit
+from prx_data.export.unit import export_unit
 
 #: Work units per cluster CPU when ``min_units`` is not given. Units cost the same
 #: in rows, not in time (image sizes vary), so the last one ends late while other
 #: cores idle; that tail is about half a unit, so more units shrink it. The cost
-#: per unit (open the table, one part folder) did not show in the benchmark at 8
-#: or 16 per CPU on 318 photos; 8 keeps parts of a small table at tens of rows.
+#: per unit (open the table, one part folder) did not show at this count
+#: (benchmarks/results/export_startup.md); it keeps parts of a small table at tens of rows.
 #: Tables above ``rows_per_task`` x units are cut by ``rows_per_task`` anyway.
 UNITS_PER_CPU = 8
 
@@ -84,8 +79,8 @@ DRIVER_PACK_THREADS = 2
 
 #: Tables of at most this many rows run their work units (then their packs) on threads
 #: of the driver when the job would otherwise start a local Ray runtime for them: that
-#: start (``ray.init``, then worker processes importing the export stack) costs 5-15 s,
-#: more than such a table's work. 64 rows of 24-MP photos are about 30 CPU-seconds.
+#: start (``ray.init``, then worker processes importing the export stack) costs more
+#: than such a table's work (benchmarks/results/export_startup.md).
 DRIVER_UNIT_ROWS = 64
 
 
@@ -199,133 +194,173 @@ def run_export(
 
     The whole run holds the output's lock (:mod:`prx_data.export.lock`): a
     second run or a ``--resume`` on the same ``--out`` is refused meanwhile.
-    ``drop_lists`` names skip lists of the tree being overwritten that may be
-    left behind because their ids cannot be recovered (any other list is kept).
-    ``drop_list`` names lists removed from the table's registry first (undoing a trial).
-    Under ``engine="auto"`` a table of at most ``driver_rows`` rows with no
-    cluster named runs on threads of this process (0: always Ray); the export
-    it writes is the same. ``engine``: :data:`prx_data.core.runtime.ENGINES`.
+
+    Args:
+        cfg: the export's settings (:class:`~prx_data.export.spec.ExportConfig`).
+        overwrite: replace an export of ours at ``cfg.out``.
+        resume: finish the interrupted export at ``cfg.out`` with the same settings.
+        ray_address: a Ray cluster to run on (default: ``$RAY_ADDRESS``, else local).
+        num_cpus: CPUs of a local Ray or of the driver threads.
+        progress: show a progress bar.
+        drop_lists: skip lists of the tree being overwritten that may be left behind
+            because their ids cannot be recovered (any other list is kept).
+        driver_rows: under ``engine="auto"``, a table of at most this many rows with no
+            cluster named runs on threads of this process (0: always Ray); the export
+            it writes is the same.
+        drop_list: lists removed from the table's registry first (undoing a trial).
+        engine: :data:`prx_data.core.runtime.ENGINES`.
     """
     check_engine(engine)
     try:
-        check_codec(cfg.codec, cfg.resample, cfg.draft_margin)
+        cfg.encode.check()
     except ValueError as e:
         raise ExportError(str(e)) from None
     check_out_location(cfg.out)
-    created = not storage.is_remote(cfg.out) and not os.path.exists(cfg.out)
+    sink = ExportSink(
+        cfg,
+        overwrite=overwrite,
+        resume=resume,
+        ray_address=ray_address,
+        num_cpus=num_cpus,
+        progress=progress,
+        drop_lists=tuple(drop_lists),
+        driver_rows=driver_rows,
+        drop_list=tuple(drop_list),
+        engine=engine,
+    )
     try:
         with ExportLock(cfg.out) as lock:
             if lock.took_over:
                 warnings.warn(f"{cfg.out}: took over {lock.took_over}", UserWarning, stacklevel=2)
-            return _run_locked(
-                cfg,
-                lock,
-                overwrite,
-                resume,
-                ray_address,
-                num_cpus,
-                progress,
-                time.perf_counter(),
-                tuple(drop_lists),
-                driver_rows,
-                tuple(drop_list),
-                engine,
-            )
-    except BaseException:
-        if created and os.path.isdir(cfg.out) and not os.listdir(cfg.out):
-            os.rmdir(cfg.out)  # a refused run leaves no trace
+            todo = sink.on_write_start(lock)
+            return sink.on_write_complete(sink.write(todo))
+    except BaseException as e:
+        sink.on_write_failed(e)
         raise
 
 
-def _run_locked(
-    cfg: ExportConfig,
-    lock: ExportLock,
-    overwrite: bool,
-    resume: bool,
-    ray_address: str | None,
-    num_cpus: int | None,
-    progress: bool,
-    t0: float,
-    drop_lists: tuple[str, ...] = (),
-    driver_rows: int = DRIVER_UNIT_ROWS,
-    drop_list: tuple[str, ...] = (),
-    engine: str = "auto",
-) -> ExportReport:
-    from prx_data.skips import lists as idlists
+@dataclass
+class ExportSink:
+    """The export job in the shape of Ray Data's ``Datasink``, in one place.
 
-    try:
-        registry = idlists.Registry.for_table(cfg.table)
-        for name in drop_list:
-            idlists.remove_list(registry, name, idlists.Provenance("write_mds --drop-list"))
-        if overwrite and list_top(cfg.out) and not foreign_entries(cfg.out):
-            # Before anything is deleted: the old tree's export-only entries go to the
-            # table's registry where newer, and the new tree is materialised from the log
-            # at the end (a killed run keeps them there).
-            idlists.carry(cfg.out, registry, drop=drop_lists)
-    except idlists.ListError as e:
-        raise ExportError(str(e)) from None
-    where = placement(cfg, driver_rows, ray_address, num_cpus, engine)
-    # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
-    if cfg.min_units is None and not resume:  # a resume keeps the count it started with
-        cfg = replace(cfg, min_units=auto_min_units(where))
-    cfg = prepare_output(cfg, overwrite=overwrite, resume=resume)
-    units = plan_units(cfg)
-    finished = done_parts(cfg.out) if resume else {}
-    if resume:  # packs with a marker are kept; half-written ones go with unfinished parts
-        remove_stale_parts(cfg.out, set(finished) | done_packs(cfg.out), cfg.tiers)
-    todo = [u for u in units if u.part not in finished]
-    results: dict[str, UnitResult] = {p: r for p, r in finished.items()}
-    if todo:
-        if not where.on_ray:
-            from prx_data.core.streaming_compat import mds_writer
+    :meth:`on_write_start` (under the lock: lists carried, placement, output
+    prepared, units planned), :meth:`write` (the work units, each by
+    :class:`_ExportTask`), :meth:`on_write_complete` (packs, merge, the skip
+    lists bound through ``finalize``'s ``lists_hook``, the report) and
+    :meth:`on_write_failed` (a refused run leaves no trace). The fields are
+    :func:`run_export`'s arguments.
+    """
 
-            mds_writer()  # imported here, once, rather than by several threads at a time
-        totals = ProgressTotals.of(results.values())
-        done = map_units(
-            _ExportTask(cfg),
-            [asdict(u) for u in todo],
-            where,
-            Resources(num_cpus=1, env=storage_env() or None),
-            desc="write_mds",
-            progress=progress,
-            total=len(units),
-            initial=len(finished),
-            postfix=totals.postfix,
-        )
-        for text in done:
-            r = UnitResult.from_json(text)
-            lock.check()
-            totals.add(r, replaces=results.get(r.part))
-            results[r.part] = r
-    expected = {u.part for u in units}
-    missing = expected - set(results)
-    if missing:
-        raise RuntimeError(f"{len(missing)} work units did not report back: {sorted(missing)[:5]}")
-    lock.check()
-    ordered = {p: results[p] for p in sorted(expected)}
-    packed = None
-    if cfg.shard_size > 0:
-        packed = run_packs(
-            cfg,
-            plan_packs(cfg.out, ordered, cfg.shard_size),
-            check=lock.check,
-            placement=where,
-            progress=progress,
-            on_driver=not where.on_ray,
-        )
+    cfg: ExportConfig
+    overwrite: bool = False
+    resume: bool = False
+    ray_address: str | None = None
+    num_cpus: int | None = None
+    progress: bool = True
+    drop_lists: tuple[str, ...] = ()
+    driver_rows: int = DRIVER_UNIT_ROWS
+    drop_list: tuple[str, ...] = ()
+    engine: str = "auto"
 
-    def bind_lists() -> dict:
-        lock.check()
+    def __post_init__(self) -> None:
+        self.created = not storage.is_remote(self.cfg.out) and not os.path.exists(self.cfg.out)
+
+    def on_write_start(self, lock: ExportLock) -> list[WorkUnit]:
+        """Carry and drop lists, place the work, prepare the output; returns the units to run."""
+        from prx_data.skips import lists as idlists
+
+        cfg = self.cfg
+        self.t0, self.lock = time.perf_counter(), lock
         try:
-            return idlists.materialise(cfg.out, registry, lock, full=True)
+            self.registry = idlists.Registry.for_table(cfg.table)
+            for name in self.drop_list:
+                idlists.remove_list(
+                    self.registry, name, idlists.Provenance("write_mds --drop-list")
+                )
+            if self.overwrite and list_top(cfg.out) and not foreign_entries(cfg.out):
+                # Before anything is deleted: the old tree's export-only entries go to the
+                # table's registry where newer, and the new tree is materialised from the log
+                # at the end (a killed run keeps them there).
+                idlists.carry(cfg.out, self.registry, drop=self.drop_lists)
+        except idlists.ListError as e:
+            raise ExportError(str(e)) from None
+        self.where = placement(cfg, self.driver_rows, self.ray_address, self.num_cpus, self.engine)
+        # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
+        if cfg.min_units is None and not self.resume:  # a resume keeps the count it started with
+            cfg = replace(cfg, min_units=auto_min_units(self.where))
+        self.cfg = cfg = prepare_output(cfg, overwrite=self.overwrite, resume=self.resume)
+        self.units = plan_units(cfg)
+        self.finished = done_parts(cfg.out) if self.resume else {}
+        if self.resume:  # packs with a marker are kept; half-written ones go with unfinished parts
+            remove_stale_parts(cfg.out, set(self.finished) | done_packs(cfg.out), cfg.tiers)
+        return [u for u in self.units if u.part not in self.finished]
+
+    def write(self, todo: list[WorkUnit]) -> dict[str, UnitResult]:
+        """Run the units not done yet; returns every unit's result, in part order."""
+        results: dict[str, UnitResult] = dict(self.finished)
+        if todo:
+            if not self.where.on_ray:
+                from prx_data.core.streaming_compat import mds_writer
+
+                mds_writer()  # imported here, once, rather than by several threads at a time
+            totals = ProgressTotals.of(results.values())
+            done = map_units(
+                _ExportTask(self.cfg),
+                [asdict(u) for u in todo],
+                self.where,
+                Resources(num_cpus=1, env=storage_env() or None),
+                desc="write_mds",
+                progress=self.progress,
+                total=len(self.units),
+                initial=len(self.finished),
+                postfix=totals.postfix,
+            )
+            for text in done:
+                r = UnitResult.from_json(text)
+                self.lock.check()
+                totals.add(r, replaces=results.get(r.part))
+                results[r.part] = r
+        expected = {u.part for u in self.units}
+        missing = expected - set(results)
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} work units did not report back: {sorted(missing)[:5]}"
+            )
+        return {p: results[p] for p in sorted(expected)}
+
+    def on_write_complete(self, results: dict[str, UnitResult]) -> ExportReport:
+        """Pack, merge, bind the skip lists, write the report, release the pinned version."""
+        cfg, lock = self.cfg, self.lock
+        lock.check()
+        packed = None
+        if cfg.shard_size > 0:
+            packed = run_packs(
+                cfg,
+                plan_packs(cfg.out, results, cfg.shard_size),
+                check=lock.check,
+                placement=self.where,
+                progress=self.progress,
+                on_driver=not self.where.on_ray,
+            )
+        seconds = time.perf_counter() - self.t0
+        report = finalize(cfg, results, seconds, self._bind_lists, check=lock.check, packs=packed)
+        release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
+        return report
+
+    def _bind_lists(self) -> dict:
+        from prx_data.skips import lists as idlists
+
+        self.lock.check()
+        try:
+            return idlists.materialise(self.cfg.out, self.registry, self.lock, full=True)
         except idlists.ListError as e:
             raise ExportError(str(e)) from None
 
-    report = finalize(
-        cfg, ordered, time.perf_counter() - t0, bind_lists, check=lock.check, packs=packed
-    )
-    release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
-    return report
+    def on_write_failed(self, error: BaseException) -> None:
+        """A run that fails leaves an ``--out`` it created only if it wrote into it."""
+        out = self.cfg.out
+        if self.created and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)  # a refused run leaves no trace
 
 
 def placement(

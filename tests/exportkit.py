@@ -25,8 +25,8 @@ def finalize_reference(cfg, results: dict):
     """Pack and merge units run in this process, as ``run_export`` does (an undisturbed run)."""
     from prx_data.pipelines.write_mds import run_packs
 
+    from prx_data.export.merge import finalize
     from prx_data.export.pack import plan_packs
-    from prx_data.export.unit import finalize
 
     ordered = {p: results[p] for p in sorted(results)}
     packs = run_packs(cfg, plan_packs(cfg.out, ordered, cfg.shard_size)) if cfg.shard_size else None

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from streaming import MDSWriter
 
-from prx_data.export import layout
+from prx_data.export import layout, safety
 from prx_data.export.adopt import adopt_tree, read_record
 from prx_data.stream.dataset import DatasetSpec
 from tests.exportkit import run_rank, upload_tree
@@ -243,9 +243,9 @@ def test_link_out_of_a_bucket_is_refused(tiered, tmp_path):
     victim.mkdir()
     os.replace(os.path.join(bdir, "shard.00000.mds"), victim / "shard.00000.mds")
     os.symlink(victim / "shard.00000.mds", os.path.join(bdir, "shard.00000.mds"))
-    with pytest.raises(layout.UnsafeIndexError, match="symlink leads out"):
+    with pytest.raises(safety.UnsafeIndexError, match="symlink leads out"):
         layout.read_index(tiered, "512/1.000")
-    with pytest.raises(layout.UnsafeIndexError, match="symlink leads out"):
+    with pytest.raises(safety.UnsafeIndexError, match="symlink leads out"):
         adopt_tree(tiered)
 
 

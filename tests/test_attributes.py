@@ -233,7 +233,7 @@ def test_attributes_job_stores_valid_flags_invalid_and_filters_a_subset(tmp_path
 
     from prx_data.cli.caption import main as caption_main
     from prx_data.export.layout import read_manifests
-    from prx_data.export.unit import ExportConfig
+    from prx_data.export.spec import ExportConfig
 
     uri = str(tmp_path / "t.lance")
     items = [

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prx_data.export import layout
+from prx_data.export import durable, layout, merge, naming, safety
 from prx_data.skips import sidecar as S
 from tests.exportkit import FakeExport, make_export
 
@@ -70,7 +70,7 @@ def planted(request, template, tmp_path):
 
 
 def _refused(p: Planted, fn, *args, **kwargs):
-    with pytest.raises(layout.UnsafeIndexError, match="refusing shard name") as e:
+    with pytest.raises(safety.UnsafeIndexError, match="refusing shard name") as e:
         fn(*args, **kwargs)
     assert os.path.join(B, "index.json") in str(e.value).replace(os.sep, "/")
     p.assert_victim_untouched()
@@ -102,7 +102,7 @@ def test_stream_reading_the_index_itself(planted):
     from prx_data.stream.reader import SkipStream
 
     s = SkipStream(local=os.path.join(planted.root, B))
-    with pytest.raises(layout.UnsafeIndexError, match="refusing shard name"):
+    with pytest.raises(safety.UnsafeIndexError, match="refusing shard name"):
         s.get_shards(World.detect(), False)
     planted.assert_victim_untouched()
 
@@ -168,17 +168,17 @@ def test_manifest_shard_names_are_checked(template, tmp_path, bad):
 
     root = str(tmp_path / "ex")
     shutil.copytree(template.root, root)
-    part = layout.part_name(0, 0)
+    part = naming.part_name(0, 0)
     path = os.path.join(root, B, part, "ids.parquet")
     t = pq.read_table(path)
     shards = t["shard"].to_pylist()
     shards[0] = bad
     t = t.set_column(0, "shard", pa.array(shards, pa.string()))
     pq.write_table(t, path)
-    shutil.rmtree(os.path.join(root, layout.IDS_INDEX_NAME))  # an export without an id index
-    with pytest.raises(layout.UnsafeIndexError, match=r"ids\.parquet"):
+    shutil.rmtree(os.path.join(root, naming.IDS_INDEX_NAME))  # an export without an id index
+    with pytest.raises(safety.UnsafeIndexError, match=r"ids\.parquet"):
         layout.read_manifests(root)
-    with pytest.raises(layout.UnsafeIndexError):
+    with pytest.raises(safety.UnsafeIndexError):
         add_optout(root, "optout", [f"ds/{B}/0"])
     assert not list((tmp_path / "ex").rglob("*.skip"))
 
@@ -188,7 +188,7 @@ def test_part_index_names_are_checked(template, tmp_path, bad):
     """write_manifest and merge_bucket read the parts' own indexes through the same check."""
     root = str(tmp_path / "ex")
     shutil.copytree(template.root, root)
-    part = layout.part_name(0, 0)
+    part = naming.part_name(0, 0)
     bdir = os.path.join(root, B)
     index = os.path.join(bdir, part, "index.json")
     obj = json.load(open(index))
@@ -196,10 +196,10 @@ def test_part_index_names_are_checked(template, tmp_path, bad):
     with open(index, "w") as f:
         json.dump(obj, f)
     merged = open(os.path.join(bdir, "index.json"), "rb").read()
-    with pytest.raises(layout.UnsafeIndexError, match="refusing shard name"):
-        layout.merge_bucket(bdir, [part])
-    with pytest.raises(layout.UnsafeIndexError, match="refusing shard name"):
-        layout.write_manifest(bdir, part, [f"ds/{B}/{i}" for i in range(8)])
+    with pytest.raises(safety.UnsafeIndexError, match="refusing shard name"):
+        merge.merge_bucket(bdir, [part])
+    with pytest.raises(safety.UnsafeIndexError, match="refusing shard name"):
+        durable.write_manifest(bdir, part, [f"ds/{B}/{i}" for i in range(8)])
     assert open(os.path.join(bdir, "index.json"), "rb").read() == merged
 
 
@@ -212,7 +212,7 @@ def test_part_index_names_are_checked(template, tmp_path, bad):
     ],
 )
 def test_exporter_names_are_accepted(name):
-    assert layout.check_shard_basename("x/index.json", name) == name
+    assert safety.check_shard_basename("x/index.json", name) == name
 
 
 @pytest.mark.parametrize(
@@ -231,16 +231,16 @@ def test_exporter_names_are_accepted(name):
     ],
 )
 def test_other_names_are_refused(name):
-    with pytest.raises(layout.UnsafeIndexError, match="x/index.json"):
-        layout.check_shard_basename("x/index.json", name)
+    with pytest.raises(safety.UnsafeIndexError, match="x/index.json"):
+        safety.check_shard_basename("x/index.json", name)
 
 
 @pytest.mark.parametrize("bucket", ["../512/1.000", "512/../../x", "/etc", "512", "512/1.000/x"])
 def test_bucket_names_are_checked(template, bucket):
     """Bucket names come from users too (``skips add --indices``): they never reach a path."""
-    with pytest.raises(layout.UnsafeIndexError, match="bad bucket name"):
+    with pytest.raises(safety.UnsafeIndexError, match="bad bucket name"):
         layout.read_index(template.root, bucket)
-    with pytest.raises(layout.UnsafeIndexError, match="bad bucket name"):
+    with pytest.raises(safety.UnsafeIndexError, match="bad bucket name"):
         S.add_skips(template.root, "dedup", {(bucket, "f000000-000000000/shard.00000.mds"): [0]})
 
 
@@ -249,5 +249,5 @@ def test_unparseable_index_is_named(template, tmp_path):
     shutil.copytree(template.root, root)
     with open(os.path.join(root, B, "index.json"), "w") as f:
         f.write('{"version": 2, "shards": 3}')
-    with pytest.raises(layout.UnsafeIndexError, match="index.json: not a streaming index"):
+    with pytest.raises(safety.UnsafeIndexError, match="index.json: not a streaming index"):
         layout.read_index(root, B)

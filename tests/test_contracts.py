@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from prx_data.core import schema as S
-from prx_data.export import layout
+from prx_data.export import naming
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,15 +31,15 @@ def test_an_exported_sample_has_exactly_the_mds_columns():
     assert list(sample) == list(S.MDS_COLUMNS)
 
 
-def test_sidecar_naming_is_spelled_only_in_the_export_layout():
+def test_sidecar_naming_is_spelled_only_in_the_export_naming():
     from prx_data.skips import sidecar
 
-    assert sidecar.SUFFIX is layout.SIDECAR_SUFFIX and sidecar.NAME_RE is layout.LIST_NAME_RE
+    assert sidecar.SUFFIX is naming.SIDECAR_SUFFIX and sidecar.NAME_RE is naming.LIST_NAME_RE
     copies = [
         f"{rel}:{line}"
         for rel, line, value in _string_constants()
-        if rel != "prx_data/export/layout.py"
-        and (value == layout.SIDECAR_SUFFIX or layout.LIST_NAME_PATTERN in value)
+        if rel != "prx_data/export/naming.py"
+        and (value == naming.SIDECAR_SUFFIX or naming.LIST_NAME_PATTERN in value)
     ]
     assert not copies, copies
 

@@ -114,7 +114,10 @@ def dup_items() -> tuple[list[tuple[str, bytes, str | None]], dict[str, str]]:
 
 def export_in_process(table: str, out: str):
     """The real exporter's library steps, run in this process (no Ray)."""
-    from prx_data.export.unit import ExportConfig, export_unit, finalize, plan_units, prepare_output
+    from prx_data.export.merge import finalize
+    from prx_data.export.prepare import plan_units, prepare_output
+    from prx_data.export.spec import ExportConfig
+    from prx_data.export.unit import export_unit
 
     cfg = prepare_output(ExportConfig(table=table, out=out, tiers=TIERS, rows_per_task=5))
     results = {}

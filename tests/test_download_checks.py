@@ -87,7 +87,7 @@ def test_all_refused_run_fails_naming_allow_private_and_only_failed_retries_it(t
 def test_export_lists_the_download_reason_in_dropped_parquet(tmp_path):
     import prx_data.pipelines.write_mds as pipeline
 
-    from prx_data.export.unit import ExportConfig
+    from prx_data.export.spec import ExportConfig
 
     uri = str(tmp_path / "t.lance")
     with ImageServer() as srv:

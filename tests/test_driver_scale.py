@@ -18,9 +18,10 @@ from prx_data.pipelines.write_mds import ProgressTotals
 
 from prx_data.cli.verify import check_sidecar
 from prx_data.core import storage
-from prx_data.export import layout
+from prx_data.export import bounded, layout, merge, naming, safety
 from prx_data.export import verify as V
-from prx_data.export.unit import UnitResult, done_parts
+from prx_data.export.merge import done_parts
+from prx_data.export.spec import UnitResult
 from prx_data.skips import sidecar as skiplist
 from tests.exportkit import make_export
 
@@ -56,7 +57,7 @@ def test_imap_bounded_keeps_input_order_and_bounds_what_is_in_flight():
 
     workers = 4
     got = []
-    for r in layout.imap_bounded(_pairwise(lambda x: x * x), items(), workers):
+    for r in bounded.imap_bounded(_pairwise(lambda x: x * x), items(), workers):
         got.append(r)
         assert pulled - len(got) <= 2 * workers  # never the whole input submitted at once
     assert got == [i * i for i in range(200)]
@@ -69,7 +70,7 @@ def test_imap_bounded_raises_the_first_error_in_input_order():
         return x
 
     with pytest.raises(ValueError, match="bad 5"):
-        layout.map_bounded(fn, range(50), 8)
+        bounded.map_bounded(fn, range(50), 8)
 
 
 def _fake_parts(bdir: str, n: int) -> dict[str, int]:
@@ -77,7 +78,7 @@ def _fake_parts(bdir: str, n: int) -> dict[str, int]:
     rng = random.Random(7)
     expected = {}
     for k in range(n):
-        part = layout.part_name(k // 10, (k % 10) * 1000)
+        part = naming.part_name(k // 10, (k % 10) * 1000)
         shards = []
         for j in range(rng.randint(1, 3)):
             samples = rng.randint(1, 50)
@@ -118,10 +119,10 @@ def test_merge_bucket_reads_parts_in_parallel_and_writes_the_same_bytes(tmp_path
     bdir = str(tmp_path / "512" / "1.000")
     expected = _fake_parts(bdir, 240)
     want = _reference_merge(bdir, list(expected))
-    monkeypatch.setattr(layout, "load_index", _pairwise(layout.load_index))
+    monkeypatch.setattr(merge, "load_index", _pairwise(safety.load_index))
     parts = list(expected)
     random.Random(1).shuffle(parts)  # the caller's order does not matter
-    n = layout.merge_bucket(bdir, parts, expected=expected)
+    n = merge.merge_bucket(bdir, parts, expected=expected)
     assert n == sum(expected.values())
     with open(os.path.join(bdir, "index.json"), "rb") as f:
         assert f.read() == want
@@ -132,8 +133,8 @@ def test_merge_bucket_names_the_first_bad_part_in_order(tmp_path):
     expected = _fake_parts(bdir, 60)
     parts = sorted(expected)
     wrong = dict(expected, **{parts[7]: -1, parts[40]: -1})
-    with pytest.raises(layout.ExportError, match=parts[7]):
-        layout.merge_bucket(bdir, parts, expected=wrong)
+    with pytest.raises(naming.ExportError, match=parts[7]):
+        merge.merge_bucket(bdir, parts, expected=wrong)
     assert not os.path.exists(os.path.join(bdir, "index.json"))
 
 
@@ -141,8 +142,8 @@ def test_resume_reads_unit_markers_in_parallel(tmp_path, monkeypatch):
     out = str(tmp_path)
     want = {}
     for k in range(64):
-        r = UnitResult(part=layout.part_name(0, k * 10), rows=10, written=k, buckets={B: k})
-        storage.write_bytes_atomic(layout.marker_path(out, r.part), r.to_json().encode())
+        r = UnitResult(part=naming.part_name(0, k * 10), rows=10, written=k, buckets={B: k})
+        storage.write_bytes_atomic(naming.marker_path(out, r.part), r.to_json().encode())
         want[r.part] = r
     monkeypatch.setattr(storage, "read_bytes", _pairwise(storage.read_bytes))
     got = done_parts(out)
@@ -212,7 +213,8 @@ def test_bench_scale_fabricates_an_export_that_verifies_and_streams(tmp_path):
 
     from streaming import Stream, StreamingDataset
 
-    from prx_data.export.unit import ExportConfig, finalize
+    from prx_data.export.merge import finalize
+    from prx_data.export.spec import ExportConfig
 
     spec = importlib.util.spec_from_file_location(
         "bench_scale", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_scale.py")

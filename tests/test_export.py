@@ -19,7 +19,8 @@ from streaming import LocalDataset, StreamingDataset
 
 from prx_data.core.buckets import parse_bucket_name
 from prx_data.export.layout import content_digest, is_complete
-from prx_data.export.unit import ExportConfig, ExportError
+from prx_data.export.naming import ExportError
+from prx_data.export.spec import ExportConfig
 from tests import badinputs
 from tests.exportkit import pinned_cli_args, spawn_cli
 
@@ -211,7 +212,7 @@ def test_kill_and_resume_gives_complete_valid_output(photo_table, tmp_path, ray_
 def test_resume_refuses_changed_options(photo_table, tmp_path, ray_local):
     out = str(tmp_path / "o")
     cfg = ExportConfig(table=photo_table, out=out, rows_per_task=4)
-    from prx_data.export.unit import prepare_output
+    from prx_data.export.prepare import prepare_output
 
     prepare_output(cfg)
     with pytest.raises(ExportError, match="options differ") as e:

@@ -28,7 +28,7 @@ from PIL import Image
 
 from prx_data.core import runtime
 from prx_data.export.idindex import index_uri
-from prx_data.export.unit import ExportConfig
+from prx_data.export.spec import ExportConfig
 from tests.tablekit import make_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

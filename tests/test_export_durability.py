@@ -12,15 +12,12 @@ import pytest
 
 from prx_data.cli import verify as verify_cli
 from prx_data.core import storage
-from prx_data.export import layout
-from prx_data.export.unit import (
-    ExportConfig,
-    ExportError,
-    done_parts,
-    export_unit,
-    plan_units,
-    prepare_output,
-)
+from prx_data.export import layout, naming, safety
+from prx_data.export.merge import done_parts
+from prx_data.export.naming import ExportError
+from prx_data.export.prepare import plan_units, prepare_output
+from prx_data.export.spec import ExportConfig
+from prx_data.export.unit import export_unit
 from prx_data.skips.rewrite import rewrite_export
 from prx_data.stream.dataset import DatasetSpec, load_sources
 from tests.exportkit import make_export
@@ -98,7 +95,7 @@ def test_overwrite_killed_while_deleting_tiers_leaves_an_unfinished_tree(
     with pytest.raises(Killed):
         prepare_output(ExportConfig(table=table, out=root), overwrite=True)
     monkeypatch.undo()
-    assert os.path.exists(os.path.join(root, B, layout.INDEX_NAME))  # the kill came in time
+    assert os.path.exists(os.path.join(root, B, naming.INDEX_NAME))  # the kill came in time
     _looks_unfinished(root, capsys)
     assert layout.list_markers(root) == []  # no marker vouches for a deleted part
     with pytest.raises(
@@ -106,7 +103,7 @@ def test_overwrite_killed_while_deleting_tiers_leaves_an_unfinished_tree(
     ):
         prepare_output(ExportConfig(table=table, out=root), resume=True)
     prepare_output(ExportConfig(table=table, out=root), overwrite=True)  # still provably ours
-    assert sorted(os.listdir(root)) == [layout.PROGRESS_DIR]
+    assert sorted(os.listdir(root)) == [naming.PROGRESS_DIR]
 
 
 def test_resume_cleanup_killed_part_way_leaves_an_unfinished_tree(tmp_path, monkeypatch, capsys):
@@ -118,7 +115,7 @@ def test_resume_cleanup_killed_part_way_leaves_an_unfinished_tree(tmp_path, monk
     keep.discard(sorted(keep)[-1])
     _kill_at_first_tier_delete(monkeypatch, root)
     with pytest.raises(Killed):
-        layout.remove_stale_parts(root, keep, (512,))
+        safety.remove_stale_parts(root, keep, (512,))
     monkeypatch.undo()
     _looks_unfinished(root, capsys)
 
@@ -192,7 +189,7 @@ def test_stale_part_cleanup_never_follows_a_symlinked_tier(tmp_path, table):
     root = str(tmp_path / "exp")
     make_export(root, {B: 8})
     os.symlink(os.path.join(victim, "1024"), os.path.join(root, "1024"))
-    layout.remove_stale_parts(root, set(), (512, 1024))  # nothing kept: all of ours is stale
+    safety.remove_stale_parts(root, set(), (512, 1024))  # nothing kept: all of ours is stale
     assert _files(victim) == before
     assert os.path.islink(os.path.join(root, "1024"))
     assert [p for p in os.listdir(os.path.join(root, B)) if p.startswith("f")] == []

@@ -20,9 +20,9 @@ import pytest
 from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import verify as verify_cli
-from prx_data.export import layout
+from prx_data.export import layout, naming
 from prx_data.export.layout import content_digest, is_complete
-from prx_data.export.unit import ExportConfig
+from prx_data.export.spec import ExportConfig
 from tests import badinputs
 from tests.exportkit import finalize_reference, pinned_cli_args, spawn_cli
 from tests.s3proxy import relay, send_error
@@ -44,7 +44,7 @@ def test_dropped_rows_are_listed_with_reason_and_hashes_recorded(bad_table, tmp_
     uri, cases = bad_table
     out = str(tmp_path / "o")
     report = run_export(ExportConfig(table=uri, out=out, rows_per_task=5), progress=False)
-    dropped = pq.read_table(os.path.join(out, layout.DROPPED_NAME)).to_pylist()
+    dropped = pq.read_table(os.path.join(out, naming.DROPPED_NAME)).to_pylist()
     assert sorted((r["id"], r["reason"]) for r in dropped) == sorted(
         (i, reason) for i, _, _, reason in cases if reason
     )
@@ -130,7 +130,7 @@ def test_kill_at_random_point_then_resume_and_concurrent_runs(
     proc = spawn_cli(["prx_data.write_mds", *args], env)
     try:
         deadline = time.time() + 240
-        while not os.path.exists(os.path.join(out, layout.CONFIG_NAME)):
+        while not os.path.exists(os.path.join(out, naming.CONFIG_NAME)):
             assert proc.poll() is None and time.time() < deadline, "the run did not start"
             time.sleep(0.05)
         # While it runs, a second run and a --resume are refused by the lock.
@@ -270,7 +270,8 @@ def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
     first attempt left: shards and part indexes with no manifest yet in one unit, every
     file of its parts but no marker in another. The export still finishes, byte-identical
     to an undisturbed run of the same plan."""
-    from prx_data.export.unit import export_unit, plan_units, prepare_output
+    from prx_data.export.prepare import plan_units, prepare_output
+    from prx_data.export.unit import export_unit
     from prx_data.pipelines import write_mds
     from tests.tablekit import make_table
 
@@ -288,7 +289,7 @@ def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
         def __call__(self, row: dict) -> dict:
             from prx_data.export import unit as U
 
-            part = layout.part_name(int(row["fragment_id"]), int(row["start"]))
+            part = naming.part_name(int(row["fragment_id"]), int(row["start"]))
             point = crashes.get(part)
             if point:
                 try:
@@ -308,5 +309,5 @@ def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
     )
     assert sorted(os.listdir(flags)) == sorted(crashes)  # both workers did die
     assert is_complete(out) and content_digest(out) == content_digest(ref.out)
-    assert not os.path.exists(os.path.join(out, layout.WRITING_DIR))
+    assert not os.path.exists(os.path.join(out, naming.WRITING_DIR))
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0

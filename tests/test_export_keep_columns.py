@@ -13,8 +13,11 @@ import pyarrow as pa
 import pytest
 
 from prx_data.core.sample_data import make_sample_collection
-from prx_data.export.layout import ExportError
-from prx_data.export.unit import ExportConfig, export_unit, finalize, plan_units, prepare_output
+from prx_data.export.merge import finalize
+from prx_data.export.naming import ExportError
+from prx_data.export.prepare import plan_units, prepare_output
+from prx_data.export.spec import ExportConfig
+from prx_data.export.unit import export_unit
 from prx_data.stream.dataset import DatasetSpec
 from tests.tablekit import folder_items, make_table
 

@@ -12,14 +12,15 @@ import boto3
 import pytest
 
 from prx_data.core import storage
-from prx_data.export import layout
+from prx_data.export import layout, naming
 from prx_data.export import lock as lock_mod
 from prx_data.export.lock import ExportLock, ExportLocked
-from prx_data.export.unit import ExportConfig, done_parts, finalize
+from prx_data.export.merge import done_parts, finalize
+from prx_data.export.spec import ExportConfig
 from tests.exportkit import make_export
 from tests.s3proxy import RuleProxy
 
-LEASE = layout.LEASE_NAME
+LEASE = naming.LEASE_NAME
 
 
 def _port(url: str) -> int:
@@ -203,15 +204,15 @@ def test_takeover_ignores_the_wall_clocks_of_other_hosts(s3_bucket, moto_server)
 # --- finalize checks the lease before every write ------------------------------------------
 
 B1, B2 = "512/1.000", "512/0.500"
-FINAL = {layout.INDEX_NAME, layout.DROPPED_NAME, "report.txt", layout.REPORT_NAME}
+FINAL = {naming.INDEX_NAME, naming.DROPPED_NAME, "report.txt", layout.REPORT_NAME}
 
 
 def _unfinalized(tmp_path):
     root = str(tmp_path / "exp")
     make_export(root, {B1: 40, B2: 24}, samples_per_part=16)
     for b in (B1, B2):
-        os.remove(os.path.join(root, b, layout.INDEX_NAME))
-    for name in (layout.REPORT_NAME, "report.txt", layout.DROPPED_NAME):
+        os.remove(os.path.join(root, b, naming.INDEX_NAME))
+    for name in (layout.REPORT_NAME, "report.txt", naming.DROPPED_NAME):
         if os.path.exists(os.path.join(root, name)):
             os.remove(os.path.join(root, name))
     return root, done_parts(root), ExportConfig(table="t", out=root, caption_columns=("caption",))
@@ -244,8 +245,8 @@ def test_finalize_stops_on_a_lost_lease_before_it_writes(tmp_path):
     with pytest.raises(ExportLocked, match="lost the lease"):
         finalize(cfg, results, 0.0, check=lost)
     for b in (B1, B2):
-        assert not os.path.exists(os.path.join(root, b, layout.INDEX_NAME))
-    for name in (layout.REPORT_NAME, "report.txt", layout.DROPPED_NAME):
+        assert not os.path.exists(os.path.join(root, b, naming.INDEX_NAME))
+    for name in (layout.REPORT_NAME, "report.txt", naming.DROPPED_NAME):
         assert not os.path.exists(os.path.join(root, name))
 
 
@@ -274,5 +275,5 @@ def test_an_export_whose_lease_is_lost_after_its_units_writes_no_index_or_report
         write_mds.run_export(cfg, progress=False)
     assert len(layout.list_markers(out)) == 2  # the units finished ...
     assert layout.list_buckets(out) == []  # ... but no merged index
-    for name in (layout.REPORT_NAME, "report.txt", layout.DROPPED_NAME):
+    for name in (layout.REPORT_NAME, "report.txt", naming.DROPPED_NAME):
         assert not os.path.exists(os.path.join(out, name))

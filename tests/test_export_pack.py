@@ -21,10 +21,10 @@ from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import optout as optout_cli
 from prx_data.cli import verify as verify_cli
-from prx_data.export import layout
+from prx_data.export import layout, naming
 from prx_data.export import pack as packmod
 from prx_data.export.layout import content_digest, is_complete
-from prx_data.export.unit import ExportConfig
+from prx_data.export.spec import ExportConfig
 from prx_data.skips import lists as L
 from prx_data.skips import sidecar as SL
 from tests.tablekit import make_table
@@ -105,7 +105,7 @@ def test_shard_size_and_size_limit_cut_packs_and_shards(table, tmp_path, ray_loc
     target = 2 * max(part_bytes) + 1  # at least two parts a pack
     _export(table, packed, shard_size=target, size_limit=max(part_bytes) + 64)
     packs = [p for p in _parts(packed) if p != "index.json"]
-    assert 2 <= len(packs) < len(part_bytes) and all(layout._PART_RE.fullmatch(p) for p in packs)
+    assert 2 <= len(packs) < len(part_bytes) and all(naming.PART_RE.fullmatch(p) for p in packs)
     shards = layout.read_index(packed, B)
     per_pack = Counter(s.basename.split("/")[0] for s in shards)
     assert any(n > 1 for n in per_pack.values())  # size_limit splits a pack into shards
@@ -178,7 +178,7 @@ def test_crash_inside_the_pack_stage_resumes_to_identical_bytes(
         return wrapped
 
     if where == "publish":
-        monkeypatch.setattr(packmod, "_publish_parts", crash_second(packmod._publish_parts))
+        monkeypatch.setattr(packmod, "publish_parts", crash_second(packmod.publish_parts))
     elif where == "marker":
         real = packmod.storage.write_bytes_atomic
         monkeypatch.setattr(

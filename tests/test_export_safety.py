@@ -16,9 +16,12 @@ import pytest
 from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import verify as verify_cli
-from prx_data.export import layout
+from prx_data.export import durable, layout, naming, safety
 from prx_data.export.lock import ExportLock, ExportLocked
-from prx_data.export.unit import ExportConfig, ExportError, done_parts, finalize, prepare_output
+from prx_data.export.merge import done_parts, finalize
+from prx_data.export.naming import ExportError
+from prx_data.export.prepare import prepare_output
+from prx_data.export.spec import ExportConfig
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import BucketedDataset, DatasetSpec, load_sources
 from tests.exportkit import make_export
@@ -88,27 +91,26 @@ def test_export_with_foreign_files_inside_is_refused(tmp_path, table):
     os.remove(os.path.join(root, B, "notes.txt"))
     prepare_output(ExportConfig(table=table, out=root), overwrite=True)  # ours again: replaced
     assert not os.path.exists(os.path.join(root, B))
-    assert os.path.exists(os.path.join(root, layout.MARKER_NAME))
+    assert os.path.exists(os.path.join(root, naming.MARKER_NAME))
 
 
 def test_wide_part_names_are_ours_and_unknown_shard_suffixes_are_not(tmp_path):
     """Fragment ids past 999,999 widen the part name (part_name pads, never truncates); the
     overwrite guard and verify must both still recognise it. A shard file with a suffix
     that streaming never writes is somebody else's file."""
-    from prx_data.export import verify
 
     root = str(tmp_path / "exp")
     make_export(root, {B: 4})
-    wide = layout.part_name(1_234_567, 10**10)
+    wide = naming.part_name(1_234_567, 10**10)
     assert wide == "f1234567-10000000000"
     pdir = os.path.join(root, B, wide)
     os.makedirs(pdir)
     for f in ("shard.00000.mds", "shard.00001.mds.zstd", "index.json", "shard.00000.mds.d.skip"):
         open(os.path.join(pdir, f), "wb").close()
-    assert layout.foreign_entries(root) == []
-    assert verify.SHARD_RE.fullmatch(f"{wide}/shard.00000.mds")
+    assert safety.foreign_entries(root) == []
+    assert naming.PART_SHARD_RE.fullmatch(f"{wide}/shard.00000.mds")
     open(os.path.join(pdir, "shard.00002.mds.exe"), "wb").close()
-    assert layout.foreign_entries(root) == [f"{B}/{wide}/shard.00002.mds.exe"]
+    assert safety.foreign_entries(root) == [f"{B}/{wide}/shard.00002.mds.exe"]
 
 
 def test_out_that_is_a_file_and_table_without_images_are_clean_errors(tmp_path, table):
@@ -161,7 +163,7 @@ def test_second_run_and_resume_are_refused_while_a_run_holds_the_lock(tmp_path, 
         for kw in ({}, {"resume": True}, {"overwrite": True}):
             with pytest.raises(ExportLocked, match=f"pid {holder.pid}"):
                 run_export(ExportConfig(table=table, out=out), progress=False, **kw)
-        assert os.listdir(out) == [layout.LOCK_NAME]
+        assert os.listdir(out) == [naming.LOCK_NAME]
     finally:
         holder.stdin.close()
         holder.wait()
@@ -175,7 +177,7 @@ def test_lock_of_a_killed_run_is_taken_over(tmp_path):
     holder = _holder(out)
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
-    assert os.path.exists(os.path.join(out, layout.LOCK_NAME))  # left behind
+    assert os.path.exists(os.path.join(out, naming.LOCK_NAME))  # left behind
     with ExportLock(out) as lock:
         assert f"pid {holder.pid}" in lock.took_over
         with pytest.raises(ExportLocked):
@@ -209,7 +211,7 @@ def test_merge_refuses_a_part_changed_by_another_run(tmp_path):
     root = str(tmp_path / "exp")
     make_export(root, {B: 40}, samples_per_part=16)
     results = done_parts(root)
-    index = os.path.join(root, B, layout.INDEX_NAME)
+    index = os.path.join(root, B, naming.INDEX_NAME)
     os.remove(index)
     part = sorted(results)[1]
     results[part].buckets[B] -= 3  # the unit wrote 13, the part on disk holds 16
@@ -294,7 +296,7 @@ def test_append_and_missing_shard_are_caught(export_with_list, capsys):
 def test_rewritten_shard_unbinds_its_sidecars(export_with_list, capsys):
     """A shard rewritten at the same size (new bytes, new hash in the index) keeps no list."""
     root = export_with_list
-    index_path = os.path.join(root, B, layout.INDEX_NAME)
+    index_path = os.path.join(root, B, naming.INDEX_NAME)
     index = json.load(open(index_path))
     index["shards"][0]["raw_data"]["hashes"]["xxh64"] = "0" * 16
     open(index_path, "w").write(json.dumps(index))
@@ -368,20 +370,18 @@ def test_manifest_report_and_traversal_problems_are_listed(export_with_list, tmp
 def test_dropped_rows_are_merged_in_part_order_and_gaps_reported(tmp_path):
     import pyarrow.parquet as pq
 
-    from prx_data.export import unit
-
     root = str(tmp_path / "exp")
     make_export(root, {B: 40}, samples_per_part=16)
     results = done_parts(root)
     first, second, third = sorted(results)
     for part, rows in ((third, [("c", "too_small", "10x10")]), (first, [("a", "truncated", "")])):
         results[part].dropped = {rows[0][1]: 1, "filtered": 5}
-        path = os.path.join(root, layout.DROPPED_DIR, f"{part}.parquet")
-        unit._write_dropped_rows(path, rows)
+        path = os.path.join(root, naming.DROPPED_DIR, f"{part}.parquet")
+        durable.write_dropped_rows(path, rows)
     results[second].dropped = {"decode_error": 1}  # a unit whose list was never written
     cfg = ExportConfig(table="t", out=root, caption_columns=("caption",))
     with pytest.warns(UserWarning, match="lacks the dropped rows of 1 unit"):
         report = finalize(cfg, results, 0.0)
-    got = pq.read_table(os.path.join(root, layout.DROPPED_NAME)).to_pylist()
+    got = pq.read_table(os.path.join(root, naming.DROPPED_NAME)).to_pylist()
     assert [(r["id"], r["reason"]) for r in got] == [("a", "truncated"), ("c", "too_small")]
     assert any(second in w for w in report.warnings)

@@ -24,9 +24,12 @@ from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import verify as verify_cli
 from prx_data.core import storage
-from prx_data.export import layout
-from prx_data.export.layout import ExportError, content_digest, is_complete
-from prx_data.export.unit import ExportConfig, export_unit, plan_units, prepare_output
+from prx_data.export import naming
+from prx_data.export.layout import content_digest, is_complete
+from prx_data.export.naming import ExportError
+from prx_data.export.prepare import plan_units, prepare_output
+from prx_data.export.spec import ExportConfig
+from prx_data.export.unit import export_unit
 from prx_data.pipelines import write_mds
 from tests.exportkit import finalize_reference
 from tests.s3proxy import relay
@@ -134,9 +137,9 @@ class SoakProxy(ThreadingHTTPServer):
         if not 200 <= status < 300:
             return
         event = None
-        if path.endswith(layout.LEASE_NAME) and method == "PUT" and body:
+        if path.endswith(naming.LEASE_NAME) and method == "PUT" and body:
             event = ("lease", json.loads(body).get("owner", "?"))
-        elif path.endswith(layout.LEASE_NAME) and method == "DELETE":
+        elif path.endswith(naming.LEASE_NAME) and method == "DELETE":
             event = ("free", "")
         elif path.endswith(".mds") and method == "PUT":
             event = ("shard", path)
@@ -270,7 +273,7 @@ def test_fault_soak_ends_with_one_writer_and_identical_bytes(
         def __call__(self, row: dict) -> dict:
             from prx_data.export import unit as U
 
-            part = layout.part_name(int(row["fragment_id"]), int(row["start"]))
+            part = naming.part_name(int(row["fragment_id"]), int(row["start"]))
             point, nth = crashes.get(part, (None, 0))
             if point:
                 try:
@@ -348,6 +351,6 @@ def test_fault_soak_ends_with_one_writer_and_identical_bytes(
 
     monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)  # read back without faults
     assert is_complete(out), why
-    assert not storage.exists(storage.join(out, layout.LEASE_NAME)), why
+    assert not storage.exists(storage.join(out, naming.LEASE_NAME)), why
     assert content_digest(out) == content_digest(ref.out), f"bytes differ; {why}"
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0, why

@@ -15,7 +15,9 @@ from lance.fragment import FragmentMetadata
 from PIL import Image
 from prx_data.pipelines.write_mds import UNITS_PER_CPU, run_export
 
-from prx_data.export.unit import ExportConfig, ExportError, WorkUnit, plan_units, prepare_output
+from prx_data.export.naming import ExportError
+from prx_data.export.prepare import plan_units, prepare_output
+from prx_data.export.spec import ExportConfig, WorkUnit
 from tests.tablekit import make_table
 
 
@@ -156,7 +158,8 @@ def test_draft_margin_reaches_the_export_and_its_resume_check(tmp_path):
     """--draft-margin changes the exported pixels, and a resume with another margin is a
     different export (refused), like any other setting that changes the bytes."""
     from prx_data.core.sample_data import photo_like
-    from prx_data.export.unit import export_unit, finalize
+    from prx_data.export.merge import finalize
+    from prx_data.export.unit import export_unit
 
     buf = io.BytesIO()
     photo_like(1600, 1200, 7)[0].save(buf, "JPEG", quality=95)  # 2x draft at 1.0, none at 1.5

@@ -18,12 +18,12 @@ import pytest
 
 from prx_data.core import confined
 from prx_data.core.errors import PrxDataError
-from prx_data.export import layout
+from prx_data.export import layout, naming, safety
 from prx_data.skips import sidecar as S
 from tests.exportkit import make_export
 
 B = "512/1.000"
-PART = layout.part_name(0, 8)  # the second part of the bucket
+PART = naming.part_name(0, 8)  # the second part of the bucket
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_linked_part_refused_by_skips_add(linked_part, template, tmp_path, capsy
     assert err.count("\n") == 1 and PART in err and "symlink" in err
     assert _snapshot(outside) == before  # no sidecar written through the link
     # The library call is refused the same way, and so is a write aimed at the link itself.
-    with pytest.raises(layout.UnsafeIndexError, match=PART):
+    with pytest.raises(safety.UnsafeIndexError, match=PART):
         S.add_skips(root, "dedup", {(B, f"{PART}/shard.00000.mds"): [0]})
     with pytest.raises(confined.UnsafeFileError, match="leads out of"):
         confined.write_atomic(root, os.path.join(root, B, PART, "x.skip"), b"x")
@@ -106,7 +106,7 @@ def test_linked_part_refused_by_rewrite(linked_part, tmp_path):
 
     root, outside = linked_part
     out = tmp_path / "rewritten"
-    with pytest.raises(layout.UnsafeIndexError, match=PART):
+    with pytest.raises(safety.UnsafeIndexError, match=PART):
         rewrite_export(root, str(out), force=True)
     assert not out.exists() or not list(out.rglob("*.mds"))  # no outside shard copied in
 
@@ -135,9 +135,9 @@ def test_linked_part_refused_by_skips_remove_and_loader(linked_part, capsys):
     assert main(["remove", root, "dedup"]) == 2
     assert PART in capsys.readouterr().err
     for call in (S.list_skip_lists, S.skip_stats, lambda r: S.remove_skip_list(r, "dedup")):
-        with pytest.raises(layout.UnsafeIndexError, match=PART):
+        with pytest.raises(safety.UnsafeIndexError, match=PART):
             call(root)
-    with pytest.raises(layout.UnsafeIndexError, match=PART):
+    with pytest.raises(safety.UnsafeIndexError, match=PART):
         load_sources(DatasetSpec(root), [512])
     assert _snapshot(outside) == before
 
@@ -169,7 +169,7 @@ def test_fifo_sidecar_refused_by_list_and_loader_reported_by_verify(ex, capsys):
 def test_fifo_index_refused_by_stats_reported_by_verify(ex, capsys):
     from prx_data.cli.skips import main
 
-    index = os.path.join(ex, B, layout.INDEX_NAME)
+    index = os.path.join(ex, B, naming.INDEX_NAME)
     os.remove(index)
     os.mkfifo(index)
     assert main(["stats", ex]) == 2
@@ -269,7 +269,7 @@ def test_fifo_shard_refused_by_loader_and_rewrite_reported_by_verify(ex, tmp_pat
         lambda: load_sources(DatasetSpec(root=ex), [512]),
         lambda: rewrite_export(ex, str(tmp_path / "out"), force=True),
     ):
-        with pytest.raises(layout.UnsafeIndexError, match="not a regular file") as e:
+        with pytest.raises(safety.UnsafeIndexError, match="not a regular file") as e:
             call()
         assert shard in str(e.value)
     rc, out = _verify_lines(ex, capsys, "--deep")
@@ -302,7 +302,7 @@ def test_fifo_adoption_record_refused_by_verify_and_loader(ex, capsys):
     from prx_data.cli.verify import main
     from prx_data.stream.dataset import DatasetSpec, load_sources
 
-    record = os.path.join(ex, *layout.ADOPTION_NAME.split("/"))
+    record = os.path.join(ex, *naming.ADOPTION_NAME.split("/"))
     os.makedirs(os.path.dirname(record))
     os.mkfifo(record)
     assert main([ex]) == 2

@@ -12,7 +12,7 @@ import pytest
 
 from prx_data.cli.skips import main as skips_main
 from prx_data.export import idindex as I
-from prx_data.export import layout
+from prx_data.export import layout, naming, safety
 from prx_data.skips import dedup, optout
 from prx_data.skips import lists as LS
 from prx_data.skips import sidecar as S
@@ -34,7 +34,7 @@ def pair(template, tmp_path):
     new, old = str(tmp_path / "new"), str(tmp_path / "old")
     shutil.copytree(template.root, new)
     shutil.copytree(template.root, old)
-    shutil.rmtree(os.path.join(old, layout.IDS_INDEX_NAME))
+    shutil.rmtree(os.path.join(old, naming.IDS_INDEX_NAME))
     return FakeExport(new, template.ids, template.where), FakeExport(
         old, template.ids, template.where
     )
@@ -65,7 +65,7 @@ def test_export_writes_an_index_that_matches_the_manifests(template):
     table = index.dataset.to_table()
     assert _rows(table) == _rows(layout.read_manifests(template.root))
     assert any(i["fields"] == ["id"] and i["type"] == "BTree" for i in index.dataset.list_indices())
-    assert layout.foreign_entries(template.root) == []  # --overwrite / --resume accept it
+    assert safety.foreign_entries(template.root) == []  # --overwrite / --resume accept it
 
 
 def test_lookup_of_a_stream_by_btree_and_by_scan_give_the_same_rows(template, monkeypatch):
@@ -142,7 +142,7 @@ def test_a_changed_tree_is_not_looked_up_until_the_index_is_rebuilt(pair, capsys
     assert skips_main(["index", new.root, "--check"]) == 0
     assert "current" in capsys.readouterr().out
     # Only one build's files stay behind.
-    assert len(os.listdir(os.path.join(new.root, layout.IDS_INDEX_NAME, "_versions"))) <= 2
+    assert len(os.listdir(os.path.join(new.root, naming.IDS_INDEX_NAME, "_versions"))) <= 2
 
 
 def test_rewrite_writes_a_current_index_of_the_new_tree(pair, tmp_path):
@@ -170,7 +170,7 @@ def test_index_is_left_out_of_the_content_digest(pair):
 def test_index_on_object_storage(template, s3_bucket, caplog):
     root = f"s3://{s3_bucket}/ex"
     upload_tree(template.root, root)
-    assert layout.foreign_entries(root) == []
+    assert safety.foreign_entries(root) == []
     index, why = I.open_index(root)
     assert index is not None, why
     info = I.write_id_index(root)  # rebuilt in place on s3
@@ -199,7 +199,7 @@ def test_hostile_names_in_the_index_or_its_manifests_are_refused(pair):
     t = t.set_column(t.schema.get_field_index("shard"), "shard", pa.array(shard, pa.string()))
     lance.write_dataset(t, uri, mode="overwrite").update_metadata({I.META_KEY: record})
     assert I.open_index(new.root)[0] is not None  # current by its record: the rows are refused
-    with pytest.raises(layout.UnsafeIndexError, match="victim"):
+    with pytest.raises(safety.UnsafeIndexError, match="victim"):
         LS.bind(new.root, {"x": pa.array([f"ds/{B1}/0"])})
     assert not glob.glob(os.path.join(new.root, "*", "*", "*", "*.skip"))
     part = new.where[f"ds/{B2}/0"][1].split("/")[0]
@@ -207,5 +207,5 @@ def test_hostile_names_in_the_index_or_its_manifests_are_refused(pair):
     m = pq.read_table(path)
     bad = ["../x/shard.00000.mds"] + m["shard"].to_pylist()[1:]
     pq.write_table(m.set_column(0, "shard", pa.array(bad, pa.string())), path)
-    with pytest.raises(layout.UnsafeIndexError, match="ids.parquet"):
+    with pytest.raises(safety.UnsafeIndexError, match="ids.parquet"):
         I.write_id_index(new.root)

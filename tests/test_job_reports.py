@@ -12,7 +12,7 @@ from prx_data.core.errors import ErrorRateExceeded
 
 
 def _export_report(**dropped: int):
-    from prx_data.export.unit import ExportReport
+    from prx_data.export.merge import ExportReport
 
     return ExportReport(
         table="t.lance",

@@ -22,7 +22,7 @@ import pytest
 from prx_data.cli import skips as skips_cli
 from prx_data.cli import verify as verify_cli
 from prx_data.core.lease import LeaseUnsupported
-from prx_data.export import layout
+from prx_data.export import layout, naming
 from prx_data.export.lock import ExportLock
 from prx_data.skips import lists as L
 from prx_data.skips import sidecar as SL
@@ -204,7 +204,7 @@ def test_a_symlinked_table_path_finds_the_same_registry_and_a_moved_one_is_found
 def test_a_crafted_export_cannot_inject_lists_into_our_registry(bound, tmp_path):
     t, a, b = bound
     evil = _ex(str(tmp_path / "evil"))
-    lists = os.path.join(evil.root, layout.LISTS_DIR)
+    lists = os.path.join(evil.root, naming.LISTS_DIR)
     os.makedirs(lists, exist_ok=True)
     # It names our table (path and a guessed identity) and holds a list of every id.
     st = L.ExportState(table_id="0" * 32, table=t, position=1)
@@ -243,7 +243,7 @@ def test_lease_refuses_stores_without_conditional_writes_and_a_symlinked_lists_d
     ex = _ex(str(tmp_path / "e"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    os.symlink(str(elsewhere), os.path.join(ex.root, layout.LISTS_DIR))
+    os.symlink(str(elsewhere), os.path.join(ex.root, naming.LISTS_DIR))
     with pytest.raises(L.ListError, match="_lists is a symbolic link"):
         _add(ex.root, "optout", [_id(1)])
     assert list(elsewhere.iterdir()) == []

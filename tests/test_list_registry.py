@@ -21,8 +21,8 @@ from prx_data.cli import optout as optout_cli
 from prx_data.cli import skips as skips_cli
 from prx_data.cli import verify as verify_cli
 from prx_data.cli import write_mds as write_mds_cli
-from prx_data.export import layout
-from prx_data.export.unit import ExportConfig
+from prx_data.export import layout, naming, safety
+from prx_data.export.spec import ExportConfig
 from prx_data.skips import lists as L
 from prx_data.skips import sidecar as SL
 from prx_data.stream.dataset import DatasetSpec
@@ -266,10 +266,10 @@ def test_verify_and_the_overwrite_guard_know_the_list_store(tmp_path, capsys):
     assert skips_cli.main(["list", ex.root]) == 0
     assert "optout: 512/1.000 (1 shards); 1 ids" in capsys.readouterr().out
     _verify_clean(ex.root, capsys)
-    assert layout.foreign_entries(ex.root) == []
-    junk = os.path.join(ex.root, layout.LISTS_DIR, "notes.txt")
+    assert safety.foreign_entries(ex.root) == []
+    junk = os.path.join(ex.root, naming.LISTS_DIR, "notes.txt")
     open(junk, "w").write("mine")
-    assert layout.foreign_entries(ex.root) == ["_lists/notes.txt"]
+    assert safety.foreign_entries(ex.root) == ["_lists/notes.txt"]
     assert verify_cli.main([ex.root, "--no-progress"]) == 1
     assert "notes.txt: not a file of the skip-list store" in capsys.readouterr().out
 

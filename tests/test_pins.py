@@ -17,7 +17,9 @@ from prx_data.pipelines.write_mds import run_export
 from prx_data.cli import table as table_cli
 from prx_data.columns import runner as R
 from prx_data.export.layout import content_digest, is_complete
-from prx_data.export.unit import ExportConfig, export_unit, plan_units, prepare_output
+from prx_data.export.prepare import plan_units, prepare_output
+from prx_data.export.spec import ExportConfig
+from prx_data.export.unit import export_unit
 from prx_data.table import pins
 from tests import test_column_runner as C
 from tests.tablekit import make_table

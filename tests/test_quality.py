@@ -15,7 +15,10 @@ from prx_data.pipelines.quality import compute_quality
 from prx_data.cli import quality as quality_cli
 from prx_data.cli import skips as skips_cli
 from prx_data.core import quality as Q
-from prx_data.export.unit import ExportConfig, export_unit, finalize, plan_units, prepare_output
+from prx_data.export.merge import finalize
+from prx_data.export.prepare import plan_units, prepare_output
+from prx_data.export.spec import ExportConfig
+from prx_data.export.unit import export_unit
 from prx_data.table import resolution
 from tests.tablekit import make_table
 

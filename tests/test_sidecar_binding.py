@@ -11,7 +11,7 @@ import pytest
 from streaming.base.hashing import get_hash
 
 from prx_data.cli.skips import main
-from prx_data.export import layout
+from prx_data.export import layout, naming
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import DatasetSpec, load_sources
 from tests.exportkit import FakeExport, make_export
@@ -116,7 +116,7 @@ def _plant_strays(ex: FakeExport) -> dict[str, str]:
     good = open(_path(ex, shard, "dedup"), "rb").read()
     paths = {
         "wrong_case": _path(ex, shard, "Dedup"),
-        "no_shard": _path(ex, layout.part_name(0, 0) + "/shard.00099.mds", "dedup"),
+        "no_shard": _path(ex, naming.part_name(0, 0) + "/shard.00099.mds", "dedup"),
         "unparseable": _path(ex, shard, "junk"),
     }
     for key, p in paths.items():
@@ -159,7 +159,7 @@ def test_clean_export_lists_without_problems(export, capsys):
 def test_loader_warns_or_refuses_on_stray_sidecars(export):
     shard = _shard(export)
     good = open(_path(export, shard, "dedup"), "rb").read()
-    stray = _path(export, layout.part_name(0, 0) + "/shard.00099.mds", "nsfw")
+    stray = _path(export, naming.part_name(0, 0) + "/shard.00099.mds", "nsfw")
     with open(stray, "wb") as f:
         f.write(good)
     with pytest.warns(UserWarning, match="stray sidecar.*shard.00099.mds.nsfw.skip"):

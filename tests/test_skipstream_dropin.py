@@ -21,7 +21,7 @@ from streaming import MDSWriter, Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory, merge_index
 
 from prx_data.core.streaming_compat import World
-from prx_data.export import layout
+from prx_data.export import safety
 from prx_data.stream.reader import SkipStream
 
 COLUMNS = {"id": "str", "x": "int", "blob": "bytes"}
@@ -199,7 +199,7 @@ def _with_name(src: str, dst: str, name: str) -> str:
 )  # fmt: skip
 def test_escaping_names_are_refused(plain, tmp_path, name):
     d = _with_name(plain["a"], str(tmp_path / "ds"), name)
-    with pytest.raises(layout.UnsafeIndexError, match="refusing shard name"):
+    with pytest.raises(safety.UnsafeIndexError, match="refusing shard name"):
         SkipStream(local=d).get_shards(World.detect(), False)
 
 
@@ -209,12 +209,12 @@ def test_symlink_escapes_are_refused(plain, tmp_path):
     shutil.copy(os.path.join(plain["a"], "shard.00000.mds"), outside / "shard.00000.mds")
     d = _with_name(plain["a"], str(tmp_path / "ds"), "sub/shard.00000.mds")
     os.symlink(outside, os.path.join(d, "sub"))  # a directory link out of the stream
-    with pytest.raises(layout.UnsafeIndexError, match="symlink leads out"):
+    with pytest.raises(safety.UnsafeIndexError, match="symlink leads out"):
         SkipStream(local=d).get_shards(World.detect(), False)
     os.remove(os.path.join(d, "sub"))
     os.remove(os.path.join(d, "shard.00001.mds"))
     os.symlink(outside / "shard.00000.mds", os.path.join(d, "shard.00001.mds"))  # a file link
-    with pytest.raises(layout.UnsafeIndexError, match="symlink leads out"):
+    with pytest.raises(safety.UnsafeIndexError, match="symlink leads out"):
         SkipStream(local=d).get_shards(World.detect(), False)
 
 

@@ -12,7 +12,10 @@ import lance
 import pyarrow as pa
 
 from prx_data.core.sample_data import make_sample_collection
-from prx_data.export.unit import ExportConfig, export_unit, finalize, plan_units, prepare_output
+from prx_data.export.merge import finalize
+from prx_data.export.prepare import plan_units, prepare_output
+from prx_data.export.spec import ExportConfig
+from prx_data.export.unit import export_unit
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import DatasetSpec
 from tests.exportkit import run_rank

@@ -17,11 +17,11 @@ import pyarrow as pa
 import pytest
 
 from prx_data.core.schema import MDS_COLUMNS
-from prx_data.export import layout
+from prx_data.export import layout, naming, safety
 from tests.exportkit import make_export
 
 B = "512/1.000"
-PART = layout.part_name(0, 0)
+PART = naming.part_name(0, 0)
 
 
 class _Payload:
@@ -40,7 +40,7 @@ def template(tmp_path_factory):
 
 
 def _merge_like_the_exporter(bdir: str) -> None:
-    """The merged index from the parts' indexes, written by hand (layout.merge_bucket refuses)."""
+    """The merged index from the parts' indexes, written by hand (merge.merge_bucket refuses)."""
     shards = []
     for part in sorted(p for p in os.listdir(bdir) if os.path.isdir(os.path.join(bdir, p))):
         with open(os.path.join(bdir, part, "index.json")) as f:
@@ -88,7 +88,7 @@ def crafted(template, tmp_path):
 
 
 def _refused(fn, *args, **kwargs):
-    with pytest.raises(layout.UnsafeIndexError, match=r"column 'caption' with encoding 'pkl'"):
+    with pytest.raises(safety.UnsafeIndexError, match=r"column 'caption' with encoding 'pkl'"):
         fn(*args, **kwargs)
 
 
@@ -180,7 +180,7 @@ def test_other_unsafe_or_unknown_encodings_are_refused(template, tmp_path, encod
     with open(index, "w") as f:
         json.dump(obj, f)
     with pytest.raises(
-        layout.UnsafeIndexError, match=f"column 'caption' with encoding '{encoding}"
+        safety.UnsafeIndexError, match=f"column 'caption' with encoding '{encoding}"
     ):
         layout.read_index(root, B)
 
@@ -213,7 +213,7 @@ def test_rewrite_and_verify_want_the_exporters_columns(template, tmp_path, chang
     with open(index, "w") as f:
         json.dump(obj, f)
     assert layout.read_index(root, B)  # safe encodings: the plain readers accept them
-    with pytest.raises(layout.UnsafeIndexError, match=message):
+    with pytest.raises(safety.UnsafeIndexError, match=message):
         rewrite_export(root, str(tmp_path / "out"), force=True)
     assert any(message in p.message for p in verify_export(root).problems)
 
@@ -231,8 +231,8 @@ def test_exporters_columns_are_accepted(template):
 
 @pytest.mark.parametrize("bucket", ["512/1.000\n", "٥١٢/1.000", "512/١.٠٠٠", "５１２/1.000"])
 def test_bucket_names_need_ascii_digits_and_no_newline(bucket):
-    with pytest.raises(layout.UnsafeIndexError, match="bad bucket name"):
-        layout.check_bucket(bucket)
+    with pytest.raises(safety.UnsafeIndexError, match="bad bucket name"):
+        safety.check_bucket(bucket)
 
 
 @pytest.mark.parametrize(
@@ -244,14 +244,14 @@ def test_bucket_names_need_ascii_digits_and_no_newline(bucket):
     ],
 )
 def test_shard_names_need_ascii_digits_and_no_newline(name):
-    with pytest.raises(layout.UnsafeIndexError, match="refusing shard name"):
-        layout.check_shard_basename("x/index.json", name)
+    with pytest.raises(safety.UnsafeIndexError, match="refusing shard name"):
+        safety.check_shard_basename("x/index.json", name)
 
 
 @pytest.mark.parametrize("name", ["shard.00000.mds\n", "shard.٠٠٠٠٠.mds", "shard.00000.mds.zstd\n"])
 def test_part_shard_names_need_ascii_digits_and_no_newline(name):
-    with pytest.raises(layout.UnsafeIndexError, match="refusing shard name"):
-        layout.check_shard_basename("x/index.json", name, in_part=True)
+    with pytest.raises(safety.UnsafeIndexError, match="refusing shard name"):
+        safety.check_shard_basename("x/index.json", name, in_part=True)
 
 
 @pytest.mark.parametrize("name", ["dedup\n", "optout-2026-11\n"])
@@ -268,7 +268,7 @@ def test_tree_checks_refuse_non_ascii_tiers(template, tmp_path):
     shutil.copytree(template.root, root)
     os.makedirs(os.path.join(root, "٥١٢", "1.000"))
     shutil.copy(os.path.join(root, B, "index.json"), os.path.join(root, "٥١٢", "1.000"))
-    assert "٥١٢" in layout.foreign_entries(root)
+    assert "٥١٢" in safety.foreign_entries(root)
     assert layout.list_buckets(root) == [B]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from prx_data.cli.reporting import finish_run
 from prx_data.columns.backends import BACKENDS, GenerationConfig
+from prx_data.core.flags import add_flags, from_args
 from prx_data.core.runtime import add_run_args, run_options_from_args
 
 
@@ -39,28 +40,8 @@ def add_backend_args(
     )
     g.add_argument("--batch-size", type=int, default=None, help=batch_size_help)
     s = p.add_argument_group("sampling")
-    s.add_argument(
-        "--max-tokens",
-        type=int,
-        default=max_tokens,
-        help="generation limit in tokens; hitting it mid-sentence flags the row (default: %(default)s)",
-    )
-    s.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="0 = greedy, reproducible (default: %(default)s)",
-    )
-    s.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)"
-    )
-    s.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="values like 1.05 reduce loops with Qwen-VL models; 1.0 disables (default: %(default)s)",
-    )
-    s.add_argument("--seed", type=int, default=None, help="sampling seed (with --temperature > 0)")
+    add_flags(s, GenerationConfig)
+    p.set_defaults(max_tokens=max_tokens)
     o = p.add_argument_group("openai backend")
     o.add_argument(
         "--base-url",
@@ -126,13 +107,7 @@ def add_backend_args(
 
 
 def generation_from_args(args: argparse.Namespace) -> GenerationConfig:
-    return GenerationConfig(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    )
+    return from_args(GenerationConfig, args)
 
 
 def _json_object(value: str | None, flag: str) -> dict:

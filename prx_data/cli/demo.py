@@ -69,7 +69,7 @@ def _write_plain_mds(workdir: str, src: str, n: int = 4) -> str:
 
 
 def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dict:
-    from prx_data.export.unit import ExportConfig
+    from prx_data.export.spec import ExportConfig
     from prx_data.pipelines.ingest import ingest
     from prx_data.pipelines.write_mds import run_export
 

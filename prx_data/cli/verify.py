@@ -8,7 +8,7 @@ import sys
 
 from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
-from prx_data.export import layout
+from prx_data.export import naming
 from prx_data.export.layout import ShardInfo
 from prx_data.export.verify import verify_export
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if storage.exists(args.export) and adopt.is_plain_tree(args.export):
             raise adopt.ForeignTreeError(
                 f"{args.export}: not an export of prx_data.write_mds (no "
-                f"{layout.MARKER_NAME}) nor an adopted tree; to use an MDS tree another writer "
+                f"{naming.MARKER_NAME}) nor an adopted tree; to use an MDS tree another writer "
                 f"made, run python -m prx_data.adopt {args.export} once"
             )
     except PrxDataError as e:

@@ -6,11 +6,10 @@ import argparse
 import sys
 
 from prx_data.cli.reporting import finish_run
-from prx_data.core.buckets import DEFAULT_TIERS
 from prx_data.core.errors import PrxDataError
-from prx_data.core.imaging import CODECS, DEFAULT_CODEC, DRAFT_MARGIN
+from prx_data.core.flags import add_flags, from_args
 from prx_data.core.runtime import add_run_args, run_options_from_args
-from prx_data.export.unit import DEFAULT_HASHES, ExportConfig
+from prx_data.export.spec import ExportConfig
 from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
 
 EPILOG = """\
@@ -54,132 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--table", required=True, help="Lance table URI (local path or s3://...).")
-    p.add_argument(
-        "--out", required=True, help="Output root: local directory or s3:// / gs:// URI."
-    )
-    p.add_argument(
-        "--tiers",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        default=DEFAULT_TIERS,
-        help="Comma-separated resolution tiers (default: %(default)s as 512,1024,2048,4096).",
-    )
-    p.add_argument(
-        "--caption-columns",
-        type=lambda s: tuple(x for x in s.split(",") if x),
-        default=None,
-        help="Comma-separated caption columns to carry (default: every caption* column).",
-    )
-    p.add_argument(
-        "--keep-columns",
-        type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
-        default=(),
-        metavar="A,B,...",
-        help="Comma-separated table columns to copy into every sample with their types "
-        "(similarity, punsafe, aesthetic, url...): floats as float64 (null: NaN); integers, "
-        "booleans, strings and lists of numbers or strings as json. BucketedDataset("
-        "extra_columns=...) hands them to the batches.",
-    )
-    p.add_argument(
-        "--format",
-        dest="image_format",
-        choices=["jpeg", "png"],
-        default="jpeg",
-        help="Sample encoding: JPEG (default) or lossless PNG for artifact-sensitive data.",
-    )
-    p.add_argument("--quality", type=int, default=92, help="JPEG quality (default: 92).")
-    p.add_argument(
-        "--subsampling",
-        type=int,
-        choices=[-1, 0, 1, 2],
-        default=-1,
-        help="JPEG chroma subsampling: -1 Pillow default (4:2:0), 0 = 4:4:4, 1 = 4:2:2, 2 = 4:2:0.",
-    )
-    p.add_argument(
-        "--codec",
-        choices=list(CODECS),
-        default=DEFAULT_CODEC,
-        help="Resize/encode path. vips-reduce (default): JPEG draft to >= 1.5x the target, "
-        "libvips' SIMD Lanczos3 over the exact crop box, Pillow encode; pillow: the same with "
-        "Pillow's Lanczos (slower, same fidelity); vips: libvips thumbnail (crops on whole "
-        "pixels).",
-    )
-    p.add_argument(
-        "--resample",
-        choices=["lanczos", "bicubic", "hamming", "bilinear", "box"],
-        default="lanczos",
-        help="Resampling filter (default: lanczos). The others are Pillow's, faster "
-        "and softer; hamming beats an img2dataset-style OpenCV loop on speed and fidelity "
-        "(measured frontier in docs/ARCHITECTURE.md, Codecs).",
-    )
-    p.add_argument(
-        "--no-draft",
-        dest="use_draft",
-        action="store_false",
-        help="Always decode at full size (default: JPEG DCT-domain downscale to >= 1.5x the target).",
-    )
-    p.add_argument(
-        "--draft-margin",
-        type=float,
-        default=DRAFT_MARGIN,
-        help="Decode/reduce to no less than this multiple of the bucket before the Lanczos pass "
-        f"(default: {DRAFT_MARGIN}). 1.0 loses 2-3 dB on the most detailed photos; it is "
-        "about 1.3x faster with --codec pillow, and no faster with the default codec "
-        "(measured frontier in docs/ARCHITECTURE.md, Codecs).",
-    )
-    p.add_argument(
-        "--compression",
-        default=None,
-        help="MDS shard compression, e.g. zstd, zstd:7, br (default: none; JPEG does not compress).",
-    )
-    p.add_argument(
-        "--hashes",
-        type=lambda s: tuple(x for x in s.split(",") if x),
-        default=DEFAULT_HASHES,
-        help="Comma-separated shard hashes to record in each index; skip lists bind to them and "
-        "`verify --deep` checks them (default: xxh64; pass '' for none).",
-    )
-    p.add_argument(
-        "--size-limit",
-        type=int,
-        default=1 << 26,
-        help="Maximum shard size in bytes before a new shard starts (default: 64 MiB).",
-    )
-    p.add_argument(
-        "--shard-size",
-        type=int,
-        default=1 << 26,
-        help="Target bytes of a bucket's shards: once the work units are done, each bucket's "
-        "parts are packed into shards of about this size, copying the encoded samples "
-        "(default: 64 MiB, Mosaic's recommended 50-100 MB; 0 keeps one small part per unit "
-        "and bucket).",
-    )
-    p.add_argument(
-        "--rows-per-task",
-        type=int,
-        default=1000,
-        help="Most rows per work unit (a row range of one Lance fragment). Smaller = finer "
-        "progress and resume, larger = fewer, bigger shards (default: 1000).",
-    )
-    p.add_argument(
-        "--min-units",
-        type=int,
-        default=None,
-        help="Plan at least this many work units, so that small tables use every core "
-        "(default: 8 per CPU of the Ray cluster, recorded so that --resume plans the same "
-        "units; give a number for an export whose parts do not depend on the cluster).",
-    )
-    p.add_argument(
-        "--filter",
-        default=None,
-        help="Lance SQL filter; rows that fail it are counted as 'filtered' (e.g. \"label = 'visual'\").",
-    )
-    p.add_argument(
-        "--max-caption-chars",
-        type=int,
-        default=20000,
-        help="Longer captions are truncated and counted (default: 20000).",
-    )
+    add_flags(p, ExportConfig)
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--overwrite",
@@ -230,28 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg = ExportConfig(
-        table=args.table,
-        out=args.out,
-        tiers=args.tiers,
-        caption_columns=args.caption_columns,
-        image_format=args.image_format,
-        quality=args.quality,
-        subsampling=args.subsampling,
-        use_draft=args.use_draft,
-        draft_margin=args.draft_margin,
-        codec=args.codec,
-        resample=args.resample,
-        compression=args.compression,
-        hashes=args.hashes,
-        size_limit=args.size_limit,
-        shard_size=args.shard_size,
-        rows_per_task=args.rows_per_task,
-        min_units=args.min_units,
-        filter=args.filter,
-        max_caption_chars=args.max_caption_chars,
-        keep_columns=args.keep_columns,
-    )
+    cfg = from_args(ExportConfig, args)
     try:
         report = run_export(
             cfg,

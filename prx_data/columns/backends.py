@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from prx_data.core.errors import PrxDataError, UsageError
+from prx_data.core.flags import flag
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,26 @@ class BackendUnavailable(PrxDataError, RuntimeError):
 class GenerationConfig:
     """Sampling settings shared by every backend (greedy by default: reproducible)."""
 
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    #: Mild values (1.05) reduce loops with Qwen-VL models; 1.0 disables it.
+    max_tokens: int = flag(
+        512,
+        "--max-tokens",
+        type=int,
+        help="generation limit in tokens; hitting it mid-sentence flags the row (default: %(default)s)",
+    )
+    temperature: float = flag(
+        0.0, "--temperature", type=float, help="0 = greedy, reproducible (default: %(default)s)"
+    )
+    top_p: float = flag(
+        1.0, "--top-p", type=float, help="nucleus sampling mass (default: %(default)s)"
+    )
     #: Ignored by the ``openai`` backend unless the server accepts it.
-    repetition_penalty: float = 1.0
-    seed: int | None = None
+    repetition_penalty: float = flag(
+        1.0,
+        "--repetition-penalty",
+        type=float,
+        help="values like 1.05 reduce loops with Qwen-VL models; 1.0 disables (default: %(default)s)",
+    )
+    seed: int | None = flag(None, "--seed", type=int, help="sampling seed (with --temperature > 0)")
     #: A JSON schema (as JSON text, :func:`prx_data.columns.structured.canonical`) the
     #: output must follow: vLLM guided decoding, the endpoint's ``response_format``, or
     #: xgrammar's token mask in the transformers backend; the job validates every output.

@@ -16,6 +16,20 @@ from typing import Any, TypeVar
 C = TypeVar("C")
 
 
+#: The default of a :func:`flag` field that has none: its option is required.
+REQUIRED: Any = dataclasses.MISSING
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``a, b,,c`` -> ``("a", "b", "c")``: a comma-separated option's names (``""``: none)."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def comma_ints(text: str) -> tuple[int, ...]:
+    """``512,1024`` -> ``(512, 1024)``."""
+    return tuple(int(x) for x in comma_list(text))
+
+
 def flag(
     default: Any,
     *names: str,
@@ -27,7 +41,8 @@ def flag(
 ) -> Any:
     """A dataclass field whose command-line option is ``names`` (the first long name wins
     for the destination). A bool field is a switch: ``--name`` sets it, or with
-    ``negate`` (``--no-name``) clears a field that defaults to True."""
+    ``negate`` (``--no-name``) clears a field that defaults to True. A field whose
+    default is :data:`REQUIRED` has none, and its option is required."""
     meta = {
         "flags": names,
         "help": help,
@@ -46,15 +61,29 @@ def _cli_fields(cls) -> list[tuple[dataclasses.Field, dict]]:
 def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls) -> None:
     """Add an option per :func:`flag` field of ``cls`` to ``p``; each stores into the field's name."""
     for f, meta in _cli_fields(cls):
-        kw: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+        positional = not meta["flags"][0].startswith("-")  # named as the field: no dest
+        kw: dict[str, Any] = {"help": meta["help"]}
+        if not positional:
+            kw["dest"] = f.name
         if f.default is True or f.default is False:
             kw["action"] = "store_false" if meta["negate"] else "store_true"
         else:
-            kw["default"] = f.default
+            if f.default is not dataclasses.MISSING:
+                kw["default"] = f.default
+            elif not positional:  # a positional argument is required anyway
+                kw["required"] = True
             for key in ("type", "choices", "metavar"):
                 if meta[key] is not None:
                     kw[key] = meta[key]
         p.add_argument(*meta["flags"], **kw)
+
+
+def option_name(cls, name: str) -> str | None:
+    """The long option that sets field ``name`` of ``cls`` (None: no flag sets it)."""
+    for f, meta in _cli_fields(cls):
+        if f.name == name:
+            return next((n for n in meta["flags"] if n.startswith("--")), None)
+    return None
 
 
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:

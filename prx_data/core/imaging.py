@@ -8,6 +8,7 @@ short machine-readable ``reason`` that the jobs count in their reports.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -25,16 +26,15 @@ from prx_data.core.errors import PrxDataError, UsageError
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 #: libjpeg's DCT-domain downscale is only used down to this multiple of the
-#: resize target: drafting to the exact size costs up to 16 dB on hard images
-#: (on the real-photo corpus: 2.4 dB on the worst detailed image, for 1.3x the
-#: speed with Pillow's Lanczos and none with libvips'; see ``--draft-margin``).
+#: resize target: drafting to the exact size loses fidelity on hard images for
+#: little speed (benchmarks/results/codecs.md; see ``--draft-margin``).
 DRAFT_MARGIN = 1.5
 DEFAULT_JPEG_QUALITY = 92
 BACKGROUND = (255, 255, 255)
 
 #: Resampling filters for the cover-resize, best first (Pillow's, all with an
 #: exact crop box). Lanczos is the default; the others trade fidelity for speed
-#: (see the Codecs section of docs/ARCHITECTURE.md for the measured frontier).
+#: (measured frontier: benchmarks/results/codecs.md).
 RESAMPLE = {
     "lanczos": Image.Resampling.LANCZOS,
     "bicubic": Image.Resampling.BICUBIC,
@@ -357,28 +357,26 @@ def prepare(
     dst_w: int,
     dst_h: int,
     src_size: tuple[int, int] | None = None,
-    fmt: str = "jpeg",
-    quality: int = DEFAULT_JPEG_QUALITY,
-    use_draft: bool = True,
-    subsampling: int | str = -1,
-    resample: str = "lanczos",
-    draft_margin: float = DRAFT_MARGIN,
+    spec: EncodeSpec | None = None,
+    **settings,
 ) -> Prepared:
     """Decode -> cover-resize (Lanczos) -> centre crop -> encode, for one bucket shape.
 
     With ``use_draft`` the resample starts from no less than ``draft_margin``
     x the target: JPEGs are DCT-downscaled while decoding, other formats are
     box-reduced by a whole factor first. Without it, the full image is resampled.
+    ``spec`` (or its fields as keywords): :class:`EncodeSpec`.
     """
-    _filter(resample)  # fail before decoding
-    src_size, draft_to = _draft_plan(data, src_size, dst_w, dst_h, use_draft, draft_margin)
+    spec = EncodeSpec.of(spec, settings)
+    _filter(spec.resample)  # fail before decoding
+    src_size, draft_to = _draft_plan(data, src_size, dst_w, dst_h, spec)
     im, k = decode_scaled(data, draft_to=draft_to)
     full, k = _decoded_frame(im.size, src_size, k)
-    gap = draft_margin if use_draft else None
+    gap = spec.draft_margin if spec.use_draft else None
     out, box = cover_resize(
-        im, dst_w, dst_h, full_size=full, reducing_gap=gap, resample=resample, shrink=k
+        im, dst_w, dst_h, full_size=full, reducing_gap=gap, resample=spec.resample, shrink=k
     )
-    return Prepared(encode(out, fmt, quality, subsampling), dst_w, dst_h, box)
+    return Prepared(spec.encode(out), dst_w, dst_h, box)
 
 
 def _draft_plan(
@@ -386,14 +384,15 @@ def _draft_plan(
     src_size: tuple[int, int] | None,
     dst_w: int,
     dst_h: int,
-    use_draft: bool,
-    draft_margin: float,
+    spec: EncodeSpec,
 ) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """The source size (from the header when not given) and the size to draft towards."""
     if src_size is None:
         info = probe(data)
         src_size = (info.width, info.height)
-    return src_size, draft_size(*src_size, dst_w, dst_h, draft_margin) if use_draft else None
+    if not spec.use_draft:
+        return src_size, None
+    return src_size, draft_size(*src_size, dst_w, dst_h, spec.draft_margin)
 
 
 def _decoded_frame(
@@ -536,12 +535,8 @@ def prepare_reduce(
     dst_w: int,
     dst_h: int,
     src_size: tuple[int, int] | None = None,
-    fmt: str = "jpeg",
-    quality: int = DEFAULT_JPEG_QUALITY,
-    use_draft: bool = True,
-    subsampling: int | str = -1,
-    resample: str = "lanczos",
-    draft_margin: float = DRAFT_MARGIN,
+    spec: EncodeSpec | None = None,
+    **settings,
 ) -> Prepared:
     """:func:`prepare` with libvips' SIMD Lanczos3 reduce in place of Pillow's Lanczos.
 
@@ -549,13 +544,11 @@ def prepare_reduce(
     Pillow encode (q92 tables); about 4x faster resample. Enlargements and the
     non-Lanczos filters take :func:`prepare`'s Pillow resample.
     """
-    _filter(resample)  # fail before decoding
-    if resample != "lanczos":
-        kw = {"fmt": fmt, "quality": quality, "use_draft": use_draft, "subsampling": subsampling}
-        return prepare(
-            data, dst_w, dst_h, src_size, resample=resample, draft_margin=draft_margin, **kw
-        )
-    src_size, draft_to = _draft_plan(data, src_size, dst_w, dst_h, use_draft, draft_margin)
+    spec = EncodeSpec.of(spec, settings)
+    _filter(spec.resample)  # fail before decoding
+    if spec.resample != "lanczos":
+        return prepare(data, dst_w, dst_h, src_size, spec)
+    src_size, draft_to = _draft_plan(data, src_size, dst_w, dst_h, spec)
     arr, k = decode_scaled_array(data, draft_to=draft_to)
     full, k = _decoded_frame((arr.shape[1], arr.shape[0]), src_size, k)
     box, scaled = scaled_box((arr.shape[1], arr.shape[0]), full, dst_w, dst_h, k)
@@ -564,7 +557,7 @@ def prepare_reduce(
         res = Image.fromarray(arr).resize((dst_w, dst_h), Image.Resampling.LANCZOS, box=scaled)
     else:
         res = Image.fromarray(out)
-    return Prepared(encode(res, fmt, quality, subsampling), dst_w, dst_h, box)
+    return Prepared(spec.encode(res), dst_w, dst_h, box)
 
 
 # --- libvips codec path ------------------------------------------------------------
@@ -595,9 +588,8 @@ def prepare_vips(
     dst_w: int,
     dst_h: int,
     src_size: tuple[int, int] | None = None,
-    fmt: str = "jpeg",
-    quality: int = DEFAULT_JPEG_QUALITY,
-    subsampling: int | str = -1,
+    spec: EncodeSpec | None = None,
+    **settings,
 ) -> Prepared:
     """Same contract as :func:`prepare`, through libvips' ``thumbnail``.
 
@@ -607,6 +599,8 @@ def prepare_vips(
     (empty, not an image, decompression bomb) are Pillow's, so both codecs
     count failures under the same reasons.
     """
+    spec = EncodeSpec.of(spec, settings)
+    fmt, quality, subsampling = spec.fmt, spec.quality, spec.subsampling
     info = probe(data)  # raises ImageError for empty files, non-images and bombs
     if src_size is None:
         src_size = (info.width, info.height)
@@ -661,13 +655,53 @@ def check_codec(codec: str, resample: str = "lanczos", draft_margin: float = DRA
         raise UsageError("the vips codec keeps libvips' own shrink-on-load margin (2x)")
 
 
-def prepare_with(codec: str, data: bytes, dst_w: int, dst_h: int, **kwargs) -> Prepared:
-    """Dispatch to the chosen codec path (:data:`CODECS`)."""
-    check_codec(codec, kwargs.get("resample", "lanczos"), kwargs.get("draft_margin", DRAFT_MARGIN))
-    if codec == "vips-reduce":
-        return prepare_reduce(data, dst_w, dst_h, **kwargs)
-    if codec == "pillow":
-        return prepare(data, dst_w, dst_h, **kwargs)
-    for key in ("use_draft", "resample", "draft_margin"):
-        kwargs.pop(key, None)
-    return prepare_vips(data, dst_w, dst_h, **kwargs)
+@dataclass(frozen=True)
+class EncodeSpec:
+    """How a sample is resized and encoded: the one spelling of the encode settings,
+    which every codec path takes (:func:`prepare`, :func:`prepare_reduce`,
+    :func:`prepare_vips`, :func:`prepare_with`).
+
+    ``codec``: :data:`CODECS`; ``fmt``: ``jpeg`` or lossless ``png``;
+    ``subsampling``: JPEG chroma, -1 = Pillow's default (4:2:0), 0 = 4:4:4, 2 = 4:2:0;
+    ``use_draft``: start the resample from no less than ``draft_margin`` x the
+    target (JPEG DCT-domain downscale, or a whole-factor box reduce); ``resample``:
+    :data:`RESAMPLE`.
+    """
+
+    codec: str = DEFAULT_CODEC
+    fmt: str = "jpeg"
+    quality: int = DEFAULT_JPEG_QUALITY
+    subsampling: int | str = -1
+    use_draft: bool = True
+    draft_margin: float = DRAFT_MARGIN
+    resample: str = "lanczos"
+
+    @classmethod
+    def of(cls, spec: EncodeSpec | None, settings: dict) -> EncodeSpec:
+        """``spec`` with ``settings`` (its fields as keywords) applied; default: the defaults."""
+        return dataclasses.replace(spec or cls(), **settings) if settings else spec or cls()
+
+    def check(self) -> None:
+        """Raise for a codec, filter or margin that cannot be used (:func:`check_codec`)."""
+        check_codec(self.codec, self.resample, self.draft_margin)
+
+    def encode(self, im: Image.Image) -> bytes:
+        return encode(im, self.fmt, self.quality, self.subsampling)
+
+
+def prepare_with(
+    spec: EncodeSpec | str,
+    data: bytes,
+    dst_w: int,
+    dst_h: int,
+    src_size: tuple[int, int] | None = None,
+    **settings,
+) -> Prepared:
+    """Dispatch to the codec path ``spec`` names (:data:`CODECS`); a codec name stands for
+    :class:`EncodeSpec` with that codec, and ``settings`` for its other fields."""
+    if isinstance(spec, str):
+        spec = EncodeSpec(codec=spec)
+    spec = EncodeSpec.of(spec, settings)
+    spec.check()
+    path = {"vips-reduce": prepare_reduce, "pillow": prepare, "vips": prepare_vips}[spec.codec]
+    return path(data, dst_w, dst_h, src_size, spec)

@@ -39,11 +39,11 @@ import pyarrow.parquet as pq
 
 from prx_data.core import confined, storage
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
-from prx_data.export import layout
+from prx_data.export import bounded, layout, naming, safety
 from prx_data.export.layout import ForeignTreeError
 
 RECORD_FORMAT = "prx-data adoption"
-SHARDS_NAME = layout.ADOPTED_SHARDS_NAME
+SHARDS_NAME = naming.ADOPTED_SHARDS_NAME
 #: Column names tried, in order, when no --id-column is given.
 DEFAULT_ID_COLUMNS = ("id",)
 
@@ -67,7 +67,7 @@ class AdoptResult:
 
 
 def record_path(root: str) -> str:
-    return storage.join(root, *layout.ADOPTION_NAME.split("/"))
+    return storage.join(root, *naming.ADOPTION_NAME.split("/"))
 
 
 def read_record(root: str) -> dict | None:
@@ -93,24 +93,24 @@ def detect_layout(root: str, tier: int | None) -> tuple[str, int | None]:
     if _ours(root) and not storage.exists(record_path(root)):
         raise ForeignTreeError(
             f"{root}: an export written by prx_data.write_mds (or skips rewrite: it has "
-            f"{layout.MARKER_NAME} or {REPORT_NAME}) already has its manifests; it "
+            f"{naming.MARKER_NAME} or {REPORT_NAME}) already has its manifests; it "
             f"needs no adoption (check it with python -m prx_data.verify {root})"
         )
     dirs = storage.list_dirs(root)
     tiered = [
         d
         for d in dirs
-        if layout._TIER_RE.fullmatch(d)
+        if naming.TIER_RE.fullmatch(d)
         and any(
-            layout._AR_RE.fullmatch(a)
-            and storage.exists(storage.join(root, d, a, layout.INDEX_NAME))
+            naming.AR_RE.fullmatch(a)
+            and storage.exists(storage.join(root, d, a, naming.INDEX_NAME))
             for a in storage.list_dirs(storage.join(root, d))
         )
     ]
     flat = [
         d
         for d in dirs
-        if layout._AR_RE.fullmatch(d) and storage.exists(storage.join(root, d, layout.INDEX_NAME))
+        if naming.AR_RE.fullmatch(d) and storage.exists(storage.join(root, d, naming.INDEX_NAME))
     ]
     if tiered and flat:
         raise ForeignTreeError(
@@ -221,7 +221,7 @@ def adopt_tree(root: str, *, tier: int | None = None, id_column: str | None = No
     synthetic = False
     nshards = 0
     for bucket in buckets:
-        index_path = layout.rel_join(root, f"{bucket}/{layout.INDEX_NAME}")
+        index_path = layout.rel_join(root, f"{bucket}/{naming.INDEX_NAME}")
         index_bytes = confined.read(root, index_path, confined.INDEX_MAX_BYTES)
         entries = layout.read_index_entries(root, bucket)
         if not entries:
@@ -265,7 +265,7 @@ def adopt_tree(root: str, *, tier: int | None = None, id_column: str | None = No
             return info, table
 
         infos, tables = [], []
-        for info, table in layout.imap_bounded(one, entries, layout.io_workers(root)):
+        for info, table in bounded.imap_bounded(one, entries, bounded.io_workers(root)):
             infos.append(info)
             tables.append(table)
         ids = pa.chunked_array([c for t in tables for c in t["id"].chunks], pa.string())
@@ -287,7 +287,7 @@ def adopt_tree(root: str, *, tier: int | None = None, id_column: str | None = No
             "shards": infos,
         }
         storage.write_bytes_atomic(
-            storage.join(root, layout.ADOPT_DIR, *bucket.split("/"), SHARDS_NAME),
+            storage.join(root, naming.ADOPT_DIR, *bucket.split("/"), SHARDS_NAME),
             json.dumps(shards_rec, indent=1, sort_keys=True).encode(),
         )
         per_bucket[bucket] = sum(i["samples"] for i in infos)
@@ -332,7 +332,7 @@ def _write_report(res: AdoptResult) -> None:
         "synthetic_ids": res.id_column is None,
         "seconds": round(res.seconds, 3),
     }
-    base = storage.join(res.root, layout.ADOPT_DIR)
+    base = storage.join(res.root, naming.ADOPT_DIR)
     storage.write_bytes_atomic(storage.join(base, REPORT_NAME), json.dumps(body, indent=2).encode())
     storage.write_bytes_atomic(storage.join(base, "report.txt"), report_text(res).encode())
 
@@ -352,7 +352,7 @@ def report_text(res: AdoptResult) -> str:
     ]
     lines += [f"{b:<14} {n:>10}" for b, n in sorted(res.buckets.items())]
     lines.append(
-        f"shards untouched; manifests and hashes in {layout.ADOPT_DIR}/; skip lists: "
+        f"shards untouched; manifests and hashes in {naming.ADOPT_DIR}/; skip lists: "
         f"python -m prx_data.skips add {res.root} NAME --ids FILE"
     )
     return "\n".join(lines) + "\n"
@@ -372,8 +372,8 @@ def verify_adopted(root: str, *, deep: bool = False) -> tuple[list[str], int, in
     problems: list[str] = []
     nshards = 0
     for bucket in sorted(rec.get("buckets") or {}):
-        index_path = layout.rel_join(root, f"{bucket}/{layout.INDEX_NAME}")
-        spath = storage.join(root, layout.ADOPT_DIR, *bucket.split("/"), SHARDS_NAME)
+        index_path = layout.rel_join(root, f"{bucket}/{naming.INDEX_NAME}")
+        spath = storage.join(root, naming.ADOPT_DIR, *bucket.split("/"), SHARDS_NAME)
         try:
             srec = json.loads(storage.read_bytes(spath))
             index_bytes = storage.read_bytes(index_path)
@@ -410,7 +410,7 @@ def verify_adopted(root: str, *, deep: bool = False) -> tuple[list[str], int, in
 
 def _ours(root: str) -> bool:
     """An export's marker or config, or a ``report.json`` (a rewrite writes no marker)."""
-    return layout._has_proof(root) or storage.exists(storage.join(root, REPORT_NAME))
+    return safety.has_proof(root) or storage.exists(storage.join(root, REPORT_NAME))
 
 
 def is_foreign_tree(root: str) -> bool:
@@ -423,11 +423,11 @@ def _has_buckets(root: str) -> bool:
     if not storage.is_remote(root) and not os.path.isdir(root):
         return False
     for d in storage.list_dirs(root):
-        if layout._AR_RE.fullmatch(d) and storage.exists(storage.join(root, d, layout.INDEX_NAME)):
+        if naming.AR_RE.fullmatch(d) and storage.exists(storage.join(root, d, naming.INDEX_NAME)):
             return True
-        if layout._TIER_RE.fullmatch(d) and any(
-            layout._AR_RE.fullmatch(a)
-            and storage.exists(storage.join(root, d, a, layout.INDEX_NAME))
+        if naming.TIER_RE.fullmatch(d) and any(
+            naming.AR_RE.fullmatch(a)
+            and storage.exists(storage.join(root, d, a, naming.INDEX_NAME))
             for a in storage.list_dirs(storage.join(root, d))
         ):
             return True
@@ -464,7 +464,7 @@ def resolve_tree(root: str, tier: int) -> layout.Tree:
     except (FileNotFoundError, NotADirectoryError):
         return resolved
     if any(
-        layout._AR_RE.fullmatch(d) and storage.exists(storage.join(root, d, layout.INDEX_NAME))
+        naming.AR_RE.fullmatch(d) and storage.exists(storage.join(root, d, naming.INDEX_NAME))
         for d in dirs
     ):
         return layout.Tree(root, tier)

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from prx_data.core import confined, storage
 from prx_data.core.errors import PrxDataError
 from prx_data.core.schema import MANIFEST_NAME
-from prx_data.export import layout
+from prx_data.export import bounded, layout, naming, safety
 
 log = logging.getLogger(__name__)
 
@@ -53,33 +53,30 @@ FORMAT = "prx-data id index"
 #: The BTREE on ``id`` (one segment per data file of the table, :func:`_build_btree`).
 BTREE_NAME = "id_idx"
 #: Rows per data file of the table, so per BTREE segment: what one sort of the build holds,
-#: against one more segment for every query to search (10^7 rows, 1 % of the ids looked
-#: up: 2^20 rows per file built in +249 MB and looked up in 1.9 CPU s, 2^21 in +310 MB and
-#: 1.4 s, one BTREE over the table in +423 MB and 1.3 s).
+#: against one more segment for every query to search (benchmarks/results/idindex.md).
 ROWS_PER_FILE = 1 << 21
 #: Manifest rows per record batch handed to Lance while building, and about the most
-#: manifest rows read ahead of it: what the build holds besides Lance's own buffers (at
-#: 2^18 rows and 8 manifests of 85k rows in flight the reading alone peaked at +230 MB).
+#: manifest rows read ahead of it: what the build holds besides Lance's own buffers.
 BUILD_BATCH_ROWS = 1 << 16
 #: BTREE pages one ``id IN (...)`` query should read. A query reads every page (Lance's
 #: BTREE page: :data:`BTREE_PAGE_ROWS` keys) that holds one of its ids, all at once, and a
-#: spread request touches a page per id: 10^4 random ids in one query at 10^7 rows added
-#: 150 MB, and more at 10^8. Ids are sorted and sliced so that a slice spans about this
+#: spread request touches a page per id, so its memory grows with the table (figures in
+#: benchmarks/results/idindex.md). Ids are sorted and sliced so that a slice spans about this
 #: many pages, whatever the table's size (:func:`slice_ids`).
 QUERY_PAGES = 64
 BTREE_PAGE_ROWS = 4096
-#: The most ids in one query (a dense request: neighbouring ids share pages). 10^4 ids per
-#: query is 3x faster per id than 10^3, and within 30 % of 5 * 10^4.
+#: The most ids in one query (a dense request: neighbouring ids share pages): near the
+#: fastest per id of the sizes measured (benchmarks/results/idindex.md).
 IN_CHUNK = 10_000
 #: Ids taken from the caller's stream at once (bounds the memory of a lookup).
 LOOKUP_CHUNK = 1 << 20
 #: A chunk is looked up by one scan of the table, not by the BTREE, when it holds more than
-#: 1 / SCAN_RATIO of the table's rows (benchmarks/bench_idindex.py, 10^7 rows, CPU seconds:
-#: 10^3 ids 0.35 by the BTREE vs 1.3 by a scan; 10^6 ids 67 vs 20).
+#: 1 / SCAN_RATIO of the table's rows: about where a scan overtakes the BTREE
+#: (benchmarks/results/idindex.md).
 SCAN_RATIO = 40
 #: Lance's caches for a lookup. Sorted chunks read each BTREE page once, so a cached page is
-#: never read again: a cache only holds memory, and Lance's fills to its cap (64 MiB index
-#: and 32 MiB metadata caches added 150 MB at 10^7 rows and grow with the table). Small
+#: never read again: a cache only holds memory, and Lance's fills to its default caps,
+#: which grow with the table (benchmarks/results/idindex.md). Small
 #: caps keep what every query reads again (the page lookup table, the file metadata).
 INDEX_CACHE_BYTES = 4 << 20
 METADATA_CACHE_BYTES = 4 << 20
@@ -90,8 +87,8 @@ class IdIndexError(PrxDataError, ValueError):
 
 
 def index_uri(root: str) -> str:
-    """Where the export's id index lives (the path :mod:`layout` owns)."""
-    return storage.join(root, layout.IDS_INDEX_NAME)
+    """Where the export's id index lives (the path :mod:`~prx_data.export.naming` names)."""
+    return storage.join(root, naming.IDS_INDEX_NAME)
 
 
 def _options(uri: str) -> dict | None:
@@ -103,13 +100,13 @@ def _options(uri: str) -> dict | None:
 def _bucket_record(root: str, bucket: str) -> tuple[str, dict, dict[str, frozenset[str]]]:
     """(bucket, {"sha256", "samples", "shards"}, {part: its shard basenames}) from one read
     of the bucket's merged index."""
-    path = layout.rel_join(root, f"{layout.check_bucket(bucket)}/{layout.INDEX_NAME}")
+    path = layout.rel_join(root, f"{safety.check_bucket(bucket)}/{naming.INDEX_NAME}")
     data = confined.read(root, path, confined.INDEX_MAX_BYTES)
     try:
         obj = json.loads(data)
     except ValueError as e:
-        raise layout.UnsafeIndexError(f"{path}: not valid JSON ({e})") from None
-    entries = layout.check_index_entries(path, obj)
+        raise safety.UnsafeIndexError(f"{path}: not valid JSON ({e})") from None
+    entries = safety.check_index_entries(path, obj)
     by_part: dict[str, set[str]] = {}
     for e in entries:
         base = e["raw_data"]["basename"]
@@ -124,7 +121,7 @@ def _bucket_record(root: str, bucket: str) -> tuple[str, dict, dict[str, frozens
 
 
 def _digest(root: str, bucket: str) -> tuple[str, str]:
-    path = layout.rel_join(root, f"{layout.check_bucket(bucket)}/{layout.INDEX_NAME}")
+    path = layout.rel_join(root, f"{safety.check_bucket(bucket)}/{naming.INDEX_NAME}")
     return bucket, hashlib.sha256(confined.read(root, path, confined.INDEX_MAX_BYTES)).hexdigest()
 
 
@@ -138,7 +135,7 @@ def _read_manifest(root: str, bucket: str, part: str, known: frozenset[str]) -> 
             f"`python -m prx_data.verify {root}`"
         ) from None
     t = pq.read_table(io.BytesIO(data), columns=["shard", "index", "id"])
-    layout.check_manifest_shards(path, part, t["shard"])
+    safety.check_manifest_shards(path, part, t["shard"])
     bad = set(pc.unique(t["shard"]).to_pylist()) - known
     if bad:
         raise IdIndexError(f"{path}: shard(s) {sorted(bad)} are not in {bucket}/index.json")
@@ -149,10 +146,10 @@ def _batches(
     root: str, buckets: Sequence[str], records: dict[str, dict], batch_rows: int
 ) -> Iterator[pa.RecordBatch]:
     """Manifest rows of ``buckets`` as record batches of about ``batch_rows`` rows."""
-    workers = layout.io_workers(root)
+    workers = bounded.io_workers(root)
     pending: list[pa.Table] = []
     rows = 0
-    for bucket, rec, parts in layout.imap_bounded(
+    for bucket, rec, parts in bounded.imap_bounded(
         lambda b: _bucket_record(root, b), buckets, min(workers, 4)
     ):
         records[bucket] = rec
@@ -160,7 +157,7 @@ def _batches(
         # imap_bounded holds up to 2 * readers manifests: about batch_rows rows in all.
         per_part = rec["samples"] // max(1, len(parts))
         readers = max(1, min(workers, batch_rows // max(1, 2 * per_part)))
-        for t in layout.imap_bounded(
+        for t in bounded.imap_bounded(
             lambda p, b=bucket, k=parts: _read_manifest(root, b, p, k[p]), parts, readers
         ):
             got += len(t)
@@ -328,9 +325,9 @@ class IdIndex:
         """The index is data too: its bucket and shard names must stay inside the export."""
         uri = index_uri(self.root)
         for b in pc.unique(t["bucket"]).to_pylist():
-            layout.check_bucket(b)
+            safety.check_bucket(b)
         for s in pc.unique(t["shard"]).to_pylist():
-            layout.check_shard_basename(uri, s)
+            safety.check_shard_basename(uri, s)
         return t
 
 
@@ -373,7 +370,7 @@ def open_index(root: str) -> tuple[IdIndex | None, str]:
 
     uri = index_uri(root)
     if not storage.exists(uri):
-        return None, f"{root} has no id index ({layout.IDS_INDEX_NAME})"
+        return None, f"{root} has no id index ({naming.IDS_INDEX_NAME})"
     try:
         ds = open_table(
             uri,
@@ -394,8 +391,8 @@ def open_index(root: str) -> tuple[IdIndex | None, str]:
     now = layout.list_buckets(root)
     if set(built) != set(now):
         return None, f"{uri} was built for other buckets than the tree holds now"
-    for bucket, digest in layout.imap_bounded(
-        lambda b: _digest(root, b), now, layout.io_workers(root)
+    for bucket, digest in bounded.imap_bounded(
+        lambda b: _digest(root, b), now, bounded.io_workers(root)
     ):
         if (built[bucket] or {}).get("sha256") != digest:
             return None, f"{uri} is out of date: {bucket}/index.json changed since it was built"
@@ -409,11 +406,11 @@ def manifest_rows(root: str, ids: pa.Array) -> Iterator[pa.Table]:
     """The manifest path: every bucket's manifests streamed, joined against ``ids``."""
     if not len(ids):
         return
-    workers = layout.io_workers(root)
+    workers = bounded.io_workers(root)
     for bucket in layout.list_buckets(root):
         _, _rec, parts = _bucket_record(root, bucket)
         read = lambda p, b=bucket, k=parts: _read_manifest(root, b, p, k[p])  # noqa: E731
-        for t in layout.imap_bounded(read, parts, workers):
+        for t in bounded.imap_bounded(read, parts, workers):
             hit = t.filter(pc.is_in(t["id"], value_set=ids))
             if len(hit):
                 yield pa.table(

@@ -19,7 +19,7 @@ its objects are PUT (each durable) after clearing an earlier attempt's. Then
 its marker ``_progress/packed/<tier>/<ar>/<pack>`` is written, and only then
 are the unit parts it holds deleted. A kill at any point leaves a tree
 without a report: ``--resume`` keeps packs with a marker, removes those
-without (:func:`layout.remove_stale_parts`), and packs again from the parts,
+without (:func:`safety.remove_stale_parts`), and packs again from the parts,
 which are still there.
 """
 
@@ -37,26 +37,11 @@ import numpy as np
 
 from prx_data.core import storage
 from prx_data.core.schema import MANIFEST_NAME
-from prx_data.export.layout import (
-    INDEX_NAME,
-    PACK_PATTERN,
-    PROGRESS_DIR,
-    ExportError,
-    check_manifest_shards,
-    imap_bounded,
-    io_workers,
-    load_index,
-    pack_name,
-    remove_tree,
-    write_manifest,
-)
-from prx_data.export.unit import (
-    ExportConfig,
-    UnitResult,
-    _fsync,
-    _publish_parts,
-    _stage_dir,
-)
+from prx_data.export.bounded import imap_bounded, io_workers
+from prx_data.export.durable import fsync, publish_parts, stage_dir, write_manifest
+from prx_data.export.naming import INDEX_NAME, PACK_PATTERN, PROGRESS_DIR, ExportError, pack_name
+from prx_data.export.safety import check_manifest_shards, load_index, remove_tree
+from prx_data.export.spec import ExportConfig, UnitResult
 
 #: Where a written pack leaves its marker: ``_progress/packed/<tier>/<ar>/<pack>``.
 PACKED_DIR = f"{PROGRESS_DIR}/packed"
@@ -279,7 +264,7 @@ def write_pack(cfg: ExportConfig, pack: Pack) -> Pack:
         )
     if done is None:
         if local:
-            stage = _stage_dir(cfg.out, f"{tier}-{ar}-{pack.name}")
+            stage = stage_dir(cfg.out, f"{tier}-{ar}-{pack.name}")
             dest_bucket = os.path.join(stage, tier, ar)
         else:
             storage.delete(storage.join(bucket_dir, pack.name))  # an earlier attempt's objects
@@ -287,10 +272,10 @@ def write_pack(cfg: ExportConfig, pack: Pack) -> Pack:
         ids = _write_samples(cfg, pack, bucket_dir, storage.join(dest_bucket, pack.name))
         write_manifest(dest_bucket, pack.name, ids)
         if local:
-            _publish_parts(cfg.out, stage, pack.name, [pack.bucket])
+            publish_parts(cfg.out, stage, pack.name, [pack.bucket])
         storage.write_bytes_atomic(marker, pack.to_json().encode())
         if local:
-            _fsync(os.path.dirname(marker))
+            fsync(os.path.dirname(marker))
     # The pack is durable: the unit parts it holds (written by this export's units) go.
     for part in pack.parts:
         if local:
@@ -298,5 +283,5 @@ def write_pack(cfg: ExportConfig, pack: Pack) -> Pack:
         else:
             storage.delete(storage.join(bucket_dir, part))
     if local:
-        _fsync(bucket_dir)
+        fsync(bucket_dir)
     return pack

@@ -7,7 +7,7 @@ sample's number, so a test can check pixels survived). Everything that
 defines the tree (part names, ``ids.parquet`` manifests, the merged bucket
 index) comes from :mod:`prx_data.export.layout`, as in the real exporter, and
 the tree is completed the way the exporter completes it (export marker, one
-progress marker per part, then :func:`prx_data.export.unit.finalize` merges the
+progress marker per part, then :func:`prx_data.export.merge.finalize` merges the
 buckets and writes ``report.json``), so the loader accepts it::
 
     <root>/report.json, dropped.parquet, _progress/export.marker, _progress/<part>.done
@@ -32,8 +32,9 @@ from streaming import MDSWriter
 from prx_data.core import storage
 from prx_data.core.buckets import parse_bucket_name
 from prx_data.core.schema import MDS_COLUMNS, mds_sample
-from prx_data.export import layout
-from prx_data.export.unit import ExportConfig, UnitResult, done_parts, finalize
+from prx_data.export import durable, naming, safety
+from prx_data.export.merge import done_parts, finalize
+from prx_data.export.spec import ExportConfig, UnitResult
 
 
 @dataclass
@@ -73,7 +74,7 @@ def make_sample_export(
     Ids are ``<name>/<bucket>/<i>``; the pixel colour encodes ``i``.
     """
     out = SampleExport(root)
-    results = done_parts(root) if os.path.isdir(os.path.join(root, layout.PROGRESS_DIR)) else {}
+    results = done_parts(root) if os.path.isdir(os.path.join(root, naming.PROGRESS_DIR)) else {}
     for r in results.values():  # buckets made again by this call are counted again below
         for b in buckets:
             r.written -= r.buckets.pop(b, 0)
@@ -93,7 +94,7 @@ def make_sample_export(
         ids: list[str] = []
         parts: list[str] = []
         for start in range(0, n, samples_per_part):
-            part = layout.part_name(0, start)
+            part = naming.part_name(0, start)
             parts.append(part)
             pdir = os.path.join(bdir, part)
             shard_rows: list[tuple[str, int, str]] = []
@@ -128,15 +129,15 @@ def make_sample_export(
                     shard_rows.append((base, j, sid))
                     out.where[sid] = (bucket_name, base, j)
                     k += 1
-            layout.write_manifest(bdir, part, [r[2] for r in shard_rows])
+            durable.write_manifest(bdir, part, [r[2] for r in shard_rows])
             r = results.setdefault(part, UnitResult(part=part))
             r.buckets[bucket_name] = len(shard_rows)
             r.written += len(shard_rows)
         out.ids[bucket_name] = ids
-    layout.write_export_marker(root)
+    safety.write_export_marker(root)
     for r in results.values():
         r.rows = r.written
-        storage.write_bytes_atomic(layout.marker_path(root, r.part), r.to_json().encode())
+        storage.write_bytes_atomic(naming.marker_path(root, r.part), r.to_json().encode())
     cfg = ExportConfig(
         table="(sample export: prx_data.export.sample)",
         out=root,

@@ -37,29 +37,21 @@ from dataclasses import dataclass
 
 from prx_data.core import confined, storage
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
-from prx_data.export.layout import (
-    _AR_RE,
-    _PART_RE,
-    _SHARD_RE,
-    _TIER_RE,
+from prx_data.export.bounded import imap_bounded, io_workers, map_io
+from prx_data.export.layout import ShardInfo, list_markers, read_report, rel_join
+from prx_data.export.naming import (
+    AR_RE,
     INDEX_NAME,
     LIST_NAME_RE,
     LISTS_DIR,
     LISTS_FILE_RE,
+    PART_RE,
+    PART_SHARD_RE,
     PROGRESS_DIR,
     SIDECAR_SUFFIX,
-    ShardInfo,
-    columns_problem,
-    imap_bounded,
-    io_workers,
-    list_markers,
-    map_io,
-    read_report,
-    rel_join,
+    TIER_RE,
 )
-
-#: A shard basename as the merged index records it (``<part>/shard.NNNNN.mds[.ext]``).
-SHARD_RE = _SHARD_RE
+from prx_data.export.safety import columns_problem
 
 #: ``check_sidecar(path, data, shard, name) -> problems`` (messages, empty when fine).
 SidecarCheck = Callable[[str, bytes, ShardInfo, str], list[str]]
@@ -130,9 +122,9 @@ def _buckets_on_disk(files: list[str]) -> tuple[list[str], list[str]]:
     buckets, stray = set(), []
     for rel in files:
         bits = rel.replace("\\", "/").split("/")
-        if not _TIER_RE.fullmatch(bits[0]):
+        if not TIER_RE.fullmatch(bits[0]):
             continue
-        if len(bits) < 3 or not _AR_RE.fullmatch(bits[1]):
+        if len(bits) < 3 or not AR_RE.fullmatch(bits[1]):
             stray.append(rel)
             continue
         buckets.add(f"{bits[0]}/{bits[1]}")
@@ -269,7 +261,7 @@ def _verify_bucket(
         except (KeyError, TypeError, ValueError) as e:
             add(Problem(index_path, f"shard entry {i} is malformed ({e})"))
             continue
-        bad = [b for b in {info.basename, file_base} if not SHARD_RE.fullmatch(str(b))]
+        bad = [b for b in {info.basename, file_base} if not PART_SHARD_RE.fullmatch(str(b))]
         if bad:
             add(
                 Problem(
@@ -334,7 +326,7 @@ def _verify_bucket(
         bits = rel.split("/")
         if rel == INDEX_NAME:
             continue
-        if len(bits) != 2 or not _PART_RE.fullmatch(bits[0]):
+        if len(bits) != 2 or not PART_RE.fullmatch(bits[0]):
             add(Problem(rel_join(bdir, rel), "not part of the export layout"))
             continue
         if bits[0] not in known_parts:

@@ -77,7 +77,7 @@ from prx_data.core import storage
 from prx_data.core.errors import NotFound, OutOfRange, PrxDataError, UnknownName
 from prx_data.core.lease import Lease
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
-from prx_data.export import idindex, layout
+from prx_data.export import bounded, idindex, layout, naming, safety
 from prx_data.export.lock import ExportLock
 from prx_data.skips import sidecar as SL
 
@@ -528,7 +528,7 @@ def _legacy_entries(ds, names) -> pa.Table:
 
 
 def _store_path(root: str, name: str) -> str:
-    return storage.join(root, layout.LISTS_DIR, f"{SL.validate_name(name)}.parquet")
+    return storage.join(root, naming.LISTS_DIR, f"{SL.validate_name(name)}.parquet")
 
 
 def read_store_list(root: str, name: str) -> pa.Table | None:
@@ -546,7 +546,7 @@ def read_store_list(root: str, name: str) -> pa.Table | None:
 
 def store_names(root: str) -> list[str]:
     names = []
-    for rel in storage.list_files(storage.join(root, layout.LISTS_DIR), ".parquet", False):
+    for rel in storage.list_files(storage.join(root, naming.LISTS_DIR), ".parquet", False):
         stem = rel.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".parquet")
         if SL.NAME_RE.fullmatch(stem):
             names.append(stem)
@@ -572,7 +572,7 @@ def write_store_list(root: str, name: str, table: pa.Table | None) -> None:
 
 
 def _lists_dir(root: str) -> str:
-    path = storage.join(root, layout.LISTS_DIR)
+    path = storage.join(root, naming.LISTS_DIR)
     if not storage.is_remote(root) and os.path.islink(path):
         raise ListError(
             f"{path} is a symbolic link; the skip-list store must be a real directory inside "
@@ -582,7 +582,7 @@ def _lists_dir(root: str) -> str:
 
 
 def _state_path(root: str) -> str:
-    return storage.join(_lists_dir(root), layout.LISTS_REF_NAME)
+    return storage.join(_lists_dir(root), naming.LISTS_REF_NAME)
 
 
 @dataclass
@@ -945,7 +945,7 @@ class Bound:
 def _check_parts(root: str, bucket: str, shards: Sequence[layout.ShardInfo]) -> None:
     """Shards outside part folders: a tree another writer made, which has no id manifests yet."""
     for s in shards:
-        if not layout.PART_SHARD_RE.fullmatch(s.basename):
+        if not naming.PART_SHARD_RE.fullmatch(s.basename):
             raise ListError(
                 f"{layout.rel_join(root, bucket)}: shard {s.basename!r} is not in a part folder "
                 f"of an export, so the tree has no id manifests; run python -m prx_data.adopt "
@@ -969,7 +969,7 @@ def iter_manifests(
         return
     _check_parts(root, bucket, shards)
     parts = _parts(shards)
-    step = layout.IO_THREADS * 4 if remote else 64
+    step = bounded.IO_THREADS * 4 if remote else 64
 
     def read(part: str) -> pa.Table:
         path = layout.rel_join(root, f"{bucket}/{part}/{MANIFEST_NAME}")
@@ -979,7 +979,7 @@ def iter_manifests(
             )
         except FileNotFoundError:
             raise ListError(f"{path}: missing manifest, so list ids cannot be found") from None
-        layout.check_manifest_shards(path, part, t["shard"])
+        safety.check_manifest_shards(path, part, t["shard"])
         bad = set(pc.unique(t["shard"]).to_pylist()) - known
         if bad:
             raise ListError(f"{path}: shard(s) {sorted(bad)} are not in {bucket}/index.json")
@@ -988,7 +988,7 @@ def iter_manifests(
     pending: list[pa.Table] = []
     rows = 0
     for i in range(0, len(parts), step):
-        for t in layout.map_io(read, parts[i : i + step], remote):
+        for t in bounded.map_io(read, parts[i : i + step], remote):
             pending.append(t)
             rows += len(t)
             if rows >= batch_rows:
@@ -1132,7 +1132,7 @@ def ids_at(root: str, positions: Mapping[tuple[str, str], Iterable[int]]) -> pa.
                 raise ListError(
                     f"{path}: missing manifest, so the samples have no row ids"
                 ) from None
-            layout.check_manifest_shards(path, part, t["shard"])
+            safety.check_manifest_shards(path, part, t["shard"])
         for shard, arr in wanted.items():
             rows = t.filter(pc.equal(t["shard"], shard))
             hit = rows.filter(pc.is_in(rows["index"], value_set=pa.array(arr, rows["index"].type)))
@@ -1169,7 +1169,7 @@ def write_sidecars(
                     paths.append(
                         layout.rel_join(root, f"{bucket}/{SL.sidecar_basename(shard, name)}")
                     )
-        layout.map_io(storage.delete, paths, storage.is_remote(root))
+        bounded.map_io(storage.delete, paths, storage.is_remote(root))
         stale = len(paths)
     return {
         "shards_written": res.shards_written,
@@ -1222,7 +1222,7 @@ def collect(root: str, *, drop: Iterable[str] = ()) -> dict[str, pa.Table]:
             continue
         try:
             ids = ids_at(root, positions)
-        except (ListError, KeyError, IndexError, layout.UnsafeIndexError) as e:
+        except (ListError, KeyError, IndexError, safety.UnsafeIndexError) as e:
             problems[n] = str(e)
             continue
         have = out.get(n)
@@ -1243,7 +1243,7 @@ def _sidecar_provenance(root: str) -> Provenance:
 
 def table_of(root: str) -> str | None:
     """The table an export was made from (its pinned config, or a rewrite's report)."""
-    for name in (layout.CONFIG_NAME, REPORT_NAME):
+    for name in (naming.CONFIG_NAME, REPORT_NAME):
         try:
             obj = json.loads(storage.read_bytes(storage.join(root, *name.split("/"))))
         except (FileNotFoundError, ValueError):

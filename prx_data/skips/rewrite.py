@@ -46,7 +46,7 @@ from prx_data.core import confined, storage
 from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
-from prx_data.export import idindex, layout
+from prx_data.export import durable, idindex, layout, merge, naming
 from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
@@ -613,9 +613,9 @@ def _rewrite_bucket(
                         bar.update()
                     release()
             check.done()
-            layout.write_manifest(bucket_out, part, ids)
+            durable.write_manifest(bucket_out, part, ids)
             if remote_out:
-                for name in (layout.INDEX_NAME, MANIFEST_NAME):
+                for name in (naming.INDEX_NAME, MANIFEST_NAME):
                     path = os.path.join(pdir, name)
                     staging.written(path)
                     with open(path, "rb") as f:
@@ -626,7 +626,7 @@ def _rewrite_bucket(
         fetcher.close()
         staging.release(need[1])
     # Reads the parts' indexes back from ``out`` (in parallel when remote): the same bytes.
-    layout.merge_bucket(storage.join(out, *bucket.split("/")), sorted(kept_parts))
+    merge.merge_bucket(storage.join(out, *bucket.split("/")), sorted(kept_parts))
     if remote_out:
         shutil.rmtree(bucket_out, ignore_errors=True)
     return count

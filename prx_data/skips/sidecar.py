@@ -45,17 +45,16 @@ from prx_data.core.errors import (
     UsageError,
     read_user_text,
 )
-from prx_data.export.layout import (
-    LIST_NAME_RE,
-    SIDECAR_SUFFIX,
+from prx_data.export.bounded import map_io  # noqa: F401
+from prx_data.export.layout import (  # noqa: F401
     ShardInfo,
     list_buckets,
     list_suffix,
-    map_io,
     read_index,
-    read_manifests,  # noqa: F401 (re-exported: tests and notebooks read manifests here)
+    read_manifests,
     rel_join,
 )
+from prx_data.export.naming import LIST_NAME_RE, SIDECAR_SUFFIX  # noqa: F401
 from prx_data.table.lance_ops import query_ids
 
 MAGIC = b"PRXSKIP1"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from prx_data.core import storage
 from prx_data.core.schema import REPORT_NAME
-from prx_data.export import layout
+from prx_data.export import layout, naming, safety
 from prx_data.skips import sidecar as skiplist
 from prx_data.stream import cache as shard_cache
 from prx_data.stream.fetched import CatalogCache
@@ -114,18 +114,18 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
     for bucket in buckets:
         remote_b = layout.rel_join(spec.root, bucket)
         local_b = os.path.join(local, *bucket.split("/"))
-        index_uri = storage.join(remote_b, layout.INDEX_NAME)
+        index_uri = storage.join(remote_b, naming.INDEX_NAME)
         listing = fetched.bucket_listing(bucket)
-        index = fetched.read(f"{bucket}/{layout.INDEX_NAME}", listing.get(layout.INDEX_NAME))
+        index = fetched.read(f"{bucket}/{naming.INDEX_NAME}", listing.get(naming.INDEX_NAME))
         try:
             obj = json.loads(index)
         except ValueError as e:
-            raise layout.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
-        entries = layout.check_index_entries(index_uri, obj, plain=True)
-        cached = shard_cache.read_cached_index(local_b, layout.INDEX_NAME) if tracked else None
+            raise safety.UnsafeIndexError(f"{index_uri}: not valid JSON ({e})") from None
+        entries = safety.check_index_entries(index_uri, obj, plain=True)
+        cached = shard_cache.read_cached_index(local_b, naming.INDEX_NAME) if tracked else None
         shard_cache.drop_stale_shards(local_b, cached, entries, same_report=same_report)
         # Checked before it reaches the cache: streaming joins its names to ``local`` blindly.
-        storage.write_bytes_atomic(os.path.join(local_b, layout.INDEX_NAME), index)
+        storage.write_bytes_atomic(os.path.join(local_b, naming.INDEX_NAME), index)
         shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
         listed, stray = skiplist.scan_sidecars(spec.root, bucket, shards, listing)
         orphans += stray

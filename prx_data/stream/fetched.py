@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 
 from prx_data.core import confined, storage
 from prx_data.core.schema import REPORT_NAME
-from prx_data.export import layout
+from prx_data.export import bounded, layout, naming, safety
 from prx_data.skips import sidecar as skiplist
 from prx_data.stream import cache as shard_cache
 
@@ -113,7 +113,7 @@ class CatalogCache:
             data = confined.read(self.root, path, confined.INDEX_MAX_BYTES)
             storage.write_bytes_atomic(os.path.join(local_b, *rel.split("/")), data)
 
-        layout.map_io(get, stale, True)
+        bounded.map_io(get, stale, True)
         self.downloads += len(stale)
         for rel in stale:
             if listing.get(rel) is not None:
@@ -135,11 +135,11 @@ class CatalogCache:
                 gone.setdefault(bucket, []).append(rel)
         for bucket, rels in sorted(gone.items()):
             try:
-                layout.check_bucket(bucket)
+                safety.check_bucket(bucket)
             except ValueError:
                 continue  # not a name this module writes: leave it alone
             local_b = os.path.join(self.local, *bucket.split("/"))
-            cached = shard_cache.read_cached_index(local_b, layout.INDEX_NAME)
+            cached = shard_cache.read_cached_index(local_b, naming.INDEX_NAME)
             self._forget(rels)
             # Its shards go too (they belong to the index that left), then its catalog files.
             shard_cache.drop_stale_shards(local_b, cached, [], same_report=False)

@@ -35,7 +35,7 @@ import numpy as np
 from prx_data.core import confined, storage
 from prx_data.core.errors import UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
-from prx_data.export import layout
+from prx_data.export import bounded, layout, naming, safety
 from prx_data.skips import sidecar as skiplist
 from prx_data.stream.leader import lead, wait_for_leader
 
@@ -138,7 +138,7 @@ def held_set(hold: Holdout, root: str, bucket: str, shards: Sequence[layout.Shar
         def one(rel: str) -> list[tuple[str, int, np.ndarray]]:
             return _held_in_manifest(hold, root, bucket, rel, known)
 
-        parts = layout.imap_bounded(one, rels, layout.io_workers(root))
+        parts = bounded.imap_bounded(one, rels, bounded.io_workers(root))
     for part in parts:
         for name, n, idx in part:
             counts[name] = counts.get(name, 0) + n
@@ -171,7 +171,7 @@ def _held_in_manifest(
     path = layout.rel_join(root, f"{bucket}/{rel}")
     src = io.BytesIO(confined.read(root, path, confined.MANIFEST_MAX_BYTES))
     t = pq.read_table(src, columns=["shard", "index", "id"])  # one part's: small
-    layout.check_manifest_shards(path, posixpath.dirname(rel), t["shard"])
+    safety.check_manifest_shards(path, posixpath.dirname(rel), t["shard"])
     return _held_in_table(hold, root, bucket, path, t, known)
 
 
@@ -224,7 +224,7 @@ def _bucket_key(hold: Holdout, base: str, bucket: str) -> str:
     except FileNotFoundError:
         got = b""
     h.update(hashlib.sha1(got).digest())
-    index = layout.rel_join(base, f"{bucket}/{layout.INDEX_NAME}")
+    index = layout.rel_join(base, f"{bucket}/{naming.INDEX_NAME}")
     h.update(hashlib.sha1(confined.read(base, index, confined.INDEX_MAX_BYTES)).digest())
     return h.hexdigest()[:20]
 

@@ -17,7 +17,7 @@ import numpy as np
 from streaming import Stream
 
 from prx_data.core.streaming_compat import MDSReader, World, mds_reader_args
-from prx_data.export import layout
+from prx_data.export import naming, safety
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
 
@@ -37,15 +37,15 @@ class SkipStream(Stream):
         """Streaming's shard readers, checked before any shard file is opened or decoded.
 
         Names: any relative path inside the stream's directory, as the MDS
-        format allows (:func:`layout.check_stream_basenames`); streaming joins
+        format allows (:func:`safety.check_stream_basenames`); streaming joins
         them to ``local`` unchecked. Columns: safe encodings only, whatever
         ``allow_unsafe_types`` says (no pickle on data paths).
         """
         # Building readers opens no shard; the columns are checked below, more strictly.
         shards = super().get_shards(world, True)
         directory = os.path.join(self.local, self.split or "")
-        index = os.path.join(directory, layout.INDEX_NAME)
-        layout.check_stream_basenames(
+        index = os.path.join(directory, naming.INDEX_NAME)
+        safety.check_stream_basenames(
             index,
             directory,
             (i.basename for r in shards for i in (r.raw_data, r.zip_data) if i is not None),
@@ -58,9 +58,9 @@ class SkipStream(Stream):
                     "column_names": list(reader.column_names),
                     "column_encodings": list(reader.column_encodings),
                 }
-                problem = layout.columns_problem(entry)
+                problem = safety.columns_problem(entry)
                 if problem is not None:
-                    raise layout.UnsafeIndexError(f"{index}: {problem}")
+                    raise safety.UnsafeIndexError(f"{index}: {problem}")
             reader.validate(False)  # streaming's own rule on top, for every format
             skipped = self.skips.get(reader.raw_data.basename)
             if skipped is None or not len(skipped):

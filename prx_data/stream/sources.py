@@ -19,7 +19,7 @@ import numpy as np
 from prx_data.core import storage
 from prx_data.core.errors import NotFound, UsageError
 from prx_data.core.streaming_compat import World
-from prx_data.export import layout
+from prx_data.export import layout, naming
 from prx_data.skips import sidecar as skiplist
 from prx_data.stream import cache as shard_cache
 from prx_data.stream import foreign as foreign_tree
@@ -84,7 +84,7 @@ def load_sources(
         shards = [layout.ShardInfo.from_index_entry(e) for e in entries]
         cols = None
         if plain:
-            index_path = layout.rel_join(spec.root, f"{bucket}/{layout.INDEX_NAME}")
+            index_path = layout.rel_join(spec.root, f"{bucket}/{naming.INDEX_NAME}")
             cols = foreign_tree.resolve_columns(index_path, entries, mapping, caption_columns)
         if report is not None:
             layout.check_bucket_complete(spec.root, bucket, shards, report)

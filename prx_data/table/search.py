@@ -39,8 +39,8 @@ SEMDEDUP_CLUSTER_COLUMN = "semdedup_cluster"
 SEMDEDUP_COSINE_COLUMN = "semdedup_cosine"
 #: Below this many vectors a flat (exact) scan is as fast as an index.
 MIN_ROWS_FOR_ANN = 10_000
-#: Recall@10 ~0.98 on random 128-d vectors at 50k rows (IVF_PQ: ~0.45, IVF_SQ: ~0.66,
-#: same nprobes); measured by benchmarks/bench_search.py.
+#: The best recall@10 of the index types measured at the same nprobes
+#: (benchmarks/results/search.md, benchmarks/bench_search.py).
 DEFAULT_VECTOR_INDEX = "IVF_HNSW_SQ"
 RESULT_COLUMNS = [S.ID, S.CAPTION, S.WIDTH, S.HEIGHT]
 

@@ -1,0 +1,107 @@
+"""Durable writes shared by the work units, the pack stage and rewrites.
+
+On a local ``--out`` an attempt writes into its own folder under
+``_progress/writing`` (:func:`stage_dir`), fsyncs it and renames it into its
+bucket (:func:`publish_parts`), so that the marker written after it vouches
+only for durable data. A part's manifest (:func:`write_manifest`) and a unit's
+dropped rows (:func:`write_dropped_rows`) are written atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from prx_data.core import storage
+from prx_data.core.schema import MANIFEST_NAME
+from prx_data.export.naming import INDEX_NAME, WRITING_DIR, ExportError
+from prx_data.export.safety import load_index, remove_tree
+
+
+def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> int:
+    """ids.parquet: (shard basename as in the merged index, index in shard, id).
+
+    Returns the part's shard bytes (uncompressed), which the pack stage plans by.
+    """
+    shard_col, idx_col = [], []
+    nbytes = 0
+    for shard in load_index(storage.join(bucket_dir, part, INDEX_NAME), in_part=True):
+        nbytes += int(shard["raw_data"]["bytes"])
+        base = posixpath.join(part, shard["raw_data"]["basename"])
+        shard_col += [base] * shard["samples"]
+        idx_col += list(range(shard["samples"]))
+    if len(shard_col) != len(id_list):
+        raise ExportError(
+            f"{bucket_dir}/{part}: index has {len(shard_col)} samples, wrote {len(id_list)}"
+        )
+    table = pa.table(
+        {
+            "shard": pa.array(shard_col, pa.string()),
+            "index": pa.array(idx_col, pa.int32()),
+            "id": pa.array(id_list, pa.string()),
+        }
+    )
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    storage.write_bytes_atomic(storage.join(bucket_dir, part, MANIFEST_NAME), buf.getvalue())
+    return nbytes
+
+
+def stage_dir(out: str, part: str) -> str:
+    """A fresh folder for this attempt's parts; earlier attempts' folders are removed."""
+    root = os.path.join(out, *WRITING_DIR.split("/"))
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith(f"{part}."):
+                remove_tree(os.path.join(root, name))
+    return os.path.join(root, f"{part}.{uuid.uuid4().hex[:8]}")
+
+
+def fsync(path: str) -> None:
+    """Flush a file's data, or a directory's names (a create or rename is not durable until then)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_parts(out: str, stage: str, part: str, buckets: list[str]) -> None:
+    """fsync each staged part (files, then folder), rename it into its bucket, fsync the buckets.
+
+    A part already at the target was left by an earlier attempt of this unit
+    (the marker is written only after this step) and is replaced.
+    """
+    dirs = {out}
+    for name in buckets:
+        src = os.path.join(stage, *name.split("/"), part)
+        for f in sorted(os.listdir(src)):
+            fsync(os.path.join(src, f))
+        fsync(src)
+        bdir = os.path.join(out, *name.split("/"))
+        os.makedirs(bdir, exist_ok=True)
+        dst = os.path.join(bdir, part)
+        remove_tree(dst)
+        os.rename(src, dst)
+        dirs |= {bdir, os.path.dirname(bdir)}  # the tier and bucket may be new
+    for d in sorted(dirs, reverse=True):
+        fsync(d)
+    remove_tree(stage)
+
+
+DROPPED_SCHEMA = pa.schema([("id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])
+
+
+def write_dropped_rows(path: str, rows: list[tuple[str, str, str]]) -> None:
+    import pyarrow.parquet as pq
+
+    ids, reasons, details = zip(*rows, strict=True) if rows else ((), (), ())
+    table = pa.table([list(ids), list(reasons), list(details)], schema=DROPPED_SCHEMA)
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    storage.write_bytes_atomic(path, buf.getvalue())

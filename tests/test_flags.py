@@ -1,0 +1,97 @@
+"""One spelling per setting: config fields carry their flags (prx_data.core.flags)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shlex
+from dataclasses import dataclass
+
+import pytest
+from PIL import Image
+
+from prx_data.cli import write_mds as cli
+from prx_data.core.flags import REQUIRED, add_flags, comma_ints, comma_list, flag, from_args
+from prx_data.core.imaging import EncodeSpec, prepare_with
+from prx_data.export.spec import ExportConfig, resume_flags
+
+
+@dataclass(frozen=True)
+class _Toy:
+    name: str = flag(REQUIRED, "name", help="a positional argument")
+    path: str = flag(REQUIRED, "--path", help="a required option")
+    sizes: tuple[int, ...] = flag((1,), "--sizes", type=comma_ints, help="ints")
+    keep: bool = flag(True, "--no-keep", negate=True, help="a negated switch")
+    internal: int = 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(p, _Toy)
+    return p
+
+
+def test_flags_build_the_options_and_the_config_back():
+    args = _parser().parse_args(["n", "--path", "p", "--sizes", "2, 3", "--no-keep"])
+    assert from_args(_Toy, args, internal=5) == _Toy("n", "p", (2, 3), False, 5)
+    assert from_args(_Toy, _parser().parse_args(["n", "--path", "p"])) == _Toy("n", "p")
+
+
+def test_a_required_field_is_a_required_option(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["n"])
+    assert "--path" in capsys.readouterr().err
+
+
+def test_comma_lists_drop_blanks():
+    assert comma_list(" a, ,b,") == ("a", "b") and comma_list("") == ()
+    assert comma_ints("512,1024") == (512, 1024)
+
+
+def test_write_mds_flags_set_every_export_field():
+    argv = (
+        "--table t --out o --tiers 512,1024 --caption-columns c1,c2 --keep-columns k "
+        "--format png --quality 80 --subsampling 0 --codec pillow --resample hamming "
+        "--no-draft --draft-margin 1.25 --compression zstd --hashes '' --size-limit 7 "
+        "--shard-size 0 --rows-per-task 9 --min-units 3 --filter x>1 --max-caption-chars 5"
+    )
+    cfg = from_args(ExportConfig, cli.build_parser().parse_args(shlex.split(argv)))
+    assert cfg == ExportConfig(
+        table="t",
+        out="o",
+        tiers=(512, 1024),
+        caption_columns=("c1", "c2"),
+        keep_columns=("k",),
+        image_format="png",
+        quality=80,
+        subsampling=0,
+        codec="pillow",
+        resample="hamming",
+        use_draft=False,
+        draft_margin=1.25,
+        compression="zstd",
+        hashes=(),
+        size_limit=7,
+        shard_size=0,
+        rows_per_task=9,
+        min_units=3,
+        filter="x>1",
+        max_caption_chars=5,
+    )
+    assert cfg.encode == EncodeSpec("pillow", "png", 80, 0, False, 1.25, "hamming")
+
+
+def test_resume_flags_name_each_option_and_quote_its_value():
+    got = resume_flags({"codec": "pillow", "filter": "label = 'a'", "tiers": (512,)})
+    assert shlex.split(got) == ["--codec", "pillow", "--filter", "label = 'a'"]
+
+
+def test_an_encode_spec_and_its_keywords_encode_alike():
+    buf = io.BytesIO()
+    Image.new("RGB", (300, 200), (200, 40, 90)).save(buf, "JPEG")
+    data = buf.getvalue()
+    spec = EncodeSpec(codec="pillow", quality=70, resample="bicubic")
+    a = prepare_with(spec, data, 96, 64)
+    b = prepare_with("pillow", data, 96, 64, quality=70, resample="bicubic")
+    assert a.data == b.data and a.crop_box == b.crop_box
+    assert a.data != prepare_with("pillow", data, 96, 64).data
