@@ -12,10 +12,12 @@ How rows are placed: a Lance fragment keeps each column in one data file for
 all its rows, so setting the image of *some* rows of a fragment means either
 rewriting that fragment's whole image column (the column-job runner's
 write, which copies the images the fragment already holds) or moving the
-filled rows. This job moves them: each commit writes the rows it filled as
-new fragments (every column, written once) and deletes them from their old
-fragments with deletion vectors, in one ``Update`` checked against the
-version it read. No image a fragment already holds is read or written
+filled rows. This job moves them: the fetch tasks write the rows they filled
+as new, uncommitted fragments (every column, written once, where the bytes
+were fetched: :func:`stage_rows`), and each commit on the driver adds those
+fragments and deletes the rows from their old fragments with deletion
+vectors, in one ``Update`` checked against the version it read. Only row
+addresses and fragment metadata reach the driver. No image a fragment already holds is read or written
 again, so a retry of the 2 % that failed costs 2 %, and the report measures
 bytes written against bytes downloaded. Planning, work units, the pinned
 version and the Ray Data stages are the column-job runner's
@@ -32,6 +34,7 @@ then filled from that row (also on a later run, when it was killed first).
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -64,6 +67,9 @@ DEFAULT_MAX_ERROR_RATE = 0.9
 ROWADDR = "_rowaddr"
 #: Per-row bookkeeping the fetch step adds for the report; never written.
 _HOST, _RECEIVED, _FETCHED = "_dl_host", "_dl_received", "_dl_fetched"
+#: What :func:`stage_rows` hands the driver instead of the rows: the image bytes each
+#: row got, and (on a batch's first row) the staged fragments and the bytes they hold.
+_IMAGE_LEN, _STAGED, _WRITTEN = "_dl_image_len", "_dl_staged", "_dl_written"
 
 
 @dataclass(frozen=True)
@@ -529,17 +535,74 @@ def fetch_batch(
     return out.append_column(_FETCHED, pa.array(~is_dup))
 
 
+_SCHEMAS: dict[tuple[str, int], pa.Schema] = {}
+
+
+def _table_schema(table: str, version: int, storage_options: dict | None) -> pa.Schema:
+    """The pinned version's schema, opened once per process (a task runs many batches)."""
+    key = (table, version)
+    schema = _SCHEMAS.get(key)
+    if schema is None:
+        from prx_data.table.lance_ops import open_table
+
+        schema = _SCHEMAS[key] = open_table(table, storage_options, version=version).schema
+    return schema
+
+
+def stage_rows(
+    batch: pa.Table, *, table: str, version: int, storage_options: dict | None = None
+) -> pa.Table:
+    """Write the filled rows of ``batch`` as new, uncommitted fragments, where they were
+    fetched; hand back only what the driver needs to commit them and to report.
+
+    The image bytes never travel to the driver: at 10^8 rows its memory and
+    network would otherwise carry the whole download. The driver commits the
+    staged fragments (and deletes the rows from their old fragments) in one
+    ``Update``; a fragment staged by a run killed before its commit is never
+    part of a version, and the rows it holds are still pending.
+    """
+    import lance
+
+    from prx_data.core.lance_compat import fragment_text
+
+    schema = _table_schema(table, version, storage_options)
+    n = batch.num_rows
+    staged: list = [None] * n
+    written: list = [0] * n
+    if n:
+        new = lance.fragment.write_fragments(
+            batch.select(schema.names).cast(schema),
+            table,
+            schema=schema,
+            max_rows_per_file=max(1, n),
+            storage_options=storage_options,
+        )
+        staged[0] = json.dumps([fragment_text(m) for m in new])
+        written[0] = sum(f.file_size_bytes or 0 for m in new for f in m.data_files())
+    keep = batch.select([ROWADDR, STATUS, ERROR, _HOST, _RECEIVED, _FETCHED])
+    keep = keep.append_column(_IMAGE_LEN, pc.binary_length(batch[S.IMAGE]).cast(pa.int64()))
+    keep = keep.append_column(_STAGED, pa.array(staged, pa.string()))
+    return keep.append_column(_WRITTEN, pa.array(written, pa.int64()))
+
+
 # --- placing rows: move into new fragments, delete from the old ones --------------------
 
 
 class Mover:
-    """Buffers filled rows and commits them: new fragments + deletion vectors, one Update."""
+    """Commits filled rows: new fragments + deletion vectors of the old rows, one Update.
+
+    Rows come either staged (:func:`stage_rows` wrote them where they were
+    fetched: only their addresses and fragment metadata are here) or whole
+    (duplicates filled on the driver), written at the next :meth:`flush`.
+    """
 
     def __init__(self, cfg: DownloadConfig, ds):
         self.cfg = cfg
         self.ds = ds
         self.schema = ds.schema
         self.buffer: list[pa.Table] = []
+        self.staged: list[Any] = []
+        self.addrs: list[np.ndarray] = []
         self.rows = 0
         self.nbytes = 0
         self.last = time.monotonic()
@@ -547,9 +610,19 @@ class Mover:
         self.bytes_written = 0
 
     def add(self, rows: pa.Table) -> None:
-        self.buffer.append(rows)
+        if _STAGED in rows.column_names:
+            from prx_data.core.lance_compat import fragment_from_text
+
+            self.addrs.append(np.asarray(rows[ROWADDR]).astype(np.uint64))
+            for text in rows[_STAGED].drop_null().to_pylist():
+                self.staged.extend(fragment_from_text(t) for t in json.loads(text))
+            written = int(pc.sum(rows[_WRITTEN]).as_py() or 0)
+            self.nbytes += written
+            self.bytes_written += written
+        else:
+            self.buffer.append(rows)
+            self.nbytes += rows.nbytes
         self.rows += rows.num_rows
-        self.nbytes += rows.nbytes
         cfg = self.cfg
         if (
             self.rows >= cfg.commit_rows
@@ -562,20 +635,25 @@ class Mover:
         import lance
 
         self.last = time.monotonic()
-        if not self.buffer:
+        if not self.buffer and not self.staged:
             return
-        rows = pa.concat_tables(self.buffer)
-        self.buffer, self.rows, self.nbytes = [], 0, 0
-        addrs = np.asarray(rows[ROWADDR]).astype(np.uint64)
-        data = rows.select(self.schema.names).cast(self.schema)
-        new = lance.fragment.write_fragments(
-            data,
-            self.cfg.table,
-            schema=self.schema,
-            max_rows_per_file=max(1, data.num_rows),
-            storage_options=self.cfg.storage_options,
-        )
-        self.bytes_written += sum(f.file_size_bytes or 0 for m in new for f in m.data_files())
+        new, parts = list(self.staged), list(self.addrs)
+        if self.buffer:
+            rows = pa.concat_tables(self.buffer)
+            parts.append(np.asarray(rows[ROWADDR]).astype(np.uint64))
+            written = lance.fragment.write_fragments(
+                rows.select(self.schema.names).cast(self.schema),
+                self.cfg.table,
+                schema=self.schema,
+                max_rows_per_file=max(1, rows.num_rows),
+                storage_options=self.cfg.storage_options,
+            )
+            self.bytes_written += sum(
+                f.file_size_bytes or 0 for m in written for f in m.data_files()
+            )
+            new.extend(written)
+        self.buffer, self.staged, self.addrs, self.rows, self.nbytes = [], [], [], 0, 0
+        addrs = np.concatenate(parts)
         removed, updated = [], []
         frags = addrs >> np.uint64(32)
         for fid in np.unique(frags).tolist():
@@ -771,7 +849,16 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
                     "hashes": report.hash_column or None,
                 },
                 batch_size=cfg.batch_size,
-            )
+            ),
+            R.Step(
+                stage_rows,
+                kwargs={
+                    "table": cfg.table,
+                    "version": ds.version,
+                    "storage_options": cfg.storage_options,
+                },
+                batch_size=cfg.batch_size,
+            ),
         ],
         where=where,
         limit=cfg.limit,
@@ -805,8 +892,8 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
             report.fetched += int(pc.sum(fetched).as_py() or 0)
             report.fetched_ok += int(pc.sum(pc.and_(fetched, pc.equal(st, F.OK))).as_py() or 0)
             report.bytes_downloaded += int(pc.sum(batch[_RECEIVED]).as_py() or 0)
-            report.image_bytes += int(pc.sum(pc.binary_length(batch[S.IMAGE])).as_py() or 0)
-            mover.add(batch.drop_columns([_HOST, _RECEIVED, _FETCHED]))
+            report.image_bytes += int(pc.sum(batch[_IMAGE_LEN]).as_py() or 0)
+            mover.add(batch.select([ROWADDR, _STAGED, _WRITTEN]))
             bar.update(batch.num_rows)
             bar.set_postfix(
                 ok=statuses[F.OK], failed=report.fetched - statuses[F.OK], refresh=False

@@ -145,3 +145,28 @@ def test_every_documented_python_m_spelling_is_a_job():
     assert found, "no `python -m prx_data.<job>` in the docs: the pattern is stale"
     unknown = sorted(name for name in found if name.rstrip(".") not in JOBS)
     assert not unknown, f"documented spellings with no job in prx_data.cli.JOBS: {unknown}"
+
+
+def test_a_user_error_a_job_did_not_catch_is_one_line_not_a_traceback(tmp_path, capsys):
+    """The job table's net: a PrxDataError is `error: ...` and exit 2 (usage) or 1."""
+    from prx_data.cli import JOBS
+
+    missing = str(tmp_path / "nope.txt")
+    rc = JOBS["optout"].main(["--export", str(tmp_path), "--name", "x", "--ids", missing])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [
+        f"error: {missing}: no such id file; give a text file of row ids (one per "
+        "line) or a parquet file with an id column"
+    ]
+
+
+def test_demo_writes_the_id_file_its_optout_command_names(tmp_path):
+    from prx_data.cli.demo import _write_optout_ids
+    from prx_data.skips.optout import read_id_file
+    from tests.tablekit import make_table
+
+    table = str(tmp_path / "t.lance")
+    make_table(table, [(f"demo/img_{i:04d}", b"x", "c") for i in (3, 1, 2)])
+    path = _write_optout_ids(str(tmp_path), table)
+    assert read_id_file(path) == ["demo/img_0001", "demo/img_0002"]

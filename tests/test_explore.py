@@ -489,6 +489,25 @@ def test_startup_leaves_the_table_unchanged_unless_asked(tmp_path, capsys):
         app.close()
 
 
+def test_check_runs_while_the_default_port_is_taken_and_a_taken_port_is_one_line(tmp_path, capsys):
+    import socket
+
+    uri = str(tmp_path / "t.lance")
+    make_explore_table(uri)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert explore_cli.main(["--table", uri, "--check"]) == 0  # any free port
+        assert "explorer ok" in capsys.readouterr().out
+        assert explore_cli.main(["--table", uri, "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: port {port} on 127.0.0.1 is in use (another explorer?): pass "
+        "--port 0 for any free port, or another --port"
+    ]
+
+
 def test_cli_build_indexes_is_opt_in_and_no_index_is_a_no_op(monkeypatch, capsys):
     made: list[explore.ExploreConfig] = []
 

@@ -140,3 +140,54 @@ def test_keep_columns_refusals_and_resume(tmp_path):
         resume=True,
     )
     assert again.keep_columns == ("url", "similarity")
+
+
+def test_train_yaml_extra_columns_reach_the_batches(tmp_path):
+    """`data.extra_columns` in a training config: the trainer's own loader carries them."""
+    import streaming.base.dataset as sd
+    from omegaconf import OmegaConf
+    from streaming.base.util import clean_stale_shared_memory
+
+    from prx_data.stream import dataset as ps
+    from prx_data.train.config import ConfigError, load_config
+    from prx_data.train.data import build_dataset, collate
+
+    uri, rows = _table(tmp_path)
+    cfg, _ = _export(
+        ExportConfig(table=uri, out=str(tmp_path / "out"), tiers=(512,), keep_columns=keep)
+    )
+    raw = {
+        "data": {
+            "datasets": [{"root": cfg.out}],
+            "extra_columns": ["similarity", "url"],
+            "global_batch_size": 1,
+            "num_workers": 0,
+            "shuffle": False,
+        },
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(OmegaConf.to_yaml(raw))
+    data = load_config(str(path)).data
+    assert data.extra_columns == ["similarity", "url"]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    clean_stale_shared_memory()
+    with (
+        mock.patch.dict(os.environ, env),
+        mock.patch.object(sd, "maybe_init_dist", lambda: False),
+        mock.patch.object(ps, "maybe_init_dist", lambda: False),
+    ):
+        ds = build_dataset(data, batch_size=1)
+        try:
+            items = [ds.get_item(i) for i in range(ds.num_samples)]
+        finally:
+            del ds
+            gc.collect()
+            clean_stale_shared_memory()
+    assert sorted(i["id"] for i in items) == sorted(rows)
+    assert all(i["url"] == rows[i["id"]]["url"] for i in items)
+    assert "tags" not in items[0]  # only what the config names
+    assert collate(items[:1])["url"] == [items[0]["url"]]
+    raw["data"]["extra_columns"] = ["caption"]
+    path.write_text(OmegaConf.to_yaml(raw))
+    with pytest.raises(ConfigError, match="data.extra_columns"):
+        load_config(str(path))

@@ -33,7 +33,20 @@ class Job:
         return importlib.import_module(self.module)
 
     def main(self, argv: list[str] | None = None) -> int:
-        return int(self.load().main(argv) or 0)
+        """Run the job; a :class:`PrxDataError` it did not report itself becomes one line.
+
+        Jobs catch the errors they expect; this is the net under them, so a user
+        error never reaches the terminal as a traceback (exit 2 for a usage
+        error, 1 otherwise). Anything else is a bug and keeps its traceback.
+        """
+        from prx_data.core.errors import PrxDataError, UsageError
+
+        try:
+            return int(self.load().main(argv) or 0)
+        except PrxDataError as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"error: {first}", file=sys.stderr)
+            return 2 if isinstance(e, UsageError) else 1
 
 
 JOBS: dict[str, Job] = {

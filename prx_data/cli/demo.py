@@ -68,6 +68,18 @@ def _write_plain_mds(workdir: str, src: str, n: int = 4) -> str:
     return root
 
 
+def _write_optout_ids(workdir: str, table: str, n: int = 2) -> str:
+    """A file of row ids, as a rights holder's opt-out request becomes, for ``optout``."""
+    from prx_data.table.lance_ops import open_table
+
+    ids = sorted(open_table(table).to_table(columns=["id"])["id"].to_pylist())[:n]
+    path = os.path.join(workdir, "optout.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# one row id per line; blank lines and '#' comments are ignored\n")
+        f.writelines(f"{i}\n" for i in ids)
+    return path
+
+
 def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dict:
     from prx_data.export.spec import ExportConfig
     from prx_data.pipelines.ingest import ingest
@@ -106,6 +118,8 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
     print(f"a URL list for the download job (served by python -m http.server): {urls}")
     plain = _write_plain_mds(workdir, src)
     print(f"an MDS tree another writer made, for the adopt job: {plain}")
+    optout = _write_optout_ids(workdir, table)
+    print(f"row ids to opt out, for the optout job: {optout}")
     print(
         "tiny random-weight models for the column jobs (offline, CPU; outputs are noise): "
         + ", ".join(f"{k} {v}" for k, v in jobs.items())

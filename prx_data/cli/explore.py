@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         "on a trusted network: there is no authentication)",
     )
     p.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free)"
+        "--port",
+        type=int,
+        default=None,
+        help=f"port (default: {DEFAULT_PORT}; with --check any free one; 0: any free)",
     )
     p.add_argument(
         "--allow-host",
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ExploreConfig(
             table=args.table,
             host=args.host,
-            port=args.port,
+            port=args.port if args.port is not None else (0 if args.check else DEFAULT_PORT),
             page_size=args.page_size,
             descriptors=args.descriptors,
             build_indexes=args.build_indexes,
@@ -101,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     except PrxDataError as e:
         p.error(str(e))
-    server = serve(cfg)
+    try:
+        server = serve(cfg)
+    except PrxDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     host, port = server.server_address[:2]
     if args.check:
         return _check(server)

@@ -354,10 +354,8 @@ class TransformersBackend(Backend):
         if g.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = g.repetition_penalty
         if self._grammar is not None:
-            from xgrammar.contrib.hf import LogitsProcessor
-
             # One per generate() call: it holds each row's position in the grammar.
-            kwargs["logits_processor"] = [LogitsProcessor(self._grammar)]
+            kwargs["logits_processor"] = [schema_logits_processor(self._grammar)]
         with self._torch.inference_mode():
             out = self.net.generate(**prepared, pad_token_id=self.tokenizer.pad_token_id, **kwargs)
         return out[:, prepared["input_ids"].shape[1] :].cpu()
@@ -374,6 +372,48 @@ class TransformersBackend(Backend):
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             results.append(Generation(text, reason))
         return results
+
+
+def schema_logits_processor(grammar: Any) -> Any:
+    """A ``transformers`` logits processor that masks what cannot continue ``grammar``.
+
+    Built on xgrammar's matcher API (``GrammarMatcher``, token bitmasks) rather
+    than ``xgrammar.contrib.hf``, whose processor hands ``accept_token`` a
+    tensor that newer xgrammar releases refuse. Each row keeps its own
+    matcher; a row whose sampled token the grammar refuses (it cannot happen
+    under the mask, short of a vocabulary mismatch) stops being masked and is
+    caught by the validation after generation.
+    """
+    import transformers
+    import xgrammar as xgr
+
+    class SchemaLogitsProcessor(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.matchers: list = []
+            self.live: list[bool] = []
+            self.bitmask = None
+
+        def __call__(self, input_ids, scores):
+            rows = int(input_ids.shape[0])
+            if not self.matchers:
+                self.matchers = [xgr.GrammarMatcher(grammar) for _ in range(rows)]
+                self.live = [True] * rows
+                self.bitmask = xgr.allocate_token_bitmask(rows, grammar.tokenizer_info.vocab_size)
+            else:
+                for i, m in enumerate(self.matchers):
+                    if self.live[i] and not m.is_terminated():
+                        self.live[i] = bool(m.accept_token(int(input_ids[i, -1])))
+            for i, m in enumerate(self.matchers):
+                if self.live[i] and not m.is_terminated():
+                    m.fill_next_token_bitmask(self.bitmask, i)
+                else:  # finished or off the grammar: leave this row's logits as they are
+                    self.bitmask[i].fill_(-1)
+            device = scores.device
+            masked = scores if device.type in ("cuda", "cpu") else scores.to("cpu")
+            xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device))
+            return masked if masked.device == device else masked.to(device)
+
+    return SchemaLogitsProcessor()
 
 
 def compile_schema(tokenizer: Any, net: Any, json_schema: str, stop_ids: Sequence[int]) -> Any:

@@ -36,6 +36,7 @@ otherwise the explorer prints what it would build and runs with what exists.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import io
 import json
 import mimetypes
@@ -928,6 +929,8 @@ class ExploreServer(HTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
+        if not hasattr(self, "_workers"):  # the bind failed: nothing of ours was started
+            return
         try:
             self._refusals.put_nowait(None)
         except queue.Full:  # the refusal thread is a daemon: it ends with the process
@@ -1065,8 +1068,16 @@ def make_handler(app: Explorer) -> type[BaseHTTPRequestHandler]:
 def serve(cfg: ExploreConfig) -> ExploreServer:
     """Build the app and an HTTP server bound to ``cfg.host:cfg.port`` (port 0: any free one)."""
     app = Explorer(cfg)
-    server = ExploreServer(
-        (cfg.host, cfg.port), make_handler(app), workers=cfg.workers, queue_size=cfg.queue
-    )
+    try:
+        server = ExploreServer(
+            (cfg.host, cfg.port), make_handler(app), workers=cfg.workers, queue_size=cfg.queue
+        )
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        raise UsageError(
+            f"port {cfg.port} on {cfg.host} is in use (another explorer?): pass --port 0 for "
+            "any free port, or another --port"
+        ) from None
     server.app = app  # type: ignore[attr-defined]
     return server

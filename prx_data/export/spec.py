@@ -64,8 +64,8 @@ class ExportConfig:
         metavar="A,B,...",
         help="Comma-separated table columns to copy into every sample with their types "
         "(similarity, punsafe, aesthetic, url...): floats as float64 (null: NaN); integers, "
-        "booleans, strings and lists of numbers or strings as json. BucketedDataset("
-        "extra_columns=...) hands them to the batches.",
+        "booleans, strings and lists of numbers or strings as json. A training config's "
+        "data.extra_columns (or BucketedDataset(extra_columns=...)) hands them to the batches.",
     )
     image_format: str = flag(
         "jpeg",

@@ -32,11 +32,22 @@ def read_id_file(path: str, column: str = "id") -> list[str]:
         import pyarrow.parquet as pq
 
         fs, p = storage.filesystem(path)
-        t = pq.read_table(p, filesystem=fs)
+        try:
+            t = pq.read_table(p, filesystem=fs)
+        except FileNotFoundError:
+            raise UsageError(f"{path}: no such id file") from None
         if column not in t.column_names:
             raise UsageError(f"{path}: no column {column!r} (has {t.column_names})")
         return [v for v in t[column].to_pylist() if v]
-    text = storage.read_bytes(path).decode("utf-8-sig")
+    try:
+        text = storage.read_bytes(path).decode("utf-8-sig")
+    except FileNotFoundError:
+        raise UsageError(
+            f"{path}: no such id file; give a text file of row ids (one per line) or a "
+            "parquet file with an id column"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text ({e.reason}); give one row id per line") from None
     out = []
     for line in text.splitlines():
         line = line.strip()

@@ -137,6 +137,9 @@ class DataConfig:
     #: Also stream higher tiers, downsized to the same-ratio shape of `tier`.
     include_higher_tiers: bool = False
     caption_columns: list[CaptionColumn] = field(default_factory=lambda: [CaptionColumn()])
+    #: Table columns exported with ``write_mds --keep-columns`` that each batch carries
+    #: (as lists, one value per sample), e.g. [similarity, aesthetic] for conditioning or logs.
+    extra_columns: list[str] = field(default_factory=list)
     #: Probability of replacing the caption with "" (classifier-free guidance).
     caption_dropout: float = 0.1
     #: Samples per optimizer step over all ranks; kept fixed across elastic resumes.
@@ -541,6 +544,9 @@ def validate(cfg: TrainConfig) -> None:
             _fail(f"data.caption_columns.{i}.weight", f"must be finite and >= 0, got {col.weight}")
     if sum(c.weight for c in d.caption_columns) <= 0:
         _fail("data.caption_columns", "weights must not all be zero")
+    clash = set(d.extra_columns) & {c.name for c in d.caption_columns}
+    if clash:
+        _fail("data.extra_columns", f"{sorted(clash)} are already caption columns")
     if not 0.0 <= d.caption_dropout <= 1.0:
         _fail("data.caption_dropout", f"must be in [0, 1], got {d.caption_dropout}")
     if d.global_batch_size <= 0:

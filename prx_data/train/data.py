@@ -114,6 +114,7 @@ def build_dataset(
         dataset_specs(cfg, holdout),
         spec=cfg.plan_spec(batch_size),
         caption_columns=columns,
+        extra_columns=tuple(dict.fromkeys(cfg.extra_columns)),
         on_change=cfg.on_change,
         plan_label=plan_label,
         **streaming,

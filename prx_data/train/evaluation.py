@@ -187,6 +187,7 @@ def eval_data_config(cfg: TrainConfig, world_size: int) -> DataConfig:
         tier=d.tier,
         include_higher_tiers=d.include_higher_tiers,
         caption_columns=list(d.caption_columns),
+        extra_columns=list(d.extra_columns),
         caption_dropout=0.0,
         global_batch_size=gbs,
         device_batch_size=None,
