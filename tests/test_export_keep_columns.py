@@ -57,7 +57,8 @@ def _export(cfg: ExportConfig):
     return cfg, finalize(cfg, results, 0.0)
 
 
-def _items(out: str, **kwargs) -> list[dict]:
+def _all_items(make) -> list[dict]:
+    """Every item of the dataset ``make()`` builds, as one single-process rank."""
     import streaming.base.dataset as sd
     from streaming.base.util import clean_stale_shared_memory
 
@@ -70,15 +71,23 @@ def _items(out: str, **kwargs) -> list[dict]:
         mock.patch.object(sd, "maybe_init_dist", lambda: False),
         mock.patch.object(ps, "maybe_init_dist", lambda: False),
     ):
-        ds = ps.BucketedDataset(
-            DatasetSpec(out), tier=512, batch_size=1, shuffle=False, num_workers=1, **kwargs
-        )
+        ds = make()
         try:
             return [ds.get_item(i) for i in range(ds.num_samples)]
         finally:
             del ds
             gc.collect()
             clean_stale_shared_memory()
+
+
+def _items(out: str, **kwargs) -> list[dict]:
+    from prx_data.stream import dataset as ps
+
+    return _all_items(
+        lambda: ps.BucketedDataset(
+            DatasetSpec(out), tier=512, batch_size=1, shuffle=False, num_workers=1, **kwargs
+        )
+    )
 
 
 keep = ("similarity", "nsfw_votes", "url", "tags", "clip")
@@ -144,11 +153,8 @@ def test_keep_columns_refusals_and_resume(tmp_path):
 
 def test_train_yaml_extra_columns_reach_the_batches(tmp_path):
     """`data.extra_columns` in a training config: the trainer's own loader carries them."""
-    import streaming.base.dataset as sd
     from omegaconf import OmegaConf
-    from streaming.base.util import clean_stale_shared_memory
 
-    from prx_data.stream import dataset as ps
     from prx_data.train.config import ConfigError, load_config
     from prx_data.train.data import build_dataset, collate
 
@@ -169,20 +175,7 @@ def test_train_yaml_extra_columns_reach_the_batches(tmp_path):
     path.write_text(OmegaConf.to_yaml(raw))
     data = load_config(str(path)).data
     assert data.extra_columns == ["similarity", "url"]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    clean_stale_shared_memory()
-    with (
-        mock.patch.dict(os.environ, env),
-        mock.patch.object(sd, "maybe_init_dist", lambda: False),
-        mock.patch.object(ps, "maybe_init_dist", lambda: False),
-    ):
-        ds = build_dataset(data, batch_size=1)
-        try:
-            items = [ds.get_item(i) for i in range(ds.num_samples)]
-        finally:
-            del ds
-            gc.collect()
-            clean_stale_shared_memory()
+    items = _all_items(lambda: build_dataset(data, batch_size=1))
     assert sorted(i["id"] for i in items) == sorted(rows)
     assert all(i["url"] == rows[i["id"]]["url"] for i in items)
     assert "tags" not in items[0]  # only what the config names
