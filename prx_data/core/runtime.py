@@ -208,6 +208,11 @@ def _quiet_token_auth(*, joining: bool) -> None:
     A private local Ray uses token auth by default; a joined cluster needs it
     when this host has a token. An explicit ``RAY_AUTH_MODE`` is left alone,
     and so is everything with ``-v``.
+
+    Ray reads the mode into its config when it is imported, and ``ray.init``
+    creates a missing token only by that config: so the config is read again
+    here, else a host without ``~/.ray/auth_token`` starts a head that needs a
+    token nobody made (its GCS exits and ``ray.init`` times out).
     """
     if _verbose or os.environ.get("RAY_AUTH_MODE"):
         return
@@ -218,6 +223,12 @@ def _quiet_token_auth(*, joining: bool) -> None:
         if not token:
             return
     os.environ["RAY_AUTH_MODE"] = "token"
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):  # Ray's config moved: it reads the mode on its own
+        pass
 
 
 @contextlib.contextmanager
