@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.rows:,} rows; fastest of {args.rounds} round(s); --engine auto")
         print(
             f"{'job':<8} {'old s':>8} {'new s':>8} {'old rows/s':>11} {'new rows/s':>11} "
-            f"{'new/old':>8} {'Ray (old, new)':>15}"
+            f"{'new/old':>8} {'Ray used (old, new)':>20}"
         )
         for job in jobs:
             best: dict[str, dict] = {}
