@@ -1,5 +1,6 @@
-"""Ray Data job graphs, imported as ``prx_data.pipelines.<job>``. Each module builds and runs
-one job; the CLIs in ``prx_data.cli`` parse arguments and call these.
+"""The jobs, imported as ``prx_data.pipelines.<job>``. Each module plans and runs one job on
+the one runtime (:mod:`prx_data.core.runtime`); the CLIs in ``prx_data.cli`` parse
+arguments and call these.
 
 This folder installs as ``prx_data.pipelines`` (pyproject.toml, ``package-dir``), and
 ``prx_data/pipelines/__init__.py`` points a source checkout here, so each job has one

@@ -289,13 +289,11 @@ def hash_batch(batch: pa.Table | pa.RecordBatch, exact: bool = False) -> pa.Tabl
 
 
 def pending_filter(schema_names: list[str], redo_errors: bool = False) -> str | None:
-    """Lance SQL for rows still to hash (None: every row)."""
-    clauses = []
-    if PHASH in schema_names:
-        clauses.append(f"{PHASH} IS NULL")
-    if PHASH_ERROR in schema_names and not redo_errors:
-        clauses.append(f"{PHASH_ERROR} IS NULL")
-    return " AND ".join(clauses) or None
+    """Lance SQL for rows still to hash (None: every row): no hash, and no error unless
+    ``redo_errors`` (:func:`prx_data.columns.writeback.pending_filter`)."""
+    from prx_data.columns import writeback
+
+    return writeback.pending_filter(schema_names, PHASH if redo_errors else PHASH_ERROR, PHASH)
 
 
 def phash_job(cfg: PhashJobConfig) -> ColumnJob:

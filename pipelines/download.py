@@ -283,24 +283,30 @@ def pending_filter(url: str, only: Sequence[str] = ()) -> str:
     Lance evaluates that by reading the image column, every held image of the
     table (600 MB read to count 3,000 rows here), for a small string column.
     """
-    from prx_data.columns.writeback import sql_string
+    from prx_data.columns import writeback
     from prx_data.table.lance_ops import quote
 
-    base = f"{quote(url)} IS NOT NULL AND {quote(S.PROBE_ERROR)} = '{MISSING}'"
-    if not only:
-        return f"{base} AND {quote(STATUS)} IS NULL"
-    clauses = []
+    statuses: list[str] = []
+    errors: list[str] = []
     for sel in only:
         if sel == FAILED:
-            clauses.append(f"{quote(STATUS)} IN ('{F.TRANSIENT}', '{F.PERMANENT}', '{F.REFUSED}')")
+            statuses += [F.TRANSIENT, F.PERMANENT, F.REFUSED]
         elif sel in F.STATUSES:
-            clauses.append(f"{quote(STATUS)} = {sql_string(sel)}")
+            statuses.append(sel)
         elif "*" in sel:
             pattern = sel.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            clauses.append(f"{quote(ERROR)} LIKE {sql_string(pattern.replace('*', '%'))}")
+            errors.append(f"{quote(ERROR)} LIKE {writeback.sql_string(pattern.replace('*', '%'))}")
         else:
-            clauses.append(f"{quote(ERROR)} = {sql_string(sel)}")
-    return f"{base} AND ({' OR '.join(clauses)})"
+            errors.append(f"{quote(ERROR)} = {writeback.sql_string(sel)}")
+    return writeback.pending_filter(
+        (STATUS,),  # the job has added its columns before it plans
+        STATUS,
+        redo=list(dict.fromkeys(statuses)),
+        redo_where=errors,
+        require=[url],
+        include_missing=not only,
+        match=[f"{quote(S.PROBE_ERROR)} = '{MISSING}'"],
+    )
 
 
 #: Pending plus ``ok`` rows planned in memory at once. Above it, duplicate planning spills

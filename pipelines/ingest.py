@@ -1,9 +1,14 @@
-"""Ingest job graph: sources -> work units -> Ray Data load and write tasks -> one Lance commit.
+"""Ingest job: sources -> work units -> staged Lance fragments -> one Lance commit.
 
-The driver plans every source into small work units (cheap listing only),
-Ray Data loads them in parallel (read bytes, probe headers, decode
-captions) and write tasks stage Lance fragments (``write_fragments``, not
-yet part of the table). The driver commits them **once** at the end
+The driver plans every source into small work units (cheap listing only).
+The units run through the one runner (:func:`prx_data.core.runtime.map_units`):
+a few of them load on driver threads, which stage their rows here in
+fragments of ``rows_per_fragment``; more run on Ray, one task per run of
+consecutive units that together fill about one fragment
+(:func:`stage_groups`): the task reads bytes, probes headers, decodes
+captions and stages its fragments (``write_fragments``, not yet part of the
+table), and returns its claims, counts and failures as JSON, tallied here.
+The driver commits the fragments **once** at the end
 (``Append``; ``Merge`` when new source columns come along; ``Overwrite``
 for ``overwrite``/``create``, with the new schema in the same commit), so a
 killed ingest leaves the table exactly as it was: staged files are never
@@ -13,11 +18,11 @@ Ids are stable (``<source>/<key>``) and de-duplication is deterministic:
 
 - **already in the table**: the job reads the version current at its start
   (pinned). A source none of whose ids are there (one range probe on the
-  ``id`` column per source) skips the check; otherwise each load task looks
+  ``id`` column per source) skips the check; otherwise each unit's load looks
   its unit's ids up in the pinned version (``id IN ...``, served by the
   BTREE index on ``id`` that ingest keeps up to date) and drops those found.
 - **twice in this ingest**: every row carries its *order* (unit number in
-  plan order, position in the unit). The write tasks return each staged
+  plan order, position in the unit). Staging returns each staged
   row's id and order; the driver keeps, per duplicated id, the row with the
   smallest order (the first in source order, whatever the scheduling) and
   drops the others by restaging the few fragments that hold one.
@@ -47,7 +52,7 @@ from prx_data.core import lance_compat, storage
 from prx_data.core import schema as S
 from prx_data.core.errors import AlreadyExists, UsageError
 from prx_data.core.reports import FailureCounts
-from prx_data.core.runtime import check_engine, ensure_ray, map_units, place
+from prx_data.core.runtime import check_engine, map_units, place
 from prx_data.ingest import (
     NOTES,
     Counts,
@@ -75,16 +80,14 @@ ID_INDEX_MIN_ROWS = 100_000
 LOOKUP_CHUNK = 2048
 #: Internal columns: a row's place in the plan, and its notes (counted once written).
 ORDER = "__order"
-#: CPUs per load task: reading bytes and parsing headers is mostly I/O, so two
-#: overlap per core. The write tasks ask for a different amount, which keeps Ray
-#: Data from fusing load and write: fused, the write's row bundling hands every
-#: unit to one task and nothing loads in parallel (measured: 8 one-second units
-#: took 8.2 s fused, 5.6 s unfused on 2 CPUs).
-LOAD_TASK_CPUS = 0.5
-WRITE_TASK_CPUS = 0.25
-#: Ingests of at most this many work units (a folder unit is a few hundred images) load
-#: on driver threads under ``engine="auto"``: starting Ray costs more than their work.
-SMALL_UNITS = 8
+#: CPUs per Ray staging task (a run of units: read, probe, write a fragment). Reading
+#: bytes and parsing headers is mostly I/O, so two overlap per core.
+STAGE_TASK_CPUS = 0.5
+#: Ingests of at most this many rows (by the plan: a folder's files, a parquet file's or
+#: table's rows, a URL list's lines; a tar counts as ``UNKNOWN_UNIT_ROWS``) load on driver
+#: threads under ``engine="auto"``: starting Ray costs more than their work.
+SMALL_ROWS = 20_000
+UNKNOWN_UNIT_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -234,37 +237,6 @@ def _rows_per_fragment(cfg: IngestConfig, approx_row_bytes: float | None) -> int
 # --- load tasks: read units, drop ids already in the table ---------------------------
 
 
-class _Tally:
-    """Counts per unit (a retried unit replaces its own) and progress; no claims."""
-
-    def __init__(self) -> None:
-        self.unit_counts: dict[int, dict[str, int]] = {}
-        self.unit_rows: dict[int, int] = {}
-        self.unit_failures: dict[int, dict[str, Any]] = {}
-
-    def report(
-        self, unit: int, counts: dict[str, int], rows: int, failure: dict | None = None
-    ) -> None:
-        self.unit_counts[unit] = counts  # a retried unit replaces its counts (and failure)
-        self.unit_rows[unit] = rows
-        if failure is None:
-            self.unit_failures.pop(unit, None)
-        else:
-            self.unit_failures[unit] = failure
-
-    def failures(self) -> list[dict[str, Any]]:
-        return [self.unit_failures[u] for u in sorted(self.unit_failures)]
-
-    def progress(self) -> tuple[int, int]:
-        return len(self.unit_rows), sum(self.unit_rows.values())
-
-    def totals(self) -> dict[str, int]:
-        total: Counter = Counter()
-        for c in self.unit_counts.values():
-            total.update(c)
-        return dict(total)
-
-
 def ids_in_table(ds, ids: list[str]) -> set[str]:
     """Which of ``ids`` the table holds (chunked ``id IN`` lookups; BTREE-served when indexed)."""
     found: set[str] = set()
@@ -300,21 +272,6 @@ def unit_location(unit: WorkUnit) -> str:
     items = a.get("items") or []
     first = f", first {items[0][0]}" if items and items[0] else ""
     return f"{a.get('root', unit.source)} ({len(items)} items{first})"
-
-
-def _load_batch(batch: pa.Table, tally, schema: pa.Schema, check: dict | None = None) -> pa.Table:
-    """Ray Data UDF: load the work units of one batch (:func:`load_staged`), tally them."""
-    import ray
-
-    staged = _staging_schema(schema)
-    outs = []
-    for unit_json, unit_index in zip(
-        batch["unit"].to_pylist(), batch["index"].to_pylist(), strict=True
-    ):
-        table, counts, failure = load_staged(unit_json, unit_index, schema, check)
-        ray.get(tally.report.remote(unit_index, dict(counts), table.num_rows, failure))
-        outs.append(table)
-    return pa.concat_tables(outs) if outs else staged.empty_table()
 
 
 def load_staged(
@@ -389,10 +346,10 @@ def _write_batch(
     max_rows: int,
     storage_options: dict | None,
 ) -> pa.Table:
-    """Ray Data UDF: stage fragments (not committed); one row per fragment with its claims."""
+    """Stage fragments (not committed) of ``batch``; one row per fragment with its claims."""
     from lance.fragment import write_fragments
 
-    out: dict[str, list] = {"fragment": [], "ids": [], "orders": [], "notes": []}
+    out: dict[str, list] = {k: [] for k in _NO_CLAIMS}
     if batch.num_rows == 0:
         return _claims_table(out)
     data = batch.select(schema.names).cast(schema)
@@ -418,6 +375,10 @@ def _write_batch(
         )
         off += n
     return _claims_table(out)
+
+
+#: The claims of no fragment.
+_NO_CLAIMS: dict[str, list] = {"fragment": [], "ids": [], "orders": [], "notes": []}
 
 
 def _claims_table(out: dict[str, list]) -> pa.Table:
@@ -544,120 +505,163 @@ def _fresh_ids(ds) -> bool:
         return False
 
 
-def _progress_thread(tally, total_units: int, enabled: bool):
-    """A tqdm bar on the driver, fed by polling the tally while Ray Data runs."""
-    import threading
-
-    import ray
-    from tqdm import tqdm
-
-    stop = threading.Event()
-
-    def poll() -> None:
-        bar = tqdm(total=total_units, desc="ingest", unit="unit", disable=not enabled)
-        done = 0
-        while True:
-            try:
-                units, rows = ray.get(tally.progress.remote(), timeout=10)
-            except Exception:
-                units, rows = done, None
-            bar.update(units - done)
-            done = units
-            if rows is not None:
-                bar.set_postfix(rows=rows, refresh=False)
-            if stop.wait(0.5):
-                break
-        bar.close()
-
-    t = threading.Thread(target=poll, daemon=True)
-    t.start()
-    return stop, t
-
-
-def _schedule(items: list[dict]) -> list[dict]:
-    """The order units are handed to Ray Data (plan order; tests permute it)."""
+def _schedule(items: list) -> list:
+    """The order work is handed to the runner (plan order; tests permute it)."""
     return items
 
 
-# --- the job -------------------------------------------------------------------
+# --- staging: driver threads or Ray, both through map_units -------------------------------
+
+
+class _Stager:
+    """Loaded rows in (plan order within a caller), staged fragments of at most
+    ``max_rows`` rows out; :meth:`claims` is one row per fragment written."""
+
+    def __init__(self, uri: str, schema: pa.Schema, write_mode: str, max_rows: int, options):
+        self.args = (uri, schema, write_mode, max_rows, options)
+        self.max_rows = max_rows
+        self.buffer: list[pa.Table] = []
+        self.buffered = 0
+        self.parts: list[pa.Table] = []
+
+    def _write(self, table: pa.Table) -> None:
+        uri, schema, write_mode, max_rows, options = self.args
+        self.parts.append(_write_batch(table, uri, schema, write_mode, max_rows, options))
+
+    def add(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        self.buffer.append(table)
+        self.buffered += table.num_rows
+        if self.buffered >= self.max_rows:
+            whole = pa.concat_tables(self.buffer)
+            cut = self.buffered - self.buffered % self.max_rows
+            self._write(whole.slice(0, cut))
+            self.buffer = [whole.slice(cut)] if cut < self.buffered else []
+            self.buffered -= cut
+
+    def claims(self) -> pa.Table:
+        if self.buffered:
+            self._write(pa.concat_tables(self.buffer))
+            self.buffer, self.buffered = [], 0
+        return pa.concat_tables(self.parts) if self.parts else _claims_table(_NO_CLAIMS)
+
+
+def _unit_rows(unit: WorkUnit) -> int | None:
+    """The rows a work unit holds, when its plan says (folder items, table and parquet rows)."""
+    a = unit.args
+    if isinstance(a.get("items"), list):
+        return len(a["items"])
+    for key in ("rows", "limit"):
+        if isinstance(a.get(key), int):
+            return a[key]
+    return None
+
+
+def stage_groups(units: Sequence[WorkUnit], rows_per_fragment: int, cpus: int) -> list[list[int]]:
+    """Runs of consecutive work units (their plan indexes), each staged by one Ray task.
+
+    A run holds about ``rows_per_fragment`` rows by the plan's counts (a unit
+    whose size is not known fills one), so fragments keep their target size
+    though no rows cross between tasks; and there are at least ``2 * cpus``
+    runs (when there are that many units), so every CPU has work.
+    """
+    most = max(1, -(-len(units) // (2 * max(1, cpus))))
+    groups: list[list[int]] = []
+    run: list[int] = []
+    rows = 0
+    for i, unit in enumerate(units):
+        n = _unit_rows(unit) or rows_per_fragment
+        if run and (rows + n > rows_per_fragment or len(run) >= most):
+            groups.append(run)
+            run, rows = [], 0
+        run.append(i)
+        rows += n
+    if run:
+        groups.append(run)
+    return groups
+
+
+def _stage_group(task: dict) -> dict:
+    """One Ray task: load a run of work units, stage their rows, return what happened.
+
+    ``task`` is JSON: the units with their plan indexes and the job's shared
+    inputs (schema as Arrow IPC in base64). The result is JSON too: the
+    staged fragments' claims, and per unit its counts, rows and failure.
+    """
+    import base64
+
+    job = task["job"]
+    schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(job["schema"])))
+    stager = _Stager(job["uri"], schema, job["write_mode"], job["max_rows"], job["options"])
+    done = []
+    for index, unit_json in task["units"]:
+        table, counts, failure = load_staged(unit_json, index, schema, job["check"])
+        stager.add(table)
+        done.append(
+            {"index": index, "counts": dict(counts), "rows": table.num_rows, "failure": failure}
+        )
+    claims = stager.claims()
+    return {"claims": claims.to_pydict(), "units": done}
 
 
 def _stage_on_ray(cfg, units, schema, check, rows_per_fragment, write_mode, where):
-    """Load and stage on Ray Data: load tasks, then write tasks over ``rows_per_fragment``
-    batches; counts come back through a tally actor. Returns (claims, counts, failures)."""
-    import ray
-    import ray.data
+    """Load and stage on Ray (:func:`prx_data.core.runtime.map_units`): one task per run of
+    units (:func:`stage_groups`); counts and failures come back with each task's result and
+    are tallied here. Returns (claims, counts, failures)."""
+    import base64
 
-    started = not ray.is_initialized()
-    ensure_ray(where.ray_address, where.num_cpus)
-    claims = _claims_table({"fragment": [], "ids": [], "orders": [], "notes": []})
-    try:
-        tally = ray.remote(num_cpus=0)(_Tally).remote()
-        if units:
-            items = _schedule([{"unit": u.to_json(), "index": i} for i, u in enumerate(units)])
-            ds = ray.data.from_items(items, override_num_blocks=len(items))
-            ds = ds.map_batches(
-                _load_batch,
-                batch_size=1,
-                batch_format="pyarrow",
-                num_cpus=LOAD_TASK_CPUS,
-                fn_kwargs={"tally": tally, "schema": schema, "check": check},
-            )
-            ds = ds.map_batches(
-                _write_batch,
-                batch_size=rows_per_fragment,
-                batch_format="pyarrow",
-                num_cpus=WRITE_TASK_CPUS,  # not fused with loading
-                fn_kwargs={
-                    "uri": cfg.table_uri,
-                    "schema": schema,
-                    "write_mode": write_mode,
-                    "max_rows": rows_per_fragment,
-                    "storage_options": cfg.storage_options,
-                },
-            )
-            stop, poller = _progress_thread(tally, len(units), cfg.progress)
-            try:
-                parts = [b for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
-            finally:
-                stop.set()
-                poller.join()
-            if parts:
-                claims = pa.concat_tables(parts)
-        counts = ray.get(tally.totals.remote())
-        failures = ray.get(tally.failures.remote())
-        ray.kill(tally)
-    finally:
-        if started:
-            ray.shutdown()
+    from prx_data.core.runtime import Resources, placement_cpus
 
-    return claims, counts, failures
+    job = {
+        "uri": cfg.table_uri,
+        "schema": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
+        "write_mode": write_mode,
+        "max_rows": rows_per_fragment,
+        "options": cfg.storage_options,
+        "check": check,
+    }
+    groups = stage_groups(units, rows_per_fragment, placement_cpus(where)) if units else []
+    tasks = _schedule([{"job": job, "units": [[i, units[i].to_json()] for i in g]} for g in groups])
+    counts: Counter = Counter()
+    failures: list[dict] = []
+    parts: list[pa.Table] = []
+    rows = [0]
+
+    results = map_units(
+        _stage_group,
+        tasks,
+        where,
+        Resources(num_cpus=STAGE_TASK_CPUS),
+        desc="ingest",
+        progress=cfg.progress,
+        total=len(units),
+        weight=lambda result: len(result["units"]),
+        postfix=lambda: {"rows": rows[0]},
+    )
+    for result in results:  # a retried task's result comes once: nothing is counted twice
+        for u in result["units"]:
+            counts.update(u["counts"])
+            rows[0] += u["rows"]
+            if u["failure"] is not None:
+                failures.append(u["failure"])
+        parts.append(_claims_table(result["claims"]))
+    claims = pa.concat_tables(parts) if parts else _claims_table(_NO_CLAIMS)
+    return claims, dict(counts), sorted(failures, key=lambda f: f["unit"])
 
 
 def _stage_on_threads(cfg, units, schema, check, rows_per_fragment, write_mode, where):
-    """Load and stage on driver threads (:func:`prx_data.core.runtime.map_units`): units in
-    plan order, staged in ``rows_per_fragment`` batches as the Ray path does."""
+    """Load on driver threads (:func:`prx_data.core.runtime.map_units`), units in plan
+    order, and stage their rows here in ``rows_per_fragment`` batches."""
     items = _schedule([{"unit": u.to_json(), "index": i} for i, u in enumerate(units)])
     counts: Counter = Counter()
     failures: list[dict] = []
     rows = [0]
+    stager = _Stager(cfg.table_uri, schema, write_mode, rows_per_fragment, cfg.storage_options)
 
     def load(item: dict):
         return load_staged(item["unit"], item["index"], schema, check)
 
-    def write(table: pa.Table) -> pa.Table:
-        return _write_batch(
-            table,
-            uri=cfg.table_uri,
-            schema=schema,
-            write_mode=write_mode,
-            max_rows=rows_per_fragment,
-            storage_options=cfg.storage_options,
-        )
-
-    parts: list[pa.Table] = []
-    buffer: list[pa.Table] = []
-    buffered = 0
     loaded = map_units(
         load,
         items,
@@ -671,28 +675,13 @@ def _stage_on_threads(cfg, units, schema, check, rows_per_fragment, write_mode, 
         if failure is not None:
             failures.append(failure)
         rows[0] += table.num_rows
-        if table.num_rows:
-            buffer.append(table)
-            buffered += table.num_rows
-        if buffered >= rows_per_fragment:
-            whole = pa.concat_tables(buffer)
-            cut = buffered - buffered % rows_per_fragment
-            parts.append(write(whole.slice(0, cut)))
-            buffer = [whole.slice(cut)] if cut < buffered else []
-            buffered -= cut
-    if buffered:
-        parts.append(write(pa.concat_tables(buffer)))
-    claims = (
-        pa.concat_tables(parts)
-        if parts
-        else _claims_table({"fragment": [], "ids": [], "orders": [], "notes": []})
-    )
-    return claims, dict(counts), sorted(failures, key=lambda f: f["unit"])
+        stager.add(table)
+    return stager.claims(), dict(counts), sorted(failures, key=lambda f: f["unit"])
 
 
 def run_ingest(cfg: IngestConfig) -> IngestReport:
-    """Plan the sources, load and stage them (driver threads for a few work units, else
-    Ray Data), de-duplicate, commit once, report."""
+    """Plan the sources, load and stage them (driver threads for up to ``SMALL_ROWS`` rows,
+    else Ray), de-duplicate, commit once, report."""
     check_engine(cfg.engine)
     if cfg.mode not in MODES:
         raise UsageError(f"mode must be one of {MODES}, got {cfg.mode!r}")
@@ -761,8 +750,8 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
 
     where = place(
         cfg.engine,
-        size=len(units),
-        small=SMALL_UNITS,
+        size=sum(_unit_rows(u) or UNKNOWN_UNIT_ROWS for u in units),
+        small=SMALL_ROWS,
         ray_address=cfg.ray_address,
         num_cpus=cfg.num_cpus,
     )

@@ -13,7 +13,10 @@ Two engines give the same result:
 - ``local``: everything in this process (ids, areas and labels of every row
   in memory; small tables and tests).
 - ``ray``: the driver holds only the seeded training sample, the centroids
-  and per-cluster summaries. Ray tasks, one per fragment, count the rows,
+  and per-cluster summaries. Each stage runs on the one runner
+  (:func:`prx_data.core.runtime.map_units`, JSON units; what the tasks share
+  travels in the units or in files in the spill directory). Ray tasks, one
+  per fragment, count the rows,
   read the sample rows, then read each row's embedding, id and size, assign
   it and spill ``(cluster, id, area, row address, embedding)`` to Arrow IPC
   files, one record batch per cluster bucket. One task per bucket ranks its
@@ -181,8 +184,7 @@ def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
         ray_address=cfg.ray_address,
         num_cpus=cfg.num_cpus,
     )
-    run = _run_ray if where.on_ray else _run_local
-    rep, removed = run(cfg, ds)
+    rep, removed = _run_ray(cfg, ds, where) if where.on_ray else _run_local(cfg, ds)
     rep.table = cfg.table
     if cfg.export is not None:
         from prx_data.skips.dedup import replace_skip_list
@@ -562,77 +564,149 @@ def _write_task(
     ]
 
 
-def _run_ray(cfg: SemDedupConfig, ds) -> tuple[SemDedupReport, pa.Array]:
-    import ray
+def _cfg_json(cfg: SemDedupConfig) -> dict:
+    """``cfg`` as JSON, to travel in each work unit."""
+    return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
 
-    from prx_data.core.runtime import ensure_ray
+
+def _cfg_of(unit: dict) -> SemDedupConfig:
+    d = unit["cfg"]
+    return SemDedupConfig(**{**d, "report_thresholds": tuple(d["report_thresholds"])})
+
+
+def _count_unit(unit: dict) -> dict:
+    sel, with_vec = _count_task(_cfg_of(unit), unit["version"], unit["fragment"])
+    return {"i": unit["i"], "selected": sel, "with_vec": with_vec}
+
+
+def _sample_unit(unit: dict) -> dict:
+    vecs = _sample_task(_cfg_of(unit), unit["version"], unit["fragment"], np.array(unit["pos"]))
+    path = os.path.join(unit["root"], f"s{unit['fragment']:08d}.npy")
+    np.save(path, vecs, allow_pickle=False)
+    return {"i": unit["i"], "path": path}
+
+
+def _assign_unit(unit: dict) -> dict:
+    c = unit["centroids"]
+    centroids = np.load(c, allow_pickle=False) if c else None
+    per = _assign_task(
+        _cfg_of(unit),
+        unit["version"],
+        unit["fragment"],
+        centroids,
+        unit["k"],
+        unit["buckets"],
+        unit["root"],
+    )
+    return {"i": unit["i"], "per": [int(x) for x in per]}
+
+
+def _bucket_unit(unit: dict) -> dict:
+    keys, groups_of = np.load(unit["frag_group"], allow_pickle=False)
+    frag_group = dict(zip(keys.tolist(), groups_of.tolist(), strict=True))
+    s = _bucket_task(
+        _cfg_of(unit), unit["bucket"], unit["paths"], unit["groups"], frag_group, unit["root"]
+    )
+    return {
+        "sizes": [int(x) for x in s["sizes"]],
+        "removed_at": [[float(t), int(r)] for t, r in s["removed_at"].items()],
+        "examples": [[i, k, float(c)] for i, k, c in s["examples"]],
+    }
+
+
+def _write_unit(unit: dict) -> list:
+    metas = _write_task(
+        _cfg_of(unit), unit["version"], unit["fragments"], unit["group"], unit["paths"]
+    )
+    return [[m, [int(f) for f in fs]] for m, fs in metas]
+
+
+def _run_ray(cfg: SemDedupConfig, ds, where) -> tuple[SemDedupReport, pa.Array]:
+    """The ray engine on the one runner: each stage is :func:`map_units` over JSON units.
+
+    What a stage's tasks share (the config, the centroids, the fragment groups) travels
+    in each unit or in a file under the spill directory; what comes back is counts,
+    summaries and paths of spilled files.
+    """
+    from prx_data.core.runtime import Resources, map_units
     from prx_data.skips.semdedup import normalise, train_centroids
 
-    ensure_ray(cfg.ray_address, cfg.num_cpus)
-    remote = {
-        f.__name__: ray.remote(num_cpus=1)(f)
-        for f in (_count_task, _sample_task, _assign_task, _bucket_task, _write_task)
-    }
+    def run(fn, units: list[dict], desc: str) -> list:
+        return list(
+            map_units(fn, units, where, Resources(num_cpus=1), desc=desc, progress=cfg.progress)
+        )
+
+    def by_unit(results: list[dict]) -> list[dict]:  # Ray hands results back as they finish
+        return sorted(results, key=lambda r: r["i"])
+
     version = ds.version
     frags = [f.fragment_id for f in ds.get_fragments()]
-    cfg_ref = ray.put(cfg)
-    counts = ray.get([remote["_count_task"].remote(cfg_ref, version, f) for f in frags])
-    sel = np.array([c[0] for c in counts], np.int64)
-    n = int(sel.sum())
-    rows_without = ds.count_rows() - sum(c[1] for c in counts)
-    # The same seeded sample over the same row order as the local engine.
-    rng = np.random.default_rng(cfg.seed)
-    k = max(1, round(n / cfg.cluster_size)) if n else 1
-    centroids = None
-    if n and k > 1:
-        sample = np.sort(rng.choice(n, size=min(n, cfg.train_rows), replace=False))
-        base = np.r_[0, np.cumsum(sel)]
-        cut = np.searchsorted(sample, base)  # the sample is sorted: a slice per fragment
-        refs = [
-            remote["_sample_task"].remote(
-                cfg_ref, version, frags[i], sample[cut[i] : cut[i + 1]] - base[i]
-            )
-            for i in range(len(frags))
-            if cut[i + 1] > cut[i]
-        ]
-        vecs = np.concatenate(ray.get(refs))
-        centroids = train_centroids(normalise(vecs), k, cfg.iters, cfg.seed)
-    buckets = max(1, min(k, -(-n // cfg.rows_per_task)))
-    groups = max(1, min(len(frags), buckets))
-    frag_group = {f: i * groups // max(1, len(frags)) for i, f in enumerate(frags)}
+    job = {"cfg": _cfg_json(cfg), "version": version}
     root = cfg.spill_dir or tempfile.mkdtemp(prefix="semdedup-")
     own = cfg.spill_dir is None
     try:
         os.makedirs(root, exist_ok=True)
-        c_ref = ray.put(centroids)
-        per = ray.get(
-            [
-                remote["_assign_task"].remote(cfg_ref, version, f, c_ref, k, buckets, root)
-                for f in frags
+        units = [{**job, "i": i, "fragment": f} for i, f in enumerate(frags)]
+        counts = by_unit(run(_count_unit, units, "semdedup count"))
+        sel = np.array([c["selected"] for c in counts], np.int64)
+        n = int(sel.sum())
+        rows_without = ds.count_rows() - sum(c["with_vec"] for c in counts)
+        # The same seeded sample over the same row order as the local engine.
+        rng = np.random.default_rng(cfg.seed)
+        k = max(1, round(n / cfg.cluster_size)) if n else 1
+        centroids_path = None
+        if n and k > 1:
+            sample = np.sort(rng.choice(n, size=min(n, cfg.train_rows), replace=False))
+            base = np.r_[0, np.cumsum(sel)]
+            cut = np.searchsorted(sample, base)  # the sample is sorted: a slice per fragment
+            units = [
+                {
+                    **job,
+                    "i": i,
+                    "fragment": frags[i],
+                    "pos": (sample[cut[i] : cut[i + 1]] - base[i]).tolist(),
+                    "root": root,
+                }
+                for i in range(len(frags))
+                if cut[i + 1] > cut[i]
             ]
-        )
+            parts = by_unit(run(_sample_unit, units, "semdedup sample"))
+            vecs = np.concatenate([np.load(p["path"], allow_pickle=False) for p in parts])
+            centroids = train_centroids(normalise(vecs), k, cfg.iters, cfg.seed)
+            centroids_path = os.path.join(root, "centroids.npy")
+            np.save(centroids_path, centroids, allow_pickle=False)
+        buckets = max(1, min(k, -(-n // cfg.rows_per_task)))
+        groups = max(1, min(len(frags), buckets))
+        frag_group = {f: i * groups // max(1, len(frags)) for i, f in enumerate(frags)}
+        units = [
+            {**job, "i": i, "fragment": f, "centroids": centroids_path, "k": k}
+            | {"buckets": buckets, "root": root}
+            for i, f in enumerate(frags)
+        ]
+        per = [r["per"] for r in by_unit(run(_assign_unit, units, "semdedup assign"))]
         per_bucket = np.sum(per, axis=0) if per else np.zeros(buckets, np.int64)
         spills = [_spill_path(root, "a", f) for f in frags]
-        fg_ref = ray.put(frag_group)
-        pending = [
-            remote["_bucket_task"].remote(
-                cfg_ref,
-                b,
-                [p for p, c in zip(spills, per, strict=True) if c[b]],
-                groups,
-                fg_ref,
-                root,
-            )
-            for b in range(buckets)
-            if per_bucket[b]
+        fg_path = os.path.join(root, "fragment-groups.npy")
+        np.save(fg_path, np.array([list(frag_group), list(frag_group.values())], np.int64))
+        done_buckets = [b for b in range(buckets) if per_bucket[b]]
+        units = [
+            {
+                **job,
+                "bucket": b,
+                "paths": [p for p, c in zip(spills, per, strict=True) if c[b]],
+                "groups": groups,
+                "frag_group": fg_path,
+                "root": root,
+            }
+            for b in done_buckets
         ]
         sizes, examples = [], []
         removed_at = dict.fromkeys(_thresholds(cfg), 0)
-        done_buckets = [b for b in range(buckets) if per_bucket[b]]
-        for s in ray.get(pending):
-            sizes.append(s["sizes"])
-            examples = sorted([*examples, *s["examples"]], key=lambda e: (-e[2], e[0]))[:10]
-            for t, r in s["removed_at"].items():
+        for s in run(_bucket_unit, units, "semdedup clusters"):
+            sizes.append(np.array(s["sizes"], np.int64))
+            found = [tuple(e) for e in s["examples"]]
+            examples = sorted([*examples, *found], key=lambda e: (-e[2], e[0]))[:10]
+            for t, r in s["removed_at"]:
                 removed_at[t] += r
         rep = _report(
             cfg, n, np.concatenate(sizes) if sizes else np.zeros(0, np.int64), removed_at, examples
@@ -645,13 +719,11 @@ def _run_ray(cfg: SemDedupConfig, ds) -> tuple[SemDedupReport, pa.Array]:
             by_group: dict[int, list[int]] = {}
             for f in frags:
                 by_group.setdefault(frag_group[f], []).append(f)
-            metas = ray.get(
-                [
-                    remote["_write_task"].remote(cfg_ref, version, fs, g, results)
-                    for g, fs in by_group.items()
-                ]
-            )
-            _commit(cfg, ds, [m for ms in metas for m in ms])
+            units = [
+                {**job, "fragments": fs, "group": g, "paths": results} for g, fs in by_group.items()
+            ]
+            written = run(_write_unit, units, "semdedup columns")  # a list per group
+            _commit(cfg, ds, [(m, fs) for group in written for m, fs in group])
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)

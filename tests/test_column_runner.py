@@ -347,3 +347,23 @@ def test_job_failing_before_its_first_write_leaves_the_table_as_it_was(tmp_path)
     assert rep.written == ROWS and rep.commits == 1
     assert lance.dataset(uri).version == ds0.version + 2  # the columns, then the one commit
     assert values(uri) == {f"t/{i:04d}": expected(i) for i in range(ROWS)}
+
+
+def test_one_pending_filter_spells_every_job_s_pending_rows():
+    from prx_data.columns.writeback import pending_filter
+    from prx_data.pipelines import dedup, download
+
+    names = ["id", "phash", "phash_error"]
+    assert dedup.pending_filter(names) == "`phash` IS NULL AND `phash_error` IS NULL"
+    assert dedup.pending_filter(names, redo_errors=True) == "`phash` IS NULL"
+    assert dedup.pending_filter(["id"]) is None
+    assert download.pending_filter("url") == (
+        "`download_status` IS NULL AND `url` IS NOT NULL AND `probe_error` = 'missing_image'"
+    )
+    only = download.pending_filter("url", ["failed", "http_4*"])
+    assert only.startswith("(`download_status` IN ('transient', 'permanent', 'refused') OR ")
+    assert "`download_error` LIKE 'http\\_4%')" in only
+    assert "IS NULL" not in only  # never-tried rows are left for a normal run
+    sql = pending_filter(["s"], "s", redo=["x"], redo_where=["e = 'y'"], match=["m = 1"])
+    assert sql == "(`s` IS NULL OR `s` IN ('x') OR e = 'y') AND m = 1"
+    assert pending_filter([], "s", include_missing=False, redo_where=["e = 'y'"]) == "false"

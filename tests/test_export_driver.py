@@ -148,38 +148,19 @@ def _write_record(path: str, address: str) -> None:
         f.write(address)
 
 
-def test_only_a_private_local_runtime_counts_as_local(no_ray_here, monkeypatch):
-    assert runtime.local_ray_cpus(None, 3) == 3
-    assert runtime.local_ray_cpus("local", 3) == 3
-    from ray._private.utils import get_num_cpus
-
-    assert runtime.local_ray_cpus() == int(get_num_cpus())  # Ray's own count
-    assert runtime.local_ray_cpus("127.0.0.1:6379", 3) is None  # --ray-address
-    monkeypatch.setenv("RAY_ADDRESS", "auto")
-    assert runtime.local_ray_cpus(None, 3) is None  # $RAY_ADDRESS
-    monkeypatch.setenv("RAY_ADDRESS", "local")
-    assert runtime.local_ray_cpus(None, 3) == 3
-    monkeypatch.delenv("RAY_ADDRESS")
-    monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", '{"CPU": 5}')
-    assert runtime.local_ray_cpus(None, 3) is None  # Ray sizes that runtime its own way
-    monkeypatch.delenv("RAY_OVERRIDE_RESOURCES")
-    import ray
-
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    assert runtime.local_ray_cpus(None, 3) is None  # Ray is up in this process
-
-
-def test_a_live_ray_start_record_is_joined_and_a_stale_one_ignored_quietly(no_ray_here):
+def test_small_work_stays_here_beside_a_live_ray_start_record_and_a_stale_one(no_ray_here):
     with socket.socket() as head:  # something answers at the recorded address
         head.bind(("127.0.0.1", 0))
         head.listen()
         _write_record(no_ray_here, f"127.0.0.1:{head.getsockname()[1]}")
-        assert runtime.local_ray_cpus(None, 2) is None
+        assert runtime._record_state(warn=False) == "live"
+        assert not runtime.place("auto", size=1, small=2).on_ray  # joined only for Ray work
         port = head.getsockname()[1]
     _write_record(no_ray_here, f"127.0.0.1:{port}")  # its head has stopped
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no Ray is started, so the record does not matter
-        assert runtime.local_ray_cpus(None, 2) == 2
+        assert runtime._record_state(warn=False) == "stale"
+        assert runtime.place("auto", size=1, small=2, num_cpus=2).threads == 2
 
 
 def test_a_tiny_export_in_a_fresh_process_never_starts_ray(table, tmp_path):

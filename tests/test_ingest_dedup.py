@@ -40,8 +40,10 @@ def duplicated_sources(root: str) -> list[str]:
 
 
 @pytest.mark.ray
-@pytest.mark.usefixtures("ray_local")
-def test_same_inputs_in_any_unit_order_give_the_same_table(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_same_inputs_in_any_unit_order_give_the_same_table(tmp_path, monkeypatch, engine, request):
+    if engine == "ray":
+        request.getfixturevalue("ray_local")
     sources = duplicated_sources(str(tmp_path / "src"))
     orders = {
         "plan": lambda items: items,
@@ -52,7 +54,7 @@ def test_same_inputs_in_any_unit_order_give_the_same_table(tmp_path, monkeypatch
     for name, order in orders.items():
         monkeypatch.setattr(I, "_schedule", order)
         uri = str(tmp_path / f"{name}.lance")
-        report = I.ingest(sources, uri, items_per_unit=1, progress=False)
+        report = I.ingest(sources, uri, items_per_unit=1, progress=False, engine=engine)
         assert report.rows_written == 6  # s/same, s/only-a, s/only-b, p/k1, p/k2, p/k3
         assert report.dropped["duplicate_id"] == 3
         assert I.duplicate_ids(uri) == 0
@@ -152,3 +154,18 @@ def test_lookups_and_losers_without_ray(tmp_path):
     # x: the first of unit 5 wins; y: unit 2 comes first in the plan, so it wins.
     assert I.losers(claims) == {0: [1, 2]}
     assert I.losers(claims.slice(1)) == {}
+
+
+def test_staging_runs_fill_a_fragment_and_keep_every_cpu_busy():
+    from prx_data.ingest import WorkUnit
+
+    folder = [WorkUnit("folder", "s", {"root": "r", "items": [["k", "k.jpg", None]] * 3})]
+    tar = WorkUnit("webdataset", "s", {"tar": "t.tar", "root": "r"})  # size unknown
+    # 3-row units, 10 rows a fragment: three units a run (9 rows), in plan order.
+    assert I.stage_groups(folder * 7, 10, cpus=1) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert I.stage_groups(folder * 12, 10, cpus=1) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    # A unit of unknown size fills a run by itself.
+    assert I.stage_groups([*folder, tar, *folder], 10, cpus=1) == [[0], [1], [2]]
+    # Never fewer than two runs per CPU while there are units for them.
+    assert len(I.stage_groups(folder * 12, 10**6, cpus=3)) == 6
+    assert I.stage_groups([], 10, cpus=2) == []

@@ -131,6 +131,23 @@ def test_rows_per_fragment_and_cli(tmp_path, capsys):
     assert sorted(ds.to_table(columns=["width"])["width"].to_pylist()) == list(range(64, 76))
 
 
+@pytest.mark.timeout(120)
+def test_a_small_ingest_stays_in_this_process_without_importing_ray(tmp_path):
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "photos")
+    make_folder(root)
+    code = (
+        "import sys\n"
+        "from prx_data.pipelines.ingest import ingest\n"
+        f"r = ingest([{root!r}], {str(tmp_path / 't.lance')!r}, items_per_unit=1, progress=False)\n"
+        "print(r.units, r.rows_written, 'ray' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["5", "5", "False"]  # five units, more than a CPU's worth
+
+
 def test_cli_help_explains_options(capsys):
     with pytest.raises(SystemExit):
         ingest_cli.main(["--help"])

@@ -178,6 +178,25 @@ def test_ray_gives_the_results_of_the_driver_threads(ray_local):
         list(map_units(_refuse, units[:1], on_ray))
 
 
+class _Unstartable:
+    def __init__(self):
+        raise RuntimeError("no room for the model")
+
+    def __call__(self, u: dict) -> dict:  # pragma: no cover
+        return u
+
+
+@pytest.mark.timeout(120)
+def test_an_actor_pool_logs_no_restart_warning_and_a_failed_start_ends_the_job(ray_local, capfd):
+    units = [{"n": i} for i in range(3)]
+    on_ray = Placement(threads=None)
+    out = map_units(_Doubler, units, on_ray, Resources(constructor_args=(2,)))
+    assert sorted(r["n"] for r in out) == [-2, -1, 0, 0, 2, 4]
+    with pytest.raises(Exception, match="no room for the model"):
+        list(map_units(_Unstartable, units, on_ray))  # not retried without end
+    assert "constructor arguments" not in capfd.readouterr().err
+
+
 class _DeadClusterDataset:
     """Test double for a Ray Dataset whose cluster dies while the job reads its results."""
 

@@ -1,6 +1,6 @@
 """``python -m prx_data.ingest SOURCE... --table URI``: load image-text sources into Lance.
 
-Thin CLI over :func:`prx_data.pipelines.ingest.ingest`; the Ray Data job graph is
+Thin CLI over :func:`prx_data.pipelines.ingest.ingest`; the job is
 :mod:`prx_data.pipelines.ingest`. Sources: image folders (captions from same-stem
 ``.txt``/``.json``), parquet (image bytes or paths, HF exports, LAION-style
 metadata), URL lists (txt, csv, tsv, JSON lines), WebDataset tars, twin-tar modality
@@ -30,11 +30,12 @@ __all__ = ["IngestReport", "ingest", "main"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.ingest",
-        description="Load image-text collections into a Lance table with Ray Data. Every row "
+        description="Load image-text collections into a Lance table. Every row "
         "gets a stable id '<source>/<key>', the image bytes as found, width/height/format "
         "from the header (unreadable images are kept with a probe_error), the caption, and "
-        "the source's other metadata columns. Re-ingesting never duplicates ids. Uses a "
-        "local Ray, or the cluster in RAY_ADDRESS.",
+        "the source's other metadata columns. Re-ingesting never duplicates ids. Small "
+        "sources load in this process; larger ones on a local Ray, or the cluster in "
+        "RAY_ADDRESS.",
     )
     p.add_argument(
         "sources",

@@ -29,32 +29,41 @@ def pending_filter(
     redo: Sequence[str] = (),
     require: Sequence[str] = (),
     include_missing: bool = True,
+    *,
+    redo_where: Sequence[str] = (),
+    match: Sequence[str] = (),
 ) -> str | None:
     """Lance SQL selecting rows still to do, given the table's ``existing`` columns.
 
-    A row is pending when its ``status_column`` is null or in ``redo``, and
-    (when given) its ``value_column`` is null, so values written by other
-    means are never overwritten. ``require`` columns must be non-null. With
-    ``include_missing=False`` only the rows whose status is in ``redo`` are
-    selected (never-processed rows are left for a normal run).
+    The one builder of every column job's pending rows. A row is pending when
+    its ``status_column`` is null or in ``redo`` (or meets one of the SQL
+    conditions ``redo_where``, e.g. an error pattern), and (when given) its
+    ``value_column`` is null, so values written by other means are never
+    overwritten. ``require`` columns must be non-null, and every condition in
+    ``match`` must hold. With ``include_missing=False`` only the rows to redo
+    are selected (never-processed rows are left for a normal run).
     """
     from prx_data.table.lance_ops import quote
 
-    if not include_missing and not redo:
+    if not include_missing and not redo and not redo_where:
         raise ValueError("include_missing=False needs statuses to redo")
     clauses = []
     if value_column and value_column != status_column and value_column in existing:
         clauses.append(f"{quote(value_column)} IS NULL")
-    redo_sql = f"{quote(status_column)} IN ({', '.join(sql_string(r) for r in redo)})"
+    again = [f"{quote(status_column)} IN ({', '.join(sql_string(r) for r in redo)})"] * bool(redo)
+    again += list(redo_where)
     if not include_missing:
-        clauses.append(redo_sql if status_column in existing else "false")
+        either = again[0] if len(again) == 1 else f"({' OR '.join(again)})"
+        clauses.append(either if status_column in existing else "false")
     elif status_column in existing:
-        st = f"{quote(status_column)} IS NULL"
-        if redo:
-            st = f"({st} OR {redo_sql})"
-        clauses.append(st)
+        clauses.append(
+            f"({' OR '.join([f'{quote(status_column)} IS NULL', *again])})"
+            if again
+            else f"{quote(status_column)} IS NULL"
+        )
     for col in require:
         clauses.append(f"{quote(col)} IS NOT NULL")
+    clauses.extend(match)
     return " AND ".join(clauses) or None
 
 

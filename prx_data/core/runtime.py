@@ -208,6 +208,11 @@ def _quiet_token_auth(*, joining: bool) -> None:
     A private local Ray uses token auth by default; a joined cluster needs it
     when this host has a token. An explicit ``RAY_AUTH_MODE`` is left alone,
     and so is everything with ``-v``.
+
+    Ray reads the mode into its config when it is imported, and ``ray.init``
+    creates a missing token only by that config: so the config is read again
+    here, else a host without ``~/.ray/auth_token`` starts a head that needs a
+    token nobody made (its GCS exits and ``ray.init`` times out).
     """
     if _verbose or os.environ.get("RAY_AUTH_MODE"):
         return
@@ -218,6 +223,12 @@ def _quiet_token_auth(*, joining: bool) -> None:
         if not token:
             return
     os.environ["RAY_AUTH_MODE"] = "token"
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):  # Ray's config moved: it reads the mode on its own
+        pass
 
 
 @contextlib.contextmanager
@@ -276,35 +287,6 @@ def _record_state(*, warn: bool = True) -> str:
         stacklevel=3,
     )
     return "stale"
-
-
-def local_ray_cpus(address: str | None = None, num_cpus: int | None = None) -> int | None:
-    """The CPUs of the private local Ray runtime :func:`ensure_ray` would start, or None
-    when it would use a Ray that exists already: Ray initialised in this process, a
-    cluster given by ``address`` or ``$RAY_ADDRESS``, or the live ``ray start`` cluster
-    named in Ray's record on this host (also None with ``$RAY_OVERRIDE_RESOURCES``,
-    which sizes a local runtime in Ray's own way).
-
-    Starts nothing, so a job can tell before paying Ray's start-up whether its work
-    could stay in this process; the count is Ray's own (``num_cpus``, else Ray's CPU
-    detection), so anything planned from it matches what that runtime would report.
-    """
-    ray = sys.modules.get("ray")  # not imported: certainly not initialised
-    if ray is not None and ray.is_initialized():
-        return None
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address not in (None, "local") or os.environ.get("RAY_OVERRIDE_RESOURCES"):
-        return None
-    if address is None and _record_state(warn=False) == "live":
-        return None
-    if num_cpus is not None:
-        return max(1, num_cpus)
-    try:
-        from ray._private.utils import get_num_cpus
-
-        return max(1, int(get_num_cpus()))
-    except (ImportError, AttributeError):  # Ray's helper moved: its documented default
-        return max(1, os.cpu_count() or 1)
 
 
 def unit_dataset(items: list[dict], *, single_operator: bool = True):
@@ -721,8 +703,18 @@ def _on_ray(fn, units, placement: Placement, resources: Resources, tables, singl
         kw["runtime_env"] = {"env_vars": dict(resources.env)}
     if isinstance(fn, type):
         kw["compute"] = ray.data.ActorPoolStrategy(size=resources.actors or 1)
+        # Ray Data restarts a pool's actors forever by default: an actor whose start
+        # fails every time (a model that does not fit, a class its workers cannot
+        # import) then retries without end, and Ray logs an error line for every pool
+        # ("has constructor arguments in the object store and max_restarts > 0":
+        # Ray Data passes its own config that way, ray-project/ray#57733). A dead
+        # actor ends the job instead; the jobs resume from what they committed.
+        # Ray Data's own way to turn that off (Ray warns it goes in Ray 2.64).
+        kw["max_restarts"] = 0
         kw["fn_constructor_args"] = (fn, tuple(resources.constructor_args), tables)
-        ds = ds.map_batches(_RayCall, **kw)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            ds = ds.map_batches(_RayCall, **kw)
     else:
         ds = ds.map_batches(_RayCall(fn, (), tables).__call__, **kw)
     try:

@@ -333,17 +333,17 @@ def plan(
             groups.append(rg)
             group_rows += nrows
             if group_rows >= items_per_unit:
-                units.append(_unit(source, f, groups, start, prefix, roles))
+                units.append(_unit(source, f, groups, start, prefix, roles, group_rows))
                 start += group_rows
                 groups, group_rows = [], 0
         if groups:
-            units.append(_unit(source, f, groups, start, prefix, roles))
+            units.append(_unit(source, f, groups, start, prefix, roles, group_rows))
     approx = total_bytes / total_rows if total_rows else None
     return Plan(units, extra_fields(schema, roles), Counts(), approx)
 
 
 def _unit(
-    source: str, file: str, groups: list[int], start: int, prefix: str, roles: Roles
+    source: str, file: str, groups: list[int], start: int, prefix: str, roles: Roles, rows: int
 ) -> WorkUnit:
     return WorkUnit(
         KIND,
@@ -352,6 +352,7 @@ def _unit(
             "file": file,
             "row_groups": groups,
             "start": start,
+            "rows": rows,  # how the ingest job sizes its staging tasks
             "prefix": prefix,
             "roles": asdict(roles),
         },

@@ -405,13 +405,21 @@ class UrlListReader:
         )
         source = source or posixpath.basename(strip_ext(path.rstrip("/"))) or self.KIND
         ranges, lines = _cut(path, max(1, items_per_unit))
+        ends = [first for _, _, first in ranges[1:]] + [lines]
         units = [
             WorkUnit(
                 self.KIND,
                 source,
-                {"file": path, "start": a, "end": b, "line": first, "layout": layout.to_json()},
+                {
+                    "file": path,
+                    "start": a,
+                    "end": b,
+                    "line": first,
+                    "rows": max(0, end - first),  # lines: how the ingest job sizes its work
+                    "layout": layout.to_json(),
+                },
             )
-            for a, b, first in ranges
+            for (a, b, first), end in zip(ranges, ends, strict=True)
         ]
         size = ranges[-1][1] if ranges else 0
         approx = size / lines if lines else None

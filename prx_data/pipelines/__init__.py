@@ -1,4 +1,4 @@
-"""The Ray Data job graphs, ``prx_data.pipelines.<job>``, kept in the top-level ``pipelines/`` folder.
+"""The jobs, ``prx_data.pipelines.<job>``, kept in the top-level ``pipelines/`` folder.
 
 An installed wheel holds that folder here (``package-dir`` in pyproject.toml);
 in a source checkout this package points at it, so the jobs have one import
