@@ -7,8 +7,10 @@ The export has the real layout (indexes, manifests, id index; no shard files, wh
 registry's ids are in the export (every other sample), half are not. Measured: the full
 materialisation (``sync``: read the log, bind every id through the id index, write every
 store and sidecar) in this process, wall time and peak resident memory above the start,
-then a second ``sync`` (nothing changed since the recorded position) and an opt-out of
-10^3 ids (incremental: one list). Results go to ``benchmarks/results/list-sync.json``.
+then a second ``sync`` (nothing changed since the recorded position), an opt-out of 10^3
+ids (applied from the log's entries since the recorded position), the same with the
+position distrusted (the whole list rebound: the anchor) and once more from a delta.
+Results go to ``benchmarks/results/list-sync.json``; ``list_sync.md`` keeps the dated runs.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main() -> int:
 
     work = tempfile.mkdtemp(prefix="prx-listsync-", dir=args.work)
     res: dict = {"samples": args.samples, "registry_ids": args.registry}
+    res["load_avg_1m_start"] = os.getloadavg()[0]
     try:
         n = args.samples
         root = os.path.join(work, "export")
@@ -114,6 +117,29 @@ def main() -> int:
         opt = [BS._sid(int(i)) for i in range(1, 2001, 2)]
         L.update_list(root, "optout", opt, L.Provenance("bench"))
         res["optout_1e3_s"] = round(time.perf_counter() - t0, 2)
+        # The same opt-out with the recorded position distrusted (an interrupted run): the
+        # whole list is rebound, the cost every opt-out had before updates applied deltas.
+        st = L.read_state(root)
+        st.dirty = True
+        L.write_state(root, st)
+        _reset_hwm()
+        base = _rss_mb()
+        t0 = time.perf_counter()
+        opt = [BS._sid(int(i)) for i in range(2001, 4001, 2)]
+        L.update_list(root, "optout", opt, L.Provenance("bench"))
+        res["optout_1e3_full_rebind_s"] = round(time.perf_counter() - t0, 2)
+        res["optout_1e3_full_rebind_peak_add_mb"] = round(_hwm_mb() - base, 0)
+        _reset_hwm()
+        base = _rss_mb()
+        t0 = time.perf_counter()
+        opt = [BS._sid(int(i)) for i in range(4001, 6001, 2)]
+        L.update_list(root, "optout", opt, L.Provenance("bench"))
+        res["optout_1e3_delta_s"] = round(time.perf_counter() - t0, 2)
+        res["optout_1e3_delta_peak_add_mb"] = round(_hwm_mb() - base, 0)
+        res["ratio_delta_to_full_rebind"] = round(
+            res["optout_1e3_delta_s"] / res["optout_1e3_full_rebind_s"], 3
+        )
+        res["load_avg_1m_end"] = os.getloadavg()[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(res, indent=1))

@@ -292,3 +292,105 @@ def test_registry_written_before_commit_order_is_converted(tmp_path):
     )
     assert reg.state()["x"]["id"].to_pylist() == ["b", "c"]
     assert json.dumps(sorted(reg.state())) == '["x"]'
+
+
+# --- one write path: the low-level sidecar API ------------------------------------------------
+
+
+def test_the_low_level_api_refuses_a_list_the_log_keeps_and_its_own_lists_survive(bound):
+    _, a, _ = bound
+    _add(a.root, "optout", [_id(1)])
+    for call in (
+        lambda: SL.add_skips_by_ids(a.root, "optout", [_id(2)]),
+        lambda: SL.add_skips(a.root, "optout", {a.where[_id(2)][:2]: [a.where[_id(2)][2]]}),
+        lambda: SL.remove_skip_list(a.root, "optout"),
+    ):
+        with pytest.raises(SL.UsageError, match="kept by the export's list log"):
+            call()
+    assert skipped(a)["optout"] == {_id(1)}
+    # A list the log does not keep goes in as sidecars, and is taken into the log exactly.
+    assert SL.add_skips_by_ids(a.root, "manual", [_id(4), _id(5)]).samples_listed == 2
+    _add(a.root, "optout", [_id(3)])
+    L.sync(a.root)
+    assert skipped(a) == {"optout": {_id(1), _id(3)}, "manual": {_id(4), _id(5)}}
+    with pytest.raises(SL.UsageError, match="kept by the export's list log"):
+        SL.add_skips_by_ids(a.root, "manual", [_id(6)])
+    _remove(a.root, "manual", [_id(4)])
+    assert skipped(a)["manual"] == {_id(5)}
+
+
+# --- delta materialisation ---------------------------------------------------------------------
+
+
+def _forms(root: str) -> tuple:
+    """Everything materialised: stores (with kinds), sidecar bytes, the state's lists and counts."""
+    stores = {n: L._read_store_file(root, n).to_pydict() for n in L.store_names(root)}
+    cars = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".skip"):
+                cars[os.path.relpath(os.path.join(dirpath, f), root)] = open(
+                    os.path.join(dirpath, f), "rb"
+                ).read()
+    st = L.read_state(root)
+    return stores, cars, st.lists, st.counts, st.position
+
+
+def test_an_update_binds_only_the_changed_ids_and_equals_a_full_rebind(bound, monkeypatch):
+    _, a, b = bound
+    _add(a.root, "optout", [_id(i) for i in range(8)] + ["gone/1"])
+    _add(a.root, "optout", [_id(10)], export_only=True)
+    _add(b.root, "dedup", [_id(9)])  # the registry moves on without a
+    real, seen = L.bind, []
+
+    def counting(root, lists, **kw):
+        seen.append(sum(len(v) for v in lists.values()))
+        return real(root, lists, **kw)
+
+    monkeypatch.setattr(L, "bind", counting)
+    r = _remove(a.root, "optout", [_id(3)])
+    assert seen == [2]  # _id(3), and dedup's _id(9) from b: not the list's 9 ids
+    assert (r.ids_in_list, r.samples_listed) == (9, 8)
+    delta = _forms(a.root)
+    monkeypatch.setattr(L, "bind", real)
+    L.sync(a.root)  # the full rebind
+    assert _forms(a.root) == delta
+    assert skipped(a) == {"optout": {_id(i) for i in (0, 1, 2, 4, 5, 6, 7, 10)}, "dedup": {_id(9)}}
+
+
+@pytest.mark.parametrize("why", ["dirty", "log"])
+def test_an_update_rebinds_whole_when_the_position_is_not_a_known_prefix(bound, monkeypatch, why):
+    _, a, _ = bound
+    _add(a.root, "optout", [_id(1), _id(2)])
+    st = L.read_state(a.root)
+    if why == "dirty":  # a materialisation was interrupted
+        st.dirty = True
+    else:  # the registry was rewritten (converted, recreated) since
+        st.log_id = "0" * 32
+    L.write_state(a.root, st)
+    real, seen = L.bind, []
+    monkeypatch.setattr(
+        L, "bind", lambda root, lists, **kw: seen.append(dict(lists)) or real(root, lists, **kw)
+    )
+    _add(a.root, "optout", [_id(3)])
+    assert [sorted(x) for x in seen] == [["optout"]]
+    assert len(seen[0]["optout"]) == 3
+    assert skipped(a)["optout"] == {_id(1), _id(2), _id(3)}
+    assert not L.read_state(a.root).dirty
+
+
+def test_an_interrupted_update_leaves_the_state_dirty_and_the_next_one_repairs(bound, monkeypatch):
+    _, a, _ = bound
+    _add(a.root, "optout", [_id(1)])
+
+    def boom(*a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(L, "write_store_list", boom)
+    with pytest.raises(OSError):
+        _add(a.root, "optout", [_id(2)])
+    assert L.read_state(a.root).dirty
+    monkeypatch.undo()
+    _add(a.root, "optout", [_id(3)])
+    assert skipped(a)["optout"] == {_id(1), _id(2), _id(3)}
+    assert not L.read_state(a.root).dirty

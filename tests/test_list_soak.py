@@ -1,5 +1,5 @@
 """Multi-process soak of the skip-list log: 4 processes add, remove and sync at once on two
-exports of one table. Every acknowledged change is in the registry at the commit it was
+exports of one table, on local disk and on the S3 test server (moto, on loopback). Every acknowledged change is in the registry at the commit it was
 given, the registry's state is the replay of those changes in commit order (nothing lost,
 nothing resurrected), every export materialises it, and no process fails."""
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from prx_data.skips import lists as L
-from tests.exportkit import make_export
+from tests.exportkit import make_export, upload_tree
 from tests.tablekit import make_table
 from tests.test_list_model import skipped
 
@@ -21,10 +21,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B = "512/1.000"
 
 
-def _soak(tmp_path, procs: int, ops: int) -> int:
+def _soak(tmp_path, procs: int, ops: int, bucket: str | None = None) -> int:
     table = str(tmp_path / "t.lance")
     make_table(table, [("s/0", b"\xff\xd8x", "c")])
     exports = [make_export(str(tmp_path / e), {B: 8}, samples_per_part=4) for e in "ab"]
+    if bucket is not None:  # the exports and the table (so its registry) on the S3 server
+        remote = f"s3://{bucket}/t.lance"
+        upload_tree(table, remote)
+        table = remote
+        for ex in exports:
+            root = f"s3://{bucket}/exports/{os.path.basename(ex.root)}"
+            upload_tree(ex.root, root)
+            ex.root = root
     for ex in exports:
         L.sync(ex.root, table)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -42,7 +50,8 @@ def _soak(tmp_path, procs: int, ops: int) -> int:
     errs = [p.communicate(timeout=1200)[1].decode() for p in running]
     assert [p.returncode for p in running] == [0] * procs, "\n".join(errs)
     assert not any("Traceback" in e for e in errs), "\n".join(errs)
-    acked = [json.loads(line) for path in logs for line in open(path)]
+    print(f"soak: {procs} processes, {procs * ops} operations, {len(acked_of(logs))} acknowledged")
+    acked = acked_of(logs)
     reg = L.Registry.for_table(table)
     entries = reg.entries()
     by_seq: dict[int, set] = {}
@@ -70,10 +79,20 @@ def _soak(tmp_path, procs: int, ops: int) -> int:
     return len(acked)
 
 
+def acked_of(logs: list[str]) -> list[dict]:
+    return [json.loads(line) for path in logs for line in open(path)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_four_processes_at_once_lose_and_resurrect_nothing(tmp_path):
     assert _soak(tmp_path, 4, 5) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_four_processes_at_once_on_s3_lose_and_resurrect_nothing(tmp_path, s3_bucket):
+    assert _soak(tmp_path, 4, 5, s3_bucket) > 0
 
 
 @pytest.mark.slow

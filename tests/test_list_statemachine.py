@@ -7,10 +7,16 @@ later registry change of that id; a registry change clears every export's
 override of that id (it is newer). Any operation on an export, and ``sync``,
 materialises it fully; other exports keep what they showed until theirs.
 
-After every step, for every export, the ids its sidecars skip (the loader's
-view, through its manifests) and the ids its ``_lists/`` store holds equal
-the model. Writers' clocks are skewed at random: the order is commit order.
-The short profile runs in the default suite; the long one is marked slow.
+After every step, for every export, the ids its sidecars skip (read back
+through its manifests) and the ids its ``_lists/`` store holds equal the
+model; every few steps and at the end, so do the ids the loader leaves out
+of each export (:func:`prx_data.stream.sources.load_sources`, the skips the
+sample space is built from). Beyond list updates and syncs the rules rewrite
+an export (``skips rewrite``, applying ``dedup``), export afresh to a new
+folder, append rows to the table, compact the table and the registry, and
+replace the dedup list (``dedup --export``). Writers' clocks are skewed at
+random: the order is commit order. The short profile runs in the default
+suite; the long one is marked slow.
 """
 
 from __future__ import annotations
@@ -23,15 +29,19 @@ import tempfile
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+import pyarrow as pa  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
 
+from prx_data.export import layout  # noqa: E402
 from prx_data.skips import lists as L  # noqa: E402
+from prx_data.skips import sidecar as SL  # noqa: E402
 from tests.exportkit import make_export  # noqa: E402
 from tests.tablekit import make_table  # noqa: E402
 
 B = "512/1.000"
+TIER = 512
 N = 8
 EXPORTS = ("a", "b", "c")
 LISTS = ("optout", "dedup")
@@ -53,14 +63,21 @@ class ListLog(RuleBasedStateMachine):
             L.sync(root, self.table)
             self.ex[e] = root
         self.where = TEMPLATE.where
+        self.tid = L.read_table_id(self.table)
         self.reg: dict[str, set[str]] = {}
         self.over: dict[str, dict[tuple[str, str], str]] = {e: {} for e in EXPORTS}
         self.shown: dict[str, dict[str, set[str]]] = {e: {} for e in EXPORTS}
         self.skew = 0.0
         self.gen = 0
+        self.steps = 0
+        #: The ids each export's tree holds (a rewrite leaves the applied list's samples out).
+        self.held = {e: set(TEMPLATE.where) for e in EXPORTS}
 
     def teardown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            self.loader_skips_the_model()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     # --- the model ---------------------------------------------------------------------------
 
@@ -140,18 +157,104 @@ class ListLog(RuleBasedStateMachine):
             L.materialise(root, reg, lease, full=True)
         self.shown[e] = self.view(e)
 
+    @rule(e=st.sampled_from(EXPORTS))
+    def reexport(self, e):
+        """A fresh export of the table to a new folder: the registry's lists, nothing else."""
+        self.gen += 1
+        root = os.path.join(self.tmp, f"{e}.{self.gen}")
+        shutil.copytree(TEMPLATE.root, root)
+        with L.export_lease(root) as lease:
+            L.materialise(root, L.Registry.for_table(self.table), lease, full=True)
+        self.ex[e], self.over[e], self.held[e] = root, {}, set(TEMPLATE.where)
+        self.shown[e] = self.view(e)
+
+    @rule(e=st.sampled_from(EXPORTS))
+    def rewrite(self, e):
+        """``skips rewrite`` applying dedup: a new tree without those samples, lists carried."""
+        from prx_data.skips.rewrite import rewrite_export
+
+        # Applied: what its sidecars skip and what the log holds now (all its ids leave).
+        gone = self.shown[e].get("dedup", set()) | self.view(e).get("dedup", set())
+        self.gen += 1
+        out = os.path.join(self.tmp, f"{e}.{self.gen}")
+        rewrite_export(self.ex[e], out, names=["dedup"], force=True, verify=False)
+        for (n, i), op in sorted(self.over[e].items()):
+            self.reg_op(n, {i}, op)
+        self.ex[e], self.held[e] = out, self.held[e] - gone
+        self.shown[e] = self.view(e)
+
+    @rule(e=st.sampled_from(EXPORTS), ids=ids_st)
+    def dedup(self, e, ids):
+        """``dedup --export``: the dedup list replaced, in one registry commit."""
+        gone = self.view(e).get("dedup", set()) - ids
+        L.update_list(self.ex[e], "dedup", sorted(ids), self.prov(), mode="replace")
+        self.reg_op("dedup", gone, "remove")
+        self.reg_op("dedup", ids, "add")
+        self.shown[e] = self.view(e)
+
+    @rule()
+    def append_to_table(self):
+        import lance
+
+        ds = lance.dataset(self.table)
+        row = ds.to_table(limit=1)
+        self.gen += 1
+        row = row.set_column(0, "id", pa.array([f"s/new{self.gen}"], pa.string()))
+        lance.write_dataset(row, self.table, mode="append")
+        assert L.read_table_id(self.table) == self.tid
+
+    @rule()
+    def compact(self):
+        """Compaction and old-version cleanup of the table and of the registry."""
+        import lance
+
+        for uri in (self.table, L.registry_uri(self.table)):
+            if os.path.exists(uri):
+                ds = lance.dataset(uri)
+                ds.optimize.compact_files()
+                lance.dataset(uri).cleanup_old_versions(older_than=dt.timedelta(0))
+        assert L.read_table_id(self.table) == self.tid
+
     # --- the check -------------------------------------------------------------------------
 
     @invariant()
     def exports_equal_the_model(self):
-        from tests.test_list_model import skipped, stored
+        from tests.test_list_model import stored
 
-        held = set(self.where)
+        self.steps += 1
         for e in EXPORTS:
-            want = self.shown[e]
+            want, held = self.shown[e], self.held[e]
             assert stored(self.ex[e]) == want, e
-            got = skipped(TEMPLATE, self.ex[e])
+            got = _sidecar_ids(self.ex[e])
             assert got == {n: v & held for n, v in want.items() if v & held}, e
+        if self.steps % 4 == 0:
+            self.loader_skips_the_model()
+
+    def loader_skips_the_model(self):
+        """The ids the loader leaves out of each export, and those it streams, are the model's."""
+        from prx_data.stream.sources import load_sources
+        from prx_data.stream.spec import DatasetSpec
+
+        for e in EXPORTS:
+            want = set().union(*self.shown[e].values()) & self.held[e]
+            srcs = load_sources(DatasetSpec(root=self.ex[e]), [TIER])
+            positions = {(b.bucket, s): idx for b in srcs for s, idx in b.skips.items()}
+            assert set(L.ids_at(self.ex[e], positions).to_pylist()) == want, e
+            streamed = sum(b.samples - b.skipped for b in srcs)
+            assert streamed == len(self.held[e] - want), e
+
+
+def _sidecar_ids(root: str) -> dict[str, set[str]]:
+    """{list: ids its sidecars skip}, read back through the export's manifests."""
+    out = {}
+    for bucket in layout.list_buckets(root):
+        shards = layout.read_index(root, bucket)
+        for n in SL.list_sidecars(root, bucket, shards):
+            got = SL.load_skips(root, bucket, shards, [n])
+            ids = set(L.ids_at(root, {(bucket, s): v for s, v in got.items()}).to_pylist())
+            if ids:
+                out.setdefault(n, set()).update(ids)
+    return out
 
 
 TEMPLATE = None
@@ -168,8 +271,8 @@ def template(tmp_path_factory):
 
 
 _FAST = settings(
-    max_examples=6,
-    stateful_step_count=8,
+    max_examples=3,
+    stateful_step_count=10,
     deadline=None,
     suppress_health_check=list(HealthCheck),
     derandomize=True,

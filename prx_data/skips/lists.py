@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 #: Manifest rows looked up at once (about 100 MB of ids at 10^6 rows).
 BIND_BATCH_ROWS = 1 << 20
 #: How long a list update waits for another writer of the same export or registry.
-LOCK_TIMEOUT_S = 900.0
+LOCK_TIMEOUT_S = SL.LOCK_TIMEOUT_S
 #: Registry commits tried before giving up with one error (after backoff).
 COMMIT_ATTEMPTS = 8
 #: A list that leaves out more than this share of an export is reported with a warning.
@@ -94,9 +94,11 @@ WARN_SHARE = 0.10
 #: The file in a table folder that holds the table's identity.
 TABLE_ID_NAME = "_prx_table_id"
 #: The export's own (export-only) log.
-LOCAL_LOG_NAME = "_local.parquet"
+LOCAL_LOG_NAME = SL.LOCAL_LOG_NAME
 #: Format of ``_lists/registry``.
 STATE_FORMAT = 2
+#: Schema metadata key of the registry's log identity (see :meth:`Registry.position`).
+LOG_ID_KEY = b"prx.log_id"
 
 TS = pa.timestamp("us", tz="UTC")
 STORE_SCHEMA = pa.schema(
@@ -117,6 +119,9 @@ LOG_SCHEMA = pa.schema(
         ("host", pa.string()),
     ]
 )
+#: The store file also keeps each id's kind (the entry that decided it), so an update can
+#: rewrite it from the entries since the recorded position alone (:func:`materialise`).
+STORE_FILE_SCHEMA = STORE_SCHEMA.append(pa.field("kind", pa.int8()))
 REGISTRY, EXPORT_ONLY = 0, 1
 ADD, REMOVE = "add", "remove"
 
@@ -259,40 +264,35 @@ def latest(entries: pa.Table) -> pa.Table:
     return t.filter(pa.array(keep))
 
 
-def state(entries: pa.Table) -> dict[str, pa.Table]:
-    """{list: store table} of the ids whose latest entry is ``add`` (empty lists left out)."""
+def state(entries: pa.Table, *, kinds: bool = False) -> dict[str, pa.Table]:
+    """{list: store table} of the ids whose latest entry is ``add`` (empty lists left out);
+    ``kinds``: with each id's ``kind`` (registry or export-only), as the store file keeps it."""
     last = latest(entries)
     if not len(last):
         return {}
     last = last.filter(pc.equal(last["op"], ADD))
     out = {}
+    schema = STORE_FILE_SCHEMA if kinds else STORE_SCHEMA
     for name in sorted(pc.unique(last["list"]).to_pylist()):
         rows = last.filter(pc.equal(last["list"], name)).sort_by("id")
-        out[name] = pa.table(
-            {
-                "id": rows["id"],
-                "added": rows["at"],
-                "command": rows["command"],
-                "reason": rows["reason"],
-            },
-            schema=STORE_SCHEMA,
-        )
+        out[name] = _store_rows(rows, schema)
     return out
 
 
-def sources(entries: pa.Table) -> dict[str, str]:
-    """{list: "registry" | "export-only" | "registry, export-only"}: where its ids come from."""
-    last = latest(entries)
-    if not len(last):
-        return {}
-    last = last.filter(pc.equal(last["op"], ADD))
-    out = {}
-    for name in pc.unique(last["list"]).to_pylist():
-        kinds = set(pc.unique(last.filter(pc.equal(last["list"], name))["kind"]).to_pylist())
-        out[name] = ", ".join(
-            w for k, w in ((REGISTRY, "registry"), (EXPORT_ONLY, "export-only")) if k in kinds
-        )
-    return out
+def _store_rows(rows: pa.Table, schema: pa.Schema = STORE_SCHEMA) -> pa.Table:
+    """Log entries (latest ``add`` per id) as store rows."""
+    cols = {"id": rows["id"], "added": rows["at"], "command": rows["command"]}
+    cols["reason"] = rows["reason"]
+    if "kind" in schema.names:
+        cols["kind"] = rows["kind"]
+    return pa.table(cols, schema=schema)
+
+
+def _source_text(kinds: Iterable[int]) -> str:
+    kinds = set(kinds)
+    return ", ".join(
+        w for k, w in ((REGISTRY, "registry"), (EXPORT_ONLY, "export-only")) if k in kinds
+    )
 
 
 def _names_filter(names: Iterable[str] | None) -> str | None:
@@ -393,8 +393,17 @@ class Registry:
 
     def head(self) -> int:
         """The registry's position: the Lance version of its last commit (0: no registry yet)."""
+        return self.position()[0]
+
+    def position(self) -> tuple[int, str | None]:
+        """(head, the log's identity): a registry rewritten other than by appends (converted,
+        recreated) gets a new identity, so a position recorded against the old one is known
+        not to be a prefix of this log."""
         ds = self._open()
-        return 0 if ds is None else ds.version
+        if ds is None:
+            return 0, None
+        got = (ds.schema.metadata or {}).get(LOG_ID_KEY, b"").decode()
+        return ds.version, (got or None) if "seq" in ds.schema.names else None
 
     def entries(
         self, names: Iterable[str] | None = None, *, upto: int | None = None, after: int = 0
@@ -441,6 +450,10 @@ class Registry:
                 if ds is not None and "seq" not in ds.schema.names:
                     self._convert(ds, lease)
                     ds = self._open()
+                elif ds is not None and LOG_ID_KEY not in (ds.schema.metadata or {}):
+                    lease.check()  # a log from before log identities: give it one (a commit)
+                    ds.update_schema_metadata({LOG_ID_KEY.decode(): uuid.uuid4().hex})
+                    ds = self._open()
                 v = 0 if ds is None else ds.version
                 rows = make(v + 1)
                 if rows is None or not len(rows):
@@ -449,7 +462,7 @@ class Registry:
                 lease.check()  # fenced: no commit after the lease was lost
                 try:
                     if ds is None:
-                        schema = LOG_SCHEMA.with_metadata({"prx.table_id": self.table_id})
+                        schema = self._schema()
                         lance.write_dataset(
                             rows.cast(schema), self.uri, mode="create", storage_options=self.options
                         )
@@ -473,6 +486,11 @@ class Registry:
             "of this request was recorded, run it again"
         )
 
+    def _schema(self) -> pa.Schema:
+        """The schema of a new log: the table's identity and a new log identity."""
+        meta = {"prx.table_id": self.table_id, LOG_ID_KEY.decode(): uuid.uuid4().hex}
+        return LOG_SCHEMA.with_metadata(meta)
+
     def _convert(self, ds, lease: Lease) -> None:
         """Rewrite a registry from before commit ordering as its current state (one commit)."""
         import lance
@@ -484,7 +502,7 @@ class Registry:
             log_rows(n, t["id"], ADD, t, seq=seq, base=seq, kind=REGISTRY, export="")
             for n, t in rows.items()
         ]
-        schema = LOG_SCHEMA.with_metadata({"prx.table_id": self.table_id})
+        schema = self._schema()
         lease.check()
         lance.write_dataset(
             _concat(parts).cast(schema), self.uri, mode="overwrite", storage_options=self.options
@@ -553,6 +571,21 @@ def store_names(root: str) -> list[str]:
     return sorted(names)
 
 
+def _read_store_file(root: str, name: str) -> pa.Table | None:
+    """The list's store with each id's kind (None: no store, or one without kinds)."""
+    try:
+        data = storage.read_bytes(_store_path(root, name))
+    except FileNotFoundError:
+        return None
+    try:
+        t = pq.read_table(io.BytesIO(data))
+        if "kind" not in t.column_names:
+            return None
+        return t.select(STORE_FILE_SCHEMA.names).cast(STORE_FILE_SCHEMA)
+    except (pa.ArrowException, KeyError, ValueError):
+        return None  # the caller rebinds the list, which reports an unreadable store
+
+
 def read_store(root: str) -> dict[str, pa.Table]:
     return {n: t for n in store_names(root) if (t := read_store_list(root, n)) is not None}
 
@@ -564,7 +597,8 @@ def write_store_list(root: str, name: str, table: pa.Table | None) -> None:
         storage.delete(path)
         return
     buf = io.BytesIO()
-    pq.write_table(table.cast(STORE_SCHEMA), buf, compression="zstd")
+    schema = STORE_FILE_SCHEMA if "kind" in table.column_names else STORE_SCHEMA
+    pq.write_table(table.select(schema.names).cast(schema), buf, compression="zstd")
     storage.write_bytes_atomic(path, buf.getvalue())
 
 
@@ -599,6 +633,14 @@ class ExportState:
     #: {list: where its ids come from} as materialised.
     lists: dict[str, str] = field(default_factory=dict)
     format: int = STATE_FORMAT
+    #: The registry's log identity at ``position`` (:meth:`Registry.position`).
+    log_id: str | None = None
+    #: The export's sample count, and {list: {ids, samples, shards}} as materialised.
+    total: int | None = None
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Set while a materialisation writes: the forms may be between two positions, so the
+    #: next one rebinds every list.
+    dirty: bool = False
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, sort_keys=True).encode()
@@ -627,6 +669,18 @@ def read_state(root: str) -> ExportState | None:
         setattr(st, k, v if isinstance(v, int) and v >= 0 else 0)
     lists = obj.get("lists")
     st.lists = {str(k): str(v) for k, v in lists.items()} if isinstance(lists, dict) else {}
+    v = obj.get("log_id")
+    st.log_id = v if isinstance(v, str) and v else None
+    v = obj.get("total")
+    st.total = v if isinstance(v, int) and v >= 0 else None
+    counts = obj.get("counts")
+    if isinstance(counts, dict):
+        for n, c in counts.items():
+            if isinstance(c, dict) and all(
+                isinstance(c.get(k), int) and c[k] >= 0 for k in ("ids", "samples", "shards")
+            ):
+                st.counts[str(n)] = {k: c[k] for k in ("ids", "samples", "shards")}
+    st.dirty = obj.get("dirty") is not False  # absent in a state from before: not trusted
     return st
 
 
@@ -844,13 +898,20 @@ def materialise(
     """Make the export's lists the state of the log (registry up to its head, and the export's
     own entries); the export's ``lease`` must be held. Touches the lists changed since the
     recorded position, ``names``, and (``full``) every list. Returns
-    ``{list: {ids, samples, shards, share, source}}`` for the lists it wrote."""
-    st = read_state(root)
+    ``{list: {ids, samples, shards, share, source}}`` for the lists it wrote.
+
+    A touched list is updated from the entries after the recorded position alone (only
+    those ids are bound, only their shards' sidecars rewritten) when that position is a
+    known prefix of the log (:func:`_delta_lists`); otherwise, and with ``full``, it is
+    rebound whole from the log.
+    """
+    old = read_state(root)
+    old = old if old is not None and old.format == STATE_FORMAT else None
+    st = _bind_state(root, reg) if reg is not None else (old or ExportState())
     if reg is not None:
-        st = _bind_state(root, reg)
-    elif st is None or st.format != STATE_FORMAT:
-        st = ExportState()
-    head = reg.head() if reg is not None else st.position
+        head, log_id = reg.position()
+    else:
+        head, log_id = st.position, st.log_id
     local = read_local(root)
     local_seq = int(pc.max(local["seq"]).as_py() or 0) if len(local) else 0
     if full or (not st.lists and not names):
@@ -862,39 +923,227 @@ def materialise(
         if local_seq > st.local:
             newer = local.filter(pc.greater(local["seq"], st.local))
             touched |= set(pc.unique(newer["list"]).to_pylist())
-    entries, head = _export_entries(root, reg, touched, upto=head)
-    lists = state(entries)
-    where = sources(entries)
-    if touched is None:
+    delta = _delta_lists(old, reg, head, log_id, local, touched)
+    if old is not None and (touched is None or touched):
+        lease.check()
+        write_state(root, _replace_state(old, dirty=True))  # cleared by the last write below
+    total = old.total if delta and old is not None and old.total is not None else None
+    total = _samples_total(root) if total is None else total
+    report: dict[str, dict] = {}
+    rebind = None if touched is None else touched - delta
+    if delta:
+        done, failed = _apply_changes(
+            root, reg, lease, old, st, head, local, delta, set(names or ()), missing, total
+        )
+        report.update(done)
+        rebind = (rebind or set()) | failed
+    if rebind is None or rebind:
+        report.update(_rebind(root, reg, lease, st, head, rebind, names, missing, total))
+    st.position, st.local = head, max(st.local, local_seq)
+    st.log_id, st.total, st.dirty = log_id, total, False
+    st.counts = {n: c for n, c in st.counts.items() if n in st.lists}
+    lease.check()
+    write_state(root, st)
+    return report
+
+
+def _replace_state(st: ExportState, **kw) -> ExportState:
+    out = ExportState(**{**st.__dict__, "lists": dict(st.lists), "counts": dict(st.counts)})
+    for k, v in kw.items():
+        setattr(out, k, v)
+    return out
+
+
+def _delta_lists(
+    old: ExportState | None,
+    reg: Registry | None,
+    head: int,
+    log_id: str | None,
+    local: pa.Table,
+    touched: set[str] | None,
+) -> set[str]:
+    """The touched lists whose materialised form can be brought to ``head`` from the entries
+    after the recorded position alone.
+
+    That holds when every such entry is ordered after every entry the forms already
+    reflect: registry entries after ``position`` are (their ``base`` is their commit), and
+    export-only entries after ``local`` are when their ``base`` is at least ``position``
+    and the earlier ones' at most (an import of an unlogged list has ``base = -1``: it is
+    older than the registry, so that list is rebound). Everything is rebound when the
+    position is not a known prefix of this log (no state, another table, another log
+    identity, a position past the head), or a materialisation was interrupted (``dirty``).
+    """
+    if touched is None or old is None or old.dirty or old.total is None:
+        return set()
+    p = old.position
+    if reg is not None and (
+        old.table_id != reg.table_id or not log_id or old.log_id != log_id or p > head
+    ):
+        return set()
+    bad: set[str] = set()
+    if len(local):
+        seq, base = local["seq"], local["base"]
+        early = pc.and_(pc.less_equal(seq, old.local), pc.greater(base, p))
+        late = pc.and_(pc.greater(seq, old.local), pc.less(base, p))
+        bad = set(pc.unique(local.filter(pc.or_(early, late))["list"]).to_pylist())
+    return {n for n in touched - bad if n not in old.lists or n in old.counts}
+
+
+def _apply_changes(
+    root: str,
+    reg: Registry | None,
+    lease: Lease,
+    old: ExportState,
+    st: ExportState,
+    head: int,
+    local: pa.Table,
+    names: set[str],
+    asked: set[str],
+    missing: dict[str, pa.Array] | None,
+    total: int,
+) -> tuple[dict[str, dict], set[str]]:
+    """Bring ``names`` from the recorded position to ``head`` by their entries since then.
+
+    Returns (report rows, lists that could not be updated so and must be rebound: a store
+    without kinds, a sidecar that does not match its shard)."""
+    got = [reg.entries(names, upto=head, after=old.position)] if reg is not None and head else []
+    mine = local.filter(
+        pc.and_(
+            pc.greater(local["seq"], old.local),
+            pc.is_in(local["list"], value_set=pa.array(sorted(names), pa.string())),
+        )
+    )
+    last = latest(_concat([*got, mine]))
+    changes = {n: last.filter(pc.equal(last["list"], n)) for n in names} if len(last) else {}
+    keys: dict[str, pa.Array] = {}
+    for n, c in changes.items():
+        keys[f"+{n}"] = c.filter(pc.equal(c["op"], ADD))["id"].combine_chunks()
+        keys[f"-{n}"] = c.filter(pc.equal(c["op"], REMOVE))["id"].combine_chunks()
+    want = [f"+{n}" for n in sorted(asked & set(changes))] if missing is not None else []
+    bound = bind(root, keys, want_missing=want)
+    report: dict[str, dict] = {}
+    failed: set[str] = set()
+    for n in sorted(names):
+        c = changes.get(n)
+        if c is None or not len(c):
+            if n in old.lists:
+                report[n] = _report_row(old.counts[n], total, old.lists[n])
+            continue
+        have = STORE_FILE_SCHEMA.empty_table()
+        if n in old.lists:
+            have = _read_store_file(root, n)
+            if have is None:
+                failed.add(n)
+                continue
+        keep = have.filter(pc.invert(pc.is_in(have["id"], value_set=c["id"].combine_chunks())))
+        adds = c.filter(pc.equal(c["op"], ADD))
+        new = pa.concat_tables([keep, _store_rows(adds, STORE_FILE_SCHEMA)]).sort_by("id")
+        lease.check()  # fenced: nothing is written after the lease was lost
+        try:
+            d_samples, d_shards = _patch_sidecars(
+                root, n, bound[f"+{n}"].positions, bound[f"-{n}"].positions, lease
+            )
+        except SL.SkipListError as e:
+            log.warning("%s: list %r is rebound whole (%s)", root, n, e)
+            failed.add(n)
+            continue
+        write_store_list(root, n, new)
+        if want and f"+{n}" in want and bound[f"+{n}"].missing is not None:
+            missing[n] = bound[f"+{n}"].missing
+        was = old.counts.get(n, {"ids": 0, "samples": 0, "shards": 0})
+        if not len(new):
+            st.lists.pop(n, None)
+            st.counts.pop(n, None)
+            continue
+        st.lists[n] = _source_text(pc.unique(new["kind"]).to_pylist())
+        st.counts[n] = {
+            "ids": len(new),
+            "samples": was["samples"] + d_samples,
+            "shards": was["shards"] + d_shards,
+        }
+        report[n] = _report_row(st.counts[n], total, st.lists[n])
+    return report, failed
+
+
+def _report_row(counts: Mapping[str, int], total: int, source: str) -> dict:
+    return {
+        "ids": counts["ids"],
+        "samples": counts["samples"],
+        "shards": counts["shards"],
+        "share": round(counts["samples"] / total, 6) if total else 0.0,
+        "source": source,
+    }
+
+
+def _patch_sidecars(
+    root: str,
+    name: str,
+    add: Mapping[tuple[str, str], np.ndarray],
+    remove: Mapping[tuple[str, str], np.ndarray],
+    lease: Lease,
+) -> tuple[int, int]:
+    """Add and remove sample positions in the list's sidecars of those shards only.
+
+    Returns (change in samples skipped, change in shards with a sidecar)."""
+    indexes: dict[str, dict[str, layout.ShardInfo]] = {}
+    positions: dict[tuple[str, str], np.ndarray] = {}
+    existing: set[tuple[str, str]] = set()
+    d_samples = d_shards = 0
+    for key in sorted(set(add) | set(remove)):
+        bucket, shard = key
+        if bucket not in indexes:
+            indexes[bucket] = {s.basename: s for s in layout.read_index(root, bucket)}
+        try:
+            was = SL.read_sidecar(root, bucket, indexes[bucket][shard], name).indices
+            was = was.astype(np.int64)
+            existing.add(key)
+        except FileNotFoundError:
+            was = np.zeros(0, np.int64)
+        now = np.setdiff1d(was, remove.get(key, np.zeros(0, np.int64)))
+        now = np.union1d(now, add.get(key, np.zeros(0, np.int64)))
+        positions[key] = now
+        d_samples += len(now) - len(was)
+        d_shards += int(len(now) > 0) - int(len(was) > 0)
+    lease.check()
+    SL.write_skips(root, name, positions, replace=True, existing=existing)
+    return d_samples, d_shards
+
+
+def _rebind(
+    root: str,
+    reg: Registry | None,
+    lease: Lease,
+    st: ExportState,
+    head: int,
+    names: set[str] | None,
+    asked: Iterable[str] | None,
+    missing: dict[str, pa.Array] | None,
+    total: int,
+) -> dict[str, dict]:
+    """Rebind ``names`` (None: every list any form of the export holds) whole from the log."""
+    entries, _ = _export_entries(root, reg, names, upto=head)
+    lists = state(entries, kinds=True)
+    if names is None:
         # Every list any form of the export holds: those the log emptied are cleared.
-        touched = set(lists) | set(st.lists) | set(store_names(root)) | _sidecar_names(root)
-    want = sorted(set(names or ()) & set(lists)) if missing is not None else []
+        names = set(lists) | set(st.lists) | set(store_names(root)) | _sidecar_names(root)
+    want = sorted(set(asked or ()) & set(lists)) if missing is not None else []
     bound = bind(root, {n: t["id"].combine_chunks() for n, t in lists.items()}, want_missing=want)
     if missing is not None:
         missing.update({n: bound[n].missing for n in want if bound[n].missing is not None})
-    total = _samples_total(root)
     report: dict[str, dict] = {}
-    for n in sorted(touched):
+    for n in sorted(names):
         lease.check()  # fenced: nothing is written after the lease was lost
         t = lists.get(n)
         write_store_list(root, n, t)
         positions = bound[n].positions if t is not None else {}
         w = write_sidecars(root, n, positions, replace=True, lock=lease)
-        if t is not None:
-            st.lists[n] = where.get(n, "")
-            samples = bound[n].samples
-            report[n] = {
-                "ids": len(t),
-                "samples": samples,
-                "shards": w["shards_written"],
-                "share": round(samples / total, 6) if total else 0.0,
-                "source": st.lists[n],
-            }
-        else:
+        if t is None:
             st.lists.pop(n, None)
-    st.position, st.local = head, max(st.local, local_seq)
-    lease.check()
-    write_state(root, st)
+            st.counts.pop(n, None)
+            continue
+        st.lists[n] = _source_text(pc.unique(t["kind"]).to_pylist())
+        st.counts[n] = {"ids": len(t), "samples": bound[n].samples, "shards": w["shards_written"]}
+        report[n] = _report_row(st.counts[n], total, st.lists[n])
     return report
 
 
@@ -1158,7 +1407,7 @@ def write_sidecars(
     """Write the list's sidecars; ``replace`` also deletes its sidecars on other shards."""
     if lock is not None:
         lock.check()
-    res = SL.add_skips(root, name, positions, replace=replace)
+    res = SL.write_skips(root, name, positions, replace=replace)
     stale = 0
     if replace:
         paths = []
@@ -1341,7 +1590,10 @@ def update_list(
             seen = view.head() if view is not None else (st.position if st else 0)
 
         def rows(seq: int) -> pa.Table:
-            have = _view(root, reg if reg is not None else view, name)  # under the lease
+            # What the list holds (under the lease) matters only to a whole-list remove and
+            # a replace; an add or a remove of given ids is its entries alone.
+            needs = whole or mode == "replace"
+            have = _view(root, reg if reg is not None else view, name) if needs else req
             return _change_rows(
                 name,
                 have if whole else req,

@@ -32,7 +32,8 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,13 +55,22 @@ from prx_data.export.layout import (  # noqa: F401
     read_manifests,
     rel_join,
 )
-from prx_data.export.naming import LIST_NAME_RE, SIDECAR_SUFFIX  # noqa: F401
+from prx_data.export.naming import (  # noqa: F401
+    LIST_NAME_RE,
+    LISTS_DIR,
+    LISTS_REF_NAME,
+    SIDECAR_SUFFIX,
+)
 from prx_data.table.lance_ops import query_ids
 
 MAGIC = b"PRXSKIP1"
 #: The naming contract lives with the export tree (:mod:`prx_data.export.layout`).
 SUFFIX = SIDECAR_SUFFIX
 NAME_RE = LIST_NAME_RE
+#: The export-only list log in ``_lists/`` (written by :mod:`prx_data.skips.lists`).
+LOCAL_LOG_NAME = "_local.parquet"
+#: How long a list writer waits for the export's lease (held by a run or another update).
+LOCK_TIMEOUT_S = 900.0
 
 
 class SkipListError(PrxDataError, ValueError):
@@ -368,6 +378,56 @@ class AddResult:
     missing_ids: list[str] = field(default_factory=list)
 
 
+def logged_lists(export_root: str) -> set[str]:
+    """Lists the export's list log owns (:mod:`prx_data.skips.lists`): those its list state
+    (``_lists/registry``) records as materialised, and those its export-only log
+    (``_lists/_local.parquet``) has entries for. Their sidecars are derived from the log, so
+    the next materialisation rewrites them: they must be changed through the log."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    base = storage.join(export_root, LISTS_DIR)
+    out: set[str] = set()
+    try:
+        obj = json.loads(storage.read_bytes(storage.join(base, LISTS_REF_NAME)))
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        obj = None
+    if isinstance(obj, dict) and isinstance(obj.get("lists"), dict):
+        out |= {str(n) for n in obj["lists"]}
+    try:
+        data = storage.read_bytes(storage.join(base, LOCAL_LOG_NAME))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    try:
+        out |= set(pq.read_table(io.BytesIO(data), columns=["list"])["list"].to_pylist())
+    except Exception:  # noqa: BLE001 - an unreadable log owns whatever it may hold
+        raise SkipListError(
+            f"{storage.join(base, LOCAL_LOG_NAME)}: unreadable export-only list log; the "
+            "sidecars cannot be changed outside it: run python -m prx_data.skips sync "
+            f"{export_root} to see why"
+        ) from None
+    return out
+
+
+@contextmanager
+def _low_level(export_root: str, name: str, what: str) -> Iterator[None]:
+    """Hold the export's lease (a materialisation cannot run meanwhile), refusing a list the
+    log owns: a sidecar written here would be silently undone by the next ``sync``."""
+    from prx_data.export.lock import ExportLock
+
+    validate_name(name)
+    with ExportLock(export_root, wait_s=LOCK_TIMEOUT_S, what="skip-list update"):
+        if name in logged_lists(export_root):
+            raise UsageError(
+                f"{export_root}: list {name!r} is kept by the export's list log, so {what} "
+                "here would be undone at the next sync; change it with python -m "
+                f"prx_data.skips add/remove {export_root} {name} (prx_data.skips.lists."
+                "update_list), --export-only to change only this export"
+            )
+        yield
+
+
 def add_skips(
     export_root: str,
     name: str,
@@ -380,8 +440,26 @@ def add_skips(
     Indices are merged with an existing sidecar of the same name, so adding the
     same indices again rewrites identical bytes. ``replace=True`` overwrites the
     given shards' sidecars instead (an empty set removes the shard from the list).
-    Everything is validated before anything is written.
+    Everything is validated before anything is written. Holds the export's lease;
+    a list the export's list log owns is refused (:func:`logged_lists`): change it
+    through :mod:`prx_data.skips.lists`, which records the change first.
     """
+    with _low_level(export_root, name, "writing its sidecars"):
+        return write_skips(export_root, name, skips, replace=replace)
+
+
+def write_skips(
+    export_root: str,
+    name: str,
+    skips: Mapping[tuple[str, str], Iterable[int]],
+    *,
+    replace: bool = False,
+    existing: set[tuple[str, str]] | None = None,
+) -> AddResult:
+    """:func:`add_skips` without the lease or the log check: for the list materialisation
+    (:mod:`prx_data.skips.lists`), which holds the export's lease and is the log's writer.
+    ``existing``: the given shards that have a sidecar of the list, when the caller knows
+    (saves listing their buckets)."""
     validate_name(name)
     result = AddResult(name)
     by_bucket: dict[str, dict[str, list]] = {}
@@ -395,7 +473,10 @@ def add_skips(
     jobs = []
     for bucket, per_shard in sorted(by_bucket.items()):
         shards = {s.basename: s for s in read_index(export_root, bucket)}
-        existing = set(list_sidecars(export_root, bucket, list(shards.values())).get(name, []))
+        if existing is None:
+            have = set(list_sidecars(export_root, bucket, list(shards.values())).get(name, []))
+        else:
+            have = {s for b, s in existing if b == bucket}
         for base, arrs in sorted(per_shard.items()):
             if base not in shards:
                 raise UnknownName(
@@ -408,7 +489,7 @@ def add_skips(
                 raise OutOfRange(
                     f"{bucket}/{base}: sample index {bad} is outside 0..{info.samples - 1}"
                 )
-            jobs.append((bucket, info, idx, base in existing))
+            jobs.append((bucket, info, idx, base in have))
 
     def write(job) -> int:
         bucket, info, idx, has_old = job
@@ -432,7 +513,17 @@ def add_skips(
 
 def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResult:
     """Skip the samples whose row id (Lance ``id``) is in ``ids``, via the export's id index
-    (or its manifests, for an export without one)."""
+    (or its manifests, for an export without one).
+
+    The low-level path: sidecars only, under the export's lease, for a list the export's
+    list log does not own (:func:`logged_lists`; the log imports such a list exactly, id by
+    id, at its next change). A list the log owns is refused with the command to use.
+    """
+    with _low_level(export_root, name, "adding ids to its sidecars"):
+        return _add_by_ids(export_root, name, ids)
+
+
+def _add_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResult:
     import pyarrow as pa
 
     from prx_data.export.idindex import lookup_or_manifests
@@ -449,7 +540,7 @@ def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResu
         ):
             skips.setdefault((b, s), []).append(i)
         found.update(hit["id"].to_pylist())
-    result = add_skips(export_root, name, skips)
+    result = write_skips(export_root, name, skips)
     result.missing_ids = sorted(set(wanted.to_pylist()) - found)
     result.ids_not_found = len(result.missing_ids)
     return result
@@ -542,8 +633,16 @@ def skip_stats(
 
 
 def remove_skip_list(export_root: str, name: str, tiers: Iterable[int] | None = None) -> int:
-    """Delete every sidecar of list ``name``; returns how many files were removed."""
-    validate_name(name)
+    """Delete every sidecar of list ``name``; returns how many files were removed.
+
+    Under the export's lease; a list the export's list log owns is refused (a sidecar
+    deleted here would come back at the next sync): ``python -m prx_data.skips remove``.
+    """
+    with _low_level(export_root, name, "deleting its sidecars"):
+        return _remove_sidecars(export_root, name, tiers)
+
+
+def _remove_sidecars(export_root: str, name: str, tiers: Iterable[int] | None) -> int:
     paths = []
     for bucket in list_buckets(export_root, tiers):
         for shard in list_sidecars(export_root, bucket, read_index(export_root, bucket)).get(
