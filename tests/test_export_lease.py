@@ -69,7 +69,7 @@ def test_stalled_heartbeat_fails_check_before_another_run_can_take_over(
         _wait_for(lambda: proxy.seen("PUT", LEASE, "stall") >= 1, "a stalled heartbeat")
         monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)  # the second run reaches the store
         at_takeover: dict = {}
-        put = lock_mod._S3Store.put
+        put = lock_mod.S3LeaseStore.put
 
         def spying_put(store, body, **kw):
             if "IfMatch" in kw and not kw.get("beat"):  # the second run's takeover
@@ -81,7 +81,7 @@ def test_stalled_heartbeat_fails_check_before_another_run_can_take_over(
                     at_takeover["holder"] = str(e)
             return put(store, body, **kw)
 
-        monkeypatch.setattr(lock_mod._S3Store, "put", spying_put)
+        monkeypatch.setattr(lock_mod.S3LeaseStore, "put", spying_put)
         t0 = time.monotonic()
         with ExportLock(out, ttl_s=ttl) as second:
             assert "stopped refreshing" in second.took_over

@@ -236,7 +236,7 @@ def _beat_settings(ttl_s: float) -> storage.S3Settings:
     )
 
 
-class _S3Store:
+class S3LeaseStore:
     """The lease object on S3 (or an S3-compatible store), written with conditional PUTs."""
 
     conditional = True
@@ -324,7 +324,7 @@ class _Lease:
     """
 
     def __init__(self, url: str, ttl_s: float, what: str = "writer"):
-        self.store = _S3Store(url, ttl_s)
+        self.store = S3LeaseStore(url, ttl_s)
         self.what = what
         self.ttl_s = ttl_s
         self.margin_s = ttl_s * LEASE_MARGIN

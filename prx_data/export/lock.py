@@ -13,10 +13,10 @@ refuse a held lease at once; list updates wait for it (``wait_s``).
 from __future__ import annotations
 
 from prx_data.core import storage
-from prx_data.core.lease import DEFAULT_LEASE_TTL_S, LEASE_MARGIN, Lease, LeaseHeld, _S3Store
+from prx_data.core.lease import DEFAULT_LEASE_TTL_S, LEASE_MARGIN, Lease, LeaseHeld, S3LeaseStore
 from prx_data.export.naming import LEASE_NAME, LOCK_NAME, ExportError
 
-__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_MARGIN", "ExportLock", "ExportLocked", "_S3Store"]
+__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_MARGIN", "ExportLock", "ExportLocked", "S3LeaseStore"]
 
 
 class ExportLocked(ExportError, LeaseHeld):

@@ -39,7 +39,7 @@ def _catalog_name(tiers: Sequence[int], names: Sequence[str] | None) -> str:
     return CATALOG_PREFIX + hashlib.sha1(key.encode()).hexdigest()[:12] + ".txt"
 
 
-def _check_names(root: str, found: set[str], names: Sequence[str] | None) -> None:
+def check_list_names(root: str, found: set[str], names: Sequence[str] | None) -> None:
     if names:
         missing = sorted(set(names) - found)
         if missing:
@@ -48,7 +48,7 @@ def _check_names(root: str, found: set[str], names: Sequence[str] | None) -> Non
             )
 
 
-def _check_orphans(
+def check_orphan_lists(
     root: str, orphans: Sequence[skiplist.SidecarProblem], names: Sequence[str] | None
 ) -> None:
     """Stray ``*.skip`` files are never applied: refuse if they claim a requested list, else warn."""
@@ -140,8 +140,8 @@ def _fetch(spec: DatasetSpec, tiers: Sequence[int], local: str) -> list[str]:
         os.remove(cached_report)
     fetched.finish(buckets, tiers)
     shard_cache.mark_tracked(local)
-    _check_orphans(spec.root, orphans, names)
-    _check_names(spec.root, found, names)
+    check_orphan_lists(spec.root, orphans, names)
+    check_list_names(spec.root, found, names)
     return buckets
 
 

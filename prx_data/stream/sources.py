@@ -25,8 +25,8 @@ from prx_data.stream import cache as shard_cache
 from prx_data.stream import foreign as foreign_tree
 from prx_data.stream import planner
 from prx_data.stream.catalog import (
-    _check_names,
-    _check_orphans,
+    check_list_names,
+    check_orphan_lists,
     discover_buckets,
     fetch_catalog,
 )
@@ -107,8 +107,8 @@ def load_sources(
         out.append(BucketSource(bucket, remote, local_b, shards, skips, lists, foreign=cols))
     if decompress is not None:
         decompress.finish()
-    _check_orphans(spec.root, orphans, spec.skip_lists)
-    _check_names(spec.root, found, spec.skip_lists)
+    check_orphan_lists(spec.root, orphans, spec.skip_lists)
+    check_list_names(spec.root, found, spec.skip_lists)
     if spec.holdout is not None:
         sets = holdout_skips(
             spec.holdout,
