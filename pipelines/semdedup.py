@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 
 from prx_data.core import lance_compat
 from prx_data.core.errors import UsageError
+from prx_data.core.flags import REQUIRED, comma_floats, flag
 from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import check_engine, place
 from prx_data.skips.semdedup import (
@@ -75,28 +76,72 @@ OUTPUTS = pa.schema(
 class SemDedupConfig:
     """One semantic dedup run over a table (and optionally its export)."""
 
-    table: str
-    export: str | None = None
-    embedding_column: str = CLIP_IMAGE_COLUMN
-    threshold: float = DEFAULT_THRESHOLD
-    report_thresholds: tuple[float, ...] = DEFAULT_REPORT_THRESHOLDS
+    table: str = flag(REQUIRED, "--table", help="Lance table URI")
+    export: str | None = flag(
+        None,
+        "--export",
+        help="export made from the table (write_mds --out): only its rows take part, and the "
+        "near duplicates go to the skip list --name there. Without it: a report only.",
+    )
+    embedding_column: str = flag(
+        CLIP_IMAGE_COLUMN,
+        "--embedding-column",
+        help="fixed-size vector column (default: %(default)s, from `python -m prx_data.score "
+        "clip`; pixel_descriptor also works for near-identical copies)",
+    )
+    threshold: float = flag(
+        DEFAULT_THRESHOLD,
+        "--threshold",
+        type=float,
+        help="cosine at or above which an image is a duplicate of a larger one "
+        "(default: %(default)s; see the report's table before lowering it)",
+    )
+    report_thresholds: tuple[float, ...] = flag(
+        DEFAULT_REPORT_THRESHOLDS,
+        "--report-thresholds",
+        type=comma_floats,
+        help="comma-separated thresholds to report the share removed at (default: %(default)s)",
+    )
     #: Mean rows per k-means cluster (k = rows / cluster_size).
-    cluster_size: int = 1000
+    cluster_size: int = flag(
+        1000,
+        "--cluster-size",
+        type=int,
+        help="mean rows per k-means cluster: larger finds more pairs, costs more "
+        "(default: %(default)s)",
+    )
     #: Rows k-means is trained on (a seeded uniform sample).
-    train_rows: int = 262_144
-    iters: int = 20
-    seed: int = 0
-    skip_name: str = DEFAULT_SKIP_NAME
+    train_rows: int = flag(
+        262_144,
+        "--train-rows",
+        type=int,
+        help="rows k-means is trained on, a seeded sample (default: %(default)s)",
+    )
+    iters: int = flag(20, "--iters", type=int, help="k-means iterations (default: %(default)s)")
+    seed: int = flag(0, "--seed", type=int, help="sampling and k-means seed (default: 0)")
+    skip_name: str = flag(
+        DEFAULT_SKIP_NAME, "--name", help="skip-list name on the export (default: %(default)s)"
+    )
     #: Rows fetched per read while assigning clusters.
     batch_rows: int = 65_536
     storage_options: dict | None = field(default=None, hash=False)
     engine: str = "auto"
     #: Store ``semdedup_cluster`` / ``semdedup_cosine`` in the table.
-    store_columns: bool = True
+    store_columns: bool = flag(
+        True,
+        "--no-columns",
+        negate=True,
+        help="do not store semdedup_cluster / semdedup_cosine in the table",
+    )
     #: Rows per cluster-bucket task (whole clusters; ray engine).
     rows_per_task: int = 262_144
     #: Spilled assignments (ray engine); must be shared by all nodes. None: a temporary dir.
-    spill_dir: str | None = None
+    spill_dir: str | None = flag(
+        None,
+        "--spill-dir",
+        help="where the ray engine spills assignments; must be shared by all nodes "
+        "(default: a local temporary directory)",
+    )
     ray_address: str | None = None
     num_cpus: int | None = None
     progress: bool = True

@@ -95,3 +95,35 @@ def test_an_encode_spec_and_its_keywords_encode_alike():
     b = prepare_with("pillow", data, 96, 64, quality=70, resample="bicubic")
     assert a.data == b.data and a.crop_box == b.crop_box
     assert a.data != prepare_with("pillow", data, 96, 64).data
+
+
+def test_semdedup_flags_set_their_fields_and_bad_numbers_are_an_option_error(capsys):
+    from prx_data.pipelines.semdedup import SemDedupConfig
+
+    from prx_data.cli import semdedup as sd_cli
+
+    argv = (
+        "--table t --export e --embedding-column v --threshold 0.9 --report-thresholds 0.8,0.9 "
+        "--cluster-size 7 --train-rows 70 --iters 3 --seed 4 --name sd --spill-dir /s "
+        "--no-columns --engine local"
+    )
+    args = sd_cli.build_parser().parse_args(shlex.split(argv))
+    cfg = from_args(SemDedupConfig, args, engine=args.engine)
+    assert cfg == SemDedupConfig(
+        table="t",
+        export="e",
+        embedding_column="v",
+        threshold=0.9,
+        report_thresholds=(0.8, 0.9),
+        cluster_size=7,
+        train_rows=70,
+        iters=3,
+        seed=4,
+        skip_name="sd",
+        spill_dir="/s",
+        store_columns=False,
+        engine="local",
+    )
+    with pytest.raises(SystemExit):
+        sd_cli.build_parser().parse_args(["--table", "t", "--report-thresholds", "0.9,x"])
+    assert "expected comma-separated numbers, got '0.9,x'" in capsys.readouterr().err

@@ -30,6 +30,16 @@ def comma_ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in comma_list(text))
 
 
+def comma_floats(text: str) -> tuple[float, ...]:
+    """``0.9,0.95`` -> ``(0.9, 0.95)``; anything else is the option's one-line error."""
+    try:
+        return tuple(float(x) for x in comma_list(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
 def flag(
     default: Any,
     *names: str,
