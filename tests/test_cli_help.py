@@ -164,9 +164,12 @@ def test_a_user_error_a_job_did_not_catch_is_one_line_not_a_traceback(tmp_path, 
 def test_demo_writes_the_id_file_its_optout_command_names(tmp_path):
     from prx_data.cli.demo import _write_optout_ids
     from prx_data.skips.optout import read_id_file
+    from tests.ingest_data import jpeg
     from tests.tablekit import make_table
 
     table = str(tmp_path / "t.lance")
-    make_table(table, [(f"demo/img_{i:04d}", b"x", "c") for i in (3, 1, 2)])
+    items = [(f"demo/img_{i:04d}", jpeg(64, 48), "c") for i in (3, 1, 2)]
+    make_table(table, [("demo/broken", b"x", "c"), *items])
     path = _write_optout_ids(str(tmp_path), table)
+    # Rows with a readable image (so the opt-out removes samples), not the broken one.
     assert read_id_file(path) == ["demo/img_0001", "demo/img_0002"]

@@ -69,10 +69,13 @@ def _write_plain_mds(workdir: str, src: str, n: int = 4) -> str:
 
 
 def _write_optout_ids(workdir: str, table: str, n: int = 2) -> str:
-    """A file of row ids, as a rights holder's opt-out request becomes, for ``optout``."""
+    """A file of row ids, as a rights holder's opt-out request becomes, for ``optout``:
+    rows with a readable image, so the opt-out leaves samples out of the export."""
+    from prx_data.core import schema as S
     from prx_data.table.lance_ops import open_table
 
-    ids = sorted(open_table(table).to_table(columns=["id"])["id"].to_pylist())[:n]
+    rows = open_table(table).to_table(columns=["id"], filter=f"{S.PROBE_ERROR} IS NULL")
+    ids = sorted(rows["id"].to_pylist())[:n]
     path = os.path.join(workdir, "optout.txt")
     with open(path, "w", encoding="utf-8") as f:
         f.write("# one row id per line; blank lines and '#' comments are ignored\n")
