@@ -162,14 +162,19 @@ def test_a_user_error_a_job_did_not_catch_is_one_line_not_a_traceback(tmp_path, 
 
 
 def test_demo_writes_the_id_file_its_optout_command_names(tmp_path):
+    """Ids the demo's export holds, not rows it dropped (too narrow, unreadable)."""
+    from prx_data.pipelines.write_mds import run_export
+
     from prx_data.cli.demo import _write_optout_ids
+    from prx_data.export.spec import ExportConfig
     from prx_data.skips.optout import read_id_file
     from tests.ingest_data import jpeg
     from tests.tablekit import make_table
 
-    table = str(tmp_path / "t.lance")
-    items = [(f"demo/img_{i:04d}", jpeg(64, 48), "c") for i in (3, 1, 2)]
-    make_table(table, [("demo/broken", b"x", "c"), *items])
-    path = _write_optout_ids(str(tmp_path), table)
-    # Rows with a readable image (so the opt-out removes samples), not the broken one.
+    table, out = str(tmp_path / "t.lance"), str(tmp_path / "export")
+    items = [(f"demo/img_{i:04d}", jpeg(640, 480), "c") for i in (3, 1, 2)]
+    dropped = [("demo/a_banner", jpeg(2400, 300), "c"), ("demo/a_broken", b"x", "c")]
+    make_table(table, [*dropped, *items])
+    run_export(ExportConfig(table=table, out=out, tiers=(512,)), progress=False)
+    path = _write_optout_ids(str(tmp_path), out)
     assert read_id_file(path) == ["demo/img_0001", "demo/img_0002"]

@@ -68,14 +68,12 @@ def _write_plain_mds(workdir: str, src: str, n: int = 4) -> str:
     return root
 
 
-def _write_optout_ids(workdir: str, table: str, n: int = 2) -> str:
+def _write_optout_ids(workdir: str, export: str, n: int = 2) -> str:
     """A file of row ids, as a rights holder's opt-out request becomes, for ``optout``:
-    rows with a readable image, so the opt-out leaves samples out of the export."""
-    from prx_data.core import schema as S
-    from prx_data.table.lance_ops import open_table
+    ids the export holds, so the opt-out visibly leaves samples out."""
+    from prx_data.export.layout import read_manifests
 
-    rows = open_table(table).to_table(columns=["id"], filter=f"{S.PROBE_ERROR} IS NULL")
-    ids = sorted(rows["id"].to_pylist())[:n]
+    ids = sorted(set(read_manifests(export)["id"].to_pylist()))[:n]
     path = os.path.join(workdir, "optout.txt")
     with open(path, "w", encoding="utf-8") as f:
         f.write("# one row id per line; blank lines and '#' comments are ignored\n")
@@ -121,7 +119,7 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
     print(f"a URL list for the download job (served by python -m http.server): {urls}")
     plain = _write_plain_mds(workdir, src)
     print(f"an MDS tree another writer made, for the adopt job: {plain}")
-    optout = _write_optout_ids(workdir, table)
+    optout = _write_optout_ids(workdir, out)
     print(f"row ids to opt out, for the optout job: {optout}")
     print(
         "tiny random-weight models for the column jobs (offline, CPU; outputs are noise): "
