@@ -15,6 +15,45 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _clean_past_gaps() -> None:
+    """Test-only: ``streaming``'s ``clean_stale_shared_memory``, then the blocks it leaves.
+
+    Upstream stops at the first prefix with no block left, so blocks this
+    session leaked above a gap stay; ``get_shm_prefix`` then takes, as the
+    next prefix, the highest first-free index over the block kinds, which can
+    be one whose ``_locals`` block still exists, and the next dataset dies
+    with ``FileExistsError: '/000538_locals'``. Like upstream, this unlinks
+    every prefix's blocks (the suite runs in one process); it reads
+    ``/dev/shm`` to find them.
+    """
+    import re
+    from multiprocessing import shared_memory
+
+    from streaming.base.constant import SHM_TO_CLEAN
+
+    _upstream_clean()
+    names = "|".join(re.escape(n) for n in SHM_TO_CLEAN)
+    pattern = re.compile(rf"^\d{{6}}_({names})$")
+    try:
+        leftovers = [n for n in os.listdir("/dev/shm") if pattern.match(n)]
+    except OSError:  # no /dev/shm (not Linux): upstream's cleaning is all there is
+        return
+    for name in leftovers:
+        try:
+            shm = shared_memory.SharedMemory(name, False)
+        except (FileNotFoundError, PermissionError):
+            continue
+        shm.close()
+        shm.unlink()
+
+
+import streaming.base.util as _streaming_util  # noqa: E402 - after the environment above
+
+_upstream_clean = _streaming_util.clean_stale_shared_memory
+# Before any test module runs `from streaming.base.util import clean_stale_shared_memory`.
+_streaming_util.clean_stale_shared_memory = _clean_past_gaps
+
+
 @pytest.fixture(scope="module")
 def bad_table(tmp_path_factory):
     """Every hostile input of ``tests/badinputs.py`` in one table: (uri, cases)."""
