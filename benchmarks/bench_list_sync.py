@@ -55,6 +55,18 @@ def _reset_hwm() -> None:
         pass
 
 
+def _measured(res: dict, key: str, fn):
+    """Run ``fn``; record its seconds as ``<key>_s`` and its peak memory growth as
+    ``<key>_peak_add_mb`` in ``res``; return what it returned."""
+    _reset_hwm()
+    base = _rss_mb()
+    t0 = time.perf_counter()
+    out = fn()
+    res[f"{key}_s"] = round(time.perf_counter() - t0, 2)
+    res[f"{key}_peak_add_mb"] = round(_hwm_mb() - base, 0)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1_000_000)
@@ -103,13 +115,7 @@ def main() -> int:
         del ids
         res["registry_write_s"] = round(time.perf_counter() - t0, 1)
         L.write_state(root, L.ExportState())  # bound at the first sync
-        _reset_hwm()
-        base = _rss_mb()
-        t0 = time.perf_counter()
-        done = L.sync(root, table)
-        res["sync_full_s"] = round(time.perf_counter() - t0, 2)
-        res["sync_full_peak_add_mb"] = round(_hwm_mb() - base, 0)
-        res["lists"] = done
+        res["lists"] = _measured(res, "sync_full", lambda: L.sync(root, table))
         t0 = time.perf_counter()
         L.sync(root)
         res["sync_again_s"] = round(time.perf_counter() - t0, 2)
@@ -122,20 +128,10 @@ def main() -> int:
         st = L.read_state(root)
         st.dirty = True
         L.write_state(root, st)
-        _reset_hwm()
-        base = _rss_mb()
-        t0 = time.perf_counter()
-        opt = [BS._sid(int(i)) for i in range(2001, 4001, 2)]
-        L.update_list(root, "optout", opt, L.Provenance("bench"))
-        res["optout_1e3_full_rebind_s"] = round(time.perf_counter() - t0, 2)
-        res["optout_1e3_full_rebind_peak_add_mb"] = round(_hwm_mb() - base, 0)
-        _reset_hwm()
-        base = _rss_mb()
-        t0 = time.perf_counter()
-        opt = [BS._sid(int(i)) for i in range(4001, 6001, 2)]
-        L.update_list(root, "optout", opt, L.Provenance("bench"))
-        res["optout_1e3_delta_s"] = round(time.perf_counter() - t0, 2)
-        res["optout_1e3_delta_peak_add_mb"] = round(_hwm_mb() - base, 0)
+        prov = L.Provenance("bench")
+        for key, first in (("optout_1e3_full_rebind", 2001), ("optout_1e3_delta", 4001)):
+            opt = [BS._sid(int(i)) for i in range(first, first + 2000, 2)]
+            _measured(res, key, lambda opt=opt: L.update_list(root, "optout", opt, prov))
         res["ratio_delta_to_full_rebind"] = round(
             res["optout_1e3_delta_s"] / res["optout_1e3_full_rebind_s"], 3
         )
