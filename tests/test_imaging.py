@@ -177,3 +177,25 @@ def test_draft_margin_trades_decode_size_for_fidelity():
     for codec, margin in (("pillow", 0.9), ("pillow", float("nan")), ("vips", 1.0)):
         with pytest.raises(ValueError, match="margin"):
             check_codec(codec, "lanczos", margin)
+
+
+def test_vips_failure_reason_does_not_depend_on_its_shared_error_text(monkeypatch):
+    """libvips' error buffer is per process: on driver threads another thread can clear it.
+    A truncated JPEG is 'truncated' even when the error text says nothing."""
+    from prx_data.core import imaging
+
+    pyvips = imaging._vips()
+
+    def lost_text(*a, **k):
+        raise pyvips.Error("")
+
+    monkeypatch.setattr(pyvips.Image, "thumbnail_buffer", lost_text)
+    src = io.BytesIO()
+    Image.new("RGB", (640, 480), (90, 140, 200)).save(src, "JPEG", quality=90)
+    data = src.getvalue()
+    with pytest.raises(ImageError) as err:
+        prepare_with("vips", bad.truncated_jpeg(), 384, 512)
+    assert err.value.reason == "truncated"
+    with pytest.raises(ImageError) as err:  # a whole image vips failed on: a decode error
+        prepare_with("vips", data, 384, 512)
+    assert err.value.reason == "decode_error"

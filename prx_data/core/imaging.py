@@ -634,9 +634,28 @@ def prepare_vips(
     except pyvips.Error as e:
         msg = str(e)
         low = msg.lower()
-        reason = "truncated" if ("truncated" in low or "premature end" in low) else "decode_error"
+        if "truncated" in low or "premature end" in low:
+            reason = "truncated"
+        else:
+            reason = _failed_decode_reason(data)
         raise ImageError(reason, msg.strip().splitlines()[0] if msg.strip() else "") from None
     return Prepared(out, dst_w, dst_h, cover_box(*src_size, dst_w, dst_h))
+
+
+def _failed_decode_reason(data: bytes) -> str:
+    """Why an image libvips could not decode fails, by Pillow's full decode.
+
+    libvips keeps one error buffer per process and a reader clears it, so on
+    driver threads another thread's call can take the text that said
+    "premature end"; the reason must not depend on that text. Runs only on
+    the failure path.
+    """
+    try:
+        with decode_errors(), Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except ImageError as e:
+        return e.reason if e.reason == "truncated" else "decode_error"
+    return "decode_error"
 
 
 def check_codec(codec: str, resample: str = "lanczos", draft_margin: float = DRAFT_MARGIN) -> None:
