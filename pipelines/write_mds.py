@@ -11,7 +11,7 @@ config, so ``--resume`` plans the same units on any cluster.
 Skip lists (:mod:`prx_data.skips.lists`) survive every export of a table:
 ``--overwrite`` first carries the old tree's export-only entries into the
 table's registry (refusing, before anything is deleted, a list whose ids
-cannot be recovered unless ``drop_lists`` names it), and every export, fresh
+cannot be recovered unless ``may_drop_lists`` names it), and every export, fresh
 or not, materialises the log under its lease before its report is written.
 
 Between the units and the merge, the pack stage (:mod:`prx_data.export.pack`)
@@ -185,9 +185,9 @@ def run_export(
     ray_address: str | None = None,
     num_cpus: int | None = None,
     progress: bool = True,
-    drop_lists: tuple[str, ...] = (),
+    may_drop_lists: tuple[str, ...] = (),
     driver_rows: int = DRIVER_UNIT_ROWS,
-    drop_list: tuple[str, ...] = (),
+    unregister_lists: tuple[str, ...] = (),
     engine: str = "auto",
 ) -> ExportReport:
     """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report.
@@ -202,12 +202,12 @@ def run_export(
         ray_address: a Ray cluster to run on (default: ``$RAY_ADDRESS``, else local).
         num_cpus: CPUs of a local Ray or of the driver threads.
         progress: show a progress bar.
-        drop_lists: skip lists of the tree being overwritten that may be left behind
+        may_drop_lists: skip lists of the tree being overwritten that may be left behind
             because their ids cannot be recovered (any other list is kept).
         driver_rows: under ``engine="auto"``, a table of at most this many rows with no
             cluster named runs on threads of this process (0: always Ray); the export
             it writes is the same.
-        drop_list: lists removed from the table's registry first (undoing a trial).
+        unregister_lists: lists removed from the table's registry first (undoing a trial).
         engine: :data:`prx_data.core.runtime.ENGINES`.
     """
     check_engine(engine)
@@ -223,9 +223,9 @@ def run_export(
         ray_address=ray_address,
         num_cpus=num_cpus,
         progress=progress,
-        drop_lists=tuple(drop_lists),
+        may_drop_lists=tuple(may_drop_lists),
         driver_rows=driver_rows,
-        drop_list=tuple(drop_list),
+        unregister_lists=tuple(unregister_lists),
         engine=engine,
     )
     try:
@@ -257,9 +257,9 @@ class ExportSink:
     ray_address: str | None = None
     num_cpus: int | None = None
     progress: bool = True
-    drop_lists: tuple[str, ...] = ()
+    may_drop_lists: tuple[str, ...] = ()
     driver_rows: int = DRIVER_UNIT_ROWS
-    drop_list: tuple[str, ...] = ()
+    unregister_lists: tuple[str, ...] = ()
     engine: str = "auto"
 
     def __post_init__(self) -> None:
@@ -273,7 +273,7 @@ class ExportSink:
         self.t0, self.lock = time.perf_counter(), lock
         try:
             self.registry = idlists.Registry.for_table(cfg.table)
-            for name in self.drop_list:
+            for name in self.unregister_lists:
                 idlists.remove_list(
                     self.registry, name, idlists.Provenance("write_mds --drop-list")
                 )
@@ -281,7 +281,7 @@ class ExportSink:
                 # Before anything is deleted: the old tree's export-only entries go to the
                 # table's registry where newer, and the new tree is materialised from the log
                 # at the end (a killed run keeps them there).
-                idlists.carry(cfg.out, self.registry, drop=self.drop_lists)
+                idlists.carry(cfg.out, self.registry, drop=self.may_drop_lists)
         except idlists.ListError as e:
             raise ExportError(str(e)) from None
         self.where = placement(cfg, self.driver_rows, self.ray_address, self.num_cpus, self.engine)

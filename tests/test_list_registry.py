@@ -51,7 +51,7 @@ def table(tmp_path):
 
 
 def _export(table: str, out: str, **kw) -> object:
-    flags = {k: kw.pop(k) for k in ("overwrite", "resume", "drop_lists") if k in kw}
+    flags = {k: kw.pop(k) for k in ("overwrite", "resume", "may_drop_lists") if k in kw}
     cfg = ExportConfig(table=table, out=out, tiers=(512,), min_units=2, **kw)
     return run_export(cfg, progress=False, **flags)
 

@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             resume=args.resume,
             **opts.job_fields(),
-            drop_lists=tuple(args.drop_lists),
-            drop_list=tuple(args.drop_list),
+            may_drop_lists=tuple(args.drop_lists),
+            unregister_lists=tuple(args.drop_list),
             driver_rows=args.driver_rows,
         )
     except PrxDataError as e:
