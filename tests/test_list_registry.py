@@ -51,7 +51,7 @@ def table(tmp_path):
 
 
 def _export(table: str, out: str, **kw) -> object:
-    flags = {k: kw.pop(k) for k in ("overwrite", "resume", "may_drop_lists") if k in kw}
+    flags = {k: kw.pop(k) for k in ("overwrite", "resume") if k in kw}
     cfg = ExportConfig(table=table, out=out, tiers=(512,), min_units=2, **kw)
     return run_export(cfg, progress=False, **flags)
 
@@ -153,6 +153,19 @@ def test_fresh_export_of_the_same_table_gets_the_optout(table, tmp_path, ray_loc
     assert report.lists["optout"]["samples"] == 1
     assert "s/2" not in _streamed(second)
     assert L.read_store_list(second, "optout")["command"].to_pylist() == ["optout"]
+
+
+def test_drop_list_unregisters_a_trial_list_and_keeps_the_others(table, tmp_path, ray_local):
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    _export(table, first)
+    _optout(first, _ids_file(tmp_path, "t", ["s/2"]), name="trial")
+    _optout(first, _ids_file(tmp_path, "o", ["s/5"]))
+    args = ["--table", table, "--out", second, "--tiers", "512", "--min-units", "2"]
+    assert write_mds_cli.main([*args, "--no-progress", "--drop-list", "trial"]) == 0
+    assert "trial" not in L.Registry.for_table(table).state()
+    streamed = _streamed(second)
+    assert "s/2" in streamed and "s/5" not in streamed
+    assert L.store_names(second) == ["optout"]
 
 
 def test_id_opted_out_before_it_was_exported_stays_out(table, tmp_path, ray_local, capsys):
