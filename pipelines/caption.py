@@ -29,7 +29,7 @@ and is never stored.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
@@ -37,7 +37,7 @@ from prx_data.columns import checks
 from prx_data.columns.backends import (
     BackendSpec,
     FailureGuard,
-    GenerationConfig,
+    ModelJobConfig,
     Request,
     make_spec,
 )
@@ -47,7 +47,7 @@ from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
 from prx_data.core.errors import UsageError
-from prx_data.core.runtime import check_engine
+from prx_data.core.flags import flag
 from prx_data.core.schema import error_column, status_column
 
 #: Internal column carrying why a row was flagged (counted in the report).
@@ -56,50 +56,51 @@ _IMAGE_OK = "__image"
 
 
 @dataclass(frozen=True)
-class CaptionConfig:
-    """One captioning run. ``backend_options`` go to the backend's constructor."""
+class CaptionConfig(ModelJobConfig):
+    """One captioning run; the flags of ``python -m prx_data.caption``."""
 
-    table: str
-    backend: str
-    model: str
-    column: str = "caption_vlm"
-    prompt_file: str | None = None
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    limit: int | None = None
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    backend_options: dict = field(default_factory=dict)
-    replicas: int = 1
-    batch_size: int | None = None
-    #: Statuses to compute again (e.g. ``("error", "truncated")``), on top of the
-    #: rows never captioned.
-    redo: tuple[str, ...] = ()
-    #: With ``redo``: caption only the rows with those statuses, not the never-captioned ones.
-    only: bool = False
-    #: Fragments per commit (each finished fragment is checkpointed regardless).
-    commit_every: int = 16
-    storage_options: dict | None = None
-    engine: str = "auto"
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    progress: bool = True
+    column: str | None = flag(
+        None,
+        "--column",
+        help="column to write the captions to; its status goes to COLUMN_status "
+        "(default: caption_vlm, or attributes with --schema)",
+    )
     #: A JSON schema file: write structured attributes (a struct column) instead of captions.
-    schema_file: str | None = None
+    schema_file: str | None = flag(
+        None,
+        "--schema",
+        metavar="FILE",
+        help="JSON schema of structured attributes to ask for (an object schema; e.g. "
+        "configs/attributes.schema.json, or 'attributes' for that example as shipped in the "
+        "package). Supported: type object/array/string/boolean/"
+        "integer/number, properties, required, enum, items, additionalProperties, bounds",
+    )
+    prompt_file: str | None = flag(
+        None,
+        "--prompt-file",
+        help="text file with the instruction (default: the packaged "
+        "prx_data/columns/prompts_txt/caption.txt, one dense, visually grounded paragraph of "
+        "~100-200 words; with --schema: attributes.txt, whose {schema} is replaced by the "
+        "schema)",
+    )
+    max_pixels: int = flag(
+        DEFAULT_MAX_PIXELS,
+        "--max-pixels",
+        type=int,
+        help="downsize images to at most this many pixels before sending them "
+        "(default: %(default)s = 1280 patches of 28x28, Qwen-VL's usual budget)",
+    )
 
     def __post_init__(self) -> None:
-        check_engine(self.engine)
+        if self.column is None:  # frozen: set the default the schema implies once
+            object.__setattr__(self, "column", "attributes" if self.schema_file else "caption_vlm")
+        self.check(checks.STATUSES, "status(es)")
+        if not (self.backend and self.model):
+            raise UsageError("a backend and a model are required (--backend, --model)")
         if self.column in (S.ID, S.IMAGE, S.CAPTION):
             raise UsageError(f"refusing to write captions into the {self.column!r} column")
-        bad = set(self.redo) - set(checks.STATUSES)
-        if bad:
-            raise UsageError(
-                f"unknown status(es) to redo: {sorted(bad)}; choose from {checks.STATUSES}"
-            )
         if self.max_pixels < 28 * 28:
             raise UsageError(f"max_pixels must be at least 784, got {self.max_pixels}")
-        if self.limit is not None and self.limit < 0:
-            raise UsageError(f"limit must be >= 0, got {self.limit}")
-        if self.only and not self.redo:
-            raise UsageError("only needs statuses to redo (e.g. redo=('looping',))")
         if self.schema_file is not None:
             from prx_data.columns.structured import load_schema
 
@@ -261,7 +262,7 @@ def caption_job(
 
     existing = open_table(cfg.table, cfg.storage_options).schema.names
     st = status_column(cfg.column)
-    where = pending_filter(existing, st, cfg.column, cfg.redo, include_missing=not cfg.only)
+    where = pending_filter(existing, st, cfg.column, cfg.redone, include_missing=not cfg.only)
     if schema is None:
         value_type: pa.DataType = pa.string()
         actor = Step(

@@ -33,6 +33,7 @@ from prx_data.columns.backends import (
     BackendSpec,
     FailureGuard,
     GenerationConfig,
+    ModelJobConfig,
     Request,
     make_spec,
 )
@@ -41,57 +42,57 @@ from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import schema as S
 from prx_data.core.errors import UsageError
-from prx_data.core.runtime import check_engine
+from prx_data.core.flags import flag
 from prx_data.core.schema import error_column
 
 _RULE = "__rule"
 
 
 @dataclass(frozen=True)
-class ClassifyConfig:
-    """One labelling run. ``backend``/``model`` may be None with ``rules_only``."""
+class ClassifyConfig(ModelJobConfig):
+    """One labelling run; the flags of ``python -m prx_data.classify``. ``backend`` and
+    ``model`` may be None with ``rules_only``."""
 
-    table: str
-    backend: str | None = None
-    model: str | None = None
-    column: str = "label"
-    source_column: str = "caption_vlm"
-    prompt_file: str | None = None
-    rules_file: str | None = None
-    #: Label with the rules alone (no model): unmatched rows become ``visual``.
-    rules_only: bool = False
+    column: str = flag(
+        "label", "--column", help="column to write the labels to (default: %(default)s)"
+    )
+    source_column: str = flag(
+        "caption_vlm",
+        "--source-column",
+        help="caption column the model reads (default: %(default)s)",
+    )
+    prompt_file: str | None = flag(
+        None,
+        "--prompt-file",
+        help="prompt template with a {caption} placeholder "
+        "(default: the packaged prx_data/columns/prompts_txt/classify.txt)",
+    )
+    rules_file: str | None = flag(
+        None,
+        "--rules-file",
+        help="rules file, one '<label>: <regex>' per line "
+        "(default: the packaged prx_data/columns/prompts_txt/classify_rules.txt)",
+    )
+    rules_only: bool = flag(
+        False,
+        "--rules-only",
+        help="label with the rules alone, no model: unmatched rows become 'visual'",
+    )
     #: Apply the rules before the model (rows they match skip the model).
-    use_rules: bool = True
-    limit: int | None = None
+    use_rules: bool = flag(True, "--no-rules", negate=True, help="send every caption to the model")
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_tokens=8))
-    backend_options: dict = field(default_factory=dict)
-    replicas: int = 1
-    batch_size: int | None = None
-    #: Labels to compute again (e.g. ``("unknown",)``), on top of the unlabelled rows.
-    redo: tuple[str, ...] = ()
-    #: With ``redo``: label only the rows with those labels, not the unlabelled ones.
-    only: bool = False
-    #: Fragments per commit (each finished fragment is checkpointed regardless).
-    commit_every: int = 16
-    storage_options: dict | None = None
-    engine: str = "auto"
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        check_engine(self.engine)
+        self.check((*L.LABELS, L.UNKNOWN), "label(s)")
         if self.column in (S.ID, S.IMAGE, S.CAPTION, self.source_column):
             raise UsageError(f"refusing to write labels into the {self.column!r} column")
-        bad = set(self.redo) - {*L.LABELS, L.UNKNOWN}
-        if bad:
-            raise UsageError(f"unknown label(s) to redo: {sorted(bad)}")
         if not self.rules_only and not (self.backend and self.model):
-            raise UsageError("a backend and a model are required unless rules_only is set")
+            raise UsageError(
+                "a backend and a model are required unless rules_only is set "
+                "(--backend, --model, or --rules-only)"
+            )
         if self.rules_only and not self.use_rules:
-            raise UsageError("rules_only needs the rules")
-        if self.only and not self.redo:
-            raise UsageError("only needs labels to redo (e.g. redo=('unknown',))")
+            raise UsageError("rules_only needs the rules (drop --no-rules)")
 
 
 @lru_cache(maxsize=8)
@@ -186,7 +187,7 @@ def classify_job(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | 
     where = pending_filter(
         existing,
         cfg.column,
-        redo=cfg.redo,
+        redo=cfg.redone,
         require=[cfg.source_column],
         include_missing=not cfg.only,
     )

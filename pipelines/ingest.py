@@ -51,9 +51,11 @@ import pyarrow.compute as pc
 from prx_data.core import lance_compat, storage
 from prx_data.core import schema as S
 from prx_data.core.errors import AlreadyExists, UsageError
+from prx_data.core.flags import REQUIRED, flag, mebibytes
 from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import check_engine, map_units, place
 from prx_data.ingest import (
+    FORMATS,
     NOTES,
     Counts,
     SourceSpec,
@@ -92,23 +94,115 @@ UNKNOWN_UNIT_ROWS = 4096
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """Options of one ingest run (see ``python -m prx_data.ingest --help``)."""
+    """Options of one ingest run; each field carries its ``python -m prx_data.ingest`` flag."""
 
-    sources: list[str]
-    table_uri: str
-    mode: str = "append"
-    fmt: str | None = None
-    rows_per_fragment: int | None = None  # None: from the images' size
-    fragment_bytes: int = DEFAULT_FRAGMENT_BYTES
-    items_per_unit: int | None = None  # None: the reader's default
+    sources: list[str] = flag(
+        REQUIRED,
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="a folder, parquet file/folder, URL list (.txt one URL a line, .csv, .tsv "
+        "with or without a header, .jsonl), tar(s), twin-tar root or .lance table; "
+        "write NAME=PATH to choose the id prefix (default: the base name of PATH)",
+    )
+    table_uri: str = flag(
+        REQUIRED, "--table", help="Lance table URI to write (local path or s3://...)"
+    )
+    mode: str = flag(
+        "append",
+        "--mode",
+        choices=MODES,
+        help="append: add new ids, create the table if missing (default); create: fail if "
+        "the table exists; overwrite: replace the table",
+    )
+    fmt: str | None = flag(
+        None,
+        "--format",
+        choices=FORMATS,
+        help="source format for all SOURCEs (default: detect from each path)",
+    )
+    rows_per_fragment: int | None = flag(
+        None,
+        "--rows-per-fragment",
+        type=int,
+        help="at most this many rows per Lance fragment (default: about --fragment-mb of "
+        "images per fragment, between 1024 and 1M rows); each write task holds one fragment "
+        "in memory",
+    )
+    fragment_bytes: int = flag(
+        DEFAULT_FRAGMENT_BYTES,
+        "--fragment-mb",
+        type=mebibytes,
+        metavar="MIB",
+        help="target fragment size in MiB when --rows-per-fragment is not given "
+        f"(default: {DEFAULT_FRAGMENT_BYTES >> 20})",
+    )
+    items_per_unit: int | None = flag(
+        None,
+        "--items-per-unit",
+        type=int,
+        help="items per parallel work unit for folders and parquet (default: the reader's)",
+    )
+    image_column: str | None = flag(
+        None, "--image-column", help="parquet/lance: column with image bytes"
+    )
+    path_column: str | None = flag(
+        None, "--path-column", help="parquet: column with image paths (relative to the file)"
+    )
+    url_column: str | None = flag(
+        None,
+        "--url-column",
+        help="csv/tsv/jsonl: column with the image URL (default: url, URL, image_url...; "
+        "a file without a header calls it url)",
+    )
+    caption_column: str | None = flag(
+        None,
+        "--caption-column",
+        help="parquet/lance/csv/tsv/jsonl: caption column (default: caption, text, TEXT...)",
+    )
+    key_column: str | None = flag(
+        None,
+        "--key-column",
+        help="parquet/lance/csv/tsv/jsonl: column giving the id key (default: key, uid... "
+        "else the row number)",
+    )
+    embedding_column: str | None = flag(
+        None,
+        "--embedding-column",
+        help="parquet/lance: a vector column to keep as the row's embedding (default: "
+        "embedding, clip_embedding...)",
+    )
+    keys: str | None = flag(
+        None,
+        "--keys",
+        help="twin tars: parquet file listing the keys to load (index mode; missing and "
+        "out-of-order keys are tolerated); default: positional zip of the tars",
+    )
     num_cpus: int | None = None  # this process or a private local Ray; None: all cores
     storage_options: dict | None = None
-    reader_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
     engine: str = "auto"
     ray_address: str | None = None
     #: Build or update the BTREE index on ``id`` after the commit (large tables).
     id_index: bool = True
+
+    @property
+    def reader_options(self) -> dict[str, Any]:
+        """The options the source readers take (each reader picks the ones it knows)."""
+        return {name: getattr(self, name) for name in READER_OPTIONS}
+
+
+#: The :class:`IngestConfig` fields handed to the source readers.
+READER_OPTIONS = (
+    "items_per_unit",
+    "image_column",
+    "path_column",
+    "url_column",
+    "caption_column",
+    "key_column",
+    "embedding_column",
+    "keys",
+)
 
 
 @dataclass
@@ -699,9 +793,7 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
     plan_counts = Counts()
     extra: list[pa.Field] = []
     sizes: list[tuple[int, float]] = []
-    options = dict(cfg.reader_options)
-    if cfg.items_per_unit:
-        options["items_per_unit"] = cfg.items_per_unit
+    options = cfg.reader_options
     finalizers = []
     for spec in specs:
         plan = plan_source(spec, **options)
@@ -822,42 +914,14 @@ def report_json(report: IngestReport) -> str:
     return json.dumps(report.to_dict(), indent=2)
 
 
-def ingest(
-    sources: Sequence[str],
-    table_uri: str,
-    *,
-    mode: str = "append",
-    fmt: str | None = None,
-    rows_per_fragment: int | None = None,
-    fragment_bytes: int = DEFAULT_FRAGMENT_BYTES,
-    items_per_unit: int | None = None,
-    num_cpus: int | None = None,
-    storage_options: dict | None = None,
-    progress: bool = True,
-    engine: str = "auto",
-    ray_address: str | None = None,
-    **reader_options,
-) -> IngestReport:
+def ingest(sources: Sequence[str], table_uri: str, **options: Any) -> IngestReport:
     """Ingest ``sources`` (paths, or ``NAME=PATH`` to set the id prefix) into ``table_uri``.
 
-    ``mode``: ``append`` (default; creates the table if missing and skips ids
-    already in it), ``create`` (fails if the table exists) or ``overwrite``.
-    ``reader_options`` go to the source readers (e.g. ``image_column=``,
-    ``caption_column=``, ``keys=`` for twin tars). Returns the report.
+    Args:
+        sources: the sources, as on the command line.
+        table_uri: the Lance table to write (created when missing).
+        options: any other :class:`IngestConfig` field, e.g. ``mode="overwrite"``
+            (``append``, the default, skips ids already in the table; ``create``
+            fails if the table exists), ``caption_column=``, ``keys=`` for twin tars.
     """
-    cfg = IngestConfig(
-        sources=list(sources),
-        table_uri=table_uri,
-        mode=mode,
-        fmt=fmt,
-        rows_per_fragment=rows_per_fragment,
-        fragment_bytes=fragment_bytes,
-        items_per_unit=items_per_unit,
-        num_cpus=num_cpus,
-        storage_options=storage_options,
-        reader_options=reader_options,
-        progress=progress,
-        engine=engine,
-        ray_address=ray_address,
-    )
-    return run_ingest(cfg)
+    return run_ingest(IngestConfig(sources=list(sources), table_uri=table_uri, **options))

@@ -64,9 +64,7 @@ def test_caption_records_each_failure_reason_and_only_redoes_flagged_rows(tmp_pa
     append_row(uri, "t/new", image=good)
     with ChatServer() as srv:  # this server describes blue images without looping
         opts = {**cfg.backend_options, "base_url": srv.base_url}
-        only = CaptionConfig(
-            **{**cfg.__dict__, "backend_options": opts, "redo": ("looping",), "only": True}
-        )
+        only = CaptionConfig(**{**cfg.__dict__, "backend_options": opts, "only": ("looping",)})
         redo = run_caption(only)
         assert srv.requests == 1
     assert redo.rows == 1 and redo.counts == {"ok": 1}
@@ -76,8 +74,10 @@ def test_caption_records_each_failure_reason_and_only_redoes_flagged_rows(tmp_pa
     assert {k: v for k, v in after.items() if k not in ("t/5", "t/new")} == {
         k: v for k, v in got.items() if k != "t/5"
     }
-    with pytest.raises(ValueError, match="only"):
-        CaptionConfig(**{**cfg.__dict__, "only": True})
+    with pytest.raises(ValueError, match="redo or only"):
+        CaptionConfig(**{**cfg.__dict__, "redo": ("error",), "only": ("looping",)})
+    with pytest.raises(ValueError, match="unknown status"):
+        CaptionConfig(**{**cfg.__dict__, "only": ("lopping",)})
 
 
 @pytest.mark.ray
@@ -86,12 +86,11 @@ def test_caption_cli_only_and_redo_help(tmp_path, capsys):
     from prx_data.cli.caption import build_parser, main
 
     help_text = " ".join(build_parser().format_help().split())
-    assert "in addition to the rows never captioned" in help_text
+    assert "on top of the rows never computed" in help_text
     assert "--only" in help_text
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(
-            ["--table", "t", "--backend", "openai", "--model", "m", "--redo", "a", "--only", "b"]
-        )
+    both = ["--table", "t", "--backend", "openai", "--model", "m", "--redo", "error"]
+    assert main([*both, "--only", "looping"]) == 2
+    assert "redo or only" in capsys.readouterr().err
     uri = make_table(tmp_path / "c.lance", [jpeg(50, 40)] * 3)
     with ChatServer() as srv:
         base = ["--table", uri, "--backend", "openai", "--model", "test-model"]
@@ -151,15 +150,13 @@ def test_classify_records_failure_reasons_and_only_redoes_unknown(tmp_path):
     append_row(uri, "c/new", caption_vlm="A horse in a field.")
     with ChatServer(lambda im, prompt: ("visual", "stop")) as srv:
         opts = {**cfg.backend_options, "base_url": srv.base_url}
-        only = ClassifyConfig(
-            **{**cfg.__dict__, "backend_options": opts, "redo": ("unknown",), "only": True}
-        )
+        only = ClassifyConfig(**{**cfg.__dict__, "backend_options": opts, "only": ("unknown",)})
         redo = run_classify(only)
         assert redo.rows == 1 and redo.counts == {"visual": 1} and srv.requests == 1
         after = rows(uri, "label", "label_error")
         assert after["c/1"] == ("visual", None)
         assert after["c/new"] == (None, None)  # never labelled: left for a normal run
-        normal = run_classify(ClassifyConfig(**{**only.__dict__, "redo": (), "only": False}))
+        normal = run_classify(ClassifyConfig(**{**only.__dict__, "only": ()}))
     assert normal.rows == 1 and rows(uri, "label")["c/new"] == ("visual",)
 
 

@@ -11,7 +11,15 @@ import pytest
 from PIL import Image
 
 from prx_data.cli import write_mds as cli
-from prx_data.core.flags import REQUIRED, add_flags, comma_ints, comma_list, flag, from_args
+from prx_data.core.flags import (
+    REQUIRED,
+    add_flags,
+    comma_ints,
+    comma_list,
+    flag,
+    from_args,
+    mebibytes,
+)
 from prx_data.core.imaging import EncodeSpec, prepare_with
 from prx_data.export.spec import ExportConfig, resume_flags
 
@@ -35,6 +43,22 @@ def test_flags_build_the_options_and_the_config_back():
     args = _parser().parse_args(["n", "--path", "p", "--sizes", "2, 3", "--no-keep"])
     assert from_args(_Toy, args, internal=5) == _Toy("n", "p", (2, 3), False, 5)
     assert from_args(_Toy, _parser().parse_args(["n", "--path", "p"])) == _Toy("n", "p")
+
+
+@dataclass(frozen=True)
+class _More:
+    items: list[str] = flag(REQUIRED, "items", nargs="+", help="one or more")
+    allow: tuple[str, ...] = flag(("x",), "--allow", append=True, help="repeatable")
+    tokens: tuple[str, ...] = flag(("a", "b"), "--no-tokens", const=(), help="a constant")
+    size: int = flag(2 * 2**20, "--size-mb", type=mebibytes, help="MiB in, bytes out")
+
+
+def test_positional_lists_repeatable_options_constants_and_units():
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(p, _More)
+    given = p.parse_args(["a", "b", "--allow", "1", "--allow", "2", "--no-tokens"])
+    assert from_args(_More, given) == _More(["a", "b"], ("1", "2"), (), 2 * 2**20)
+    assert from_args(_More, p.parse_args(["a", "--size-mb", "1.5"])) == _More(["a"], size=3 * 2**19)
 
 
 def test_a_required_field_is_a_required_option(capsys):
@@ -127,3 +151,51 @@ def test_semdedup_flags_set_their_fields_and_bad_numbers_are_an_option_error(cap
     with pytest.raises(SystemExit):
         sd_cli.build_parser().parse_args(["--table", "t", "--report-thresholds", "0.9,x"])
     assert "expected comma-separated numbers, got '0.9,x'" in capsys.readouterr().err
+
+
+def test_download_flags_set_the_download_and_fetch_configs():
+    from prx_data.cli import download
+    from prx_data.download import fetch as F
+    from prx_data.pipelines.download import DownloadConfig
+
+    argv = (
+        "--table t --max-mb 1 --allow-private 127.0.0.1 --allow-private 10.0.0.0/8 "
+        "--ignore-x-robots-tag --insecure --only failed --only 'http_5*' --commit-mb 2 "
+        "--timeout 5 --no-hash-check --task-cpus 1"
+    )
+    args = download.build_parser().parse_args(shlex.split(argv))
+    fetch = from_args(F.FetchConfig, args)
+    assert fetch == F.FetchConfig(
+        max_bytes=2**20,
+        allow=("127.0.0.1", "10.0.0.0/8"),
+        opt_out=(),
+        verify_tls=False,
+        total_timeout=5.0,
+    )
+    assert from_args(DownloadConfig, args, fetch=fetch) == DownloadConfig(
+        table="t",
+        only=("failed", "http_5*"),
+        commit_bytes=2 * 2**20,
+        check_hashes=False,
+        task_cpus=1.0,
+        fetch=fetch,
+    )
+    plain = download.build_parser().parse_args(["--table", "t"])
+    assert from_args(F.FetchConfig, plain) == F.FetchConfig()
+
+
+def test_ingest_flags_set_the_ingest_config():
+    from prx_data.cli import ingest
+    from prx_data.pipelines.ingest import IngestConfig
+
+    argv = "a b=c --table t --format parquet --fragment-mb 3 --caption-column TEXT --keys k"
+    cfg = from_args(IngestConfig, ingest.build_parser().parse_args(shlex.split(argv)))
+    assert cfg == IngestConfig(
+        sources=["a", "b=c"],
+        table_uri="t",
+        fmt="parquet",
+        fragment_bytes=3 * 2**20,
+        caption_column="TEXT",
+        keys="k",
+    )
+    assert cfg.reader_options["caption_column"] == "TEXT"

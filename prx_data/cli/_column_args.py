@@ -8,37 +8,17 @@ from collections.abc import Callable
 from typing import Any
 
 from prx_data.cli.reporting import finish_run
-from prx_data.columns.backends import BACKENDS, GenerationConfig
+from prx_data.columns.backends import GenerationConfig, ModelJobConfig
 from prx_data.core.flags import add_flags, from_args
 from prx_data.core.runtime import add_run_args, run_options_from_args
 
 
-def add_backend_args(
-    p: argparse.ArgumentParser, *, max_tokens: int, batch_size_help: str, required: bool = True
-) -> None:
-    """Backend choice, sampling, resources and per-backend options."""
-    g = p.add_argument_group("backend")
-    g.add_argument(
-        "--backend",
-        required=required,
-        choices=sorted(BACKENDS),
-        help="vllm: offline vLLM engine, one replica per GPU (needs `pip install vllm`); "
-        "openai: an OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, hosted); "
-        "transformers: Hugging Face generate, also on CPU",
-    )
-    g.add_argument(
-        "--model",
-        required=required,
-        help="model name on the Hugging Face Hub, or a local checkpoint path "
-        "(for --backend openai: the model name the server expects)",
-    )
-    g.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="actors running the backend (vllm: one per GPU group) (default: %(default)s)",
-    )
-    g.add_argument("--batch-size", type=int, default=None, help=batch_size_help)
+def column_job_parser(
+    prog: str, description: str, config: type[ModelJobConfig], *, max_tokens: int
+) -> argparse.ArgumentParser:
+    """The job's flags (``config``'s fields), sampling, per-backend options and run options."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(p, config)
     s = p.add_argument_group("sampling")
     add_flags(s, GenerationConfig)
     p.set_defaults(max_tokens=max_tokens)
@@ -96,18 +76,7 @@ def add_backend_args(
         help="allow checkpoints that ship their own modelling code",
     )
     add_run_args(p)
-    r = p.add_argument_group("writing")
-    r.add_argument(
-        "--commit-every",
-        type=int,
-        default=16,
-        help="fragments per commit to the table; each finished fragment is also checkpointed, "
-        "so a killed run never recomputes it (default: %(default)s)",
-    )
-
-
-def generation_from_args(args: argparse.Namespace) -> GenerationConfig:
-    return from_args(GenerationConfig, args)
+    return p
 
 
 def _json_object(value: str | None, flag: str) -> dict:
@@ -149,22 +118,8 @@ def backend_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
-def parse_list(value: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
-
-
-def redo_args(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
-    """(statuses to redo, only those) from ``--redo`` / ``--only``."""
-    if args.only:
-        return parse_list(args.only), True
-    return parse_list(args.redo), False
-
-
-def run_column_job(
-    args: argparse.Namespace, make_config: Callable[[dict], Any], run: Callable
-) -> int:
-    """The shared tail of the caption/classify CLIs: build (``make_config`` gets the run
-    fields of :class:`prx_data.core.runtime.RunOptions`), run, report.
+def run_column_job(args: argparse.Namespace, config: type[ModelJobConfig], run: Callable) -> int:
+    """The shared tail of the caption/classify CLIs: build the config, run, report.
 
     Configuration and backend errors print one line and exit 2.
     """
@@ -173,7 +128,14 @@ def run_column_job(
 
     try:
         opts = run_options_from_args(args)
-        report = run(make_config(opts.job_fields()))
+        cfg = from_args(
+            config,
+            args,
+            generation=from_args(GenerationConfig, args),
+            backend_options=backend_options_from_args(args) if args.backend else {},
+            **opts.job_fields(),
+        )
+        report = run(cfg)
     except PrxDataError as e:
         print_error(e)
         return 2

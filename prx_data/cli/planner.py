@@ -8,12 +8,13 @@ lists and eval hold-out, through ``prx_data.stream.sources.plan_sources``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 
 from prx_data.core.errors import PrxDataError
+from prx_data.core.flags import add_flags, option_name
 from prx_data.stream.planner import (
-    BATCHING_METHODS,
     DatasetCount,
     Plan,
     PlanError,
@@ -22,20 +23,9 @@ from prx_data.stream.planner import (
     plan_buckets,
 )
 
-#: Flags that set the plan; with --config the YAML (and its overrides) set it instead.
-_PLAN_FLAGS = (
-    "tier",
-    "include_higher_tiers",
-    "batch_size",
-    "workers",
-    "canonical_nodes",
-    "replication",
-    "batching",
-    "epoch_size",
-    "skip_list",
-    "no_skips",
-    "small_buckets",
-)
+#: The :class:`PlanSpec` fields with a flag: given without --config only (with it, the
+#: YAML and its key=value overrides set the plan).
+_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PlanSpec) if "cli" in f.metadata)
 
 
 def _parse_dataset(arg: str) -> tuple[str, float | None]:
@@ -73,28 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --config: plan the eval stream instead of the training one",
     )
-    p.add_argument(
-        "--tier",
-        type=int,
-        default=None,
-        help="training resolution tier, e.g. 512 (also the tier of a tree with one folder per "
-        "aspect ratio that was not adopted)",
-    )
-    p.add_argument("--include-higher-tiers", action="store_true", help="also stream higher tiers")
-    p.add_argument("--batch-size", type=int, default=None, help="device (per-rank) batch size")
+    add_flags(p.add_argument_group("plan (without --config)"), PlanSpec)
+    p.set_defaults(**dict.fromkeys(_PLAN_FIELDS))  # None: not given, so --config refuses it
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
     p.add_argument("--nodes", type=int, default=1, help="number of physical nodes (default 1)")
-    p.add_argument(
-        "--workers", type=int, default=None, help="DataLoader workers per rank (default 1)"
-    )
-    p.add_argument(
-        "--canonical-nodes", type=int, default=None, help="num_canonical_nodes (default: nodes)"
-    )
-    p.add_argument("--replication", type=int, default=None, help="ranks per replica group")
-    p.add_argument("--batching", default=None, choices=BATCHING_METHODS, help="batching method")
-    p.add_argument(
-        "--epoch-size", type=int, default=None, help="samples per epoch (with proportions)"
-    )
     p.add_argument(
         "--skip-list",
         action="append",
@@ -102,12 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply only this skip list (repeatable); default all; --no-skips for none",
     )
     p.add_argument("--no-skips", action="store_true", help="apply no skip list")
-    p.add_argument(
-        "--small-buckets",
-        default=None,
-        choices=("error", "drop"),
-        help="buckets too small for a unit: fail (default) or leave out with a warning",
-    )
     p.add_argument(
         "--json",
         default=None,
@@ -140,21 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _from_flags(p, args) -> Plan:
     if not args.datasets:
         p.error("give export roots, or --config train.yaml")
-    if args.tier is None or args.batch_size is None:
+    if args.tier is None or args.device_batch_size is None:
         p.error("--tier and --batch-size are required without --config")
     if args.eval:
         p.error("--eval needs --config")
-    spec = PlanSpec(
-        tier=args.tier,
-        device_batch_size=args.batch_size,
-        include_higher_tiers=args.include_higher_tiers,
-        batching_method=args.batching or "per_stream",
-        num_workers=args.workers if args.workers is not None else 1,
-        num_canonical_nodes=args.canonical_nodes,
-        replication=args.replication,
-        epoch_size=args.epoch_size,
-        small_buckets=args.small_buckets or "error",
-    )
+    spec = PlanSpec(**{f: getattr(args, f) for f in _PLAN_FIELDS if getattr(args, f) is not None})
     names = [] if args.no_skips else args.skip_list
     counts = []
     from prx_data.export.adopt import resolve_tree
@@ -175,9 +131,9 @@ def _from_config(p, args) -> Plan:
     from prx_data.train.data import dataset_specs
     from prx_data.train.evaluation import eval_data_config, holdout_for
 
-    given = [f for f in _PLAN_FLAGS if getattr(args, f) not in (None, False)]
+    given = [f for f in _PLAN_FIELDS if getattr(args, f) is not None]
     if given:
-        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        flags = ", ".join(option_name(PlanSpec, f) or f for f in given)
         p.error(f"{flags}: with --config, set these in the YAML or as key=value overrides")
     bad = [o for o in args.datasets if "=" not in o]
     if bad:

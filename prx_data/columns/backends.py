@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from prx_data.core.errors import PrxDataError, UsageError
-from prx_data.core.flags import flag
+from prx_data.core.flags import REQUIRED, comma_list, flag
+from prx_data.core.runtime import check_engine
 
 log = logging.getLogger(__name__)
 
@@ -797,3 +798,86 @@ def make_spec(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelJobConfig:
+    """The settings every model-written column job shares (caption, classify); each
+    carries its command-line flag. ``backend_options`` go to the backend's constructor."""
+
+    table: str = flag(REQUIRED, "--table", help="Lance table URI (local path or s3://...)")
+    backend: str | None = flag(
+        None,
+        "--backend",
+        choices=tuple(sorted(BACKENDS)),
+        help="vllm: offline vLLM engine, one replica per GPU (needs `pip install vllm`); "
+        "openai: an OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, "
+        "hosted); transformers: Hugging Face generate, also on CPU",
+    )
+    model: str | None = flag(
+        None,
+        "--model",
+        help="model name on the Hugging Face Hub, or a local checkpoint path "
+        "(for --backend openai: the model name the server expects)",
+    )
+    limit: int | None = flag(
+        None, "--limit", type=int, help="compute at most this many rows (a trial run)"
+    )
+    #: Values to compute again (statuses or labels), on top of the rows never computed.
+    redo: tuple[str, ...] = flag(
+        (),
+        "--redo",
+        type=comma_list,
+        help="comma-separated statuses (caption) or labels (classify) to compute again, on "
+        "top of the rows never computed (default: none; an ok row is never redone)",
+    )
+    #: Values to compute again, and nothing else (the rows never computed are left alone).
+    only: tuple[str, ...] = flag(
+        (),
+        "--only",
+        type=comma_list,
+        help="like --redo, but leave the rows never computed alone: e.g. --only looping "
+        "retries the looping rows only",
+    )
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    backend_options: dict = field(default_factory=dict)
+    replicas: int = flag(
+        1,
+        "--replicas",
+        type=int,
+        help="actors running the backend (vllm: one per GPU group) (default: %(default)s)",
+    )
+    batch_size: int | None = flag(
+        None,
+        "--batch-size",
+        type=int,
+        help="rows per backend call (default: vllm 256, openai 4 x concurrency, transformers 16)",
+    )
+    commit_every: int = flag(
+        16,
+        "--commit-every",
+        type=int,
+        help="fragments per commit to the table; each finished fragment is also checkpointed, "
+        "so a killed run never recomputes it (default: %(default)s)",
+    )
+    storage_options: dict | None = None
+    engine: str = "auto"
+    ray_address: str | None = None
+    num_cpus: int | None = None
+    progress: bool = True
+
+    @property
+    def redone(self) -> tuple[str, ...]:
+        """The values whose rows are computed again (``redo`` or ``only``)."""
+        return self.only or self.redo
+
+    def check(self, known: Sequence[str], what: str) -> None:
+        """The shared checks: ``redone`` values among ``known`` (statuses or labels)."""
+        check_engine(self.engine)
+        if self.redo and self.only:
+            raise UsageError("give redo or only, not both")
+        bad = set(self.redone) - set(known)
+        if bad:
+            raise UsageError(f"unknown {what} to redo: {sorted(bad)}; choose from {tuple(known)}")
+        if self.limit is not None and self.limit < 0:
+            raise UsageError(f"limit must be >= 0, got {self.limit}")

@@ -204,23 +204,6 @@ class Confined:
         finally:
             os.close(fd)
 
-    def check_file(self, path: str, max_bytes: int | None = None) -> int:
-        """Size of a regular file inside the root (local: ``lstat`` after resolving the parent)."""
-        if self.remote:
-            self.check_key(path)
-            v = storage.file_version(path)
-            if v is None:
-                raise FileNotFoundError(path)
-            size = v.size
-        else:
-            st = os.lstat(self.resolve(path))
-            if not stat.S_ISREG(st.st_mode):
-                raise UnsafeFileError(f"{path}: not a regular file ({_kind(st.st_mode)})")
-            size = st.st_size
-        if max_bytes is not None and size > max_bytes:
-            raise UnsafeFileError(f"{path}: {size} bytes, more than the {max_bytes} it may have")
-        return size
-
     # -- writing -----------------------------------------------------------------------------
 
     def write_atomic(self, path: str, data: bytes) -> None:

@@ -75,17 +75,6 @@ def error_rate_arg(value: str) -> float:
     return v
 
 
-def add_max_error_rate(p: argparse.ArgumentParser | argparse._ArgumentGroup, what: str) -> None:
-    """The shared ``--max-error-rate`` option; ``what`` names the items counted."""
-    p.add_argument(
-        "--max-error-rate",
-        type=error_rate_arg,
-        default=DEFAULT_MAX_ERROR_RATE,
-        help=f"fail (exit status 1) when more than this share of {what} failed "
-        "(default: %(default)s; 1 never fails)",
-    )
-
-
 def check_error_rate(
     job: str, failed: int, total: int, max_rate: float, details: str, what: str = "items"
 ) -> None:
@@ -95,17 +84,3 @@ def check_error_rate(
             f"{job}: {failed:,} of {total:,} {what} failed ({failed / total:.1%} > "
             f"--max-error-rate {max_rate:g}); details: {details}"
         )
-
-
-def error_rate_status(
-    job: str, failed: int, total: int, max_rate: float, details: str, what: str = "items"
-) -> int:
-    """A CLI's exit status: 0, or 1 after printing why when the error rate is passed."""
-    import sys
-
-    try:
-        check_error_rate(job, failed, total, max_rate, details, what)
-    except ErrorRateExceeded as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0

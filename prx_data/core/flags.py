@@ -40,6 +40,11 @@ def comma_floats(text: str) -> tuple[float, ...]:
         ) from None
 
 
+def mebibytes(text: str) -> int:
+    """``--x-mb 1.5`` -> bytes (at least 1)."""
+    return max(1, int(float(text) * 2**20))
+
+
 def flag(
     default: Any,
     *names: str,
@@ -48,11 +53,16 @@ def flag(
     choices: tuple | None = None,
     metavar: str | None = None,
     negate: bool = False,
+    nargs: str | None = None,
+    append: bool = False,
+    const: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field whose command-line option is ``names`` (the first long name wins
     for the destination). A bool field is a switch: ``--name`` sets it, or with
     ``negate`` (``--no-name``) clears a field that defaults to True. A field whose
-    default is :data:`REQUIRED` has none, and its option is required."""
+    default is :data:`REQUIRED` has none, and its option is required. ``append``: a
+    repeatable option, its values a tuple; ``const``: a switch that sets the field to
+    this value."""
     meta = {
         "flags": names,
         "help": help,
@@ -60,6 +70,9 @@ def flag(
         "choices": choices,
         "metavar": metavar,
         "negate": negate,
+        "nargs": nargs,
+        "append": append,
+        "const": const,
     }
     return dataclasses.field(default=default, metadata={"cli": meta})
 
@@ -75,14 +88,18 @@ def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls) -> None
         kw: dict[str, Any] = {"help": meta["help"]}
         if not positional:
             kw["dest"] = f.name
-        if f.default is True or f.default is False:
+        if meta["const"] is not dataclasses.MISSING:
+            kw.update(action="store_const", const=meta["const"], default=f.default)
+        elif f.default is True or f.default is False:
             kw["action"] = "store_false" if meta["negate"] else "store_true"
         else:
-            if f.default is not dataclasses.MISSING:
+            if meta["append"]:  # None when not given: the field keeps its default
+                kw.update(action="append", default=None)
+            elif f.default is not dataclasses.MISSING:
                 kw["default"] = f.default
             elif not positional:  # a positional argument is required anyway
                 kw["required"] = True
-            for key in ("type", "choices", "metavar"):
+            for key in ("type", "choices", "metavar", "nargs"):
                 if meta[key] is not None:
                     kw[key] = meta[key]
         p.add_argument(*meta["flags"], **kw)
@@ -99,6 +116,12 @@ def option_name(cls, name: str) -> str | None:
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
     """``cls`` from the options :func:`add_flags` added (fields the parser lacks keep their
     defaults); ``overrides`` win."""
-    values = {f.name: getattr(args, f.name) for f, _ in _cli_fields(cls) if hasattr(args, f.name)}
+    values = {}
+    for f, meta in _cli_fields(cls):
+        value = getattr(args, f.name, f)
+        if meta["append"]:  # given: the values in order; not given (None): the default
+            value = f if value is None else tuple(value)
+        if value is not f:
+            values[f.name] = value
     values.update(overrides)
     return cls(**values)

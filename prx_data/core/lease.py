@@ -293,12 +293,6 @@ class S3LeaseStore:
         self._call("delete", beat, lambda c: c.delete_object(Bucket=self.bucket, Key=self.key))
 
 
-def _tag(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()
-
-
 def _parse(data: bytes) -> dict:
     try:
         info = json.loads(data)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from urllib.parse import quote, urljoin, urlsplit
 
 from prx_data.core.errors import UsageError
+from prx_data.core.flags import flag, mebibytes
 
 #: Row statuses: the image is in the row; retries were exhausted; the server
 #: (or the bytes) said no for good; our address/URL policy said no; the
@@ -177,31 +178,100 @@ def system_resolver(host: str, port: int) -> list[str]:
 class FetchConfig:
     """How one fetcher behaves (see the module docstring)."""
 
-    user_agent: str = DEFAULT_USER_AGENT
-    connect_timeout: float = 10.0
-    #: Seconds one socket read may wait (a stalled body fails after this).
-    read_timeout: float = 20.0
-    #: Seconds for one attempt overall, headers and body (a trickling body fails after this).
-    total_timeout: float = 60.0
-    max_bytes: int = 32 * 1024 * 1024
-    max_redirects: int = 5
-    #: Attempts after the first for transient failures.
-    retries: int = 2
-    backoff: float = 1.0
+    # Politeness and limits (the flags' group of the same name).
+    threads: int = flag(
+        64,
+        "--threads",
+        type=int,
+        help="requests in flight per fetch task; the global figure is this times the "
+        "tasks running (Ray CPUs / --task-cpus) (default: %(default)s)",
+    )
+    per_host: int = flag(
+        8,
+        "--per-host",
+        type=int,
+        help="requests in flight per host and task (default: %(default)s)",
+    )
+    per_host_rate: float = flag(
+        0.0,
+        "--per-host-rate",
+        type=float,
+        help="requests started per second per host and task, 0 for no limit (default: %(default)s)",
+    )
+    user_agent: str = flag(
+        DEFAULT_USER_AGENT, "--user-agent", help="User-Agent header (default: %(default)s)"
+    )
+    connect_timeout: float = flag(
+        10.0, "--connect-timeout", type=float, help="seconds to connect (default: %(default)s)"
+    )
+    read_timeout: float = flag(
+        20.0,
+        "--read-timeout",
+        type=float,
+        help="seconds one read may wait: a stalled body fails after this (default: %(default)s)",
+    )
+    total_timeout: float = flag(
+        60.0,
+        "--timeout",
+        type=float,
+        help="seconds for one attempt overall: DNS, connect, TLS, headers and body, over "
+        "every redirect; held even against a server that trickles bytes (default: %(default)s)",
+    )
+    max_bytes: int = flag(
+        32 * 2**20,
+        "--max-mb",
+        type=mebibytes,
+        metavar="MIB",
+        help="largest body in MiB, enforced while streaming (default: 32)",
+    )
+    max_redirects: int = flag(
+        5,
+        "--max-redirects",
+        type=int,
+        help="redirects followed, each hop checked (default: %(default)s)",
+    )
+    retries: int = flag(
+        2,
+        "--retries",
+        type=int,
+        help="attempts after the first for timeouts, resets, 429 and 5xx (default: %(default)s)",
+    )
+    backoff: float = flag(
+        1.0,
+        "--backoff",
+        type=float,
+        help="first retry wait in seconds, doubled each time, with jitter (default: %(default)s)",
+    )
     max_backoff: float = 30.0
-    #: Longest ``Retry-After`` honoured; a longer one ends the retries (the row stays retryable).
-    max_retry_after: float = 60.0
-    #: Requests in flight per fetcher (threads), and per host.
-    threads: int = 64
-    per_host: int = 8
-    #: Requests started per second per host (0: no limit).
-    per_host_rate: float = 0.0
-    allow: tuple[str, ...] = ()
+    max_retry_after: float = flag(
+        60.0,
+        "--max-retry-after",
+        type=float,
+        help="longest Retry-After honoured; longer ends the row's retries, which stays "
+        "retryable (default: %(default)s)",
+    )
+    # Safety.
+    allow: tuple[str, ...] = flag(
+        (),
+        "--allow-private",
+        append=True,
+        metavar="ADDR",
+        help="allow an otherwise refused address: IP, IP:PORT or network "
+        "(127.0.0.1:8080, 10.0.0.0/8); for local mirrors and tests; repeatable",
+    )
     #: ``X-Robots-Tag`` directives that mean "do not use" (empty: ignore the header).
-    opt_out: tuple[str, ...] = DEFAULT_OPT_OUT
-    verify_tls: bool = True
-    #: PEM file of CAs to trust instead of the system's (private mirrors, tests).
-    ca_bundle: str | None = None
+    opt_out: tuple[str, ...] = flag(
+        DEFAULT_OPT_OUT,
+        "--ignore-x-robots-tag",
+        const=(),
+        help="fetch images whose server sends X-Robots-Tag noai/noimageai (honoured by default)",
+    )
+    verify_tls: bool = flag(True, "--insecure", negate=True, help="do not verify TLS certificates")
+    ca_bundle: str | None = flag(
+        None,
+        "--ca-bundle",
+        help="PEM file of certificate authorities to trust instead of the system's",
+    )
 
     def __post_init__(self) -> None:
         AddressPolicy(self.allow)

@@ -34,6 +34,7 @@ from typing import Any
 
 from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec
 from prx_data.core.errors import PrxDataError
+from prx_data.core.flags import flag
 from prx_data.export import layout
 
 BATCHING_METHODS = ("per_stream", "device_per_stream")
@@ -60,17 +61,30 @@ class PlanSpec:
     """
 
     #: Run resolution tier; with ``include_higher_tiers`` higher tiers are downsized to it.
-    tier: int = 512
-    #: Per-rank batch size.
-    device_batch_size: int = 1
-    include_higher_tiers: bool = False
-    batching_method: str = "per_stream"
+    tier: int = flag(
+        512,
+        "--tier",
+        type=int,
+        help="training resolution tier, e.g. 512 (also the tier of a tree with one folder per "
+        "aspect ratio that was not adopted)",
+    )
+    device_batch_size: int = flag(1, "--batch-size", type=int, help="device (per-rank) batch size")
+    include_higher_tiers: bool = flag(
+        False, "--include-higher-tiers", help="also stream higher tiers"
+    )
+    batching_method: str = flag(
+        "per_stream", "--batching", choices=BATCHING_METHODS, help="batching method"
+    )
     #: DataLoader workers per rank (0 counts as 1); the epoch is sized for them.
-    num_workers: int = 1
+    num_workers: int = flag(1, "--workers", type=int, help="DataLoader workers per rank")
     #: None: the number of physical nodes (streaming's default).
-    num_canonical_nodes: int | None = None
-    replication: int | None = None
-    epoch_size: int | None = None
+    num_canonical_nodes: int | None = flag(
+        None, "--canonical-nodes", type=int, help="num_canonical_nodes (default: nodes)"
+    )
+    replication: int | None = flag(None, "--replication", type=int, help="ranks per replica group")
+    epoch_size: int | None = flag(
+        None, "--epoch-size", type=int, help="samples per epoch (with proportions)"
+    )
     shuffle: bool = True
     shuffle_seed: int = 9176
     #: None: streaming's default for the canonical node count.
@@ -78,7 +92,13 @@ class PlanSpec:
     #: Buckets too small for one planning unit: "error", "drop" (with a warning), or
     #: "fill": as "drop", but when that leaves nothing to stream, every bucket with samples
     #: gets one whole unit and its samples repeat (the eval stream of a small hold-out).
-    small_buckets: str = "error"
+    small_buckets: str = flag(
+        "error",
+        "--small-buckets",
+        choices=SMALL_BUCKETS,
+        help="buckets too small for a unit: fail (default), leave out with a warning (drop), "
+        "or as drop but one unit each when that leaves nothing (fill)",
+    )
     bucket_spec: BucketSpec = DEFAULT_SPEC
 
     def tiers(self) -> list[int]:

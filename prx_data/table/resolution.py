@@ -112,11 +112,6 @@ def compute(
     )
 
 
-def is_score_column(name: str, dtype: pa.DataType) -> bool:
-    """Float columns named ``*_score`` or ``<prefix>_p_<class>`` (the score job's outputs)."""
-    return pa.types.is_floating(dtype) and (name.endswith("_score") or "_p_" in name)
-
-
 def numeric_columns(schema: pa.Schema) -> list[str]:
     """Every floating-point column and struct field (``image_quality.std``), from the schema.
 
