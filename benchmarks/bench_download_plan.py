@@ -54,12 +54,17 @@ def _rss_mb() -> float:
 
 
 def measure(uri: str, partition_rows: int) -> dict:
-    """Run in a child: peak RSS (MB, sampled every 5 ms) above the level before planning."""
+    """Run in a child: peak RSS (MB, sampled every 5 ms) above the level before planning.
+
+    ``partition_rows`` 0 measures the pending-row selection instead: the per-fragment
+    pending counts and the work units the download job plans from them.
+    """
     import threading
     import time
 
     import lance
     import prx_data.pipelines.download as D
+    from prx_data.columns import runner as R
 
     ds = lance.dataset(uri)
     where = D.pending_filter("url")
@@ -75,14 +80,18 @@ def measure(uri: str, partition_rows: int) -> dict:
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     t0 = time.perf_counter()
-    dups = D.plan_duplicates(ds, "url", where, partition_rows=partition_rows)
+    if partition_rows:
+        found = len(D.plan_duplicates(ds, "url", where, partition_rows=partition_rows))
+    else:
+        units, _ = R.plan_units(R.pending_counts(ds, where), None, D.DownloadConfig.rows_per_unit)
+        found = len(units)
     seconds = time.perf_counter() - t0
     stop.set()
     t.join()
     return {
         "peak_mb": round(max(peak[0], _rss_mb()) - before, 1),
         "seconds": round(seconds, 2),
-        "duplicates": int(len(dups)),
+        ("duplicates" if partition_rows else "units"): int(found),
     }
 
 
@@ -107,7 +116,8 @@ def main() -> None:
         for rows in args.rows:
             uri = f"{tmp}/t{rows}.lance"
             make_table(uri, rows)
-            for mode, part in (("in_memory", 1 << 40), ("spilled", args.partition_rows)):
+            modes = (("in_memory", 1 << 40), ("spilled", args.partition_rows), ("pending", 0))
+            for mode, part in modes:
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", uri, str(part)],
                     env=env,

@@ -47,6 +47,7 @@ import pyarrow.compute as pc
 
 from prx_data.core import schema as S
 from prx_data.core.errors import Conflict, UsageError
+from prx_data.core.flags import REQUIRED, flag, mebibytes
 from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import check_engine
 from prx_data.download import fetch as F
@@ -76,33 +77,68 @@ _IMAGE_LEN, _STAGED, _WRITTEN = "_dl_image_len", "_dl_staged", "_dl_written"
 class DownloadConfig:
     """One download run over ``table`` (see the module docstring)."""
 
-    table: str
-    url_column: str | None = None
-    #: Column of expected content hashes (hex md5/sha1/sha256): None finds ``sha256`` or
-    #: ``md5``; bytes that do not match are not stored (``hash_mismatch``).
-    hash_column: str | None = None
-    #: False: no hash check, whatever the table holds.
-    check_hashes: bool = True
-    #: Redo rows by status or reason instead of new rows: ``failed`` (transient and
-    #: permanent), a status (``transient``, ``opted_out``...), or a reason
-    #: (``http_503``, ``timeout``; ``*`` matches any text: ``http_5*``).
-    only: tuple[str, ...] = ()
-    limit: int | None = None
+    table: str = flag(REQUIRED, "--table", help="Lance table URI")
+    url_column: str | None = flag(
+        None,
+        "--url-column",
+        help="column holding the URL (default: the first of url, URL, image_url, img_url)",
+    )
+    hash_column: str | None = flag(
+        None,
+        "--hash-column",
+        help="column of expected content hashes, hex md5, sha1 or sha256 by length (default: "
+        "sha256 or md5 when the table has one); bytes that do not match are not stored and "
+        "the row gets download_error hash_mismatch",
+    )
+    check_hashes: bool = flag(
+        True,
+        "--no-hash-check",
+        negate=True,
+        help="store the bytes whatever the hash column says",
+    )
+    only: tuple[str, ...] = flag(
+        (),
+        "--only",
+        append=True,
+        metavar="SELECTOR",
+        help=f"redo rows fetched before instead of new ones: '{FAILED}' (transient, "
+        "permanent and refused rows), a status (transient, permanent, refused, opted_out), or a "
+        "reason such as http_503 or timeout ('*' matches any text: 'http_5*'); repeatable",
+    )
+    limit: int | None = flag(None, "--limit", type=int, help="fetch at most this many rows")
     fetch: F.FetchConfig = field(default_factory=F.FetchConfig)
     engine: str = "auto"
     num_cpus: int | None = None
     ray_address: str | None = None
-    #: Rows handed to one fetch call (fetched on ``fetch.threads`` threads). A batch ends
-    #: with its slowest row (a stalled body: timeout x attempts), so it should be many
-    #: times ``threads``: the other threads keep fetching meanwhile.
-    batch_size: int = 1024
+    batch_size: int = flag(
+        1024,
+        "--batch-size",
+        type=int,
+        help="rows per fetch call; a call ends with its slowest row, so keep it many times "
+        "--threads (default: %(default)s)",
+    )
     rows_per_unit: int = 4096
-    #: Ray CPUs per fetch task: 0.5 runs two tasks per CPU, so one task's slowest
-    #: rows overlap another's work. Requests in flight: threads x CPUs / task_cpus.
-    task_cpus: float = 0.5
+    task_cpus: float = flag(
+        0.5,
+        "--task-cpus",
+        type=float,
+        help="Ray CPUs per fetch task: 0.5 runs two per CPU so that one's slow rows overlap "
+        "another's work (default: %(default)s)",
+    )
     #: A commit happens after this many rows, bytes or seconds, whichever comes first.
-    commit_rows: int = 8192
-    commit_bytes: int = 256 * 1024 * 1024
+    commit_rows: int = flag(
+        8192,
+        "--commit-rows",
+        type=int,
+        help="rows per commit; a killed run refetches at most these (default: %(default)s)",
+    )
+    commit_bytes: int = flag(
+        256 * 2**20,
+        "--commit-mb",
+        type=mebibytes,
+        metavar="MIB",
+        help="MiB buffered before a commit (default: 256)",
+    )
     commit_seconds: float = 60.0
     storage_options: dict | None = None
     progress: bool = True
@@ -333,46 +369,145 @@ def plan_duplicates(
     appears at a smaller row address among the pending rows. Reads the URL
     column of the pending rows (the first ``limit`` of them, which are the rows
     the run plans) and of ``ok`` rows in batches: Arrow sorts and hash
-    lookups, nothing per row in Python. Up to ``partition_rows`` rows are
-    planned in memory; a larger run is split by URL hash (Lance's ``md5``)
-    into partitions spilled to a temporary folder, each planned alone, so
-    the URLs held at once stay about ``partition_rows`` (the result, 8 bytes
-    per duplicate, is what grows with the table).
+    lookups, nothing per row in Python, in partitions by URL hash
+    (:func:`_by_url_hash`) of about ``partition_rows`` rows (the result, 8
+    bytes per duplicate, is what grows with the table).
     """
     from prx_data.table.lance_ops import quote
 
-    ok_where = None
+    scans = [(where, 0, limit)]
     if STATUS in ds.schema.names:
-        ok_where = f"{quote(url)} IS NOT NULL AND {quote(STATUS)} = '{F.OK}'"
-    pending = ds.count_rows(where)
-    if limit is not None:
-        pending = min(pending, limit)
-    if not pending:
-        return np.zeros(0, np.uint64)
-    ok = ds.count_rows(ok_where) if ok_where else 0
-    parts = -(-(pending + ok) // max(1, partition_rows))
-    if parts <= 1:
-        return _duplicates_in(ds, url, where, limit, ok_where)
-    return _duplicates_spilled(ds, url, where, limit, ok_where, min(parts, len(_HEX2)))
+        scans.append((f"{quote(url)} IS NOT NULL AND {quote(STATUS)} = '{F.OK}'", 1, None))
+
+    def solve(rows: pa.Table) -> np.ndarray:
+        pend = rows.filter(pc.equal(rows["k"], 0))
+        ok_urls = rows.filter(pc.equal(rows["k"], 1))["u"].combine_chunks()
+        return _duplicates_of(pend["u"], pend["a"], ok_urls)
+
+    out = _by_url_hash(ds, url, scans, partition_rows, solve)
+    return np.sort(np.concatenate(out)) if out else np.zeros(0, np.uint64)
 
 
-def _duplicates_in(ds, url: str, where: str, limit: int | None, ok_where: str | None):
-    scanner = ds.scanner(
-        columns=[url], filter=where, with_row_address=True, batch_size=_SCAN_BATCH, limit=limit
-    )
-    parts = [pa.Table.from_batches([b]) for b in scanner.to_batches() if b.num_rows]
+def duplicate_sources(
+    ds, url: str, partition_rows: int = PLAN_PARTITION_ROWS
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, sources)``: each ``duplicate`` row's address (sorted) and the address of the
+    row whose result it takes: a row with its URL and a final status, ``ok`` first, then
+    the smallest address. Rows whose URL has no final row yet are left out."""
+    from prx_data.table.lance_ops import quote
+
+    u, st = quote(url), quote(STATUS)
+    scans = [
+        (f"{u} IS NOT NULL AND {st} = '{F.OK}'", 0, None),
+        (f"{u} IS NOT NULL AND {st} <> '{F.OK}' AND {st} <> '{F.DUPLICATE}'", 1, None),
+        (f"{u} IS NOT NULL AND {st} = '{F.DUPLICATE}'", 2, None),
+    ]
+
+    def solve(rows: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        is_dup = pc.equal(rows["k"], 2)
+        dups = rows.filter(is_dup)
+        src = rows.filter(pc.invert(is_dup))
+        src = src.filter(pc.is_in(src["u"], value_set=dups["u"].combine_chunks()))
+        src = src.take(
+            pc.sort_indices(src, [("u", "ascending"), ("k", "ascending"), ("a", "ascending")])
+        )
+        first = np.ones(src.num_rows, bool)
+        if src.num_rows > 1:
+            first[1:] = np.asarray(pc.not_equal(src["u"][1:], src["u"][:-1]))
+        best = src.filter(pa.array(first)).select(["u", "a"]).rename_columns(["u", "src"])
+        pairs = dups.select(["u", "a"]).join(best, keys="u", join_type="inner")
+        return np.asarray(pairs["a"], np.uint64), np.asarray(pairs["src"], np.uint64)
+
+    parts = _by_url_hash(ds, url, scans, partition_rows, solve)
     if not parts:
-        return np.zeros(0, np.uint64)
-    pend = pa.concat_tables(parts).combine_chunks()
-    ok_urls = None
-    if ok_where is not None:
-        chunks = [
-            b.column(0)
-            for b in ds.scanner(columns=[url], filter=ok_where, batch_size=_SCAN_BATCH).to_batches()
-            if b.num_rows
-        ]
-        ok_urls = pa.concat_arrays(chunks) if chunks else None
-    return _duplicates_of(pend[url], pend[ROWADDR], ok_urls)
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+    rows = np.concatenate([r for r, _ in parts])
+    order = np.argsort(rows, kind="stable")
+    return rows[order], np.concatenate([s for _, s in parts])[order]
+
+
+def _by_url_hash(ds, url: str, scans, partition_rows: int, solve) -> list:
+    """``solve`` over the rows of ``scans`` (``(filter, kind, limit)``) as a table of
+    ``u`` (URL), ``a`` (row address) and ``k`` (kind), split by URL hash so that each
+    call sees every row of its URLs and about ``partition_rows`` rows in all.
+
+    Up to ``partition_rows`` rows are one call in memory; more are spilled to a
+    temporary folder by Lance's ``md5`` of the URL and solved a partition at a
+    time, so the driver holds about ``partition_rows`` URLs whatever the table's size.
+    """
+    import shutil
+    import tempfile
+
+    import pyarrow.ipc as ipc
+
+    from prx_data.table.lance_ops import quote
+
+    total = 0
+    for where, _, limit in scans:
+        n = ds.count_rows(where)
+        total += n if limit is None else min(n, limit)
+    if not total:
+        return []
+    parts = min(-(-total // max(1, partition_rows)), len(_HEX2))
+    schema = pa.schema([("u", pa.string()), ("a", pa.uint64()), ("k", pa.int8())])
+    projection = {url: quote(url)}
+    if parts > 1:
+        projection["_h"] = f"md5({quote(url)})"
+
+    def batches():
+        for where, kind, limit in scans:
+            for b in ds.scanner(
+                columns=projection,
+                filter=where,
+                with_row_address=True,
+                batch_size=_SCAN_BATCH,
+                limit=limit,
+                **_LEAN_SCAN,
+            ).to_batches():
+                if b.num_rows:
+                    rows = pa.table(
+                        {
+                            "u": b.column(url).cast(pa.string()),
+                            "a": b.column(ROWADDR),
+                            "k": pa.array(np.full(b.num_rows, kind, np.int8)),
+                        },
+                        schema=schema,
+                    )
+                    yield b, rows
+
+    if parts == 1:
+        tables = [rows for _, rows in batches()]
+        return [solve(pa.concat_tables(tables).combine_chunks())] if tables else []
+    folder = tempfile.mkdtemp(prefix="prx-download-plan-")
+    writers: dict[int, ipc.RecordBatchFileWriter] = {}
+    try:
+        for b, rows in batches():
+            head = pc.utf8_slice_codeunits(b.column("_h").cast(pa.string()), 0, 2)
+            part = np.asarray(pc.index_in(head, value_set=_HEX2)) % parts
+            order = np.argsort(part, kind="stable")
+            bounds = np.searchsorted(part[order], np.arange(parts + 1))
+            rows = rows.take(pa.array(order))
+            for p in range(parts):
+                lo, hi = int(bounds[p]), int(bounds[p + 1])
+                if hi > lo:
+                    w = writers.get(p)
+                    if w is None:
+                        w = writers[p] = ipc.new_file(f"{folder}/{p}.arrow", schema)
+                    w.write_table(rows.slice(lo, hi - lo))
+        for w in writers.values():
+            w.close()
+        out = []
+        for p in sorted(writers):
+            with pa.memory_map(f"{folder}/{p}.arrow") as source:
+                out.append(solve(ipc.open_file(source).read_all()))
+        return out
+    finally:
+        for w in writers.values():
+            try:
+                w.close()
+            except Exception:
+                pass
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _duplicates_of(urls, addrs, ok_urls) -> np.ndarray:
@@ -387,83 +522,6 @@ def _duplicates_of(urls, addrs, ok_urls) -> np.ndarray:
     if ok_urls is not None and len(ok_urls):
         dup |= np.asarray(pc.is_in(urls, value_set=ok_urls).fill_null(False))
     return np.sort(addrs[dup]).astype(np.uint64)
-
-
-def _duplicates_spilled(
-    ds, url: str, where: str, limit: int | None, ok_where: str | None, parts: int
-) -> np.ndarray:
-    """:func:`plan_duplicates` over ``parts`` hash partitions spilled to a temporary folder."""
-    import shutil
-    import tempfile
-
-    import pyarrow.ipc as ipc
-
-    from prx_data.table.lance_ops import quote
-
-    schema = pa.schema([("u", pa.string()), ("a", pa.uint64()), ("ok", pa.bool_())])
-    folder = tempfile.mkdtemp(prefix="prx-download-plan-")
-    writers: dict[int, ipc.RecordBatchFileWriter] = {}
-    try:
-
-        def spill(batch: pa.RecordBatch, is_ok: bool) -> None:
-            n = batch.num_rows
-            if not n:
-                return
-            head = pc.utf8_slice_codeunits(batch.column("_h").cast(pa.string()), 0, 2)
-            part = np.asarray(pc.index_in(head, value_set=_HEX2)) % parts
-            rows = pa.table(
-                {
-                    "u": batch.column(url).cast(pa.string()),
-                    "a": batch.column(ROWADDR) if not is_ok else pa.array(np.zeros(n, np.uint64)),
-                    "ok": pa.array(np.full(n, is_ok)),
-                },
-                schema=schema,
-            )
-            order = np.argsort(part, kind="stable")
-            bounds = np.searchsorted(part[order], np.arange(parts + 1))
-            rows = rows.take(pa.array(order))
-            for p in range(parts):
-                lo, hi = int(bounds[p]), int(bounds[p + 1])
-                if hi > lo:
-                    w = writers.get(p)
-                    if w is None:
-                        w = writers[p] = ipc.new_file(f"{folder}/{p}.arrow", schema)
-                    w.write_table(rows.slice(lo, hi - lo))
-
-        projection = {url: quote(url), "_h": f"md5({quote(url)})"}
-        for b in ds.scanner(
-            columns=projection,
-            filter=where,
-            with_row_address=True,
-            batch_size=_SCAN_BATCH,
-            limit=limit,
-            **_LEAN_SCAN,
-        ).to_batches():
-            spill(b, False)
-        if ok_where is not None:
-            for b in ds.scanner(
-                columns=projection, filter=ok_where, batch_size=_SCAN_BATCH, **_LEAN_SCAN
-            ).to_batches():
-                spill(b, True)
-        for w in writers.values():
-            w.close()
-        out = []
-        for p in sorted(writers):
-            with pa.memory_map(f"{folder}/{p}.arrow") as source:
-                table = ipc.open_file(source).read_all()
-            mask = table["ok"]
-            pend = table.filter(pc.invert(mask))
-            ok_urls = table.filter(mask)["u"].combine_chunks()
-            out.append(_duplicates_of(pend["u"], pend["a"], ok_urls))
-            del table, pend, ok_urls
-        return np.sort(np.concatenate(out)) if out else np.zeros(0, np.uint64)
-    finally:
-        for w in writers.values():
-            try:
-                w.close()
-            except Exception:
-                pass
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- the fetch step (runs in Ray tasks or in this process) ------------------------------
@@ -698,6 +756,10 @@ class Mover:
 # --- duplicates -------------------------------------------------------------------------
 
 
+#: Duplicate rows one fill task copies and stages.
+FILL_ROWS_PER_UNIT = 1024
+
+
 def fill_duplicates(
     cfg: DownloadConfig,
     url: str,
@@ -707,68 +769,83 @@ def fill_duplicates(
 ) -> Counter:
     """Give every ``duplicate`` row the result of a row with its URL that has one.
 
-    Copies image and probe columns (and, for failures, status and reason) from
-    a row with the same URL whose status is final; rows whose URL has none yet
-    stay ``duplicate`` for a later run. With ``hashes``, copied bytes are
-    checked against the row's own expected hash. Returns the rows filled by
-    the status they got (and adds their reasons to ``reasons``).
+    The driver pairs each duplicate with its source (:func:`duplicate_sources`:
+    row addresses only); fill tasks (:func:`fill_rows`, where the fetch tasks
+    run) copy image and probe columns (and, for failures, status and reason),
+    check copied bytes against the row's own expected hash (``hashes``) and
+    stage the rows, so no image byte passes through the driver, which commits.
+    Rows whose URL has no final result yet stay ``duplicate`` for a later run.
+    Returns the rows filled by the status they got (and adds their reasons to
+    ``reasons``).
     """
-    from prx_data.table.lance_ops import quote
+    from prx_data.columns import runner as R
+    from prx_data.core.runtime import Resources, map_units, place
 
-    ds = mover.ds
-    dup_where = f"{quote(STATUS)} = '{F.DUPLICATE}'"
     filled: Counter = Counter()
-    if not ds.count_rows(dup_where):
+    rows, sources = duplicate_sources(mover.ds, url)
+    if not len(rows):
         return filled
-    dup_urls = pc.unique(
-        pa.concat_arrays(
-            [b.column(0) for b in ds.scanner(columns=[url], filter=dup_where).to_batches()]
+    version = mover.ds.version
+    units = [
+        {
+            "rows": rows[k : k + FILL_ROWS_PER_UNIT].tolist(),
+            "sources": sources[k : k + FILL_ROWS_PER_UNIT].tolist(),
+        }
+        for k in range(0, len(rows), FILL_ROWS_PER_UNIT)
+    ]
+    where = place(
+        cfg.engine,
+        size=len(rows),
+        small=R.SMALL_ROWS,
+        ray_address=cfg.ray_address,
+        num_cpus=cfg.num_cpus,
+    )
+
+    def fill(unit: dict) -> pa.Table:
+        return fill_rows(
+            unit,
+            table=cfg.table,
+            version=version,
+            storage_options=cfg.storage_options,
+            hashes=hashes,
         )
-    )
-    # One scan for a row per duplicated URL that has its result (ok first).
-    final = (
-        f"{quote(url)} IS NOT NULL AND {quote(STATUS)} IS NOT NULL "
-        f"AND {quote(STATUS)} <> '{F.DUPLICATE}'"
-    )
-    best: dict[str, tuple[int, int]] = {}
-    for batch in ds.scanner(
-        columns=[url, STATUS], filter=final, with_row_address=True, batch_size=1 << 16
-    ).to_batches():
-        hit = pc.is_in(batch.column(0), value_set=dup_urls).fill_null(False)
-        if not pc.any(hit).as_py():
-            continue
-        part = pa.Table.from_batches([batch]).filter(hit)
-        for u, st, a in zip(
-            part[url].to_pylist(), part[STATUS].to_pylist(), part[ROWADDR].to_pylist(), strict=True
-        ):
-            rank = 0 if st == F.OK else 1
-            if u not in best or rank < best[u][0]:
-                best[u] = (rank, a)
-    if not best:
-        return filled
-    copied = [S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT, S.PROBE_ERROR, STATUS, ERROR]
-    for batch in ds.scanner(filter=dup_where, with_row_address=True, batch_size=256).to_batches():
-        rows = pa.Table.from_batches([batch])
-        urls = rows[url].to_pylist()
-        keep = [i for i, u in enumerate(urls) if u in best]
-        if not keep:
-            continue
-        rows = rows.take(keep)
-        src = ds._take_rows([best[urls[i]][1] for i in keep], columns=copied)
-        for name in copied:
-            rows = rows.set_column(
-                rows.schema.get_field_index(name),
-                name,
-                src[name].cast(rows.schema.field(name).type),
-            )
-        if hashes is not None:
-            rows = _recheck_hashes(rows, hashes)
-        mover.add(rows)
-        _count(filled, rows[STATUS])
+
+    for done in map_units(fill, units, where, Resources(num_cpus=cfg.task_cpus), tables=True):
+        mover.add(done.select([ROWADDR, _STAGED, _WRITTEN]))
+        _count(filled, done[STATUS])
         if reasons is not None:
-            _count(reasons, rows[ERROR])
+            _count(reasons, done[ERROR])
     mover.flush()
     return filled
+
+
+def fill_rows(
+    unit: dict, *, table: str, version: int, storage_options: dict | None, hashes: str | None
+) -> pa.Table:
+    """One fill unit: the duplicate rows ``unit["rows"]`` with the image, probe and (for a
+    failure) status columns of ``unit["sources"]``, staged like fetched rows
+    (:func:`stage_rows`); hands back their addresses, statuses and staged fragments."""
+    from prx_data.table.lance_ops import pinned_table
+
+    ds = pinned_table(table, version, storage_options)
+    addrs = pa.array(unit["rows"], pa.uint64())
+    rows = ds._take_rows(unit["rows"])
+    src = ds._take_rows(unit["sources"], columns=_COPIED)
+    for name in _COPIED:
+        i = rows.schema.get_field_index(name)
+        rows = rows.set_column(i, name, src[name].cast(rows.schema.field(name).type))
+    if hashes is not None:
+        rows = _recheck_hashes(rows, hashes)
+    n = rows.num_rows
+    rows = rows.append_column(ROWADDR, addrs)
+    for name, typ in ((_HOST, pa.string()), (_RECEIVED, pa.int64()), (_FETCHED, pa.bool_())):
+        rows = rows.append_column(name, pa.nulls(n, typ))
+    staged = stage_rows(rows, table=table, version=version, storage_options=storage_options)
+    return staged.select([ROWADDR, STATUS, ERROR, _STAGED, _WRITTEN])
+
+
+#: What a duplicate takes from its source row.
+_COPIED = [S.IMAGE, S.WIDTH, S.HEIGHT, S.FORMAT, S.PROBE_ERROR, STATUS, ERROR]
 
 
 def _recheck_hashes(rows: pa.Table, hashes: str) -> pa.Table:

@@ -274,7 +274,8 @@ def test_download_does_not_rewrite_images_the_table_holds(tmp_path):
 
 
 def test_fetch_tasks_write_the_rows_and_the_driver_gets_no_image_bytes(tmp_path, monkeypatch):
-    """The driver commits what the tasks staged: addresses and fragment metadata only."""
+    """The driver commits what the tasks staged, fetched or copied from a duplicate's
+    source: addresses and fragment metadata only."""
     from prx_data.pipelines import download as D
 
     seen: list[tuple[list[str], int]] = []
@@ -287,13 +288,14 @@ def test_fetch_tasks_write_the_rows_and_the_driver_gets_no_image_bytes(tmp_path,
     monkeypatch.setattr(D.Mover, "add", spy)
     uri = str(tmp_path / "t.lance")
     with ImageServer() as srv:
-        url_table(uri, [srv.url(f"/img/{i}") for i in range(24)], rows_per_file=8)
+        url_table(uri, [srv.url(f"/img/{i % 16}") for i in range(24)], rows_per_file=8)
         report = run_download(cfg_for(uri, srv, batch_size=8, commit_rows=8))
     assert report.statuses == {"ok": 24} and report.commits >= 2
+    assert report.duplicates_marked == 8 and report.duplicates_filled == 8
     assert seen and all("image" not in cols for cols, _ in seen)
     assert sum(n for _, n in seen) < report.image_bytes / 10
     rows = rows_by_id(uri, ["id", "image", "download_status"])
-    assert all(rows[f"laion/{i:05d}"]["image"] == photo(i) for i in range(24))
+    assert all(rows[f"laion/{i:05d}"]["image"] == photo(i % 16) for i in range(24))
     assert lance.dataset(uri).count_rows() == 24  # each row moved once, none twice
 
 

@@ -134,10 +134,48 @@ def test_duplicate_planning_spilled_by_url_hash_equals_the_in_memory_plan(tmp_pa
                 want.append(r["_rowaddr"])
             seen.add(r["url"])
     assert whole.tolist() == sorted(want) and len(want) > 200
-    spills = []
-    real = D._duplicates_spilled
-    monkeypatch.setattr(D, "_duplicates_spilled", lambda *a: spills.append(a[-1]) or real(*a))
+    solved = []  # rows per partition solved
+    real = D._by_url_hash
+
+    def spy(ds, url, scans, rows, solve):
+        return real(ds, url, scans, rows, lambda t: solved.append(t.num_rows) or solve(t))
+
+    monkeypatch.setattr(D, "_by_url_hash", spy)
     split = D.plan_duplicates(ds, "url", where, partition_rows=200)
-    assert spills == [15] and split.tolist() == whole.tolist()
+    assert len(solved) == 15 and max(solved) < 400 and split.tolist() == whole.tolist()
     limited = D.plan_duplicates(ds, "url", where, limit=900, partition_rows=200)
     assert limited.tolist() == D.plan_duplicates(ds, "url", where, limit=900).tolist()
+
+
+def test_duplicate_sources_pair_each_duplicate_with_an_ok_row_first_spilled_or_not(tmp_path):
+    """Each ``duplicate`` row takes an ok row of its URL if there is one, else the first
+    final row; URLs without a final row stay unpaired; spilling changes nothing."""
+    import numpy as np
+    import prx_data.pipelines.download as D
+
+    uri = str(tmp_path / "t.lance")
+    n = 2000
+    rng = np.random.default_rng(7)
+    urls = [f"http://h.example/{int(x)}" for x in rng.integers(0, 500, n)]
+    status = rng.choice(["ok", "permanent", "transient", "duplicate", None], n).tolist()
+    url_table(
+        uri, urls, rows_per_file=300, extra={"download_status": pa.array(status, pa.string())}
+    )
+    ds = lance.dataset(uri)
+    rows, sources = D.duplicate_sources(ds, "url")
+    table = ds.to_table(columns=["url", "download_status"], with_row_address=True).to_pylist()
+    best: dict = {}
+    for r in sorted(table, key=lambda r: r["_rowaddr"]):
+        st = r["download_status"]
+        if st not in (None, "duplicate"):
+            rank = 0 if st == "ok" else 1
+            if r["url"] not in best or rank < best[r["url"]][0]:
+                best[r["url"]] = (rank, r["_rowaddr"])
+    want = sorted(
+        (r["_rowaddr"], best[r["url"]][1])
+        for r in table
+        if r["download_status"] == "duplicate" and r["url"] in best
+    )
+    assert list(zip(rows.tolist(), sources.tolist(), strict=True)) == want and len(want) > 100
+    spilled = D.duplicate_sources(ds, "url", partition_rows=150)
+    assert spilled[0].tolist() == rows.tolist() and spilled[1].tolist() == sources.tolist()

@@ -202,7 +202,16 @@ def pending_counts(ds, where: str | None) -> dict[int, int]:
     if where is None:
         return {f.fragment_id: f.count_rows() for f in ds.get_fragments()}
     counts: Counter = Counter()
-    scanner = ds.scanner(columns=[], filter=where, with_row_address=True, batch_size=1 << 16)
+    # One fragment read ahead: Lance's default buffers several, which at 10^7 rows and
+    # more is what the driver's memory grows with (benchmarks/results/download-plan.md).
+    scanner = ds.scanner(
+        columns=[],
+        filter=where,
+        with_row_address=True,
+        batch_size=1 << 16,
+        fragment_readahead=1,
+        batch_readahead=4,
+    )
     for batch in scanner.to_batches():
         if batch.num_rows:
             frag = np.asarray(batch.column(ROWADDR)) >> np.uint64(32)
