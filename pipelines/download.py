@@ -544,18 +544,25 @@ def fetch_batch(
     fetch: F.FetchConfig,
     duplicates: np.ndarray,
     hashes: str | None = None,
+    slots=None,
 ) -> pa.Table:
     """Rows in, the same rows out with image, probe and download columns filled.
 
     Rows in ``duplicates`` are not fetched: they get status ``duplicate``.
     ``hashes``: the column of expected hex digests; bytes that do not match
-    are dropped (``hash_mismatch``).
+    are dropped (``hash_mismatch``). ``slots``: the run's :class:`HostSlots` actor
+    (Ray), whose per-host slots every fetch task shares.
     """
     addrs = np.asarray(batch[ROWADDR])
     is_dup = np.isin(addrs, duplicates) if len(duplicates) else np.zeros(len(addrs), bool)
     urls = batch[url].to_pylist()
     todo = [i for i in range(len(urls)) if not is_dup[i]]
-    results = dict(zip(todo, _fetcher(fetch).fetch_many([urls[i] for i in todo]), strict=True))
+    fetcher, todo_urls = _fetcher(fetch), [urls[i] for i in todo]
+    if slots is None:
+        got = fetcher.fetch_many(todo_urls)
+    else:
+        got = F.fetch_with_slots(fetcher, todo_urls, _ActorSlots(slots))
+    results = dict(zip(todo, got, strict=True))
     if hashes is not None:
         expected = batch[hashes].to_pylist()
         for i, r in results.items():
@@ -597,6 +604,39 @@ def fetch_batch(
     out = out.append_column(_HOST, pa.array(host, pa.string()))
     out = out.append_column(_RECEIVED, pa.array(received, pa.int64()))
     return out.append_column(_FETCHED, pa.array(~is_dup))
+
+
+def host_slots(fetch: F.FetchConfig, placement):
+    """The run's :class:`~prx_data.download.fetch.HostSlots` as a Ray actor (no CPU of its
+    own), so ``per_host`` holds across every fetch task of the cluster."""
+    import ray
+
+    from prx_data.core.runtime import ensure_ray
+
+    ensure_ray(placement.ray_address, placement.num_cpus)
+    return ray.remote(num_cpus=0)(F.HostSlots).remote(fetch.per_host)
+
+
+class _ActorSlots:
+    """:class:`~prx_data.download.fetch.HostSlots`' methods, called on the run's actor."""
+
+    ttl = 60.0
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def acquire(self, holder: str, wants) -> dict[str, int]:
+        import ray
+
+        return ray.get(self.actor.acquire.remote(holder, dict(wants)))
+
+    def renew(self, holder: str) -> None:
+        self.actor.renew.remote(holder)
+
+    def release(self, holder: str) -> None:
+        import ray
+
+        ray.get(self.actor.release.remote(holder))
 
 
 _SCHEMAS: dict[tuple[str, int], pa.Schema] = {}
@@ -955,6 +995,8 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
         progress=False,
     )
     placement, units, expected = R.plan(job, R.pending_counts(ds, where))
+    if placement.on_ray and units:  # fetch tasks in many processes: one per-host budget
+        job.steps[0].kwargs["slots"] = host_slots(cfg.fetch, placement)
     report.pending = sum(expected.values())
     statuses: Counter = Counter()
     reasons: Counter = Counter()

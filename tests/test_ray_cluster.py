@@ -224,3 +224,21 @@ def test_two_node_cluster_gives_the_local_results(tmp_path, short_dir):
     hashed = ["id", "phash", "dup_of"]
     got, want = _rows(cluster_table, hashed), _rows(local_table, hashed)
     assert got == want and all(r[1] is not None for r in got)
+
+
+def test_two_node_download_keeps_the_per_host_limit_across_nodes(tmp_path, short_dir):
+    """Fetch tasks on both nodes share one per-host budget (``--per-host 2``), not one each."""
+    from tests.downloadkit import ImageServer, url_table
+
+    uri = str(tmp_path / "urls.lance")
+    with ImageServer() as srv:
+        url_table(uri, [srv.url(f"/slow/{i}") for i in range(48)], rows_per_file=6)
+        with loopback_cluster(os.path.join(short_dir, "d")) as env:
+            _job(
+                env,
+                *("prx_data.download", "--table", uri, "--allow-private", srv.allow[0]),
+                *("--per-host", "2", "--batch-size", "6", "--retries", "0", "--no-progress"),
+            )
+        peak = srv.max_inflight
+    assert _rows(uri, ["download_status"]) == [("ok",)] * 48
+    assert peak <= 2

@@ -31,12 +31,17 @@ The open web is hostile, so every fetch goes through the same gate:
 - **Politeness.** Connections are pooled per (host, address) and reused; at
   most ``per_host`` requests run at once per host, started no faster than
   ``per_host_rate`` per second. These limits hold per :class:`Fetcher` (one
-  per fetch task): the cluster-wide figure is that times the tasks running.
+  per process); across the processes of a Ray cluster the fetch tasks lease
+  per-host slots from one :class:`HostSlots` (:func:`fetch_with_slots`), so
+  they hold cluster-wide for every URL's own host (a redirect to another host
+  is held per process only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
+import functools
 import heapq
 import ipaddress
 import itertools
@@ -44,7 +49,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import quote, urljoin, urlsplit
@@ -190,7 +195,7 @@ class FetchConfig:
         8,
         "--per-host",
         type=int,
-        help="requests in flight per host and task (default: %(default)s)",
+        help="requests in flight per host, across every fetch task of the run (default: %(default)s)",
     )
     per_host_rate: float = flag(
         0.0,
@@ -627,8 +632,12 @@ class Fetcher:
         return scheme, host, port, path, allowed[0]
 
     # -- one URL
-    def fetch(self, url: str) -> FetchResult:
-        """Fetch ``url`` with retries; never raises (failures come back with a reason)."""
+    def fetch(self, url: str, gates: dict[str, _HostGate] | None = None) -> FetchResult:
+        """Fetch ``url`` with retries; never raises (failures come back with a reason).
+
+        ``gates``: per-host gates of this call (cluster-wide slots, :func:`fetch_with_slots`),
+        held on top of this fetcher's own.
+        """
         cfg = self.config
         result = FetchResult(url=url, status=TRANSIENT)
         try:
@@ -638,7 +647,7 @@ class Fetcher:
         for attempt in range(cfg.retries + 1):
             result.attempts = attempt + 1
             try:
-                self._attempt(url, result)
+                self._attempt(url, result, gates)
                 return result
             except _Fail as f:
                 result.status, result.reason, result.http_status = f.status, f.reason, f.http
@@ -655,13 +664,13 @@ class Fetcher:
                 return result
         return result
 
-    def _attempt(self, url: str, result: FetchResult) -> None:
+    def _attempt(self, url: str, result: FetchResult, gates: dict | None = None) -> None:
         """One attempt under one deadline (see the module docstring): armed on the watchdog."""
         attempt = _Attempt(self.config.total_timeout)
         _current.attempt = attempt
         self._watchdog.arm(attempt)
         try:
-            self._hops(url, result, attempt)
+            self._hops(url, result, attempt, gates or {})
         except _Fail as f:
             if attempt.expired and f.status != OK:  # the cut made it fail, whatever it looks like
                 raise _Fail(TRANSIENT, "timeout", f.http) from None
@@ -672,7 +681,7 @@ class Fetcher:
         if attempt.expired and result.status != OK:
             raise _Fail(TRANSIENT, "timeout")
 
-    def _hops(self, url: str, result: FetchResult, attempt: _Attempt) -> None:
+    def _hops(self, url: str, result: FetchResult, attempt: _Attempt, gates: dict) -> None:
         cfg = self.config
         u = self._urllib3
         seen: set[str] = set()
@@ -690,7 +699,7 @@ class Fetcher:
             }
             pool = self._pool(scheme, address, port, host)
             queued = time.monotonic()
-            with self._gate(host):
+            with gates.get(host) or contextlib.nullcontext(), self._gate(host):
                 attempt.deadline += (
                     time.monotonic() - queued
                 )  # waiting for a slot is no network time
@@ -800,11 +809,22 @@ class Fetcher:
         )
 
     # -- many URLs
-    def fetch_many(self, urls: Sequence[str]) -> list[FetchResult]:
-        """Fetch ``urls`` on ``threads`` threads; results in input order."""
+    def fetch_many(
+        self, urls: Sequence[str], limits: Mapping[str, int] | None = None
+    ) -> list[FetchResult]:
+        """Fetch ``urls`` on ``threads`` threads; results in input order.
+
+        ``limits``: at most this many requests at once to these hosts in this call (slots
+        granted by a :class:`HostSlots`), with a start rate of the same share of
+        ``per_host_rate``.
+        """
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.config.threads, thread_name_prefix="fetch")
-        return list(self._executor.map(self.fetch, urls))
+        cfg = self.config
+        gates = {
+            h: _HostGate(k, cfg.per_host_rate * k / cfg.per_host) for h, k in (limits or {}).items()
+        }
+        return list(self._executor.map(functools.partial(self.fetch, gates=gates), urls))
 
     def close(self) -> None:
         if self._executor is not None:
@@ -818,6 +838,119 @@ class Fetcher:
             for pool in self._pools.values():
                 pool.close()
             self._pools.clear()
+
+
+# --- cluster-wide per-host slots ----------------------------------------------------------
+
+
+class HostSlots:
+    """At most ``per_host`` requests in flight per host across every fetcher leasing here.
+
+    One instance serves a run (a Ray actor on a cluster; its methods are quick
+    and called once per fetch round, not per request). A holder asks for slots
+    of the hosts it has rows for and gets what is free; it gives them back when
+    its round ends. A holder that stops renewing for ``ttl`` seconds (a killed
+    task) loses its slots, so a lost task cannot stall a host for the run.
+    """
+
+    def __init__(self, per_host: int, ttl: float = 60.0):
+        self.per_host = per_host
+        self.ttl = ttl
+        self._held: dict[str, tuple[dict[str, int], float]] = {}
+        self._in_use: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, holder: str, wants: Mapping[str, int]) -> dict[str, int]:
+        """Slots for ``holder``: per host of ``wants`` (rows it has), at most what is free."""
+        with self._lock:
+            self._expire()
+            mine, _ = self._held.get(holder, ({}, 0.0))
+            for host, n in wants.items():
+                free = self.per_host - self._in_use.get(host, 0)
+                take = min(free, n, self.per_host - mine.get(host, 0))
+                if take > 0:
+                    mine[host] = mine.get(host, 0) + take
+                    self._in_use[host] = self._in_use.get(host, 0) + take
+            if mine:
+                self._held[holder] = (mine, time.monotonic() + self.ttl)
+            return dict(mine)
+
+    def renew(self, holder: str) -> None:
+        with self._lock:
+            if holder in self._held:
+                self._held[holder] = (self._held[holder][0], time.monotonic() + self.ttl)
+
+    def release(self, holder: str) -> None:
+        with self._lock:
+            self._drop(holder)
+
+    def in_use(self) -> dict[str, int]:
+        """Slots held per host now."""
+        with self._lock:
+            self._expire()
+            return {h: n for h, n in self._in_use.items() if n}
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for holder in [h for h, (_, until) in self._held.items() if until < now]:
+            self._drop(holder)
+
+    def _drop(self, holder: str) -> None:
+        mine, _ = self._held.pop(holder, ({}, 0.0))
+        for host, n in mine.items():
+            self._in_use[host] -= n
+
+
+def fetch_with_slots(
+    fetcher: Fetcher, urls: Sequence[str], slots, *, poll: float = 0.05, max_poll: float = 1.0
+) -> list[FetchResult]:
+    """:meth:`Fetcher.fetch_many` under cluster-wide per-host slots.
+
+    ``slots`` has :class:`HostSlots`' ``acquire`` / ``renew`` / ``release`` (the
+    instance itself, or a client of the run's Ray actor). Rounds: lease what is
+    free for the hosts left, fetch those hosts' rows within the slots, give
+    the slots back; hosts with no free slot wait for a later round.
+    """
+    import uuid
+
+    holder = uuid.uuid4().hex
+    results: list[FetchResult | None] = [None] * len(urls)
+    pending: dict[str, list[int]] = {}
+    hostless: list[int] = []
+    for i, u in enumerate(urls):
+        try:
+            host = (urlsplit(u).hostname or "").lower()
+        except ValueError:
+            host = ""
+        (pending.setdefault(host, []) if host else hostless).append(i)
+    for i, r in zip(hostless, fetcher.fetch_many([urls[i] for i in hostless]), strict=True):
+        results[i] = r  # refused before any request: no slot needed
+    stop = threading.Event()
+
+    def keep_alive() -> None:
+        while not stop.wait(getattr(slots, "ttl", 60.0) / 4):
+            slots.renew(holder)
+
+    alive = threading.Thread(target=keep_alive, daemon=True)
+    alive.start()
+    wait = poll
+    try:
+        while pending:
+            grants = slots.acquire(holder, {h: len(ix) for h, ix in pending.items()})
+            if not grants:
+                time.sleep(wait * random.uniform(0.5, 1.5))
+                wait = min(max_poll, wait * 2)
+                continue
+            wait = poll
+            rows = [i for h in grants for i in pending.pop(h)]
+            got = fetcher.fetch_many([urls[i] for i in rows], limits=grants)
+            for i, r in zip(rows, got, strict=True):
+                results[i] = r
+            slots.release(holder)
+    finally:
+        stop.set()
+        slots.release(holder)
+    return results  # type: ignore[return-value]
 
 
 def _is_ip(host: str) -> bool:
