@@ -542,18 +542,23 @@ def fetch_batch(
     *,
     url: str,
     fetch: F.FetchConfig,
-    duplicates: np.ndarray,
+    duplicates,
     hashes: str | None = None,
     slots=None,
 ) -> pa.Table:
     """Rows in, the same rows out with image, probe and download columns filled.
 
-    Rows in ``duplicates`` are not fetched: they get status ``duplicate``.
+    Rows in ``duplicates`` (sorted row addresses, or their Ray object reference) are
+    not fetched: they get status ``duplicate``.
     ``hashes``: the column of expected hex digests; bytes that do not match
     are dropped (``hash_mismatch``). ``slots``: the run's :class:`HostSlots` actor
     (Ray), whose per-host slots every fetch task shares.
     """
     addrs = np.asarray(batch[ROWADDR])
+    if not isinstance(duplicates, np.ndarray):  # an object-store reference (Ray)
+        import ray
+
+        duplicates = ray.get(duplicates)
     is_dup = np.isin(addrs, duplicates) if len(duplicates) else np.zeros(len(addrs), bool)
     urls = batch[url].to_pylist()
     todo = [i for i in range(len(urls)) if not is_dup[i]]
@@ -996,7 +1001,12 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
     )
     placement, units, expected = R.plan(job, R.pending_counts(ds, where))
     if placement.on_ray and units:  # fetch tasks in many processes: one per-host budget
-        job.steps[0].kwargs["slots"] = host_slots(cfg.fetch, placement)
+        import ray
+
+        fetch_kwargs = job.steps[0].kwargs
+        fetch_kwargs["slots"] = host_slots(cfg.fetch, placement)
+        # Once in the object store (shared per node), not inside every task's arguments.
+        fetch_kwargs["duplicates"] = ray.put(duplicates)
     report.pending = sum(expected.values())
     statuses: Counter = Counter()
     reasons: Counter = Counter()

@@ -378,9 +378,11 @@ def test_download_on_ray_and_cli(tmp_path, ray_local, capsys):
 
     uri = str(tmp_path / "t.lance")
     with ImageServer() as srv:
-        url_table(uri, [srv.url(f"/img/{i}") for i in range(12)] + [srv.url("/status/404")])
+        urls = [srv.url(f"/img/{i % 5 if i < 6 else i}") for i in range(12)]  # row 5: row 0's
+        url_table(uri, urls + [srv.url("/status/404")])
         report = run_download(cfg_for(uri, srv, engine="ray", limit=6))
         assert report.statuses == {"ok": 6}
+        assert report.duplicates_marked == 1 and report.duplicates_filled == 1
         rc = main(
             ["--table", uri, "--allow-private", srv.allow[0], "--no-progress", "--engine", "local"]
         )
