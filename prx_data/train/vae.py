@@ -121,6 +121,21 @@ class LatentCodec:
             v.tile_sample_min_size = int(tile_size)
             v.tile_latent_min_size = int(tile_size) // self.compression
 
+    def identity(self) -> dict:
+        """What latents made by this codec depend on: class, factors, posterior, grid.
+
+        Precomputed latents (:mod:`prx_data.export.latents`) record it, and a
+        trainer whose codec says otherwise refuses them.
+        """
+        return {
+            "class": self.kind,
+            "scaling_factor": self.scaling_factor,
+            "shift_factor": self.shift_factor,
+            "posterior": self.posterior,
+            "compression": self.compression,
+            "latent_channels": self.latent_channels,
+        }
+
     @property
     def device(self) -> torch.device:
         return next(self.vae.parameters()).device
