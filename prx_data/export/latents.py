@@ -21,13 +21,14 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from prx_data.core import confined, storage
 from prx_data.core.errors import NotFound, PrxDataError
+from prx_data.export.layout import ShardInfo
 from prx_data.export.naming import LATENTS_DIR, SHARD_FILE_RE
 from prx_data.export.safety import check_bucket
 
@@ -202,14 +203,19 @@ def vae_differences(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> l
     return out
 
 
-def stale_shards(record: Mapping[str, Any], bucket: str, entries: list[dict]) -> list[str]:
-    """Shards of ``bucket`` whose latents are missing from ``record`` or were made from other data."""
-    shards = record.get("shards") or {}
+def stale_shards(record: Mapping[str, Any], bucket: str, shards: Iterable[ShardInfo]) -> list[str]:
+    """Shards of ``bucket`` (as its merged index lists them) whose latents are missing from
+    ``record`` or were made from other data (samples, bytes or hashes differ)."""
+    recorded = record.get("shards") or {}
     out = []
-    for e in entries:
-        key = shard_key(bucket, e["raw_data"]["basename"])
-        got = shards.get(key)
-        want = shard_binding(e)
+    for s in shards:
+        key = shard_key(bucket, s.basename)
+        got = recorded.get(key)
+        want = {
+            "samples": int(s.samples),
+            "shard_bytes": int(s.bytes),
+            "shard_hashes": dict(sorted(s.hashes.items())),
+        }
         if got is None or any(got.get(k) != v for k, v in want.items()):
             out.append(key)
     return out
@@ -231,4 +237,4 @@ def from_stored(stored: np.ndarray, dtype: str) -> np.ndarray:
     """What :func:`to_stored` wrote -> float32 latents."""
     if dtype == "bfloat16":
         return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(stored, dtype=np.float32)
+    return np.array(stored, dtype=np.float32)  # a copy: the stored array is a read-only map
