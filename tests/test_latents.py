@@ -291,3 +291,68 @@ def test_job_help_and_a_missing_vae_are_one_line(tmp_path):
 
     assert main([root, "--vae", str(tmp_path / "missing"), "--no-progress"]) == 2
     assert json.loads(Path(root, "report.json").read_text())  # the export is untouched
+
+
+def test_cached_smoke_config_trains_evaluates_and_samples_without_the_encoder(
+    tmp_path, vae, tiny_t5, monkeypatch
+):
+    """smoke_latent_cached_cpu.yaml as it is (eval on the hold-out, sample grids on the decoder)."""
+    from prx_data.train.sampling import SampleGrid
+    from prx_data.train.trainer import build_trainer
+    from prx_data.train.vae import LatentCodec
+
+    root = str(tmp_path / "tree")
+    make_sample_export(root, {"512/1.000": 12, "512/0.778": 8}, samples_per_part=8)
+    run_latents(_job(root, vae))
+    cfg = load_config(
+        SMOKE_CACHED,
+        [
+            *tiny_overrides(tiny_t5),
+            "model.patch_size=4",
+            f"vae.name_or_path={vae}",
+            f"variables.data_root={root}",
+            f"trainer.save_folder={tmp_path / 'run' / 'checkpoints'}",
+            f"sampling.folder={tmp_path / 'run' / 'samples'}",
+            "trainer.max_duration=2ba",
+            "trainer.save_interval=2ba",
+            "eval.interval=2ba",
+            "metrics.enabled=false",
+            "logging.log_to_console=false",
+        ],
+    )
+    assert cfg.vae.source == "precomputed" and cfg.eval.enabled and cfg.sampling.enabled
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the encoder ran with vae.source: precomputed")
+
+    monkeypatch.setattr(LatentCodec, "encode", refuse)
+    trainer = build_trainer(cfg)
+    trainer.fit()
+    metrics = {k: float(v.compute()) for k, v in trainer.state.eval_metrics["eval"].items()}
+    assert metrics and all(np.isfinite(v) and v > 0 for v in metrics.values())
+    grid = next(c for c in trainer.state.callbacks if isinstance(c, SampleGrid))
+    assert len(grid.written) == 1
+    trainer.close()
+
+
+def test_a_compressed_export_gets_the_same_latents_and_the_loader_serves_them(tmp_path, vae):
+    """zstd shards are decompressed aside (the export is not written to) and give equal latents."""
+    buckets = {"512/1.000": 5, "512/0.778": 3}
+    plain = make_sample_export(str(tmp_path / "plain"), buckets, samples_per_part=4)
+    packed = make_sample_export(
+        str(tmp_path / "zstd"), buckets, samples_per_part=4, compression="zstd"
+    )
+    run_latents(_job(plain.root, vae))
+    before = sorted(p.name for p in Path(packed.root).rglob("*") if "_latents" not in p.parts)
+    run_latents(_job(packed.root, vae))
+    after = sorted(p.name for p in Path(packed.root).rglob("*") if "_latents" not in p.parts)
+    assert before == after
+    a, b = L.read_record(plain.root), L.read_record(packed.root)
+    assert sorted(a["shards"]) == sorted(b["shards"])
+    for key in a["shards"]:
+        assert (
+            Path(L.npy_path(plain.root, key)).read_bytes()
+            == Path(L.npy_path(packed.root, key)).read_bytes()
+        )
+    ds = _dataset(packed.root)
+    assert all(ds.get_item(i)["latent"].shape[0] == 4 for i in range(ds.num_samples))
