@@ -176,8 +176,10 @@ class BucketedDataset(StreamingDataset):
     bucket name), ``width``/``height`` (the original image size),
     ``source_bucket``, ``dataset`` (its :attr:`DatasetSpec.label`), and each of ``extra_columns`` (table columns the export
     kept with ``write_mds --keep-columns``, as they were stored: NaN for a
-    missing float, None for another missing value). Every device batch comes
-    from one bucket.
+    missing float, None for another missing value); with ``latents=True`` also
+    ``latent`` (float32 [C, H/f, W/f], the VAE latent ``python -m prx_data.latents``
+    stored for the sample; local exports of ours at their own tier only). Every
+    device batch comes from one bucket.
 
     Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
     ``cache_limit``, ``download_retry``, ``shuffle_block_size``), except
