@@ -41,6 +41,8 @@ SMALL_SAMPLES = 20_000
 #: Rewrite the record after this many finished units (and at the end).
 RECORD_EVERY_UNITS = 64
 RECORD_EVERY_S = 30.0
+#: Threads decoding a batch's JPEGs for one VAE (a GPU encodes faster than one core decodes).
+DECODE_THREADS = min(8, os.cpu_count() or 1)
 _COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -161,6 +163,7 @@ class ShardEncoder:
 
         self.cfg = LatentsConfig(**settings)
         self.device = _device(self.cfg.device)
+        self._pool = None
         self.codec = LatentCodec.from_pretrained(
             self.cfg.vae,
             subfolder=self.cfg.vae_subfolder,
@@ -197,25 +200,39 @@ class ShardEncoder:
 
         b = parse_bucket_name(bucket)
         shape = (b.width, b.height)
+        where = entry["raw_data"]["basename"]
+
+        def decode(item: tuple[int, bytes]) -> torch.Tensor:
+            i, data = item
+            try:
+                return decode_chw(data, shape)
+            except PrxDataError as e:
+                raise L.LatentsError(f"{bucket}/{where} sample {i}: {e}") from None
+
         out = []
         with _shard_reader(self.cfg.out, bucket, entry) as reader:
             n = int(entry["samples"])
             for start in range(0, n, self.cfg.batch_size):
-                images = []
-                for i in range(start, min(n, start + self.cfg.batch_size)):
-                    data = reader.get_item(i)["image"]
-                    try:
-                        images.append(decode_chw(data, shape))
-                    except PrxDataError as e:
-                        raise L.LatentsError(
-                            f"{bucket}/{entry['raw_data']['basename']} sample {i}: {e}"
-                        ) from None
+                stop = min(n, start + self.cfg.batch_size)
+                raw = [(i, reader.get_item(i)["image"]) for i in range(start, stop)]
+                # libjpeg releases the GIL: decode a batch on threads while one VAE encodes.
+                images = list(self._decoders().map(decode, raw))
                 x = uint8_to_unit(torch.stack(images).to(self.device))
                 out.append(self.codec.encode(x).cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0,), np.float32)
 
+    def _decoders(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="prx-latents-decode")
+        return self._pool
+
     def close(self) -> None:
         self.codec = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 class _shard_reader:
