@@ -377,3 +377,36 @@ def test_verify_checks_the_latents_against_their_record(tmp_path, vae):
     Path(root, "_latents", "stray.npy").write_bytes(b"x")
     found = sorted(str(p) for p in verify_export(root).problems)
     assert len(found) == 2 and "missing" in " ".join(found) and "stray.npy" in " ".join(found)
+
+
+def test_mixed_exports_each_serve_their_own_latents(tmp_path, vae):
+    """Two exports mixed: each sample's latent comes from its own export's _latents/."""
+    from prx_data.stream.dataset import BucketedDataset
+    from prx_data.stream.spec import DatasetSpec
+
+    roots = []
+    for tag in (1, 2):
+        root = str(tmp_path / f"tree{tag}")
+        make_sample_export(root, {"512/1.000": 4}, name=f"ds{tag}", samples_per_part=4)
+        run_latents(_job(root, vae))
+        for key, rec in L.read_record(root)["shards"].items():
+            L.write_npy(root, key, np.full(rec["shape"], tag, np.float16))
+        roots.append(root)
+    specs = [DatasetSpec(r, proportion=1.0) for r in roots]
+    ds = BucketedDataset(
+        specs, tier=512, batch_size=1, shuffle=False, small_buckets="drop", latents=True
+    )
+    items = [ds.get_item(i) for i in range(ds.num_samples)]
+    assert {it["id"].split("/")[0] for it in items} == {"ds1", "ds2"}
+    for it in items:
+        assert torch.all(it["latent"] == int(it["id"][2])), it["id"]
+    bare = str(tmp_path / "bare")
+    make_sample_export(bare, {"512/1.000": 4}, name="ds3")
+    with pytest.raises(L.LatentsError, match="no precomputed latents"):
+        BucketedDataset(
+            [*specs, DatasetSpec(bare, proportion=1.0)],
+            tier=512,
+            batch_size=1,
+            small_buckets="drop",
+            latents=True,
+        )
