@@ -29,7 +29,7 @@ import numpy as np
 from prx_data.core import confined
 from prx_data.core.buckets import parse_bucket_name
 from prx_data.core.errors import PrxDataError, UsageError
-from prx_data.core.flags import REQUIRED, flag
+from prx_data.core.flags import REQUIRED, comma_ints, flag
 from prx_data.core.reports import JobReport
 from prx_data.core.runtime import Resources, check_engine, map_units, place
 from prx_data.export import latents as L
@@ -88,6 +88,13 @@ class LatentsConfig:
         "--replace",
         help="Encode every shard again when the export's latents were made with another VAE "
         "(without it such a run is refused).",
+    )
+    tiers: tuple[int, ...] | None = flag(
+        None,
+        "--tiers",
+        type=comma_ints,
+        help="Comma-separated tiers to encode (default: all); a run at 512 needs only 512. "
+        "Latents of the other tiers already made stay in the record.",
     )
     engine: str = "auto"
     ray_address: str | None = None
@@ -308,7 +315,9 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
     t0 = time.monotonic()
     _check_output(cfg)
     with ExportLock(cfg.out, what="latents run"):
-        units = plan_units(cfg.out)
+        every = plan_units(cfg.out)
+        wanted = None if cfg.tiers is None else {int(t) for t in cfg.tiers}
+        units = [u for u in every if wanted is None or int(u["bucket"].split("/")[0]) in wanted]
         identity = _identity(cfg)
         previous = L.read_record(cfg.out)
         done: dict[str, dict] = {}
@@ -323,7 +332,7 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
                 )
             if not diff:
                 done = dict(previous.get("shards") or {})
-        keys = {u["key"] for u in units}
+        keys = {u["key"] for u in every}
         shards = {k: v for k, v in done.items() if k in keys}
         for u in units:
             if u["key"] in shards:

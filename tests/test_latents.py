@@ -410,3 +410,16 @@ def test_mixed_exports_each_serve_their_own_latents(tmp_path, vae):
             small_buckets="drop",
             latents=True,
         )
+
+
+def test_tiers_encodes_only_those_and_keeps_the_others(tmp_path, vae):
+    root = str(tmp_path / "tree")
+    make_sample_export(root, {"512/1.000": 3, "1024/1.000": 2})
+    first = run_latents(_job(root, vae, tiers=(512,)))
+    assert (first.shards, first.encoded_shards) == (1, 1)
+    assert len(_dataset(root)) > 0  # a 512 run needs only the 512 tier
+    rest = run_latents(_job(root, vae))
+    assert (rest.shards, rest.encoded_shards, rest.skipped_shards) == (2, 1, 1)
+    again = run_latents(_job(root, vae, tiers=(1024,)))
+    assert (again.encoded_shards, again.skipped_shards) == (0, 1)
+    assert len(L.read_record(root)["shards"]) == 2
