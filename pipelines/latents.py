@@ -11,7 +11,9 @@ Graph (:func:`prx_data.core.runtime.map_units`)::
       -> driver: _latents/record.json rewritten every few units and at the end
 
 The shards are not touched (:mod:`prx_data.export.latents` says where the files
-live and why). A killed run keeps every ``.npy`` the record names; a rerun
+live and why). A run holds its own lease (``_latents/.lock``), not the export's:
+skip-list updates go on meanwhile, and a shard an export run replaced under it
+no longer matches the binding its latents were recorded with. A killed run keeps every ``.npy`` the record names; a rerun
 checks them by digest and encodes only the rest. A record made with another
 VAE is refused unless ``replace``.
 """
@@ -30,6 +32,7 @@ from prx_data.core import confined
 from prx_data.core.buckets import parse_bucket_name
 from prx_data.core.errors import PrxDataError, UsageError
 from prx_data.core.flags import REQUIRED, comma_ints, flag
+from prx_data.core.lease import Lease, LeaseHeld
 from prx_data.core.reports import JobReport
 from prx_data.core.runtime import Resources, check_engine, map_units, place
 from prx_data.export import latents as L
@@ -44,6 +47,10 @@ RECORD_EVERY_S = 30.0
 #: Threads decoding a batch's JPEGs for one VAE (a GPU encodes faster than one core decodes).
 DECODE_THREADS = min(8, os.cpu_count() or 1)
 _COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class LatentsLocked(LeaseHeld):
+    """Another latents run holds this export's latents lease (``_latents/.lock``)."""
 
 
 @dataclass(frozen=True)
@@ -310,11 +317,12 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
         LatentsError: the export's latents were made with another VAE (without ``replace``).
         UsageError: a remote or unfinished export.
     """
-    from prx_data.export.lock import ExportLock
-
     t0 = time.monotonic()
     _check_output(cfg)
-    with ExportLock(cfg.out, what="latents run"):
+    os.makedirs(os.path.join(cfg.out, L.LATENTS_DIR), exist_ok=True)
+    lock = os.path.join(cfg.out, *L.LOCK_NAME.split("/"))
+    # Not the export's lease: a run takes hours and skip-list updates must not wait for it.
+    with Lease(lock, what="latents run", error=LatentsLocked):
         every = plan_units(cfg.out)
         wanted = None if cfg.tiers is None else {int(t) for t in cfg.tiers}
         units = [u for u in every if wanted is None or int(u["bucket"].split("/")[0]) in wanted]

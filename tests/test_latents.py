@@ -423,3 +423,26 @@ def test_tiers_encodes_only_those_and_keeps_the_others(tmp_path, vae):
     again = run_latents(_job(root, vae, tiers=(1024,)))
     assert (again.encoded_shards, again.skipped_shards) == (0, 1)
     assert len(L.read_record(root)["shards"]) == 2
+
+
+def test_a_second_run_is_refused_while_one_holds_the_latents_lease(tmp_path, vae):
+    """The job's own lease: a concurrent run is refused; the export's lease stays free."""
+    from prx_data.pipelines.latents import LatentsLocked
+
+    from prx_data.core.lease import Lease
+    from prx_data.export.lock import ExportLock
+
+    root = str(tmp_path / "tree")
+    make_sample_export(root, {"512/1.000": 2})
+    os.makedirs(os.path.join(root, L.LATENTS_DIR))
+    with Lease(os.path.join(root, *L.LOCK_NAME.split("/")), what="latents run"):
+        with pytest.raises(LatentsLocked) as err:
+            run_latents(_job(root, vae))
+        assert "\n" not in str(err.value)
+    held = Lease(os.path.join(root, *L.LOCK_NAME.split("/")), what="latents run")
+    with held, ExportLock(root, what="skip-list update"):  # not blocked by a latents run
+        pass
+    assert run_latents(_job(root, vae)).encoded_shards == 1
+    from prx_data.export.verify import verify_export
+
+    assert verify_export(root, deep=True).ok  # the lock file is the job's own

@@ -33,6 +33,9 @@ from prx_data.export.naming import LATENTS_DIR, SHARD_FILE_RE
 from prx_data.export.safety import check_bucket
 
 RECORD_NAME = f"{LATENTS_DIR}/record.json"
+#: The latents job's own lease: one run per export, without blocking the export's skip-list
+#: updates (shards that change under a run are caught by the record's binding instead).
+LOCK_NAME = f"{LATENTS_DIR}/.lock"
 RECORD_FORMAT = "prx-data latents"
 RECORD_VERSION = 1
 #: Storage dtypes of the ``.npy`` files (float32 is for exact comparisons in tests).

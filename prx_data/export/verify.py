@@ -197,7 +197,7 @@ def _verify_latents(
     from prx_data.export.layout import read_index
 
     here = {f for f in files if f.split("/", 1)[0] == LATENTS_DIR and ".tmp-" not in f}
-    if not here:
+    if not here - {L.LOCK_NAME}:
         return
     sizes = {
         f"{LATENTS_DIR}/{rel}": n
@@ -213,7 +213,7 @@ def _verify_latents(
         res.problems.append(Problem(record_path, "missing: rerun python -m prx_data.latents"))
         return
     shards = record.get("shards") or {}
-    expected = {L.RECORD_NAME}
+    expected = {L.RECORD_NAME, L.LOCK_NAME}
     for bucket in buckets:
         try:
             index = read_index(root, bucket)
