@@ -76,6 +76,9 @@ JOBS: dict[str, Job] = {
         Job("optout", "add an opt-out skip list to an export"),
         Job("write_mds", "export a table to resolution/aspect-ratio bucketed MDS"),
         Job(
+            "latents", "precompute VAE latents beside an export's shards (vae.source: precomputed)"
+        ),
+        Job(
             "adopt",
             "id manifests and shard hashes for an MDS tree another writer made (skip lists)",
         ),

@@ -28,6 +28,7 @@ from prx_data.export.naming import (
     FILE_KEYS,
     IDS_INDEX_NAME,
     INDEX_NAME,
+    LATENTS_DIR,
     LEASE_NAME,
     LIST_NAME_PATTERN,
     LISTS_DIR,
@@ -276,6 +277,7 @@ _EXPORT_ENTRIES_EXTRA = {
     LEASE_NAME,
     LISTS_DIR,
     IDS_INDEX_NAME,
+    LATENTS_DIR,
 }
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
 #: (Part directories themselves match ``PART_RE``, the pattern :func:`~prx_data.export.naming.part_name` makes.)
@@ -327,7 +329,7 @@ def foreign_entries(out: str) -> list[str]:
         for rel in storage.list_files(out):
             bits = rel.split("/")
             if bits[0] in _EXPORT_ENTRIES_EXTRA and (
-                len(bits) == 1 or bits[0] in (PROGRESS_DIR, IDS_INDEX_NAME)
+                len(bits) == 1 or bits[0] in (PROGRESS_DIR, IDS_INDEX_NAME, LATENTS_DIR)
             ):
                 continue
             if bits[0] == LISTS_DIR and len(bits) == 2 and LISTS_FILE_RE.fullmatch(bits[1]):
@@ -339,7 +341,7 @@ def foreign_entries(out: str) -> list[str]:
     for top in sorted(os.listdir(out)):
         path = os.path.join(out, top)
         if top in _EXPORT_ENTRIES_EXTRA:
-            if top in (PROGRESS_DIR, IDS_INDEX_NAME) and not os.path.isdir(path):
+            if top in (PROGRESS_DIR, IDS_INDEX_NAME, LATENTS_DIR) and not os.path.isdir(path):
                 found.append(top)
             if top == LISTS_DIR:
                 found += _foreign_in_lists(path)
@@ -515,5 +517,6 @@ def clear_export(out: str, entries: list[str]) -> None:
                 if name != keep:
                     storage.delete(os.path.join(progress, name))
     for e in entries:
-        if e not in first and e != PROGRESS_DIR:
+        # Latents are bound to the shards they came from (record.json): kept, never deleted.
+        if e not in first and e not in (PROGRESS_DIR, LATENTS_DIR):
             storage.delete(storage.join(out, e))

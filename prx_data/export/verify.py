@@ -16,6 +16,9 @@ the first, so one run tells a user everything that is wrong:
 * no part directory or file sits in a bucket without being in its index;
 * every sidecar belongs to a shard of the index, and its content is checked by
   ``check_sidecar`` (the skip-list parser lives a layer above: the CLI passes it in);
+* precomputed latents (``_latents/``, when there are any): every shard of the
+  index has a ``.npy`` made from its current data with the size the record
+  names (``deep``: its xxh64 too), and nothing else lies there;
 * the list store ``_lists/`` holds only list files (``<name>.parquet`` with
   sorted, unique string ids), its registry reference and its lock;
 * nothing in a local tree is a symbolic link, FIFO, device or socket, and every
@@ -42,6 +45,7 @@ from prx_data.export.layout import ShardInfo, list_markers, read_report, rel_joi
 from prx_data.export.naming import (
     AR_RE,
     INDEX_NAME,
+    LATENTS_DIR,
     LIST_NAME_RE,
     LISTS_DIR,
     LISTS_FILE_RE,
@@ -181,7 +185,64 @@ def verify_export(
     for bucket in tqdm(names, desc="verify", unit="bucket", disable=not progress):
         res.buckets += 1
         _verify_bucket(root, bucket, reported.get(bucket), bool(report), deep, check_sidecar, res)
+    _verify_latents(root, files, sorted(on_disk), deep, res)
     return res
+
+
+def _verify_latents(
+    root: str, files: list[str], buckets: list[str], deep: bool, res: VerifyResult
+) -> None:
+    """``_latents/``: the record, one ``.npy`` per shard bound to its data, nothing else."""
+    from prx_data.export import latents as L
+    from prx_data.export.layout import read_index
+
+    here = {f for f in files if f.split("/", 1)[0] == LATENTS_DIR and ".tmp-" not in f}
+    if not here - {L.LOCK_NAME}:
+        return
+    sizes = {
+        f"{LATENTS_DIR}/{rel}": n
+        for rel, n in storage.file_sizes(storage.join(root, LATENTS_DIR)).items()
+    }
+    record_path = storage.join(root, *L.RECORD_NAME.split("/"))
+    try:
+        record = L.read_record(root)
+    except Exception as e:  # noqa: BLE001 - an unreadable record is a finding
+        res.problems.append(Problem(record_path, str(e).removeprefix(f"{record_path}: ")))
+        return
+    if record is None:
+        res.problems.append(Problem(record_path, "missing: rerun python -m prx_data.latents"))
+        return
+    shards = record.get("shards") or {}
+    expected = {L.RECORD_NAME, L.LOCK_NAME}
+    for bucket in buckets:
+        try:
+            index = read_index(root, bucket)
+        except Exception:  # noqa: BLE001 - the bucket check above reported it
+            continue
+        for key in L.stale_shards(record, bucket, index):
+            res.problems.append(
+                Problem(
+                    L.npy_path(root, key),
+                    "no latents made from this shard's current data: rerun python -m "
+                    "prx_data.latents",
+                )
+            )
+        for s in index:
+            key = L.shard_key(bucket, s.basename)
+            rec = shards.get(key)
+            if rec is None:
+                continue
+            expected.add(L.npy_rel(key))
+            path = L.npy_path(root, key)
+            want_bytes = int(rec.get("npy_bytes", -1))
+            if L.npy_rel(key) not in here:
+                res.problems.append(Problem(path, "missing"))
+            elif sizes.get(L.npy_rel(key)) != want_bytes:
+                res.problems.append(Problem(path, "size differs from the latents record"))
+            elif deep and L.npy_digest(root, key, want_bytes) != rec.get("xxh64"):
+                res.problems.append(Problem(path, "xxh64 differs from the latents record"))
+    for rel in sorted(here - expected):
+        res.problems.append(Problem(rel_join(root, rel), "not a latents file of this export"))
 
 
 def _verify_lists(root: str, res: VerifyResult) -> None:

@@ -24,6 +24,7 @@ See docs/STREAMING.md for the reasoning and the knobs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from streaming import Stream, StreamingDataset
 
+from prx_data.core import storage
 from prx_data.core.buckets import (
     DEFAULT_SPEC,
     BucketSpec,
@@ -41,6 +43,7 @@ from prx_data.core.buckets import (
 )
 from prx_data.core.errors import UnknownName, UsageError
 from prx_data.core.streaming_compat import World, maybe_init_dist
+from prx_data.export import latents as latents_store
 from prx_data.skips.reader import SkipMDSReader
 from prx_data.stream import cache as shard_cache
 from prx_data.stream import foreign as foreign_tree
@@ -112,6 +115,50 @@ def _plan_spec(
     return spec if block is None else spec.replace(shuffle_block_size=block)
 
 
+@functools.lru_cache(maxsize=256)
+def _latent_file(path: str) -> np.ndarray:
+    """A shard's latents, memory-mapped once per process (workers map their own)."""
+    return latents_store.load_npy(path)
+
+
+def _stream_latents(
+    root: str,
+    source: Any,
+    shape: tuple[int, int],
+    records: dict[str, dict],
+    bucket_spec: BucketSpec = DEFAULT_SPEC,
+) -> tuple[str, str]:
+    """(root, dtype) of a bucket whose latents are all there and made from its shards.
+
+    Raises :class:`~prx_data.export.latents.LatentsError` (one line) for a remote or
+    foreign tree, a higher tier (latents are at each shard's own shape), no record, or
+    shards the record does not vouch for.
+    """
+    if storage.is_remote(root) or source.foreign is not None:
+        what = "a remote export" if source.foreign is None else "an MDS tree another writer made"
+        raise latents_store.LatentsError(
+            f"{root}: precomputed latents are read from local exports of ours, not {what}; "
+            "set vae.source: encode"
+        )
+    b = parse_bucket_name(source.bucket, bucket_spec)
+    if (b.width, b.height) != tuple(shape):
+        raise latents_store.LatentsError(
+            f"{root}/{source.bucket}: precomputed latents are at each shard's own shape, and "
+            f"this run trains it at {shape[0]}x{shape[1]}; set data.include_higher_tiers: false "
+            "(or vae.source: encode)"
+        )
+    if root not in records:
+        records[root] = latents_store.require_record(root)
+    record = records[root]
+    stale = latents_store.stale_shards(record, source.bucket, source.shards)
+    if stale:
+        raise latents_store.LatentsError(
+            f"{root}: {len(stale)} shard(s) have no up-to-date latents (first: {stale[0]}); "
+            f"run python -m prx_data.latents {root} --vae VAE"
+        )
+    return root, str(record.get("dtype"))
+
+
 def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
     return decode_chw(data, shape)  # higher tiers decode at reduced size (JPEG draft)
 
@@ -129,8 +176,10 @@ class BucketedDataset(StreamingDataset):
     bucket name), ``width``/``height`` (the original image size),
     ``source_bucket``, ``dataset`` (its :attr:`DatasetSpec.label`), and each of ``extra_columns`` (table columns the export
     kept with ``write_mds --keep-columns``, as they were stored: NaN for a
-    missing float, None for another missing value). Every device batch comes
-    from one bucket.
+    missing float, None for another missing value); with ``latents=True`` also
+    ``latent`` (float32 [C, H/f, W/f], the VAE latent ``python -m prx_data.latents``
+    stored for the sample; local exports of ours at their own tier only). Every
+    device batch comes from one bucket.
 
     Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
     ``cache_limit``, ``download_retry``, ``shuffle_block_size``), except
@@ -171,6 +220,7 @@ class BucketedDataset(StreamingDataset):
         on_change: str = "error",
         spec: planner.PlanSpec | None = None,
         plan_label: str = "bucket",
+        latents: bool = False,
         **streaming_kwargs: Any,
     ) -> None:
         if on_change not in ON_CHANGE:
@@ -217,6 +267,10 @@ class BucketedDataset(StreamingDataset):
                 f"extra_columns {sorted(clash)} clash with a caption column or an item key"
             )
         self.bucket_spec = spec.bucket_spec
+        #: Attach each sample's precomputed VAE latent as ``latent`` (``vae.source: precomputed``).
+        self.latents = bool(latents)
+        #: Per stream with latents: (export root, storage dtype).
+        self.stream_latents: list[tuple[str, str] | None] = []
         destroy_dist = maybe_init_dist()
         try:
             world = World.detect()
@@ -243,6 +297,7 @@ class BucketedDataset(StreamingDataset):
             #: Per stream: the columns of a tree another writer made (None: an export of ours).
             self.stream_foreign: list[tuple[foreign_tree.ForeignColumns, Any] | None] = []
             decisions = self.plan.decisions()
+            records: dict[str, dict] = {}  # export root -> its latents record
             for di, src in enumerate(sources):
                 for b in src:
                     bp = decisions[(di, b.bucket)]
@@ -274,6 +329,11 @@ class BucketedDataset(StreamingDataset):
                             spec.bucket_spec,
                         )
                     self.stream_info.append((di, b.bucket, shape))
+                    self.stream_latents.append(
+                        _stream_latents(specs[di].root, b, shape, records, spec.bucket_spec)
+                        if self.latents
+                        else None
+                    )
             super().__init__(
                 streams=streams,
                 batch_size=spec.device_batch_size,
@@ -329,6 +389,8 @@ class BucketedDataset(StreamingDataset):
             "width": int(raw["width"]),
             "height": int(raw["height"]),
         }
+        if self.latents:
+            item["latent"] = self._latent(shard_id, k, stream, self.stream_info[stream][1])
         for c in self.caption_columns:
             if c not in raw:
                 raise UnknownName(
@@ -343,6 +405,20 @@ class BucketedDataset(StreamingDataset):
                 )
             item[c] = raw[c]
         return item
+
+    def _latent(self, shard_id: int, k: int, stream: int, bucket: str) -> torch.Tensor:
+        """The precomputed latent of the ``k``-th served sample of a shard (its stored index)."""
+        root, dtype = self.stream_latents[stream]
+        reader = self.shards[shard_id]
+        stored = reader.stored_index(k) if isinstance(reader, SkipMDSReader) else k
+        key = latents_store.shard_key(bucket, reader.raw_data.basename)
+        arr = _latent_file(latents_store.npy_path(root, key))
+        if stored >= arr.shape[0]:
+            raise latents_store.LatentsError(
+                f"{latents_store.npy_path(root, key)}: {arr.shape[0]} latents for a shard of "
+                f"more samples; run python -m prx_data.latents {root} --vae VAE again"
+            )
+        return torch.from_numpy(latents_store.from_stored(arr[stored], dtype))
 
     def _foreign_item(self, raw, shard_id: int, k: int, cols, shape) -> dict[str, Any]:
         """An item of a tree another writer made (:func:`prx_data.stream.foreign.item`)."""

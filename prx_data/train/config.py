@@ -98,6 +98,9 @@ class VAEConfig:
     tiling: bool = False
     #: Tile side in pixels when tiling (None: the VAE's default).
     tile_size: int | None = None
+    #: "encode": the encoder runs in every step; "precomputed": the loader serves the latents
+    #: ``python -m prx_data.latents`` stored beside each export (the decoder still samples).
+    source: str = "encode"
 
 
 @dataclass
@@ -526,6 +529,16 @@ def validate(cfg: TrainConfig) -> None:
         _fail("vae.scaling_factor", "must be > 0")
     if v.tile_size is not None and v.tile_size <= 0:
         _fail("vae.tile_size", "must be positive")
+    if v.source not in ("encode", "precomputed"):
+        _fail("vae.source", f"{v.source!r} is not one of encode, precomputed")
+    if v.source == "precomputed" and v.name_or_path is None:
+        _fail("vae.source", "precomputed latents need vae.name_or_path (the VAE that made them)")
+    if v.source == "precomputed" and cfg.data.include_higher_tiers:
+        _fail(
+            "vae.source",
+            "precomputed latents are at each shard's own shape; set "
+            "data.include_higher_tiers: false (or vae.source: encode)",
+        )
     if v.name_or_path is None and m.in_channels not in (None, 3):
         _fail("model.in_channels", f"{m.in_channels}: pixel space (no vae.name_or_path) has 3")
     d = cfg.data

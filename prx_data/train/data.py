@@ -21,7 +21,7 @@ from prx_data.stream.dataset import BucketedDataset
 from prx_data.train.config import DataConfig, device_batch_size
 
 #: Keys the collate function stacks into tensors; every other key becomes a list.
-TENSOR_KEYS = ("image",)
+TENSOR_KEYS = ("image", "latent")
 INT_KEYS = ("tier", "width", "height")
 
 
@@ -93,13 +93,23 @@ def _load_factory(path: str) -> Callable[[DataConfig, int], StreamingDataset]:
 
 
 def build_dataset(
-    cfg: DataConfig, batch_size: int, holdout: Any = None, plan_label: str = "bucket"
+    cfg: DataConfig,
+    batch_size: int,
+    holdout: Any = None,
+    plan_label: str = "bucket",
+    latents: bool = False,
 ) -> StreamingDataset:
     """The bucketed stream of ``cfg`` (``prx_data.stream.dataset.BucketedDataset``) for one rank.
 
     ``holdout`` (a ``prx_data.stream.holdout.Holdout``) leaves out one side of an
-    id-hash hold-out split in every dataset's sample space.
+    id-hash hold-out split in every dataset's sample space. ``latents`` attaches each
+    sample's precomputed VAE latent (``vae.source: precomputed``).
     """
+    if cfg.factory and latents:
+        raise ValueError(
+            "data.factory with vae.source: precomputed: a factory's dataset carries no "
+            "latents; set vae.source: encode"
+        )
     if cfg.factory:
         if holdout is not None:
             raise ValueError(
@@ -117,6 +127,7 @@ def build_dataset(
         extra_columns=tuple(dict.fromkeys(cfg.extra_columns)),
         on_change=cfg.on_change,
         plan_label=plan_label,
+        latents=latents,
         **streaming,
     )
 
@@ -177,10 +188,15 @@ def build_dataspec(
     patch_size: int,
     dataset: StreamingDataset | None = None,
     holdout: Any = None,
+    latents: bool = False,
 ) -> DataSpec:
     """Dataset + loader + sample/token counting for one rank of a ``world_size`` run."""
     batch = device_batch_size(cfg, world_size)
-    ds = dataset if dataset is not None else build_dataset(cfg, batch, holdout=holdout)
+    ds = (
+        dataset
+        if dataset is not None
+        else build_dataset(cfg, batch, holdout=holdout, latents=latents)
+    )
     loader = build_dataloader(ds, cfg, batch)
     rep = cfg.replication or 1
     return DataSpec(

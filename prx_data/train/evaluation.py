@@ -107,7 +107,7 @@ def per_sample_band_losses(model: Any, batch: Mapping[str, Any]) -> torch.Tensor
 
     images = model.batch_images(batch)
     device = images.device
-    x0 = model.clean_inputs(images)
+    x0 = model.clean_inputs(images, latent=batch.get("latent"))
     captions = model.eval_captions.choose(batch, torch.Generator().manual_seed(0))
     feats, mask = model.encode_text(captions, device)
     feats = feats.to(next(model.transformer.parameters()).dtype)
@@ -231,7 +231,13 @@ def build_evaluator(cfg: TrainConfig, world_size: int, patch_size: int) -> Evalu
     except ValueError as exc:
         raise ValueError(str(exc).replace("data.", "eval.", 1)) from None
     try:
-        ds = build_dataset(dcfg, batch, holdout=holdout_for(cfg, "eval"), plan_label="eval")
+        ds = build_dataset(
+            dcfg,
+            batch,
+            holdout=holdout_for(cfg, "eval"),
+            plan_label="eval",
+            latents=cfg.vae.source == "precomputed",
+        )
     except PlanError as exc:
         raise PlanError(f"eval: {_one_line(exc)}; {EVAL_FIX}") from None
     kept = sum(b.choose for b in ds.plan.buckets if not b.excluded)

@@ -3,9 +3,11 @@
 Pixel space, like PRX Pixel: the RGB image is patchified directly
 (``in_channels=3``). Latent space (``vae:``): a frozen diffusers autoencoder
 encodes the batch inside the step, under ``no_grad``, and the transformer
-patchifies its latents (``in_channels`` = the VAE's latent channels). Nothing
-is precomputed either way. The text encoder runs frozen inside the step; the
-loss is rectified-flow velocity MSE.
+patchifies its latents (``in_channels`` = the VAE's latent channels); with
+``vae.source: precomputed`` the loader serves the latents that
+``python -m prx_data.latents`` stored beside the export instead, and the
+encoder never runs (its cost per step is the point of storing them). The text
+encoder runs frozen inside the step; the loss is rectified-flow velocity MSE.
 """
 
 from __future__ import annotations
@@ -92,8 +94,13 @@ class PRXFlowModel(ComposerModel):
         captions: CaptionPolicy,
         flow: FlowConfig | None = None,
         vae: LatentCodec | None = None,
+        precomputed: bool = False,
     ) -> None:
         super().__init__()
+        if precomputed and vae is None:
+            raise ValueError("precomputed latents need the VAE that made them (vae.name_or_path)")
+        #: x0 is the batch's ``latent`` (stored by ``python -m prx_data.latents``), never encoded.
+        self.precomputed = precomputed
         self.transformer = transformer
         self.text_encoder = text_encoder  # plain object: not a submodule on purpose
         self.vae = vae  # likewise
@@ -152,10 +159,31 @@ class PRXFlowModel(ComposerModel):
             )
 
     def clean_inputs(
-        self, images: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        images: torch.Tensor,
+        generator: torch.Generator | None = None,
+        latent: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x0 of the flow: uint8 images -> [-1, 1] pixels, or their VAE latents (no grad)."""
+        """x0 of the flow: uint8 images -> [-1, 1] pixels, or their VAE latents (no grad).
+
+        With precomputed latents, ``latent`` (the batch's, float32 on the images'
+        device) is x0 and the encoder is not called.
+        """
         self._check_shape(images)
+        if self.precomputed:
+            if latent is None:
+                raise ValueError(
+                    "vae.source: precomputed but the batch has no 'latent' (the loader attaches "
+                    "it; a dataset passed in must too)"
+                )
+            want = (images.shape[0], *self.vae.latent_shape(images.shape[-1], images.shape[-2]))
+            if tuple(latent.shape) != want:
+                raise ValueError(
+                    f"precomputed latents of shape {tuple(latent.shape)} for images "
+                    f"{tuple(images.shape)}: expected {want}; the latents were made with "
+                    "another VAE or for other images"
+                )
+            return latent.to(device=images.device, dtype=torch.float32)
         x = uint8_to_unit(images)
         if self.vae is None:
             return x
@@ -176,7 +204,7 @@ class PRXFlowModel(ComposerModel):
         """
         images = self.batch_images(batch)
         device = images.device
-        x0 = self.clean_inputs(images, generator)
+        x0 = self.clean_inputs(images, generator, latent=batch.get("latent"))
         if captions is None:
             cpu_gen = None
             if generator is not None:

@@ -38,7 +38,7 @@ from prx_data.train.composer_compat import (
     drop_stale_autoresume_copy,
     multinode_safe,
 )
-from prx_data.train.config import TrainConfig, device_batch_size, metrics_folder
+from prx_data.train.config import ConfigError, TrainConfig, device_batch_size, metrics_folder
 from prx_data.train.data import build_dataspec
 from prx_data.train.model import PRXFlowModel, build_transformer
 from prx_data.train.text_encoder import TextEncoder
@@ -90,7 +90,8 @@ def build_model(cfg: TrainConfig, device: torch.device | str | None = None) -> P
     policy = CaptionPolicy(
         tuple(c.name for c in cols), tuple(float(c.weight) for c in cols), cfg.data.caption_dropout
     )
-    return PRXFlowModel(transformer, encoder, policy, cfg.flow, vae=vae)
+    precomputed = cfg.vae.source == "precomputed"
+    return PRXFlowModel(transformer, encoder, policy, cfg.flow, vae=vae, precomputed=precomputed)
 
 
 def build_vae(cfg: TrainConfig, device: torch.device | str | None = None) -> LatentCodec | None:
@@ -109,6 +110,42 @@ def build_vae(cfg: TrainConfig, device: torch.device | str | None = None) -> Lat
         tiling=v.tiling,
         tile_size=v.tile_size,
     )
+
+
+def check_precomputed_latents(cfg: TrainConfig, codec: LatentCodec | None) -> None:
+    """Refuse, in one line, exports whose stored latents another VAE made (or that have none).
+
+    Every export the run streams (``data.datasets``, and ``eval.datasets`` when
+    evaluating on separate exports) must carry a latents record whose class,
+    factors, posterior, compression and channels equal ``codec``'s.
+
+    Args:
+        cfg: the run's config (``vae.source: precomputed``).
+        codec: the run's VAE (its decoder samples; its identity is what the latents need).
+
+    Raises:
+        ConfigError: an export without latents, or one whose record disagrees.
+    """
+    from prx_data.export import latents as latents_store
+
+    if codec is None:
+        raise ConfigError("vae.source: precomputed needs vae.name_or_path")
+    roots = [d.root for d in cfg.data.datasets]
+    if cfg.eval.enabled and cfg.eval.source == "export":
+        roots += [d.root for d in cfg.eval.datasets]
+    want = codec.identity()
+    for root in dict.fromkeys(roots):
+        try:
+            record = latents_store.require_record(root)
+        except latents_store.LatentsError as e:
+            raise ConfigError(f"vae.source: {e}") from None
+        diff = latents_store.vae_differences(record.get("vae") or {}, want)
+        if diff:
+            raise ConfigError(
+                f"vae.source: the latents of {root} were made with another VAE "
+                f"({'; '.join(diff)}; recorded -> this run's vae); run python -m prx_data.latents "
+                f"{root} --vae {cfg.vae.name_or_path} --replace, or set vae.source: encode"
+            )
 
 
 def build_optimizer(cfg: TrainConfig, model: PRXFlowModel) -> torch.optim.Optimizer:
@@ -324,7 +361,17 @@ def build_trainer(
         )
     # Tokens per image count image pixels per token side: patch x the VAE's compression.
     pixel_patch = int(getattr(model, "pixel_patch", cfg.model.patch_size))
-    dataspec = build_dataspec(cfg.data, world, pixel_patch, dataset=dataset, holdout=train_holdout)
+    precomputed = cfg.vae.source == "precomputed"
+    if precomputed:
+        check_precomputed_latents(cfg, model.vae)
+    dataspec = build_dataspec(
+        cfg.data,
+        world,
+        pixel_patch,
+        dataset=dataset,
+        holdout=train_holdout,
+        latents=precomputed and dataset is None,
+    )
     extra: dict = parallelism_kwargs(cfg, model)
     if cfg.eval.enabled:
         from prx_data.train.evaluation import build_evaluator

@@ -1,9 +1,12 @@
 """Frozen diffusers autoencoder for latent-space PRX: images are encoded inside the step.
 
-Like the text encoder, the autoencoder is not precomputed into the exports
-(they stay independent of the VAE choice, and skip lists, mixing and resume
-work unchanged) and is not a submodule of the trained model (it stays out of
-the optimizer, EMA, FSDP and checkpoints; it is reloaded by name or path).
+Like the text encoder, the autoencoder is not written into the exports (they
+stay independent of the VAE choice, and skip lists, mixing and resume work
+unchanged) and is not a submodule of the trained model (it stays out of the
+optimizer, EMA, FSDP and checkpoints; it is reloaded by name or path). Where
+the encoder's cost per step matters, ``python -m prx_data.latents`` stores one
+VAE's latents beside an export (``vae.source: precomputed``); :meth:`LatentCodec.identity`
+is what those latents are checked against.
 
 Latents follow diffusers' convention, the one ``PRXPipeline`` decodes with:
 ``latent = (z - shift_factor) * scaling_factor``.
@@ -120,6 +123,21 @@ class LatentCodec:
         if tile_size is not None:
             v.tile_sample_min_size = int(tile_size)
             v.tile_latent_min_size = int(tile_size) // self.compression
+
+    def identity(self) -> dict:
+        """What latents made by this codec depend on: class, factors, posterior, grid.
+
+        Precomputed latents (:mod:`prx_data.export.latents`) record it, and a
+        trainer whose codec says otherwise refuses them.
+        """
+        return {
+            "class": self.kind,
+            "scaling_factor": self.scaling_factor,
+            "shift_factor": self.shift_factor,
+            "posterior": self.posterior,
+            "compression": self.compression,
+            "latent_channels": self.latent_channels,
+        }
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,42 @@
+"""``python -m prx_data.latents``: argument parsing over :mod:`prx_data.pipelines.latents`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prx_data.cli.reporting import finish_run
+from prx_data.core.errors import PrxDataError
+from prx_data.core.flags import add_flags, from_args
+from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.pipelines.latents import LatentsConfig, run_latents
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.latents",
+        description="Encode every image of an export with a VAE once and store the latents "
+        "beside its shards (OUT/_latents/, one .npy per shard, and record.json), so a "
+        "latent-space training run with vae.source: precomputed reads them instead of running "
+        "the encoder every step. The shards are not rewritten; a rerun encodes only the shards "
+        "whose latents are missing or changed.",
+    )
+    add_flags(p, LatentsConfig)
+    add_run_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        opts = run_options_from_args(args)
+        cfg = from_args(LatentsConfig, args, **opts.job_fields())
+        report = run_latents(cfg)
+    except PrxDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return finish_run(report, opts, footer=f"record: {cfg.out}/_latents/record.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Precomputed VAE latents beside an export: where they live, their record, their digests.
+
+The shards are never rewritten. Each MDS shard ``<tier>/<ar>/<part>/shard.NNNNN.mds``
+gets one numpy file ``_latents/<tier>/<ar>/<part>/shard.NNNNN.npy`` holding
+``[samples, C, H/f, W/f]`` in the shard's sample order, already shifted and
+scaled as :meth:`prx_data.train.vae.LatentCodec.encode` returns them. The
+``.npy`` format (no pickle) was chosen over a new MDS column because a
+latent set belongs to one VAE: another VAE is another folder's worth of
+files, and the export, its skip lists and its id index stay as they are.
+
+``_latents/record.json`` names the VAE (class, factors, posterior,
+compression, channels) and the storage dtype, and per shard the xxh64 of its
+``.npy`` bytes and the shard it was computed from (bytes, samples, hashes), so
+a re-export or a changed shard is never served stale latents. The job
+(:mod:`prx_data.pipelines.latents`) writes it; the loader and the trainer
+read it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from prx_data.core import confined, storage
+from prx_data.core.errors import NotFound, PrxDataError
+from prx_data.export.layout import ShardInfo
+from prx_data.export.naming import LATENTS_DIR, SHARD_FILE_RE
+from prx_data.export.safety import check_bucket
+
+RECORD_NAME = f"{LATENTS_DIR}/record.json"
+#: The latents job's own lease: one run per export, without blocking the export's skip-list
+#: updates (shards that change under a run are caught by the record's binding instead).
+LOCK_NAME = f"{LATENTS_DIR}/.lock"
+RECORD_FORMAT = "prx-data latents"
+RECORD_VERSION = 1
+#: Storage dtypes of the ``.npy`` files (float32 is for exact comparisons in tests).
+DTYPES = ("float16", "bfloat16", "float32")
+#: The VAE settings a trainer's codec must agree with, in the record's ``vae``.
+VAE_KEYS = (
+    "class",
+    "scaling_factor",
+    "shift_factor",
+    "posterior",
+    "compression",
+    "latent_channels",
+)
+#: Largest record read back (a million shards at ~300 bytes each).
+MAX_RECORD_BYTES = 1 << 30
+
+
+class LatentsError(PrxDataError, ValueError):
+    """Latents that are missing, stale or made with another VAE; one line says what to do."""
+
+
+def shard_key(bucket: str, basename: str) -> str:
+    """``<tier>/<ar>/<part>/shard.NNNNN.mds``: a shard's key in the record."""
+    check_bucket(bucket)
+    parts = basename.split("/")
+    if (
+        basename.startswith("/")
+        or any(p in ("", ".", "..") for p in parts)
+        or not SHARD_FILE_RE.fullmatch(parts[-1])
+    ):
+        raise LatentsError(f"{bucket}/{basename}: not a shard name of an export")
+    return f"{bucket}/{basename}"
+
+
+def npy_rel(key: str) -> str:
+    """Path of a shard's latents relative to the export root (``_latents/.../shard.NNNNN.npy``)."""
+    stem = key.split(".mds", 1)[0]
+    return f"{LATENTS_DIR}/{stem}.npy"
+
+
+def npy_path(root: str, key: str) -> str:
+    return storage.join(root, *npy_rel(key).split("/"))
+
+
+def xxh64(data: bytes) -> str:
+    from prx_data.core.streaming_compat import get_hash
+
+    return get_hash("xxh64", data)
+
+
+def encode_npy(array: np.ndarray) -> bytes:
+    """The ``.npy`` bytes of ``array`` (no pickle: object arrays are refused by numpy)."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def write_npy(root: str, key: str, array: np.ndarray) -> tuple[str, int]:
+    """Write a shard's latents atomically (temp file, fsync, rename, folder fsync).
+
+    Returns ``(xxh64, bytes)`` of what was written.
+    """
+    data = encode_npy(array)
+    path = npy_path(root, key)
+    confined.write_atomic(root, path, data)
+    if not storage.is_remote(root):
+        _fsync_dir(os.path.dirname(path))
+    return xxh64(data), len(data)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def npy_digest(root: str, key: str, max_bytes: int) -> str | None:
+    """xxh64 of a shard's ``.npy`` as it is on disk, or None when there is none."""
+    path = npy_path(root, key)
+    try:
+        return xxh64(confined.read(root, path, max_bytes))
+    except (FileNotFoundError, NotFound):
+        return None
+
+
+def load_npy(path: str) -> np.ndarray:
+    """A shard's latents, memory-mapped (``allow_pickle=False``: data never runs code)."""
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def read_record(root: str) -> dict[str, Any] | None:
+    """The export's latents record, or None when it has none."""
+    path = storage.join(root, *RECORD_NAME.split("/"))
+    try:
+        raw = confined.read(root, path, MAX_RECORD_BYTES)
+    except (FileNotFoundError, NotFound):
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        raise LatentsError(
+            f"{path}: not a latents record (bad JSON); run python -m prx_data.latents {root} "
+            "--vae VAE again"
+        ) from None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        raise LatentsError(f"{path}: not a prx-data latents record")
+    if record.get("version") != RECORD_VERSION:
+        raise LatentsError(
+            f"{path}: latents record version {record.get('version')!r}; this prx-data reads "
+            f"version {RECORD_VERSION}: run python -m prx_data.latents {root} --vae VAE --replace"
+        )
+    return record
+
+
+def require_record(root: str) -> dict[str, Any]:
+    """:func:`read_record`, refusing an export without latents in one line."""
+    record = read_record(root)
+    if record is None:
+        raise LatentsError(
+            f"{root}: no precomputed latents (no {RECORD_NAME}); run python -m prx_data.latents "
+            f"{root} --vae VAE, or set vae.source: encode"
+        )
+    return record
+
+
+def write_record(root: str, vae: Mapping[str, Any], dtype: str, shards: Mapping[str, dict]) -> None:
+    """Write ``_latents/record.json`` atomically, shards sorted by key."""
+    record = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "vae": dict(vae),
+        "dtype": dtype,
+        "shards": {k: shards[k] for k in sorted(shards)},
+    }
+    path = storage.join(root, *RECORD_NAME.split("/"))
+    confined.write_atomic(root, path, json.dumps(record, indent=1, sort_keys=True).encode())
+    if not storage.is_remote(root):
+        _fsync_dir(os.path.dirname(path))
+
+
+def shard_binding(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """What ties latents to the shard they came from: samples, bytes and hashes of its data."""
+    raw = entry["raw_data"]
+    return {
+        "samples": int(entry["samples"]),
+        "shard_bytes": int(raw["bytes"]),
+        "shard_hashes": dict(sorted((raw.get("hashes") or {}).items())),
+    }
+
+
+def vae_differences(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """``key recorded -> wanted`` for each of :data:`VAE_KEYS` that differs."""
+    out = []
+    for k in VAE_KEYS:
+        a, b = recorded.get(k), wanted.get(k)
+        if isinstance(a, float) or isinstance(b, float):
+            same = (
+                a is not None
+                and b is not None
+                and abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
+            )
+        else:
+            same = a == b
+        if not same:
+            out.append(f"{k} {a!r} -> {b!r}")
+    return out
+
+
+def stale_shards(record: Mapping[str, Any], bucket: str, shards: Iterable[ShardInfo]) -> list[str]:
+    """Shards of ``bucket`` (as its merged index lists them) whose latents are missing from
+    ``record`` or were made from other data (samples, bytes or hashes differ)."""
+    recorded = record.get("shards") or {}
+    out = []
+    for s in shards:
+        key = shard_key(bucket, s.basename)
+        got = recorded.get(key)
+        want = {
+            "samples": int(s.samples),
+            "shard_bytes": int(s.bytes),
+            "shard_hashes": dict(sorted(s.hashes.items())),
+        }
+        if got is None or any(got.get(k) != v for k, v in want.items()):
+            out.append(key)
+    return out
+
+
+def to_stored(latents: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 latents -> the array written for ``dtype`` (bfloat16: its bits as ``uint16``,
+    rounded to nearest even, since numpy has no bfloat16)."""
+    x = np.ascontiguousarray(latents, dtype=np.float32)
+    if dtype == "bfloat16":
+        u = x.view(np.uint32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    if dtype not in DTYPES:
+        raise LatentsError(f"latent dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    return x.astype(np.dtype(dtype))
+
+
+def from_stored(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """What :func:`to_stored` wrote -> float32 latents."""
+    if dtype == "bfloat16":
+        return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.array(stored, dtype=np.float32)  # a copy: the stored array is a read-only map
