@@ -223,7 +223,9 @@ def run_prx(args, port: int, work: str, faults: dict[int, str]) -> dict:
         fetch=F.FetchConfig(
             allow=(f"127.0.0.1:{port}",),
             threads=args.threads,
-            per_host=args.threads,
+            # The one loopback host stands in for the many hosts of a real list: the
+            # per-host limit (held across the run's tasks) is both tools' whole concurrency.
+            per_host=args.threads * args.cpus,
             total_timeout=args.timeout,
             read_timeout=args.timeout,
             connect_timeout=args.timeout,

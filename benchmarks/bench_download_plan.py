@@ -64,6 +64,7 @@ def measure(uri: str, partition_rows: int) -> dict:
 
     import lance
     import prx_data.pipelines.download as D
+
     from prx_data.columns import runner as R
 
     ds = lance.dataset(uri)

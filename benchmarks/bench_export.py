@@ -202,12 +202,23 @@ FRONTIER = {
 # --- corpus and fidelity -------------------------------------------------------------
 
 
-def load_items(corpus: str, n: int, spec: BucketSpec) -> tuple[list, list]:
-    """(id, bytes, caption) rows for the table, and the bucketable ones with their shape."""
+def load_items(
+    corpus: str, n: int, spec: BucketSpec, jpeg_min_mp: float | None = None
+) -> tuple[list, list]:
+    """(id, bytes, caption) rows for the table, and the bucketable ones with their shape;
+    ``jpeg_min_mp``: JPEGs of at least that many megapixels only."""
     if not os.path.exists(os.path.join(corpus, "manifest.jsonl")):
         print(f"building the photo corpus in {corpus} ...", file=sys.stderr)
         photo_corpus.build(corpus, images=max(n, 320))
-    rows = photo_corpus.load(corpus)[:n]
+    rows = photo_corpus.load(corpus)
+    if jpeg_min_mp is not None:
+        rows = [
+            r
+            for r in rows
+            if (i := imaging.probe(r[1])).format == "jpeg"
+            and i.width * i.height >= jpeg_min_mp * 1e6
+        ]
+    rows = rows[:n]
     work = []
     for rid, data, _ in rows:
         info = imaging.probe(data)
@@ -483,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
         "--tiers", default="512,1024", help="Export tiers (default 512,1024: most land in 1024)."
     )
     p.add_argument("--only", default="step,frontier,pipeline,startup", help="Parts to run.")
+    p.add_argument(
+        "--jpeg-min-mp",
+        type=float,
+        default=None,
+        help="Large-JPEG corpus: only JPEGs of at least this many megapixels (e.g. 2).",
+    )
     p.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (default 3).")
     p.add_argument(
         "--frontier-rounds", type=int, default=1, help="Rounds for the frontier (default 1)."
@@ -499,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     tiers = tuple(int(t) for t in args.tiers.split(","))
     spec = BucketSpec(tiers=tiers)
     parts = set(args.only.split(","))
-    rows, work = load_items(args.corpus, args.images, spec)
+    rows, work = load_items(args.corpus, args.images, spec, args.jpeg_min_mp)
     res: dict = {
         "machine": machine(),
         "corpus": {"rows": len(rows), "bucketable": len(work), "tiers": list(tiers)},

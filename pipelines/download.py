@@ -638,6 +638,9 @@ class _ActorSlots:
     def renew(self, holder: str) -> None:
         self.actor.renew.remote(holder)
 
+    def give_back(self, holder: str, host: str, n: int = 1) -> None:
+        self.actor.give_back.remote(holder, host, n)  # calls from one process keep their order
+
     def release(self, holder: str) -> None:
         import ray
 

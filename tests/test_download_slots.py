@@ -15,10 +15,13 @@ def test_slots_never_exceed_per_host_across_holders_and_expire():
     slots = F.HostSlots(3, ttl=0.2)
     assert slots.acquire("a", {"h": 5, "g": 1}) == {"h": 3, "g": 1}
     assert slots.acquire("b", {"h": 5, "g": 4}) == {"g": 2}
-    assert slots.acquire("a", {"h": 5}) == {"h": 3, "g": 1}  # no more than per_host
+    assert slots.acquire("a", {"h": 5}) == {}  # no more than per_host
     assert slots.in_use() == {"h": 3, "g": 3}
+    slots.give_back("a", "h")
+    assert slots.acquire("b", {"h": 5}) == {"h": 1}
     slots.release("a")
-    assert slots.acquire("b", {"h": 2}) == {"h": 2, "g": 2}
+    assert slots.acquire("b", {"h": 2}) == {"h": 2}
+    assert slots.in_use() == {"h": 3, "g": 2}
     time.sleep(0.3)  # b stopped renewing: a killed task does not hold a host forever
     assert slots.in_use() == {}
     assert slots.acquire("c", {"h": 9}) == {"h": 3}
@@ -64,12 +67,16 @@ def test_per_host_holds_across_fetchers_only_with_shared_slots(shared):
         assert peak > 2
 
 
-def test_a_call_keeps_to_the_slots_it_was_granted():
-    """A holder granted fewer slots than per_host (others hold the rest) keeps to them."""
+def test_a_holder_keeps_to_the_slots_it_was_granted():
+    """Another task holds 3 of the host's 4 slots: this one fetches one row at a time."""
     with ImageServer() as srv:
+        slots = F.HostSlots(4)
+        assert slots.acquire("other task", {"127.0.0.1": 3}) == {"127.0.0.1": 3}
         fetcher = F.Fetcher(F.FetchConfig(allow=srv.allow, per_host=4, threads=8, retries=0))
         try:
-            got = fetcher.fetch_many([srv.url(f"/slow/{i}") for i in range(6)], {"127.0.0.1": 1})
+            urls = [srv.url(f"/slow/{i}") for i in range(6)]
+            got = F.fetch_with_slots(fetcher, urls, slots, poll=0.01)
         finally:
             fetcher.close()
         assert all(r.status == F.OK for r in got) and srv.max_inflight == 1
+        assert slots.in_use() == {"127.0.0.1": 3}  # its own slot went back, the others' stay

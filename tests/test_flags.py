@@ -154,9 +154,10 @@ def test_semdedup_flags_set_their_fields_and_bad_numbers_are_an_option_error(cap
 
 
 def test_download_flags_set_the_download_and_fetch_configs():
+    from prx_data.pipelines.download import DownloadConfig
+
     from prx_data.cli import download
     from prx_data.download import fetch as F
-    from prx_data.pipelines.download import DownloadConfig
 
     argv = (
         "--table t --max-mb 1 --allow-private 127.0.0.1 --allow-private 10.0.0.0/8 "
@@ -185,8 +186,9 @@ def test_download_flags_set_the_download_and_fetch_configs():
 
 
 def test_ingest_flags_set_the_ingest_config():
-    from prx_data.cli import ingest
     from prx_data.pipelines.ingest import IngestConfig
+
+    from prx_data.cli import ingest
 
     argv = "a b=c --table t --format parquet --fragment-mb 3 --caption-column TEXT --keys k"
     cfg = from_args(IngestConfig, ingest.build_parser().parse_args(shlex.split(argv)))

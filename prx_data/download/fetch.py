@@ -39,9 +39,7 @@ The open web is hostile, so every fetch goes through the same gate:
 
 from __future__ import annotations
 
-import contextlib
 import email.utils
-import functools
 import heapq
 import ipaddress
 import itertools
@@ -632,12 +630,8 @@ class Fetcher:
         return scheme, host, port, path, allowed[0]
 
     # -- one URL
-    def fetch(self, url: str, gates: dict[str, _HostGate] | None = None) -> FetchResult:
-        """Fetch ``url`` with retries; never raises (failures come back with a reason).
-
-        ``gates``: per-host gates of this call (cluster-wide slots, :func:`fetch_with_slots`),
-        held on top of this fetcher's own.
-        """
+    def fetch(self, url: str) -> FetchResult:
+        """Fetch ``url`` with retries; never raises (failures come back with a reason)."""
         cfg = self.config
         result = FetchResult(url=url, status=TRANSIENT)
         try:
@@ -647,7 +641,7 @@ class Fetcher:
         for attempt in range(cfg.retries + 1):
             result.attempts = attempt + 1
             try:
-                self._attempt(url, result, gates)
+                self._attempt(url, result)
                 return result
             except _Fail as f:
                 result.status, result.reason, result.http_status = f.status, f.reason, f.http
@@ -664,13 +658,13 @@ class Fetcher:
                 return result
         return result
 
-    def _attempt(self, url: str, result: FetchResult, gates: dict | None = None) -> None:
+    def _attempt(self, url: str, result: FetchResult) -> None:
         """One attempt under one deadline (see the module docstring): armed on the watchdog."""
         attempt = _Attempt(self.config.total_timeout)
         _current.attempt = attempt
         self._watchdog.arm(attempt)
         try:
-            self._hops(url, result, attempt, gates or {})
+            self._hops(url, result, attempt)
         except _Fail as f:
             if attempt.expired and f.status != OK:  # the cut made it fail, whatever it looks like
                 raise _Fail(TRANSIENT, "timeout", f.http) from None
@@ -681,7 +675,7 @@ class Fetcher:
         if attempt.expired and result.status != OK:
             raise _Fail(TRANSIENT, "timeout")
 
-    def _hops(self, url: str, result: FetchResult, attempt: _Attempt, gates: dict) -> None:
+    def _hops(self, url: str, result: FetchResult, attempt: _Attempt) -> None:
         cfg = self.config
         u = self._urllib3
         seen: set[str] = set()
@@ -699,7 +693,7 @@ class Fetcher:
             }
             pool = self._pool(scheme, address, port, host)
             queued = time.monotonic()
-            with gates.get(host) or contextlib.nullcontext(), self._gate(host):
+            with self._gate(host):
                 attempt.deadline += (
                     time.monotonic() - queued
                 )  # waiting for a slot is no network time
@@ -809,22 +803,15 @@ class Fetcher:
         )
 
     # -- many URLs
-    def fetch_many(
-        self, urls: Sequence[str], limits: Mapping[str, int] | None = None
-    ) -> list[FetchResult]:
-        """Fetch ``urls`` on ``threads`` threads; results in input order.
+    def fetch_many(self, urls: Sequence[str]) -> list[FetchResult]:
+        """Fetch ``urls`` on ``threads`` threads; results in input order."""
+        return list(self.executor().map(self.fetch, urls))
 
-        ``limits``: at most this many requests at once to these hosts in this call (slots
-        granted by a :class:`HostSlots`), with a start rate of the same share of
-        ``per_host_rate``.
-        """
+    def executor(self) -> ThreadPoolExecutor:
+        """The fetcher's ``threads`` threads (made on first use)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.config.threads, thread_name_prefix="fetch")
-        cfg = self.config
-        gates = {
-            h: _HostGate(k, cfg.per_host_rate * k / cfg.per_host) for h, k in (limits or {}).items()
-        }
-        return list(self._executor.map(functools.partial(self.fetch, gates=gates), urls))
+        return self._executor
 
     def close(self) -> None:
         if self._executor is not None:
@@ -861,24 +848,37 @@ class HostSlots:
         self._lock = threading.Lock()
 
     def acquire(self, holder: str, wants: Mapping[str, int]) -> dict[str, int]:
-        """Slots for ``holder``: per host of ``wants`` (rows it has), at most what is free."""
+        """More slots for ``holder``: per host of ``wants``, at most what is free; returns
+        the slots granted by this call (hosts with none left out)."""
         with self._lock:
             self._expire()
             mine, _ = self._held.get(holder, ({}, 0.0))
+            granted = {}
             for host, n in wants.items():
-                free = self.per_host - self._in_use.get(host, 0)
-                take = min(free, n, self.per_host - mine.get(host, 0))
+                take = min(n, self.per_host - self._in_use.get(host, 0))
                 if take > 0:
+                    granted[host] = take
                     mine[host] = mine.get(host, 0) + take
                     self._in_use[host] = self._in_use.get(host, 0) + take
             if mine:
                 self._held[holder] = (mine, time.monotonic() + self.ttl)
-            return dict(mine)
+            return granted
 
     def renew(self, holder: str) -> None:
         with self._lock:
             if holder in self._held:
                 self._held[holder] = (self._held[holder][0], time.monotonic() + self.ttl)
+
+    def give_back(self, holder: str, host: str, n: int = 1) -> None:
+        """Return ``n`` of ``holder``'s slots for ``host`` (its rows there are done)."""
+        with self._lock:
+            mine = self._held.get(holder, ({}, 0.0))[0]
+            n = min(n, mine.get(host, 0))
+            if n > 0:
+                mine[host] -= n
+                self._in_use[host] -= n
+                if not mine[host]:
+                    del mine[host]
 
     def release(self, holder: str) -> None:
         with self._lock:
@@ -906,47 +906,88 @@ def fetch_with_slots(
 ) -> list[FetchResult]:
     """:meth:`Fetcher.fetch_many` under cluster-wide per-host slots.
 
-    ``slots`` has :class:`HostSlots`' ``acquire`` / ``renew`` / ``release`` (the
-    instance itself, or a client of the run's Ray actor). Rounds: lease what is
-    free for the hosts left, fetch those hosts' rows within the slots, give
-    the slots back; hosts with no free slot wait for a later round.
+    ``slots`` has :class:`HostSlots`' methods (the instance itself, or a client
+    of the run's Ray actor). Each slot granted for a host runs one loop on the
+    fetcher's threads that fetches that host's rows one after another (starting
+    no faster than its share of ``per_host_rate``) and gives the slot back as
+    soon as the host has no row left to start, so a slow row holds only its own
+    slot. Hosts without a free slot are asked for again while the others run;
+    no more slots are held than the fetcher has threads.
     """
+    import collections
     import uuid
 
+    cfg = fetcher.config
     holder = uuid.uuid4().hex
     results: list[FetchResult | None] = [None] * len(urls)
-    pending: dict[str, list[int]] = {}
+    pending: dict[str, collections.deque] = {}
     hostless: list[int] = []
     for i, u in enumerate(urls):
         try:
             host = (urlsplit(u).hostname or "").lower()
         except ValueError:
             host = ""
-        (pending.setdefault(host, []) if host else hostless).append(i)
+        if host:
+            pending.setdefault(host, collections.deque()).append(i)
+        else:
+            hostless.append(i)
     for i, r in zip(hostless, fetcher.fetch_many([urls[i] for i in hostless]), strict=True):
         results[i] = r  # refused before any request: no slot needed
+    lock = threading.Lock()
+    running: collections.Counter = collections.Counter()  # slot loops per host
+    interval = cfg.per_host / cfg.per_host_rate if cfg.per_host_rate > 0 else 0.0
+
+    def slot_loop(host: str) -> None:
+        try:
+            while True:
+                with lock:
+                    if not pending.get(host):
+                        break
+                    i = pending[host].popleft()
+                started = time.monotonic()
+                results[i] = fetcher.fetch(urls[i])
+                if interval:
+                    time.sleep(max(0.0, started + interval - time.monotonic()))
+        finally:
+            try:
+                slots.give_back(holder, host)
+            finally:
+                with lock:
+                    running[host] -= 1
+
     stop = threading.Event()
 
     def keep_alive() -> None:
         while not stop.wait(getattr(slots, "ttl", 60.0) / 4):
             slots.renew(holder)
 
-    alive = threading.Thread(target=keep_alive, daemon=True)
-    alive.start()
+    threading.Thread(target=keep_alive, daemon=True).start()
+    loops = []
     wait = poll
     try:
-        while pending:
-            grants = slots.acquire(holder, {h: len(ix) for h, ix in pending.items()})
-            if not grants:
-                time.sleep(wait * random.uniform(0.5, 1.5))
-                wait = min(max_poll, wait * 2)
-                continue
-            wait = poll
-            rows = [i for h in grants for i in pending.pop(h)]
-            got = fetcher.fetch_many([urls[i] for i in rows], limits=grants)
-            for i, r in zip(rows, got, strict=True):
-                results[i] = r
-            slots.release(holder)
+        while True:
+            with lock:
+                if not any(pending.values()) and not sum(running.values()):
+                    break
+                free = cfg.threads - sum(running.values())
+                wants = {}
+                for h, q in pending.items():  # rows no loop of this call will reach soon
+                    need = min(len(q) - running[h], free)
+                    if need > 0:
+                        wants[h], free = need, free - need
+            grants = slots.acquire(holder, wants) if wants else {}
+            for host, g in grants.items():  # one loop per slot, which gives it back
+                with lock:
+                    running[host] += g
+                loops += [fetcher.executor().submit(slot_loop, host) for _ in range(g)]
+            for f in [f for f in loops if f.done()]:
+                loops.remove(f)
+                if f.exception() is not None:
+                    raise f.exception()  # a bug in a loop: stop, do not wait for its rows
+            wait = poll if grants else min(max_poll, wait * 2)
+            time.sleep(wait * random.uniform(0.5, 1.5))
+        for f in loops:
+            f.result()  # a loop that raised is a bug: let it show
     finally:
         stop.set()
         slots.release(holder)
