@@ -23,6 +23,7 @@ from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import quality
 from prx_data.core import schema as S
+from prx_data.core.flags import REQUIRED, flag
 from prx_data.core.reports import JobReport
 from prx_data.core.runtime import check_engine
 from prx_data.table import lance_ops as T
@@ -32,10 +33,14 @@ from prx_data.table import lance_ops as T
 class QualityConfig:
     """One measuring run over ``table``."""
 
-    table: str
+    table: str = flag(REQUIRED, "--table", help="Lance table URI")
     column: str = quality.COLUMN
-    #: Rows per read batch.
-    chunk_rows: int = 2048
+    chunk_rows: int = flag(
+        2048,
+        "--chunk-rows",
+        type=int,
+        help="rows measured per write to the table (default: %(default)s)",
+    )
     engine: str = "auto"
     ray_address: str | None = None
     num_cpus: int | None = None

@@ -45,6 +45,7 @@ step python -m prx_data.score nsfw --table demo_out/table.lance --model demo_out
 step python -m prx_data.dedup --table demo_out/table.lance --export demo_out/export --engine local
 step python -m prx_data.semdedup --table demo_out/table.lance --engine local
 step python -m prx_data.optout --export demo_out/export --name optout-demo --ids demo_out/optout.txt
+step python -m prx_data.latents demo_out/export --vae demo_out/tiny-vae --tiers 512
 step python -m prx_data.write_mds --table demo_out/table.lance --out demo_out/export-2 --overwrite
 step python -m prx_data.adopt demo_out/plain-mds
 step python -m prx_data.verify demo_out/export --deep
@@ -55,6 +56,7 @@ run=try-$(date +%s)  # fresh run names: a finished run would only say "already f
 step python -m prx_data.train configs/train/smoke_cpu.yaml variables.run_name="$run-1"
 step composer -n 2 -m prx_data.train configs/train/smoke_cpu.yaml variables.run_name="$run-2"
 step composer -n 2 -m prx_data.train configs/train/smoke_latent_cpu.yaml variables.run_name="$run-3"
+step composer -n 2 -m prx_data.train configs/train/smoke_latent_cached_cpu.yaml variables.run_name="$run-4"
 step python -m prx_data.demo
 
 echo

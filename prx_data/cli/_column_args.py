@@ -7,10 +7,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from prx_data.cli.reporting import finish_run
+from prx_data.cli.reporting import run_job
 from prx_data.columns.backends import GenerationConfig, ModelJobConfig
 from prx_data.core.flags import add_flags, from_args
-from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.core.runtime import add_run_args
 
 
 def column_job_parser(
@@ -123,20 +123,10 @@ def run_column_job(args: argparse.Namespace, config: type[ModelJobConfig], run: 
 
     Configuration and backend errors print one line and exit 2.
     """
-    from prx_data.cli.reporting import print_error
-    from prx_data.core.errors import PrxDataError
-
-    try:
-        opts = run_options_from_args(args)
-        cfg = from_args(
-            config,
-            args,
-            generation=from_args(GenerationConfig, args),
-            backend_options=backend_options_from_args(args) if args.backend else {},
-            **opts.job_fields(),
-        )
-        report = run(cfg)
-    except PrxDataError as e:
-        print_error(e)
-        return 2
-    return finish_run(report, opts)
+    return run_job(
+        args,
+        config,
+        run,
+        generation=from_args(GenerationConfig, args),
+        backend_options=backend_options_from_args(args) if args.backend else {},
+    )

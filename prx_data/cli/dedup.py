@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish_run
-from prx_data.core.errors import PrxDataError
-from prx_data.core.flags import add_flags, from_args
-from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.cli.reporting import run_job
+from prx_data.core.flags import add_flags
+from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.dedup import DedupConfig, run_dedup
 from prx_data.skips.dedup import (
     DEFAULT_REPORT,
@@ -32,25 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     from prx_data.table.lance_ops import lance_storage_options
 
     args = build_parser().parse_args(argv)
-    try:
-        opts = run_options_from_args(args)
-    except PrxDataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cfg = from_args(
-        DedupConfig,
+    return run_job(
         args,
+        DedupConfig,
+        run_dedup,
+        footer=lambda cfg: f"report: {cfg.report}" if cfg.report else None,
         report=args.report or None,
-        **opts.job_fields(),
         storage_options=lance_storage_options(args.table),
     )
-    try:
-        report = run_dedup(cfg)
-    except PrxDataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    footer = f"report: {cfg.report}" if cfg.report else None
-    return finish_run(report, opts, footer=footer)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,9 @@ import argparse
 import json
 import sys
 
-from prx_data.cli.reporting import finish_run
-from prx_data.core.errors import PrxDataError
-from prx_data.core.flags import add_flags, from_args
-from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.cli.reporting import run_job
+from prx_data.core.flags import add_flags
+from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.ingest import IngestConfig, IngestReport, ingest, run_ingest
 
 __all__ = ["IngestReport", "ingest", "main"]
@@ -40,17 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        opts = run_options_from_args(args)
-        report = run_ingest(from_args(IngestConfig, args, **opts.job_fields()))
-    except PrxDataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return finish_run(
-        report,
-        opts,
-        text=json.dumps(report.to_dict(), indent=2) if args.json else None,
-    )
+    as_json = (lambda report: json.dumps(report.to_dict(), indent=2)) if args.json else None
+    return run_job(args, IngestConfig, run_ingest, text=as_json)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish_run
-from prx_data.core.errors import PrxDataError
-from prx_data.core.flags import add_flags, from_args
-from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.cli.reporting import run_job
+from prx_data.core.flags import add_flags
+from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.latents import LatentsConfig, run_latents
 
 
@@ -27,15 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        opts = run_options_from_args(args)
-        cfg = from_args(LatentsConfig, args, **opts.job_fields())
-        report = run_latents(cfg)
-    except PrxDataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return finish_run(report, opts, footer=f"record: {cfg.out}/_latents/record.json")
+    return run_job(
+        build_parser().parse_args(argv),
+        LatentsConfig,
+        run_latents,
+        footer=lambda cfg: f"record: {cfg.out}/_latents/record.json",
+    )
 
 
 if __name__ == "__main__":

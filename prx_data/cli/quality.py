@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish_run, print_error
+from prx_data.cli.reporting import run_job
 from prx_data.core import quality
-from prx_data.core.errors import PrxDataError
-from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.core.flags import add_flags
+from prx_data.core.runtime import add_run_args
+from prx_data.pipelines.quality import QualityConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,30 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
         "value are measured. Blank images (such as transparent overlays that export as pure "
         "white) then show in stats and the explorer and can go to a 'blank' skip list.",
     )
-    p.add_argument("--table", required=True, help="Lance table URI")
-    p.add_argument(
-        "--chunk-rows",
-        type=int,
-        default=2048,
-        help="rows measured per write to the table (default: %(default)s)",
-    )
+    add_flags(p, QualityConfig)
     add_run_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from prx_data.pipelines.quality import QualityConfig, run_quality
+    from prx_data.pipelines.quality import run_quality
 
-    try:
-        opts = run_options_from_args(args)
-        report = run_quality(
-            QualityConfig(table=args.table, chunk_rows=args.chunk_rows, **opts.job_fields())
-        )
-    except PrxDataError as e:
-        print_error(e)
-        return 2
-    return finish_run(report, opts)
+    return run_job(build_parser().parse_args(argv), QualityConfig, run_quality)
 
 
 if __name__ == "__main__":

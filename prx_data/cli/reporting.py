@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -47,6 +48,39 @@ def finish(
         print(f"error: {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_job(
+    args: Any,
+    config: type,
+    run: Callable[[Any], Any],
+    *,
+    footer: Callable[[Any], str | None] | None = None,
+    text: Callable[[Any], str | None] | None = None,
+    **overrides: Any,
+) -> int:
+    """A thin CLI's ``main`` after parsing: ``config`` from its flags
+    (:func:`prx_data.core.flags.from_args`, with the run options and ``overrides``),
+    ``run(cfg)``, then :func:`finish_run` (``footer(cfg)`` and ``text(report)`` when
+    given). A configuration or job error is one line, exit status 2.
+    """
+    from prx_data.core.errors import PrxDataError
+    from prx_data.core.flags import from_args
+    from prx_data.core.runtime import run_options_from_args
+
+    try:
+        opts = run_options_from_args(args)
+        cfg = from_args(config, args, **opts.job_fields(), **overrides)
+        report = run(cfg)
+    except PrxDataError as e:
+        print_error(e)
+        return 2
+    return finish_run(
+        report,
+        opts,
+        footer=footer(cfg) if footer else None,
+        text=text(report) if text else None,
+    )
 
 
 def finish_run(report: Any, opts: Any, **kwargs: Any) -> int:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish_run, print_error
-from prx_data.core.errors import PrxDataError
-from prx_data.core.flags import add_flags, from_args
-from prx_data.core.runtime import add_run_args, run_options_from_args
+from prx_data.cli.reporting import run_job
+from prx_data.core.flags import add_flags
+from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.semdedup import SemDedupConfig
 
 
@@ -28,17 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     from prx_data.pipelines.semdedup import run_semdedup
 
-    try:
-        opts = run_options_from_args(args)
-        cfg = from_args(SemDedupConfig, args, **opts.job_fields())
-        report = run_semdedup(cfg)
-    except PrxDataError as e:
-        print_error(e)
-        return 2
-    return finish_run(report, opts)
+    return run_job(build_parser().parse_args(argv), SemDedupConfig, run_semdedup)
 
 
 if __name__ == "__main__":
