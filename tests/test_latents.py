@@ -446,3 +446,28 @@ def test_a_second_run_is_refused_while_one_holds_the_latents_lease(tmp_path, vae
     from prx_data.export.verify import verify_export
 
     assert verify_export(root, deep=True).ok  # the lock file is the job's own
+
+
+def test_write_mds_latents_exports_then_stores_the_latents(tmp_path, vae):
+    """``write_mds --latents VAE``: one command from a table to an export whose every
+    shard has its latents (a second latents run finds nothing to do)."""
+    import io
+
+    from prx_data.cli.write_mds import main
+    from prx_data.core.sample_data import photo_like
+    from tests.tablekit import make_table
+
+    def jpeg(seed: int) -> bytes:
+        buf = io.BytesIO()
+        photo_like(512, 384, seed)[0].save(buf, "JPEG", quality=90)
+        return buf.getvalue()
+
+    table = str(tmp_path / "t.lance")
+    make_table(table, [(f"s/{i}", jpeg(i), f"caption {i}") for i in range(6)])
+    out = str(tmp_path / "out")
+    argv = ["--table", table, "--out", out, "--latents", vae, "--no-progress", "--engine", "local"]
+    assert main(argv) == 0
+    assert L.require_record(out)["vae"]["name_or_path"] == vae
+    again = run_latents(_job(out, vae))
+    assert again.shards > 0 and again.skipped_shards == again.shards
+    assert again.encoded_shards == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish_run
+from prx_data.cli.reporting import finish, finish_run
 from prx_data.core.errors import PrxDataError
 from prx_data.core.flags import add_flags, from_args
 from prx_data.core.runtime import add_run_args, run_options_from_args
@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         "exported on threads of this process, without starting Ray; same units and bytes. "
         "Never when a cluster is given (--ray-address, $RAY_ADDRESS). 0: always Ray.",
     )
+    p.add_argument(
+        "--latents",
+        metavar="VAE",
+        default=None,
+        help="Then store every shard's VAE latents beside it (python -m prx_data.latents OUT "
+        "--vae VAE, its defaults: float16, every tier; that job's own flags choose others), so "
+        "a latent-space run with vae.source: precomputed never runs the encoder.",
+    )
     add_run_args(p)
     return p
 
@@ -118,7 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return finish_run(report, opts, footer=f"\nreport: {report.report_path}")
+    status = finish_run(report, opts, footer=f"\nreport: {report.report_path}")
+    if status or not args.latents:
+        return status
+    from prx_data.pipelines.latents import LatentsConfig, run_latents
+
+    try:
+        latents = run_latents(LatentsConfig(out=cfg.out, vae=args.latents, **opts.job_fields()))
+    except PrxDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print()
+    return finish(latents, max_error_rate=opts.max_error_rate)
 
 
 if __name__ == "__main__":
