@@ -418,6 +418,9 @@ def test_tiers_encodes_only_those_and_keeps_the_others(tmp_path, vae):
     first = run_latents(_job(root, vae, tiers=(512,)))
     assert (first.shards, first.encoded_shards) == (1, 1)
     assert len(_dataset(root)) > 0  # a 512 run needs only the 512 tier
+    from prx_data.export.verify import verify_export
+
+    assert verify_export(root, deep=True).ok  # a tier not asked for is not a problem
     rest = run_latents(_job(root, vae))
     assert (rest.shards, rest.encoded_shards, rest.skipped_shards) == (2, 1, 1)
     again = run_latents(_job(root, vae, tiers=(1024,)))

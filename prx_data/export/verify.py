@@ -16,9 +16,9 @@ the first, so one run tells a user everything that is wrong:
 * no part directory or file sits in a bucket without being in its index;
 * every sidecar belongs to a shard of the index, and its content is checked by
   ``check_sidecar`` (the skip-list parser lives a layer above: the CLI passes it in);
-* precomputed latents (``_latents/``, when there are any): every shard of the
-  index has a ``.npy`` made from its current data with the size the record
-  names (``deep``: its xxh64 too), and nothing else lies there;
+* precomputed latents (``_latents/``, when there are any): every shard of a
+  tier with latents has a ``.npy`` made from its current data with the size the
+  record names (``deep``: its xxh64 too), and nothing else lies there;
 * the list store ``_lists/`` holds only list files (``<name>.parquet`` with
   sorted, unique string ids), its registry reference and its lock;
 * nothing in a local tree is a symbolic link, FIFO, device or socket, and every
@@ -214,7 +214,10 @@ def _verify_latents(
         return
     shards = record.get("shards") or {}
     expected = {L.RECORD_NAME, L.LOCK_NAME}
+    encoded = {key.split("/", 1)[0] for key in shards}  # tiers the job was asked for
     for bucket in buckets:
+        if bucket.split("/", 1)[0] not in encoded:  # another tier: its runs encode in step
+            continue
         try:
             index = read_index(root, bucket)
         except Exception:  # noqa: BLE001 - the bucket check above reported it
