@@ -20,6 +20,7 @@ VAE is refused unless ``replace``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -342,6 +343,14 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
                 done = dict(previous.get("shards") or {})
         keys = {u["key"] for u in every}
         shards = {k: v for k, v in done.items() if k in keys}
+        # Latents this job wrote for shards the export no longer has (an --overwrite export
+        # made new parts): removed, then dropped from the record.
+        gone = [k for k in (previous or {}).get("shards") or {} if k not in keys]
+        for key in gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(L.npy_path(cfg.out, key))
+        if gone:
+            L.write_record(cfg.out, identity, cfg.dtype, shards)
         for u in units:
             if u["key"] in shards:
                 u["expect"] = shards[u["key"]]

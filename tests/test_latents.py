@@ -474,3 +474,25 @@ def test_write_mds_latents_exports_then_stores_the_latents(tmp_path, vae):
     again = run_latents(_job(out, vae))
     assert again.shards > 0 and again.skipped_shards == again.shards
     assert again.encoded_shards == 0
+
+
+def test_latents_of_shards_an_overwrite_replaced_are_removed_by_the_next_run(tmp_path, vae):
+    """The job's own files for parts the export no longer has go (they are in its record);
+    the export's other files and a file it never wrote stay."""
+    from prx_data.export.verify import verify_export
+
+    root = str(tmp_path / "tree")
+    make_sample_export(root, {"512/1.000": 3})
+    run_latents(_job(root, vae))
+    old = [Path(L.npy_path(root, k)) for k in L.read_record(root)["shards"]]
+    record = L.read_record(root)
+    ghost = "512/1.000/p999999-f000000-000000000/shard.00000"  # a part since replaced
+    record["shards"][ghost] = next(iter(record["shards"].values()))
+    Path(L.npy_path(root, ghost)).parent.mkdir(parents=True)
+    Path(L.npy_path(root, ghost)).write_bytes(old[0].read_bytes())
+    L.write_record(root, record["vae"], record["dtype"], record["shards"])
+    assert not verify_export(root).ok
+    again = run_latents(_job(root, vae))
+    assert again.skipped_shards == again.shards == len(old)
+    assert not Path(L.npy_path(root, ghost)).exists() and all(p.exists() for p in old)
+    assert ghost not in L.read_record(root)["shards"] and verify_export(root, deep=True).ok
