@@ -559,7 +559,7 @@ def fetch_batch(
         import ray
 
         duplicates = ray.get(duplicates)
-    is_dup = np.isin(addrs, duplicates) if len(duplicates) else np.zeros(len(addrs), bool)
+    is_dup = _among(addrs, duplicates)
     urls = batch[url].to_pylist()
     todo = [i for i in range(len(urls)) if not is_dup[i]]
     fetcher, todo_urls = _fetcher(fetch), [urls[i] for i in todo]
@@ -647,6 +647,15 @@ class _ActorSlots:
         ray.get(self.actor.release.remote(holder))
 
 
+def _among(addrs: np.ndarray, sorted_addrs: np.ndarray) -> np.ndarray:
+    """Which of ``addrs`` are in ``sorted_addrs``: a binary search per row, so a batch
+    costs O(batch x log duplicates), not a pass over every duplicate of the run."""
+    if not len(sorted_addrs):
+        return np.zeros(len(addrs), bool)
+    at = np.minimum(np.searchsorted(sorted_addrs, addrs), len(sorted_addrs) - 1)
+    return sorted_addrs[at] == addrs
+
+
 _SCHEMAS: dict[tuple[str, int], pa.Schema] = {}
 
 
@@ -691,7 +700,9 @@ def stage_rows(
         )
         staged[0] = json.dumps([fragment_text(m) for m in new])
         written[0] = sum(f.file_size_bytes or 0 for m in new for f in m.data_files())
-    keep = batch.select([ROWADDR, STATUS, ERROR, _HOST, _RECEIVED, _FETCHED])
+    # The fetch step's bookkeeping, when the rows come from it (filled duplicates do not).
+    extra = [c for c in (_HOST, _RECEIVED, _FETCHED) if c in batch.column_names]
+    keep = batch.select([ROWADDR, STATUS, ERROR, *extra])
     keep = keep.append_column(_IMAGE_LEN, pc.binary_length(batch[S.IMAGE]).cast(pa.int64()))
     keep = keep.append_column(_STAGED, pa.array(staged, pa.string()))
     return keep.append_column(_WRITTEN, pa.array(written, pa.int64()))
@@ -884,10 +895,7 @@ def fill_rows(
         rows = rows.set_column(i, name, src[name].cast(rows.schema.field(name).type))
     if hashes is not None:
         rows = _recheck_hashes(rows, hashes)
-    n = rows.num_rows
     rows = rows.append_column(ROWADDR, addrs)
-    for name, typ in ((_HOST, pa.string()), (_RECEIVED, pa.int64()), (_FETCHED, pa.bool_())):
-        rows = rows.append_column(name, pa.nulls(n, typ))
     staged = stage_rows(rows, table=table, version=version, storage_options=storage_options)
     return staged.select([ROWADDR, STATUS, ERROR, _STAGED, _WRITTEN])
 

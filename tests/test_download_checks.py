@@ -179,3 +179,14 @@ def test_duplicate_sources_pair_each_duplicate_with_an_ok_row_first_spilled_or_n
     assert list(zip(rows.tolist(), sources.tolist(), strict=True)) == want and len(want) > 100
     spilled = D.duplicate_sources(ds, "url", partition_rows=150)
     assert spilled[0].tolist() == rows.tolist() and spilled[1].tolist() == sources.tolist()
+
+
+def test_duplicate_lookup_by_binary_search_agrees_with_set_membership():
+    import numpy as np
+    from prx_data.pipelines.download import _among
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        dups = np.unique(rng.integers(0, 500, rng.integers(0, 60))).astype(np.uint64)
+        addrs = rng.integers(0, 500, 40).astype(np.uint64)
+        assert _among(addrs, dups).tolist() == np.isin(addrs, dups).tolist()
