@@ -7,17 +7,22 @@ re-encodes). It is built on first use under ``build/photo_corpus``.
 Four parts (``--only step,frontier,pipeline,startup``; all by default):
 
   step      the per-image step of ``write_mds`` (``imaging.prepare_with``, bytes
-            in memory, one core) against an img2dataset-style loop with
-            img2dataset's own defaults: OpenCV full decode, INTER_AREA to
-            shrink (INTER_LANCZOS4 to enlarge), cover to the bucket shape,
-            integer centre crop, ``imencode`` q92.
-            Target: step >= 1.0x img2dataset at equal or better fidelity.
+            in memory, one core) against three anchors: an img2dataset-style
+            loop with img2dataset's own defaults (OpenCV full decode, INTER_AREA
+            to shrink, INTER_LANCZOS4 to enlarge, cover to the bucket shape,
+            integer centre crop, ``imencode`` q92), libvips ``thumbnail``
+            (``--codec vips``) and the plain Pillow loop (full decode, Lanczos);
+            and ``--codec pillow``. Target: step >= 1.0x the fastest anchor at
+            equal or better worst-case fidelity.
   frontier  speed and fidelity of the resize/encode paths the project could
             use (draft + libvips' Lanczos3 reduce over the exact box, the
             default; Pillow draft + Lanczos; other Pillow filters with the same
             exact crop box, larger/smaller draft margins, libvips ``thumbnail``).
   pipeline  ``write_mds`` end to end (Lance -> Ray Data -> MDS) on 1 and on 2
-            Ray CPUs against the plain loop of its own per-image step.
+            Ray CPUs against the plain loop of its own per-image step. Each export
+            runs twice on its Ray: the second (warm: the same worker processes)
+            gives the ratios; the first (cold: workers starting and importing the
+            export stack, a fixed cost per job, see ``startup``) is reported too.
             Targets: 1 CPU >= 0.9x the loop; 2 CPUs >= 1.8x 1 CPU.
   startup   a job's fixed cost: ``python -m prx_data.write_mds`` of a 4-photo
             table against a bare Ray Data job of the same size (``ray.init``
@@ -178,7 +183,20 @@ def step_before(data: bytes, bw: int, bh: int, size: tuple[int, int]):
     return imaging.prepare_with("pillow", data, bw, bh, src_size=size).data, None
 
 
-STEP = {"img2dataset": img2dataset_style, "step": step, "pillow (before)": step_before}
+def pillow_full(data: bytes, bw: int, bh: int, size: tuple[int, int]):
+    """Pillow full decode (no draft) and Lanczos over the exact box: the plain Pillow loop."""
+    return imaging.prepare_with("pillow", data, bw, bh, src_size=size, use_draft=False).data, None
+
+
+#: The default against the three anchors (img2dataset's loop, libvips ``thumbnail``, the plain
+#: Pillow loop) and ``--codec pillow``.
+STEP = {
+    "img2dataset": img2dataset_style,
+    "step": step,
+    "vips thumbnail": vips,
+    "pillow full decode": pillow_full,
+    "pillow (before)": step_before,
+}
 FRONTIER = {
     "img2dataset (OpenCV full decode, INTER_AREA, integer crop)": img2dataset_style,
     "Pillow draft 1.5x + Lanczos (before)": pillow_before,
@@ -353,9 +371,10 @@ def export_once(table: str, workdir: str, tag: str, tiers: tuple[int, ...], **cf
     return {"samples": report.samples_written, "units": report.units, "seconds": wall}
 
 
-def pipeline(
-    table: str, warm: str, workdir: str, work: list, tiers: tuple[int, ...], rounds: int
-) -> dict:
+def pipeline(table: str, workdir: str, work: list, tiers: tuple[int, ...], rounds: int) -> dict:
+    """``write_mds`` of ``table`` on a fresh 1- and 2-CPU Ray, twice each: the first export
+    (cold: its Ray workers start and import the export stack) and the second (warm: the
+    same workers, the steady state of a long export), against the plain per-image loop."""
     import ray
 
     from prx_data.core.runtime import ensure_ray
@@ -373,34 +392,50 @@ def pipeline(
             if ray.is_initialized():
                 ray.shutdown()
             ensure_ray(num_cpus=who)
-            # Warm-up on a 2-row table: worker processes started, codec stack imported.
-            export_once(warm, workdir, f"warm{who}", tiers)
+            cold = export_once(table, workdir, f"{who}cpu-cold-{r}", tiers)
             e = export_once(table, workdir, f"{who}cpu-{r}", tiers)
-            res[f"{who}cpu"] = {"img_s": e["samples"] / e["seconds"], **e}
+            res[f"{who}cpu"] = {
+                "img_s": e["samples"] / e["seconds"],
+                "cold_img_s": cold["samples"] / cold["seconds"],
+                "cold_seconds": cold["seconds"],
+                **e,
+            }
         ray.shutdown()
         per_round.append(res)
         print(
             f"  round {r + 1}: loop {res['loop']['img_s']:.2f} img/s, "
-            f"1 cpu {res['1cpu']['img_s']:.2f} ({res['1cpu']['units']} units), "
-            f"2 cpu {res['2cpu']['img_s']:.2f} ({res['2cpu']['units']} units)",
+            f"1 cpu {res['1cpu']['img_s']:.2f} (cold {res['1cpu']['cold_img_s']:.2f}, "
+            f"{res['1cpu']['units']} units), 2 cpu {res['2cpu']['img_s']:.2f} "
+            f"(cold {res['2cpu']['cold_img_s']:.2f}, {res['2cpu']['units']} units)",
             file=sys.stderr,
         )
-    one_vs_loop = [pr["1cpu"]["img_s"] / pr["loop"]["img_s"] for pr in per_round]
-    two_vs_one = [pr["2cpu"]["img_s"] / pr["1cpu"]["img_s"] for pr in per_round]
+
+    def med(f) -> float:
+        return round(statistics.median(f(pr) for pr in per_round), 3)
+
+    def ratios(f) -> list[float]:
+        return [round(f(pr), 3) for pr in per_round]
+
     return {
         "images": len(work),
         "rounds": rounds,
-        "loop_img_per_s": round(statistics.median(pr["loop"]["img_s"] for pr in per_round), 2),
-        "write_mds_1cpu_img_per_s": round(
-            statistics.median(pr["1cpu"]["img_s"] for pr in per_round), 2
+        "loop_img_per_s": med(lambda pr: pr["loop"]["img_s"]),
+        "write_mds_1cpu_img_per_s": med(lambda pr: pr["1cpu"]["img_s"]),
+        "write_mds_2cpu_img_per_s": med(lambda pr: pr["2cpu"]["img_s"]),
+        "ratio_1cpu_vs_loop": med(lambda pr: pr["1cpu"]["img_s"] / pr["loop"]["img_s"]),
+        "ratio_2cpu_vs_1cpu": med(lambda pr: pr["2cpu"]["img_s"] / pr["1cpu"]["img_s"]),
+        "cold_ratio_1cpu_vs_loop": med(lambda pr: pr["1cpu"]["cold_img_s"] / pr["loop"]["img_s"]),
+        "cold_ratio_2cpu_vs_1cpu": med(
+            lambda pr: pr["2cpu"]["cold_img_s"] / pr["1cpu"]["cold_img_s"]
         ),
-        "write_mds_2cpu_img_per_s": round(
-            statistics.median(pr["2cpu"]["img_s"] for pr in per_round), 2
+        "ratio_1cpu_vs_loop_per_round": ratios(
+            lambda pr: pr["1cpu"]["img_s"] / pr["loop"]["img_s"]
         ),
-        "ratio_1cpu_vs_loop": round(statistics.median(one_vs_loop), 3),
-        "ratio_2cpu_vs_1cpu": round(statistics.median(two_vs_one), 3),
-        "ratio_1cpu_vs_loop_per_round": [round(x, 3) for x in one_vs_loop],
-        "ratio_2cpu_vs_1cpu_per_round": [round(x, 3) for x in two_vs_one],
+        "ratio_2cpu_vs_1cpu_per_round": ratios(
+            lambda pr: pr["2cpu"]["img_s"] / pr["1cpu"]["img_s"]
+        ),
+        "cold_seconds": {k: med(lambda pr, k=k: pr[k]["cold_seconds"]) for k in ("1cpu", "2cpu")},
+        "warm_seconds": {k: med(lambda pr, k=k: pr[k]["seconds"]) for k in ("1cpu", "2cpu")},
         "units": {k: per_round[0][k]["units"] for k in ("1cpu", "2cpu")},
     }
 
@@ -539,10 +574,9 @@ def main(argv: list[str] | None = None) -> int:
 
         workdir = tempfile.mkdtemp(prefix="bench_export_")
         try:
-            table, warm = os.path.join(workdir, "t.lance"), os.path.join(workdir, "warm.lance")
+            table = os.path.join(workdir, "t.lance")
             make_table(table, rows, max_rows_per_file=1024)
-            make_table(warm, [(w[0], w[1], "warm") for w in work[:2]])
-            res["pipeline"] = pipeline(table, warm, workdir, work, tiers, args.rounds)
+            res["pipeline"] = pipeline(table, workdir, work, tiers, args.rounds)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         print(json.dumps(res["pipeline"], indent=1), file=sys.stderr)

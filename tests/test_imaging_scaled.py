@@ -14,6 +14,7 @@ from prx_data.core.imaging import (
     cover_resize,
     decode,
     decode_scaled,
+    decode_scaled_array,
     draft_size,
     prepare,
     prepare_with,
@@ -64,6 +65,65 @@ def test_jpeg_draft_reports_its_factor():
     data = _save(photo_like(1001, 757, 6)[0], "JPEG", quality=95)
     im, k = decode_scaled(data, draft_to=draft_size(1001, 757, 240, 180))
     assert k == 2 and im.size == (501, 379)
+
+
+def _pillow_draft(data: bytes, draft_to: tuple[int, int] | None) -> np.ndarray:
+    im = Image.open(io.BytesIO(data))
+    if draft_to is not None:
+        im.draft("RGB", draft_to)
+    im.load()
+    return np.asarray(im)
+
+
+@pytest.mark.parametrize(
+    "draft_to,k",
+    [(None, 1), ((2000, 2000), 1), ((480, 370), 2), ((240, 180), 4), ((120, 90), 8)],
+)
+@pytest.mark.parametrize("size", [(1001, 757), (1024, 768)])
+def test_jpeg_array_decode_is_pillows_draft(size, draft_to, k):
+    """The array decode (OpenCV's libjpeg) gives Pillow's pixels at Pillow's draft scale."""
+    data = _save(photo_like(*size, 7)[0], "JPEG", quality=92)
+    arr, got_k = decode_scaled_array(data, draft_to=draft_to)
+    assert got_k == k
+    assert arr.shape == (-(-size[1] // k), -(-size[0] // k), 3) and arr.dtype == np.uint8
+    assert np.array_equal(arr, _pillow_draft(data, draft_to))
+
+
+def test_jpeg_array_decode_keeps_pillows_path_where_it_must():
+    """A rotated, a grey, a CMYK JPEG and one with bytes after its end marker: Pillow's pixels."""
+    src = photo_like(640, 480, 8)[0]
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees
+    rotated = _save(src, "JPEG", quality=92, exif=exif.tobytes())
+    arr, _ = decode_scaled_array(rotated)
+    assert arr.shape == (640, 480, 3)
+    assert np.array_equal(arr, np.asarray(decode(rotated)))
+    for data in (
+        _save(src.convert("L"), "JPEG", quality=92),
+        _save(src.convert("CMYK"), "JPEG", quality=92),
+        _save(src, "JPEG", quality=92) + b"\0" * 16,
+    ):
+        arr, _ = decode_scaled_array(data)
+        assert np.array_equal(arr, np.asarray(decode(data)))
+
+
+def test_truncated_jpeg_is_refused_by_the_array_decode():
+    """A JPEG cut short never becomes grey-filled pixels: the usual ``truncated`` error."""
+    from prx_data.core.imaging import ImageError
+
+    data = _save(photo_like(800, 600, 2)[0], "JPEG", quality=92)
+    for cut in (len(data) // 2, len(data) - 2, len(data) - 1):
+        with pytest.raises(ImageError) as e:
+            decode_scaled_array(data[:cut])
+        assert e.value.reason == "truncated"
+
+
+def test_enlarging_reduce_codec_is_pillows_lanczos():
+    """``vips-reduce`` hands enlargements to Pillow's Lanczos: the same bytes as ``pillow``."""
+    data = _save(photo_like(900, 700, 9)[0], "JPEG", quality=92)
+    a = prepare_with("vips-reduce", data, 1024, 768)
+    b = prepare_with("pillow", data, 1024, 768)
+    assert a.data == b.data and a.crop_box == b.crop_box
 
 
 def _lines(width: int, height: int, xs: list[int]) -> bytes:
