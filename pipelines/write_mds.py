@@ -25,8 +25,8 @@ job does not start Ray at all: under ``engine="auto"`` a table of at most
 ``driver_rows`` rows (:data:`DRIVER_UNIT_ROWS`) runs its work units and packs
 on threads of the driver, one per CPU a private local Ray would have
 (:func:`prx_data.core.runtime.place` decides, starting nothing). The units,
-parts and bytes are those of the Ray path. A job given a cluster, or one run
-where Ray is already up, takes the Ray path whatever its size.
+parts and bytes are those of the Ray path, even when a Ray already runs in
+the process; a job given a cluster takes the Ray path whatever its size.
 """
 
 from __future__ import annotations
