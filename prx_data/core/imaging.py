@@ -182,12 +182,17 @@ def _decode_still_webp(
         return None
     if rgb is None:
         arr = cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
-    k = 1
-    if draft_to is not None:
-        k = max(1, min(size[0] // max(1, draft_to[0]), size[1] // max(1, draft_to[1])))
-        if k > 1:
-            arr = _box_reduce(arr, k)
+    k = _whole_factor(size, draft_to)
+    if k > 1:
+        arr = _box_reduce(arr, k)
     return arr, k
+
+
+def _whole_factor(size: tuple[int, int], draft_to: tuple[int, int] | None) -> int:
+    """The largest whole factor that keeps ``size`` at least ``draft_to`` (1 without one)."""
+    if draft_to is None:
+        return 1
+    return max(1, min(size[0] // max(1, draft_to[0]), size[1] // max(1, draft_to[1])))
 
 
 _JPEG_EOI = b"\xff\xd9"
@@ -200,11 +205,12 @@ def _decode_jpeg_array(
 
     The pixels are Pillow's at every draft scale (both are libjpeg-turbo with the
     same IDCT and upsampling; checked equal on the benchmark corpus at 1, 1/2
-    and 1/4, and by ``tests/test_imaging.py``); the draft scale is the one
+    and 1/4, and by ``tests/test_imaging_scaled.py``); the draft scale is the one
     Pillow's ``draft`` picks. It skips the copy from Pillow's RGBX storage into
     numpy. A file without its end-of-image marker, or one OpenCV refuses, goes
-    to Pillow, which decodes or raises the usual :class:`ImageError` (OpenCV
-    could fill a truncated scan with grey where Pillow refuses).
+    to Pillow, which decodes or raises the usual :class:`ImageError`. (OpenCV 5
+    refuses every truncation tried; the marker check keeps a release that fills a
+    cut scan with grey from passing it as an image.)
     """
     try:
         import cv2
@@ -213,10 +219,8 @@ def _decode_jpeg_array(
     rgb = getattr(cv2, "IMREAD_COLOR_RGB", None)  # OpenCV >= 4.11
     if rgb is None or len(im.tile) != 1 or not data.endswith(_JPEG_EOI):
         return None
-    k = 1
-    if draft_to is not None:  # JpegImageFile.draft's choice
-        scale = min(im.size[0] // max(1, draft_to[0]), im.size[1] // max(1, draft_to[1]))
-        k = next((s for s in (8, 4, 2) if scale >= s), 1)
+    scale = _whole_factor(im.size, draft_to)
+    k = next(s for s in (8, 4, 2, 1) if scale >= s)  # JpegImageFile.draft's choice
     # libjpeg's DCT-domain scales; the reduced "grayscale" bit pattern ORed with RGB.
     reduced = {
         2: cv2.IMREAD_REDUCED_GRAYSCALE_2,
