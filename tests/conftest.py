@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import weakref
 
@@ -89,6 +90,40 @@ def ray_local():
     ensure_ray(num_cpus=2, object_store_memory=256 * 1024 * 1024)
     yield ray
     ray.shutdown()
+
+
+#: A line Ray's log monitor forwards to the driver's stderr from another process:
+#: ``(raylet) ...``, ``(MapWorker(...) pid=12, ip=...) ...``, ``(autoscaler +3s) ...``,
+#: coloured with ANSI codes. It arrives on its own thread at any moment, e.g. the
+#: raylet's "disk is over 95% full" warning on a full CI disk.
+_RAY_FORWARDED = re.compile(
+    r"^(?:\x1b\[[0-9;]*m)*\((?:raylet|autoscaler\b[^)]*|[^\n]*?\bpid=\d+[^)\n]*)\)"
+)
+
+
+class _OwnStderr:
+    """``capsys`` whose ``err`` leaves out the lines Ray forwards from other processes.
+
+    Tests assert what our own code printed ("one line that says what to do");
+    the session's Ray runtime prints asynchronously into the same stream.
+    """
+
+    def __init__(self, capsys):
+        self._capsys = capsys
+
+    def readouterr(self):
+        res = self._capsys.readouterr()
+        kept = [ln for ln in res.err.splitlines(keepends=True) if not _RAY_FORWARDED.match(ln)]
+        return res._replace(err="".join(kept))
+
+    def __getattr__(self, name):
+        return getattr(self._capsys, name)
+
+
+@pytest.fixture
+def capsys(capsys):
+    """Pytest's ``capsys`` with Ray's forwarded log lines taken out of ``err``."""
+    return _OwnStderr(capsys)
 
 
 _STREAMING_SHM: weakref.WeakSet = weakref.WeakSet()
