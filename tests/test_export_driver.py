@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 
 import lance
@@ -249,3 +250,49 @@ def test_driver_threads_export_to_object_storage(
     assert report.units >= 4 and report.samples_written == len(SHAPES)
     assert is_complete(out)
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
+
+
+@pytest.mark.ray
+def test_a_ray_export_imports_the_pack_writer_here_while_its_units_run(
+    table, tmp_path, ray_local, monkeypatch
+):
+    """The packs of a small Ray export run on this process's threads; streaming's writer
+    (seconds of torch and transformers imports) is loaded while the units run, not after."""
+    events = []
+
+    def spy_import(load):
+        events.append(("import", load.__name__))
+        return threading.Thread(target=lambda: None)
+
+    def spy_map(fn, units, where, *a, **k):
+        events.append(("map", type(fn).__name__, where.on_ray))
+        return runtime.map_units(fn, units, where, *a, **k)
+
+    monkeypatch.setattr(pipeline, "import_in_background", spy_import)
+    monkeypatch.setattr(pipeline, "map_units", spy_map)
+    cfg = ExportConfig(table=table, out=str(tmp_path / "ray"), tiers=(512,), min_units=2)
+    pipeline.run_export(cfg, progress=False, driver_rows=0)
+    assert events[:2] == [("import", "load_mds_writer"), ("map", "_ExportTask", True)]
+    events.clear()  # on driver threads the writer is imported before the units, in the foreground
+    cfg = ExportConfig(table=table, out=str(tmp_path / "here"), tiers=(512,), min_units=2)
+    pipeline.run_export(cfg, progress=False, num_cpus=2)
+    assert events[0] == ("map", "_ExportTask", False)
+    assert ("import", "load_mds_writer") not in events
+
+
+def test_import_in_background_runs_elsewhere_and_leaves_a_failure_to_the_caller():
+    seen = []
+    pipeline.import_in_background(lambda: seen.append(threading.get_ident())).join(5)
+    assert seen and seen[0] != threading.get_ident()
+
+    def broken():
+        raise ImportError("no module named streaming")
+
+    hooked = []
+    old, threading.excepthook = threading.excepthook, hooked.append
+    try:
+        t = pipeline.import_in_background(broken)
+        t.join(5)
+    finally:
+        threading.excepthook = old
+    assert not t.is_alive() and hooked == []  # no thread traceback; the foreground import raises
