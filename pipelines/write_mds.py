@@ -32,10 +32,9 @@ the process; a job given a cluster takes the Ray path whatever its size.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 
 from prx_data.core import storage
@@ -52,6 +51,7 @@ from prx_data.export.lock import ExportLock
 from prx_data.export.merge import ExportReport, done_parts, finalize
 from prx_data.export.naming import ExportError
 from prx_data.export.pack import Pack, done_packs, plan_packs, write_pack
+from prx_data.export.pack import preload_writer as preload_pack_writer
 from prx_data.export.prepare import (
     check_out_location,
     open_table,
@@ -301,12 +301,13 @@ class ExportSink:
         results: dict[str, UnitResult] = dict(self.finished)
         if todo:
             if not self.where.on_ray:
-                load_mds_writer()  # imported here, once, rather than by several threads at a time
+                from prx_data.core.streaming_compat import mds_writer
+
+                mds_writer()  # imported here, once, rather than by several threads at a time
             elif self.cfg.shard_size > 0:
-                # An export whose shards fit DRIVER_PACK_BYTES is packed on this process's
-                # threads, with streaming's writer: importing it (torch) takes seconds, spent
-                # while the units run on Ray rather than between them and the packs.
-                import_in_background(load_mds_writer)
+                # Packs that fit DRIVER_PACK_BYTES run on this process's threads; their
+                # writer (torch) loads while the units run on Ray, not between units and packs.
+                preload_pack_writer()
             totals = ProgressTotals.of(results.values())
             done = map_units(
                 _ExportTask(self.cfg),
@@ -365,28 +366,6 @@ class ExportSink:
         out = self.cfg.out
         if self.created and os.path.isdir(out) and not os.listdir(out):
             os.rmdir(out)  # a refused run leaves no trace
-
-
-def load_mds_writer() -> type:
-    """Streaming's writer class (importing ``streaming_compat`` is most of the cost)."""
-    from prx_data.core.streaming_compat import mds_writer
-
-    return mds_writer()
-
-
-def import_in_background(load: Callable[[], object]) -> threading.Thread:
-    """Run ``load`` (an import) on a daemon thread; a failure is left to the caller's own
-    import, which then raises it where it can be reported."""
-
-    def run() -> None:
-        try:
-            load()
-        except Exception:  # noqa: BLE001 (the foreground import raises it again)
-            pass
-
-    thread = threading.Thread(target=run, name="prx-import", daemon=True)
-    thread.start()
-    return thread
 
 
 def placement(

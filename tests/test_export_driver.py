@@ -253,46 +253,51 @@ def test_driver_threads_export_to_object_storage(
 
 
 @pytest.mark.ray
-def test_a_ray_export_imports_the_pack_writer_here_while_its_units_run(
+def test_a_ray_export_loads_the_pack_writer_here_while_its_units_run(
     table, tmp_path, ray_local, monkeypatch
 ):
     """The packs of a small Ray export run on this process's threads; streaming's writer
-    (seconds of torch and transformers imports) is loaded while the units run, not after."""
+    (seconds of torch import) is loaded while the units run, not after them."""
     events = []
 
-    def spy_import(load):
-        events.append(("import", load.__name__))
+    def spy_preload():
+        events.append("preload")
         return threading.Thread(target=lambda: None)
 
     def spy_map(fn, units, where, *a, **k):
-        events.append(("map", type(fn).__name__, where.on_ray))
+        events.append((type(fn).__name__, where.on_ray))
         return runtime.map_units(fn, units, where, *a, **k)
 
-    monkeypatch.setattr(pipeline, "import_in_background", spy_import)
+    monkeypatch.setattr(pipeline, "preload_pack_writer", spy_preload)
     monkeypatch.setattr(pipeline, "map_units", spy_map)
     cfg = ExportConfig(table=table, out=str(tmp_path / "ray"), tiers=(512,), min_units=2)
     pipeline.run_export(cfg, progress=False, driver_rows=0)
-    assert events[:2] == [("import", "load_mds_writer"), ("map", "_ExportTask", True)]
+    assert events[:2] == ["preload", ("_ExportTask", True)]
     events.clear()  # on driver threads the writer is imported before the units, in the foreground
     cfg = ExportConfig(table=table, out=str(tmp_path / "here"), tiers=(512,), min_units=2)
     pipeline.run_export(cfg, progress=False, num_cpus=2)
-    assert events[0] == ("map", "_ExportTask", False)
-    assert ("import", "load_mds_writer") not in events
+    assert events[0] == ("_ExportTask", False) and "preload" not in events
 
 
-def test_import_in_background_runs_elsewhere_and_leaves_a_failure_to_the_caller():
-    seen = []
-    pipeline.import_in_background(lambda: seen.append(threading.get_ident())).join(5)
-    assert seen and seen[0] != threading.get_ident()
+def test_the_pack_writer_preload_runs_elsewhere_and_leaves_a_failure_to_the_packs(monkeypatch):
+    from prx_data.core import streaming_compat
+    from prx_data.export import pack
+
+    pack._encoded_writer.cache_clear()
+    pack.preload_writer().join(30)
+    assert pack._encoded_writer.cache_info().currsize == 1  # loaded, for the packs to reuse
 
     def broken():
         raise ImportError("no module named streaming")
 
-    hooked = []
-    old, threading.excepthook = threading.excepthook, hooked.append
-    try:
-        t = pipeline.import_in_background(broken)
-        t.join(5)
-    finally:
-        threading.excepthook = old
-    assert not t.is_alive() and hooked == []  # no thread traceback; the foreground import raises
+    pack._encoded_writer.cache_clear()
+    monkeypatch.setattr(streaming_compat, "mds_writer", broken)
+    hooked: list = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+    t = pack.preload_writer()
+    t.join(30)
+    assert not t.is_alive() and hooked == []  # no thread traceback
+    with pytest.raises(ImportError, match="no module named streaming"):
+        pack._encoded_writer()  # the packs' own call raises it where it is reported
+    monkeypatch.undo()
+    pack._encoded_writer.cache_clear()

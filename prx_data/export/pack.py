@@ -30,6 +30,7 @@ import io
 import json
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -165,6 +166,25 @@ def _encoded_writer() -> type:
             return bytes(sample)
 
     return EncodedMDSWriter
+
+
+def preload_writer() -> threading.Thread:
+    """Load the pack writer on a daemon thread; returns the thread.
+
+    Importing streaming's writer (torch) takes seconds: a job that packs on its own
+    threads starts it while its units run elsewhere. A failure is left to the packs'
+    own call, which raises it where it is reported.
+    """
+
+    def run() -> None:
+        try:
+            _encoded_writer()
+        except Exception:  # noqa: BLE001 (the packs' call raises it again)
+            pass
+
+    thread = threading.Thread(target=run, name="prx-pack-writer", daemon=True)
+    thread.start()
+    return thread
 
 
 def _shard_samples(part_dir: str, entry: dict) -> list[_Encoded]:
