@@ -275,6 +275,7 @@ def url_table(uri: str, urls: list[str | None], rows_per_file: int = 1024, extra
         S.SOURCE: ["laion"] * n,
         S.CAPTION: [f"caption {i}" for i in range(n)],
         S.PROBE_ERROR: ["missing_image"] * n,
+        S.SHA256: pa.nulls(n, pa.string()),
     }
     table = pa.table(cols, schema=S.TABLE_SCHEMA).append_column("url", pa.array(urls, pa.string()))
     for name, values in (extra or {}).items():

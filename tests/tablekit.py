@@ -11,6 +11,7 @@ import lance
 import pyarrow as pa
 
 from prx_data.core.imaging import ImageError, probe
+from prx_data.core.keys import sha256_hex
 from prx_data.core.schema import TABLE_SCHEMA
 
 
@@ -32,6 +33,7 @@ def make_table(uri: str, items: list[tuple[str, bytes, str | None]], max_rows_pe
         rows["source"].append("test")
         rows["caption"].append(caption)
         rows["probe_error"].append(err)
+        rows["sha256"].append(sha256_hex(data) if data else None)
     table = pa.table(rows, schema=TABLE_SCHEMA)
     return lance.write_dataset(table, uri, mode="create", max_rows_per_file=max_rows_per_file)
 

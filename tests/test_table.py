@@ -27,6 +27,7 @@ def _make_table(uri: str, n: int = 10, rows_per_file: int = 4) -> None:
             "source": ["src"] * n,
             "caption": [f"caption {i}" for i in range(n)],
             "probe_error": pa.array([None] * n, pa.string()),
+            "sha256": pa.array([None] * n, pa.string()),
         },
         schema=S.TABLE_SCHEMA,
     )

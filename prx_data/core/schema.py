@@ -20,6 +20,12 @@ SOURCE = "source"  # where the row came from (folder name, tar path, table uri)
 CAPTION = "caption"  # the original caption; more caption columns may exist
 PROBE_ERROR = "probe_error"  # null when the header could be read, else a reason
 EMBEDDING = "embedding"  # optional fixed-size float32 vector
+#: Hex sha256 of ``image`` as ingested or downloaded: the key an opt-out follows to every
+#: byte-identical copy (:mod:`prx_data.core.keys`). Null for a URL row not fetched yet.
+SHA256 = "sha256"
+#: 64-bit perceptual hash (int64), filled by the dedup job: the key an opt-out follows to
+#: re-encoded copies.
+PHASH = "phash"
 
 #: Suffixes of the bookkeeping columns a column job writes next to its value
 #: column (``caption_vlm_status``, ``caption_vlm_error``, ``phash_error``):
@@ -52,6 +58,7 @@ TABLE_SCHEMA = pa.schema(
         pa.field(SOURCE, pa.string()),
         pa.field(CAPTION, pa.string()),
         pa.field(PROBE_ERROR, pa.string()),
+        pa.field(SHA256, pa.string()),
     ]
 )
 

@@ -41,6 +41,7 @@ from prx_data.export.durable import (
 )
 from prx_data.export.naming import DROPPED_DIR, marker_path
 from prx_data.export.prepare import open_table
+from prx_data.export.removals import OPTED_OUT, load_keys, read_columns, removed
 from prx_data.export.spec import (
     DOWNLOAD_DROP,
     UNLISTED_REASONS,
@@ -108,6 +109,8 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     wanted += [_DOWNLOAD_STATUS, _DOWNLOAD_ERROR]
     wanted += [c for c in cfg.keep_columns if c not in wanted]
     available = set(ds.schema.names)
+    optouts = load_keys(cfg.out)
+    wanted += [c for c in read_columns(optouts, available) if c not in wanted]
     read_cols = [c for c in wanted if c in available]
     result = UnitResult(part=unit.part)
     dropped: Counter = Counter()
@@ -136,8 +139,12 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     )
     try:
         for batch in batches:
-            for row in batch.to_pylist():
+            out_rows = removed(optouts, batch)
+            for row, opted_out in zip(batch.to_pylist(), out_rows, strict=True):
                 result.rows += 1
+                if opted_out:
+                    drop(row, OPTED_OUT)
+                    continue
                 if cfg.filter and not row["_keep"]:
                     drop(row, "filtered")
                     continue

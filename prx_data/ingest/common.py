@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from prx_data.core import schema as S
 from prx_data.core.imaging import ImageError, probe
+from prx_data.core.keys import sha256_hex
 
 #: File extensions taken as images (anything with one of these is ingested;
 #: one that then fails to parse is kept with a ``probe_error``).
@@ -236,6 +237,7 @@ class RowBuilder:
         c[S.SOURCE].append(self.source)
         c[S.CAPTION].append(caption)
         c[S.PROBE_ERROR].append(err)
+        c[S.SHA256].append(sha256_hex(image) if image else None)
         for name, value in extra.items():
             col = self.extra.get(name)
             if col is None:

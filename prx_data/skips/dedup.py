@@ -30,11 +30,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_data.core import schema as S
 from prx_data.core.clusters import MAX_RADIUS, Clusters  # noqa: F401 (re-exported)
 
 DUP_OF = "dup_of"
 #: The perceptual-hash column the dedup job fills, and why a row has none.
-PHASH = "phash"
+PHASH = S.PHASH
 PHASH_ERROR = "phash_error"
 DEFAULT_SKIP_NAME = "dedup"
 DEFAULT_REPORT = "dedup-report.json"

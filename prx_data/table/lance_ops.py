@@ -341,3 +341,60 @@ def query_ids(table_uri: str, where: str) -> list[str]:
         return ds.to_table(columns=["id"], filter=where)["id"].to_pylist()
     except ValueError as e:  # lance reports a filter it cannot parse or bind this way
         raise UsageError(f"filter {where!r} on {table_uri}: {str(e).splitlines()[0]}") from None
+
+
+def append_at_version(
+    uri: str,
+    rows: pa.Table,
+    read_version: int | None,
+    storage_options: dict | None = None,
+    schema: pa.Schema | None = None,
+    metadata: dict[str, str] | None = None,
+) -> int:
+    """Append ``rows`` as the commit right after ``read_version``, or not at all.
+
+    A fenced append: the store itself refuses it when anyone committed after
+    ``read_version`` (Lance rebases a plain ``Append`` over a concurrent one, so
+    this commits a ``Merge`` of the fragments seen plus the new one, which
+    conflicts with every concurrent commit). ``read_version=None`` creates the
+    table (refused when one exists) with ``schema``. ``metadata`` entries are set in
+    the schema's metadata by the same commit. Returns the version created; raises
+    :class:`~prx_data.core.errors.Conflict` when preempted (nothing is visible).
+    """
+    from prx_data.core.errors import Conflict
+
+    opts = lance_storage_options(uri) if storage_options is None else storage_options
+    if read_version is None:
+        try:
+            ds = lance.write_dataset(
+                rows.cast(schema) if schema is not None else rows,
+                uri,
+                mode="create",
+                storage_options=opts,
+            )
+        except (OSError, ValueError) as e:
+            raise Conflict(f"{uri}: created by another writer meanwhile ({e})") from None
+        return ds.version
+    base = open_table(uri, opts, version=read_version)
+    frags = lance.fragment.write_fragments(
+        rows.cast(base.schema), uri, schema=base.schema, storage_options=opts
+    )
+    new_schema = base.schema
+    if metadata:
+        meta = {k.decode(): v.decode() for k, v in (base.schema.metadata or {}).items()}
+        new_schema = base.schema.with_metadata({**meta, **metadata})
+    op = lance.LanceOperation.Merge(
+        [f.metadata for f in base.get_fragments()] + list(frags), new_schema
+    )
+    try:
+        ds = lance.LanceDataset.commit(
+            uri, op, read_version=read_version, storage_options=opts, max_retries=0
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        if "conflict" in str(e).lower() or "preempted" in str(e).lower():
+            raise Conflict(
+                f"{uri}: another writer committed after version {read_version}; "
+                "nothing was recorded, run it again"
+            ) from None
+        raise
+    return ds.version
