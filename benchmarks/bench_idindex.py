@@ -5,7 +5,7 @@ Fabricates only what binding ids to shards reads: per bucket a merged
 (no shard files). For each size, each in a fresh process:
 
   build      ``write_id_index`` (what finalize / rewrite / pack add)
-  bind_*     binding the opt-out's ids to shards alone (``skips.lists.bind``), before / after
+  bind_*     binding the opt-out's ids to shards alone (``skips.bind``), before / after
   before     ``add_optout`` of ``--ids`` ids on the tree without its index (every manifest)
   after      the same opt-out through the index (sidecar writes and statistics included)
   in / scan  the two lookup strategies of ``IdIndex.lookup`` alone, for the opt-out's ids
@@ -117,10 +117,10 @@ def child(root: str, op: str, n: int, n_ids: int) -> dict:
     if op == "build":
         extra["rows"] = idindex.write_id_index(root).rows
     elif op.startswith("bind_"):  # the lookup alone: ids -> (bucket, shard) positions
-        from prx_data.skips import lists
+        from prx_data.skips.bind import bind
 
         ids = [_sid(int(i)) for i in rng.choice(total, n_ids, replace=False)] + ["gone/1"]
-        b = lists.bind(root, {"optout": pa.array(ids)}, want_missing=["optout"])["optout"]
+        b = bind(root, {"optout": pa.array(ids)}, want_missing=["optout"])["optout"]
         extra.update(samples=b.samples, missing=len(b.missing))
     elif op in ("before", "after"):
         ids = [_sid(int(i)) for i in rng.choice(total, n_ids, replace=False)] + ["gone/1"]

@@ -78,7 +78,10 @@ def main() -> int:
     from prx_data.core.buckets import DEFAULT_SPEC
     from prx_data.export.merge import done_parts
     from prx_data.export.spec import ExportConfig
-    from prx_data.skips import lists as L
+    from prx_data.skips.export_state import ExportState, read_state, write_state
+    from prx_data.skips.log import Provenance, log_rows
+    from prx_data.skips.ops import sync, update_list
+    from prx_data.skips.registry import Registry
     from tests.tablekit import make_table
 
     work = tempfile.mkdtemp(prefix="prx-listsync-", dir=args.work)
@@ -98,7 +101,7 @@ def main() -> int:
         res["fabricate_s"] = round(time.perf_counter() - t0, 1)
         table = os.path.join(work, "t.lance")
         make_table(table, [("s/0", b"\xff\xd8x", "c")])
-        reg = L.Registry.for_table(table)
+        reg = Registry.for_table(table)
         t0 = time.perf_counter()
         r = args.registry
         half = min(r // 2, n // 2)
@@ -108,30 +111,30 @@ def main() -> int:
         for k, name in enumerate(("optout", "dedup")):
             part = pa.array(ids[k::2], pa.string())
             reg.append(
-                lambda seq, part=part, name=name: L.log_rows(
-                    name, part, "add", L.Provenance("bench"), seq=seq, base=seq, kind=0, export=""
+                lambda seq, part=part, name=name: log_rows(
+                    name, part, "add", Provenance("bench"), seq=seq, base=seq, kind=0, export=""
                 )
             )
         del ids
         res["registry_write_s"] = round(time.perf_counter() - t0, 1)
-        L.write_state(root, L.ExportState())  # bound at the first sync
-        res["lists"] = _measured(res, "sync_full", lambda: L.sync(root, table))
+        write_state(root, ExportState())  # bound at the first sync
+        res["lists"] = _measured(res, "sync_full", lambda: sync(root, table))
         t0 = time.perf_counter()
-        L.sync(root)
+        sync(root)
         res["sync_again_s"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         opt = [BS._sid(int(i)) for i in range(1, 2001, 2)]
-        L.update_list(root, "optout", opt, L.Provenance("bench"))
+        update_list(root, "optout", opt, Provenance("bench"))
         res["optout_1e3_s"] = round(time.perf_counter() - t0, 2)
         # The same opt-out with the recorded position distrusted (an interrupted run): the
         # whole list is rebound, the cost every opt-out had before updates applied deltas.
-        st = L.read_state(root)
+        st = read_state(root)
         st.dirty = True
-        L.write_state(root, st)
-        prov = L.Provenance("bench")
+        write_state(root, st)
+        prov = Provenance("bench")
         for key, first in (("optout_1e3_full_rebind", 2001), ("optout_1e3_delta", 4001)):
             opt = [BS._sid(int(i)) for i in range(first, first + 2000, 2)]
-            _measured(res, key, lambda opt=opt: L.update_list(root, "optout", opt, prov))
+            _measured(res, key, lambda opt=opt: update_list(root, "optout", opt, prov))
         res["ratio_delta_to_full_rebind"] = round(
             res["optout_1e3_delta_s"] / res["optout_1e3_full_rebind_s"], 3
         )

@@ -480,7 +480,7 @@ def _phase_meter(rss0: float) -> tuple[dict[str, float], list]:
     less ``rss0``). VmHWM only grows, so the step after which a figure jumps is the one
     that raised the peak. Returns the figures and the patches to undo."""
     from prx_data.export import idindex
-    from prx_data.skips import lists, sidecar
+    from prx_data.skips import export_state, materialise, ops, sidecar
 
     marks: dict[str, float] = {}
     undo: list = []
@@ -509,12 +509,13 @@ def _phase_meter(rss0: float) -> tuple[dict[str, float], list]:
 
     idindex.IdIndex.lookup = metered_lookup
     undo.append((idindex.IdIndex, "lookup", lookup))
-    wrap(lists, "resolve", "registry")
-    wrap(lists, "read_store_list", "store read")
+    # Each step is wrapped in the room that calls it (prx_data.skips: ops -> materialise).
+    wrap(ops, "resolve", "registry")
+    wrap(export_state, "read_store_list", "store read")
     wrap(idindex, "open_index", "index open")
-    wrap(lists, "bind", "bind")
-    wrap(lists, "write_store_list", "store write")
-    wrap(lists, "write_sidecars", "sidecars")
+    wrap(materialise, "bind", "bind")
+    wrap(materialise, "write_store_list", "store write")
+    wrap(materialise, "_write_sidecars", "sidecars")
     wrap(sidecar, "skip_stats", "stats")
     return marks, undo
 
@@ -667,12 +668,12 @@ def finalize_timed(cfg, finished: dict, n: int, res: dict, packs=None) -> None: 
 
 def skips_add_step(root: str, n: int, res: dict) -> None:
     """``skips add`` of 1 % of the ids, drawn at random."""
-    from prx_data.skips import sidecar as skiplist
+    from tests.exportkit import skip_samples  # the sidecar writer alone (a fabricated tree)
 
     rng = np.random.default_rng(0)
     one_pct = [_sid(int(i)) for i in rng.choice(n, max(1, n // 100), replace=False)]
     with measured(res, "skips_add"):
-        added = skiplist.add_skips_by_ids(root, "bench", one_pct)
+        added = skip_samples(root, "bench", ids=one_pct)
     assert added.samples_listed == len(one_pct) and not added.ids_not_found
 
 

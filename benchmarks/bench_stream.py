@@ -42,6 +42,7 @@ from prx_data.stream.dataset import (
     BucketedDataset,
     DatasetSpec,  # noqa: E402
 )
+from tests.exportkit import skip_samples  # noqa: E402  (the sidecar writer: a fabricated tree)
 
 BUCKET = "512/1.000"
 
@@ -52,7 +53,7 @@ def skip_fraction(root: str, name: str, fraction: float, seed: int = 0) -> int:
     for s in layout.read_index(root, BUCKET):
         k = int(round(s.samples * fraction))
         skips[(BUCKET, s.basename)] = np.sort(rng.choice(s.samples, k, replace=False))
-    return skiplist.add_skips(root, name, skips).samples_listed
+    return skip_samples(root, name, skips).samples_listed
 
 
 def bench_skip10(work: str, samples: int, rounds: int, chunk: int = 50) -> dict:

@@ -8,7 +8,7 @@ otherwise (``min_units``), a fresh export plans at least
 hundred rows still uses every core; the count is pinned in the export's
 config, so ``--resume`` plans the same units on any cluster.
 
-Skip lists (:mod:`prx_data.skips.lists`) survive every export of a table:
+Skip lists (:mod:`prx_data.skips`) survive every export of a table:
 ``--overwrite`` first carries the old tree's export-only entries into the
 table's registry (refusing, before anything is deleted, a list whose ids
 cannot be recovered unless ``may_drop_lists`` names it), and every export, fresh
@@ -268,22 +268,23 @@ class ExportSink:
 
     def on_write_start(self, lock: ExportLock) -> list[WorkUnit]:
         """Carry and drop lists, place the work, prepare the output; returns the units to run."""
-        from prx_data.skips import lists as idlists
+        from prx_data.skips.errors import ListError
+        from prx_data.skips.log import Provenance
+        from prx_data.skips.ops import carry, remove_list
+        from prx_data.skips.registry import Registry
 
         cfg = self.cfg
         self.t0, self.lock = time.perf_counter(), lock
         try:
-            self.registry = idlists.Registry.for_table(cfg.table)
+            self.registry = Registry.for_table(cfg.table)
             for name in self.unregister_lists:
-                idlists.remove_list(
-                    self.registry, name, idlists.Provenance("write_mds --drop-list")
-                )
+                remove_list(self.registry, name, Provenance("write_mds --drop-list"))
             if self.overwrite and list_top(cfg.out) and not foreign_entries(cfg.out):
                 # Before anything is deleted: the old tree's export-only entries go to the
                 # table's registry where newer, and the new tree is materialised from the log
                 # at the end (a killed run keeps them there).
-                idlists.carry(cfg.out, self.registry, drop=self.may_drop_lists)
-        except idlists.ListError as e:
+                carry(cfg.out, self.registry, drop=self.may_drop_lists)
+        except ListError as e:
             raise ExportError(str(e)) from None
         self.where = placement(cfg, self.driver_rows, self.ray_address, self.num_cpus, self.engine)
         # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
@@ -353,12 +354,13 @@ class ExportSink:
         return report
 
     def _bind_lists(self) -> dict:
-        from prx_data.skips import lists as idlists
+        from prx_data.skips.errors import ListError
+        from prx_data.skips.materialise import materialise
 
         self.lock.check()
         try:
-            return idlists.materialise(self.cfg.out, self.registry, self.lock, full=True)
-        except idlists.ListError as e:
+            return materialise(self.cfg.out, self.registry, self.lock, full=True)
+        except ListError as e:
             raise ExportError(str(e)) from None
 
     def on_write_failed(self, error: BaseException) -> None:

@@ -4,7 +4,8 @@ The trees come from :func:`prx_data.export.sample.make_sample_export`
 (solid-colour JPEGs written with ``streaming.MDSWriter`` in the tree that
 :mod:`prx_data.export.layout` defines), so the streaming tests run in
 milliseconds; ``make_export`` is its name here. :func:`run_rank` runs one
-rank of a multi-rank job in this process.
+rank of a multi-rank job in this process; :func:`skip_samples` (a test double) gives a
+tree sidecars that no list log knows.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from prx_data.export.sample import SampleExport, make_sample_export
 
@@ -42,6 +44,80 @@ def upload_tree(local_root: str, remote_root: str) -> None:
             storage.write_bytes_atomic(
                 storage.join(remote_root, rel.replace(os.sep, "/")), f.read()
             )
+
+
+# --- sidecars without a log (a test double) ---------------------------------------------------
+
+
+@dataclass
+class Skipped:
+    """What :func:`skip_samples` wrote (or removed)."""
+
+    shards_written: int = 0
+    samples_listed: int = 0
+    #: Requested row ids in no manifest of the export (``ids=``).
+    missing_ids: list[str] = field(default_factory=list)
+    #: Sidecars deleted (``remove=True``).
+    removed: int = 0
+
+    @property
+    def ids_not_found(self) -> int:
+        return len(self.missing_ids)
+
+
+def skip_samples(
+    root: str,
+    name: str,
+    skips: Mapping[tuple[str, str], Iterable[int]] | None = None,
+    *,
+    ids: Iterable[str] | None = None,
+    replace: bool = False,
+    remove: bool = False,
+) -> Skipped:
+    """TEST DOUBLE: write list ``name``'s ``.skip`` sidecars directly, with no log entry.
+
+    The library writes sidecars only by materialising the log
+    (:mod:`prx_data.skips.materialise`); exports with a table get their lists through
+    :func:`prx_data.skips.ops.update_list`. This stands in for a tree whose sidecars no log
+    knows (written before lists had one, or fabricated with no table) and for the loader's
+    tests, which need skipped samples and nothing else. It calls the private writer the
+    materialisation uses, so the sidecars are byte for byte what the library writes.
+
+    ``skips``: ``{(bucket, shard basename): sample indices}`` (merged with the list's
+    sidecars unless ``replace``); ``ids``: row ids, found through the export's id index or
+    its manifests; ``remove``: delete every sidecar of the list.
+    """
+    import pyarrow as pa
+
+    from prx_data.export import layout
+    from prx_data.export.idindex import lookup_or_manifests
+    from prx_data.skips import sidecar
+    from prx_data.skips.materialise import _write_positions
+
+    out = Skipped()
+    if remove:
+        skips, replace = {}, True
+        for bucket in layout.list_buckets(root):
+            shards = layout.read_index(root, bucket)
+            for shard in sidecar.list_sidecars(root, bucket, shards).get(name, []):
+                skips[(bucket, shard)] = []
+        out.removed = len(skips)
+    elif ids is not None:
+        wanted = pa.array(sorted(set(ids)), pa.string())
+        skips, found = {}, set()
+        for hit in lookup_or_manifests(root, wanted):
+            for b, s, i in zip(
+                hit["bucket"].to_pylist(),
+                hit["shard"].to_pylist(),
+                hit["index"].to_pylist(),
+                strict=True,
+            ):
+                skips.setdefault((b, s), []).append(i)
+            found.update(hit["id"].to_pylist())
+        out.missing_ids = sorted(set(wanted.to_pylist()) - found)
+    w = _write_positions(root, name, skips or {}, replace=replace)
+    out.shards_written, out.samples_listed = w.shards_written, w.samples_listed
+    return out
 
 
 # --- rank simulation ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import json
 import random
 import sys
 
-from prx_data.skips import lists as L
+from prx_data.skips.log import Provenance
+from prx_data.skips.ops import sync, update_list
 
 B = "512/1.000"
 
@@ -22,12 +23,12 @@ def main(argv: list[str]) -> int:
             root = rng.choice(exports)
             what = rng.random()
             if what < 0.2:
-                L.sync(root)
+                sync(root)
                 continue
             name = rng.choice(["optout", "dedup"])
             chosen = sorted(rng.sample(ids, rng.randint(1, 3)))
             op = "add" if what < 0.65 else "remove"
-            r = L.update_list(root, name, chosen, L.Provenance(f"soak {seed}"), mode=op)
+            r = update_list(root, name, chosen, Provenance(f"soak {seed}"), mode=op)
             f.write(
                 json.dumps(
                     {"seq": r.registry_changes["seq"], "list": name, "op": op, "ids": chosen}

@@ -254,7 +254,8 @@ def test_remote_tree_adopts_and_streams(tiered, s3_bucket, tmp_path):
     upload_tree(tiered, root)
     res = adopt_tree(root)
     assert res.buckets == {"512/0.882": PER_BUCKET, "512/1.000": PER_BUCKET}
-    from prx_data.skips.lists import Provenance, update_list
+    from prx_data.skips.log import Provenance
+    from prx_data.skips.ops import update_list
 
     gone = {"x/1.000/1", "x/1.000/2"}
     assert update_list(root, "optout", sorted(gone), Provenance("test", "")).samples_listed == 2

@@ -18,7 +18,7 @@ import pytest
 
 from prx_data.export import durable, layout, merge, naming, safety
 from prx_data.skips import sidecar as S
-from tests.exportkit import FakeExport, make_export
+from tests.exportkit import FakeExport, make_export, skip_samples
 
 B = "512/1.000"
 HOSTILE = ["../../../victim/shard.00000.mds", "/etc/passwd", "f000000-000000000\\..\\x.mds"]
@@ -115,11 +115,12 @@ def test_planner(planted):
 
 def test_skips_add_list_stats_remove(planted):
     # ``skips add`` with the hostile name as the shard: it would write next to the victim.
-    _refused(planted, S.add_skips, planted.root, "dedup", {(B, planted.bad): [0]})
-    _refused(planted, S.add_skips_by_ids, planted.root, "dedup", [f"ds/{B}/3"])
+    # The sidecar writer (private to the list materialisation; reached through the test double).
+    _refused(planted, skip_samples, planted.root, "dedup", {(B, planted.bad): [0]})
+    _refused(planted, skip_samples, planted.root, "dedup", ids=[f"ds/{B}/3"])
     _refused(planted, S.list_skip_lists, planted.root)
     _refused(planted, S.skip_stats, planted.root)
-    _refused(planted, S.remove_skip_list, planted.root, "dedup")
+    _refused(planted, skip_samples, planted.root, "dedup", remove=True)
 
 
 def test_skips_cli_exits_cleanly(planted, capsys):
@@ -241,7 +242,7 @@ def test_bucket_names_are_checked(template, bucket):
     with pytest.raises(safety.UnsafeIndexError, match="bad bucket name"):
         layout.read_index(template.root, bucket)
     with pytest.raises(safety.UnsafeIndexError, match="bad bucket name"):
-        S.add_skips(template.root, "dedup", {(bucket, "f000000-000000000/shard.00000.mds"): [0]})
+        skip_samples(template.root, "dedup", {(bucket, "f000000-000000000/shard.00000.mds"): [0]})
 
 
 def test_unparseable_index_is_named(template, tmp_path):

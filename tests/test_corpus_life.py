@@ -30,7 +30,7 @@ from prx_data.cli import optout as optout_cli
 from prx_data.cli import skips as skips_cli
 from prx_data.cli import verify as verify_cli
 from prx_data.export import layout
-from prx_data.skips import lists as L
+from prx_data.skips.export_state import read_store_list
 from prx_data.stream.dataset import DatasetSpec
 from tests import exportkit
 from tests.exportkit import run_rank
@@ -195,7 +195,7 @@ def test_a_corpus_life_never_streams_an_opt_out_nor_deletes_data(
         procs.append(subprocess.Popen([sys.executable, *cmd], cwd=str(tmp_path), env=env))
         life.opted.add(sid)
     assert [p.wait(timeout=300) for p in procs] == [0] * 4
-    assert set(L.read_store_list(remote, "optout")["id"].to_pylist()) == life.opted
+    assert set(read_store_list(remote, "optout")["id"].to_pylist()) == life.opted
     life.sync(local)
     life.check("opt-out round 2 (concurrent)")
 
@@ -247,7 +247,7 @@ def test_a_corpus_life_never_streams_an_opt_out_nor_deletes_data(
         assert dedup_cli.main([*args, "--no-progress"]) == 0
         capsys.readouterr()
         life.dups[root] = {"c/dup"}
-        assert set(L.read_store_list(root, "dedup")["id"].to_pylist()) == {"c/dup"}
+        assert set(read_store_list(root, "dedup")["id"].to_pylist()) == {"c/dup"}
     life.check("dedup")
 
     # More than 10% is skipped now: rewrite without every skipped sample.

@@ -17,6 +17,8 @@ from prx_data.core.phash import hamming
 from prx_data.export import layout
 from prx_data.pipelines import dedup as PD
 from prx_data.skips import sidecar as SL
+from prx_data.skips.log import Provenance
+from prx_data.skips.ops import update_list
 from tests.dedup_images import jpeg, make_image
 from tests.tablekit import make_table
 
@@ -207,10 +209,11 @@ def test_export_gets_dedup_skip_list(dup_table, tmp_path):
         )
     }
     assert set(expected) <= set(where)
-    # A stale sidecar of the same list on a shard without duplicates must go.
+    # An id of the same list on a shard without duplicates must go, in every form.
     stale_id = "pic/07"
     b, s, x = where[stale_id]
-    SL.add_skips(out, "dedup", {(b, s): [x]})
+    update_list(out, "dedup", [stale_id], Provenance("test"), table=uri)
+    assert x in SL.load_skips(out, b, layout.read_index(out, b), ["dedup"])[s]
     cfg = PD.DedupConfig(table=uri, export=out, engine="local", report=None, progress=False)
     r = PD.run_dedup(cfg)
     assert r.grouped_by == "export"

@@ -22,8 +22,7 @@ from prx_data.export import bounded, layout, merge, naming, safety
 from prx_data.export import verify as V
 from prx_data.export.merge import done_parts
 from prx_data.export.spec import UnitResult
-from prx_data.skips import sidecar as skiplist
-from tests.exportkit import make_export
+from tests.exportkit import make_export, skip_samples
 
 B = "512/1.000"
 
@@ -190,7 +189,7 @@ def test_verify_reads_manifests_and_sidecars_in_parallel_with_the_same_findings(
     root = str(tmp_path / "export")
     make_export(root, {B: 24}, samples_per_part=4, samples_per_shard=2)
     shards = layout.read_index(root, B)
-    skiplist.add_skips(root, "dedup", {(B, s.basename): [0] for s in shards})
+    skip_samples(root, "dedup", {(B, s.basename): [0] for s in shards})
     # one sidecar for a shard that is not in the index, one with a bad name
     orphan = os.path.join(root, B, "f000000-000000000", "shard.00009.mds.dedup.skip")
     bad = os.path.join(root, B, shards[0].basename + ".Bad.skip")

@@ -93,7 +93,7 @@ def _boom(exc: type[BaseException]):
         (
             "skips",
             ["add", "ROOT", "dedup", "--indices", "IDX"],
-            "prx_data.skips.lists.ids_at",
+            "prx_data.cli.skips.ids_at",
             IndexError,
         ),
         ("table", ["stats", "ROOT"], "prx_data.cli.table.table_stats", FileNotFoundError),

@@ -25,8 +25,8 @@ from prx_data.export import layout, naming
 from prx_data.export import pack as packmod
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.spec import ExportConfig
-from prx_data.skips import lists as L
 from prx_data.skips import sidecar as SL
+from prx_data.skips.export_state import read_store_list
 from tests.tablekit import make_table
 
 pytestmark = pytest.mark.ray
@@ -147,7 +147,7 @@ def test_overwrite_carries_the_optout_list_onto_packed_shards(table, tmp_path, r
             where[row["id"]] = (row["shard"], row["index"])
     hit = sorted(i for i, (s, k) in where.items() if s in skipped and k in skipped[s])
     assert hit == ["s/01", "s/08"]
-    assert sorted(L.read_store_list(out, "optout")["id"].to_pylist()) == ["s/01", "s/08"]
+    assert sorted(read_store_list(out, "optout")["id"].to_pylist()) == ["s/01", "s/08"]
     capsys.readouterr()
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0, capsys.readouterr().out
 

@@ -24,7 +24,7 @@ from prx_data.export.prepare import prepare_output
 from prx_data.export.spec import ExportConfig
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import BucketedDataset, DatasetSpec, load_sources
-from tests.exportkit import make_export
+from tests.exportkit import make_export, skip_samples
 from tests.tablekit import make_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,7 +259,7 @@ def _verify(root: str, *args: str, capsys) -> tuple[int, str]:
 def export_with_list(tmp_path):
     root = str(tmp_path / "exp")
     fake = make_export(root, {B: 40, "512/0.500": 8}, samples_per_part=16, hashes=("xxh64",))
-    S.add_skips_by_ids(root, "dedup", sorted(fake.ids[B])[:5])
+    skip_samples(root, "dedup", ids=sorted(fake.ids[B])[:5])
     return root
 
 

@@ -20,7 +20,7 @@ from prx_data.core import confined
 from prx_data.core.errors import PrxDataError
 from prx_data.export import layout, naming, safety
 from prx_data.skips import sidecar as S
-from tests.exportkit import make_export
+from tests.exportkit import make_export, skip_samples
 
 B = "512/1.000"
 PART = naming.part_name(0, 8)  # the second part of the bucket
@@ -94,7 +94,7 @@ def test_linked_part_refused_by_skips_add(linked_part, template, tmp_path, capsy
     assert _snapshot(outside) == before  # no sidecar written through the link
     # The library call is refused the same way, and so is a write aimed at the link itself.
     with pytest.raises(safety.UnsafeIndexError, match=PART):
-        S.add_skips(root, "dedup", {(B, f"{PART}/shard.00000.mds"): [0]})
+        skip_samples(root, "dedup", {(B, f"{PART}/shard.00000.mds"): [0]})
     with pytest.raises(confined.UnsafeFileError, match="leads out of"):
         confined.write_atomic(root, os.path.join(root, B, PART, "x.skip"), b"x")
     assert _snapshot(outside) == before
@@ -134,7 +134,11 @@ def test_linked_part_refused_by_skips_remove_and_loader(linked_part, capsys):
     before = _snapshot(outside)
     assert main(["remove", root, "dedup"]) == 2
     assert PART in capsys.readouterr().err
-    for call in (S.list_skip_lists, S.skip_stats, lambda r: S.remove_skip_list(r, "dedup")):
+    for call in (
+        S.list_skip_lists,
+        S.skip_stats,
+        lambda r: skip_samples(r, "dedup", remove=True).removed,
+    ):
         with pytest.raises(safety.UnsafeIndexError, match=PART):
             call(root)
     with pytest.raises(safety.UnsafeIndexError, match=PART):

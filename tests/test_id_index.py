@@ -14,8 +14,9 @@ from prx_data.cli.skips import main as skips_main
 from prx_data.export import idindex as I
 from prx_data.export import layout, naming, safety
 from prx_data.skips import dedup, optout
-from prx_data.skips import lists as LS
-from prx_data.skips import sidecar as S
+from prx_data.skips.bind import bind
+from prx_data.skips.log import Provenance
+from prx_data.skips.ops import update_list
 from prx_data.skips.rewrite import rewrite_export
 from tests.exportkit import FakeExport, make_export, upload_tree
 
@@ -87,7 +88,7 @@ def test_skips_add_ids_through_the_index_equals_the_manifest_path(pair, tmp_path
     ids = tmp_path / "ids.txt"
     ids.write_text(f"ds/{B1}/0\nds/{B1}/17\nds/{B2}/11\nds/{B3}/3\nnot/there\n")
     _drop_manifests(new.root)  # the index alone must be enough
-    with caplog.at_level(logging.WARNING, logger="prx_data.skips.lists"):
+    with caplog.at_level(logging.WARNING, logger="prx_data.skips"):
         assert skips_main(["add", new.root, "optout", "--ids", str(ids), "--export-only"]) == 0
         out_new = capsys.readouterr().out
         assert not caplog.records
@@ -115,13 +116,19 @@ def test_optout_and_dedup_give_the_same_sidecars_as_the_manifest_path(pair):
     assert _sidecars(new.root) == _sidecars(old.root)
 
 
-def test_low_level_add_by_ids_uses_the_index(pair):
+def test_lookup_or_manifests_uses_the_index(pair):
+    """The index alone finds the rows (the manifests are gone); a tree without one reads them."""
     new, old = pair
-    ids = [f"ds/{B2}/{i}" for i in (0, 7)] + ["nope"]
+    ids = pa.array(sorted([f"ds/{B2}/{i}" for i in (0, 7)] + ["nope"]))
     _drop_manifests(new.root)
-    a, b = S.add_skips_by_ids(new.root, "x", ids), S.add_skips_by_ids(old.root, "x", ids)
-    assert (a.samples_listed, a.missing_ids) == (b.samples_listed, b.missing_ids) == (2, ["nope"])
-    assert _sidecars(new.root) == _sidecars(old.root)
+
+    def rows(root: str) -> list[tuple]:
+        hits = list(I.lookup_or_manifests(root, ids))
+        cols = ("id", "bucket", "shard", "index")
+        return sorted(r for t in hits for r in zip(*(t[c].to_pylist() for c in cols), strict=True))
+
+    assert rows(new.root) == rows(old.root)
+    assert [r[0] for r in rows(new.root)] == [f"ds/{B2}/0", f"ds/{B2}/7"]
 
 
 def test_a_changed_tree_is_not_looked_up_until_the_index_is_rebuilt(pair, capsys, caplog):
@@ -133,8 +140,8 @@ def test_a_changed_tree_is_not_looked_up_until_the_index_is_rebuilt(pair, capsys
         f.write(body + "\n")
     index, why = I.open_index(new.root)
     assert index is None and "out of date" in why and B2 in why
-    with caplog.at_level(logging.WARNING, logger="prx_data.skips.lists"):
-        bound = LS.bind(new.root, {"x": pa.array([f"ds/{B2}/4"])})["x"]
+    with caplog.at_level(logging.WARNING, logger="prx_data.skips"):
+        bound = bind(new.root, {"x": pa.array([f"ds/{B2}/4"])})["x"]
     assert "out of date" in caplog.text
     assert bound.positions.keys() == {(B2, new.where[f"ds/{B2}/4"][1])}
     assert skips_main(["index", new.root, "--check"]) == 1
@@ -147,11 +154,11 @@ def test_a_changed_tree_is_not_looked_up_until_the_index_is_rebuilt(pair, capsys
 
 def test_rewrite_writes_a_current_index_of_the_new_tree(pair, tmp_path):
     new, _ = pair
-    LS.update_list(
+    update_list(
         new.root,
         "optout",
         [f"ds/{B1}/{i}" for i in range(10)],
-        LS.Provenance("t"),
+        Provenance("t"),
         export_only=True,
     )
     out = str(tmp_path / "rewritten")
@@ -176,8 +183,8 @@ def test_index_on_object_storage(template, s3_bucket, caplog):
     info = I.write_id_index(root)  # rebuilt in place on s3
     assert info.rows == index.rows
     wanted = pa.array([f"ds/{B1}/3", f"ds/{B3}/0", "absent"])
-    with caplog.at_level(logging.WARNING, logger="prx_data.skips.lists"):
-        bound = LS.bind(root, {"x": wanted}, want_missing=["x"])["x"]
+    with caplog.at_level(logging.WARNING, logger="prx_data.skips"):
+        bound = bind(root, {"x": wanted}, want_missing=["x"])["x"]
     assert not caplog.records
     assert bound.missing.to_pylist() == ["absent"] and bound.samples == 2
     assert sorted(bound.positions) == sorted(
@@ -200,7 +207,7 @@ def test_hostile_names_in_the_index_or_its_manifests_are_refused(pair):
     lance.write_dataset(t, uri, mode="overwrite").update_metadata({I.META_KEY: record})
     assert I.open_index(new.root)[0] is not None  # current by its record: the rows are refused
     with pytest.raises(safety.UnsafeIndexError, match="victim"):
-        LS.bind(new.root, {"x": pa.array([f"ds/{B1}/0"])})
+        bind(new.root, {"x": pa.array([f"ds/{B1}/0"])})
     assert not glob.glob(os.path.join(new.root, "*", "*", "*", "*.skip"))
     part = new.where[f"ds/{B2}/0"][1].split("/")[0]
     path = os.path.join(new.root, *B2.split("/"), part, "ids.parquet")

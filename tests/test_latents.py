@@ -44,7 +44,7 @@ def _job(root: str, vae: str, **kw) -> LatentsConfig:
 @pytest.fixture(scope="module")
 def every_shape(tmp_path_factory, vae):
     """An export with every 512 bucket shape, its fp16 latents, and a skip list."""
-    from prx_data.skips import sidecar
+    from tests.exportkit import skip_samples
 
     root = str(tmp_path_factory.mktemp("shapes") / "tree")
     buckets = {bucket_name(512, w, h): 2 for w, h in SHAPES}
@@ -53,7 +53,7 @@ def every_shape(tmp_path_factory, vae):
     report = run_latents(_job(root, vae))
     assert report.encoded_shards == report.shards and report.skipped_shards == 0
     skipped = sorted(ex.ids[bucket_name(512, 512, 512)])[:2]
-    sidecar.add_skips_by_ids(root, "dedup", skipped)
+    skip_samples(root, "dedup", ids=skipped)
     return ex, report, set(skipped)
 
 
@@ -101,7 +101,7 @@ def test_stored_latents_match_encoding_the_loader_image_for_every_bucket_shape(e
 
 def test_each_served_sample_gets_the_latent_at_its_stored_index(tmp_path, vae):
     """Skip lists shift the served indices: the lookup goes by the index in the shard file."""
-    from prx_data.skips import sidecar
+    from tests.exportkit import skip_samples
 
     root = str(tmp_path / "tree")
     ex = make_sample_export(root, {"512/1.000": 10, "512/0.778": 4}, samples_per_part=5)
@@ -114,7 +114,7 @@ def test_each_served_sample_gets_the_latent_at_its_stored_index(tmp_path, vae):
         )
         L.write_npy(root, key, tagged)
     gone = sorted(ex.ids["512/1.000"])[1::3]
-    sidecar.add_skips_by_ids(root, "dedup", gone)
+    skip_samples(root, "dedup", ids=gone)
     ds = _dataset(root)
     seen = set()
     for i in range(ds.num_samples):

@@ -24,9 +24,24 @@ from prx_data.cli import verify as verify_cli
 from prx_data.core.lease import LeaseUnsupported
 from prx_data.export import layout, naming
 from prx_data.export.lock import ExportLock
-from prx_data.skips import lists as L
+from prx_data.skips import materialise as MAT  # the room whose steps some tests replace
 from prx_data.skips import sidecar as SL
-from tests.exportkit import make_export
+from prx_data.skips.bind import bind
+from prx_data.skips.errors import ListError
+from prx_data.skips.export_state import (
+    ExportState,
+    read_state,
+    read_store,
+    read_store_file,
+    resolve,
+    store_names,
+    write_state,
+    write_store_list,
+)
+from prx_data.skips.log import Provenance, log_rows, store_table
+from prx_data.skips.ops import carry, sync, update_list
+from prx_data.skips.registry import Registry, registry_uri
+from tests.exportkit import make_export, skip_samples
 from tests.tablekit import make_table
 
 B = "512/1.000"
@@ -64,7 +79,7 @@ def skipped(ex, root: str | None = None) -> dict[str, set[str]]:
 
 
 def stored(root: str) -> dict[str, set[str]]:
-    return {n: set(t["id"].to_pylist()) for n, t in L.read_store(root).items()}
+    return {n: set(t["id"].to_pylist()) for n, t in read_store(root).items()}
 
 
 def _id(i: int) -> str:
@@ -77,16 +92,16 @@ def bound(tmp_path):
     t = _table(str(tmp_path / "t.lance"))
     a, b = _ex(str(tmp_path / "a")), _ex(str(tmp_path / "b"))
     for ex in (a, b):
-        L.sync(ex.root, t)
+        sync(ex.root, t)
     return t, a, b
 
 
 def _add(root, name, ids, **kw):
-    return L.update_list(root, name, ids, L.Provenance("test"), **kw)
+    return update_list(root, name, ids, Provenance("test"), **kw)
 
 
 def _remove(root, name, ids=None, **kw):
-    return L.update_list(root, name, ids, L.Provenance("test"), mode="remove", **kw)
+    return update_list(root, name, ids, Provenance("test"), mode="remove", **kw)
 
 
 # --- one test per confirmed scenario ----------------------------------------------------------
@@ -95,7 +110,7 @@ def _remove(root, name, ids=None, **kw):
 def test_an_optout_landing_while_sync_runs_is_not_undone(bound, monkeypatch):
     _, a, _ = bound
     _add(a.root, "optout", [_id(1)])
-    real_bind = L.bind
+    real_bind = bind
     started = threading.Event()
     late: dict = {}
 
@@ -109,13 +124,13 @@ def test_an_optout_landing_while_sync_runs_is_not_undone(bound, monkeypatch):
             late["waited"] = t.is_alive()
         return real_bind(root, lists, **kw)
 
-    monkeypatch.setattr(L, "bind", racing_bind)
-    L.sync(a.root)
+    monkeypatch.setattr(MAT, "bind", racing_bind)
+    sync(a.root)
     late["t"].join(60)
     assert late["waited"]
     assert skipped(a)["optout"] == {_id(1), _id(2)}
-    monkeypatch.setattr(L, "bind", real_bind)
-    L.sync(a.root)  # idempotent
+    monkeypatch.setattr(MAT, "bind", real_bind)
+    sync(a.root)  # idempotent
     assert skipped(a)["optout"] == {_id(1), _id(2)}
 
 
@@ -124,15 +139,15 @@ def test_reoptout_export_only_after_remove_survives_sync_rewrite_and_overwrite(b
     _add(a.root, "optout", [_id(3)])
     _remove(a.root, "optout", [_id(3)])
     _add(a.root, "optout", [_id(3)], export_only=True)
-    L.sync(a.root)
+    sync(a.root)
     assert skipped(a)["optout"] == {_id(3)}
     # Another export does not see an export-only change...
-    L.sync(b.root)
+    sync(b.root)
     assert "optout" not in skipped(b)
     # ...until --overwrite / rewrite carries it into the registry (the newest state of the id).
-    assert L.carry(a.root, L.Registry.for_table(t)) == 1
-    assert L.Registry.for_table(t).state()["optout"]["id"].to_pylist() == [_id(3)]
-    L.sync(b.root)
+    assert carry(a.root, Registry.for_table(t)) == 1
+    assert Registry.for_table(t).state()["optout"]["id"].to_pylist() == [_id(3)]
+    sync(b.root)
     assert skipped(b)["optout"] == {_id(3)}
 
 
@@ -142,21 +157,21 @@ def test_a_writer_with_a_skewed_clock_cannot_reorder(bound, monkeypatch):
     _remove(a.root, "optout", [_id(4)])
     behind = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
     _add(a.root, "optout", [_id(4)])  # what matters is commit order...
-    L.update_list(a.root, "optout", [_id(5)], L.Provenance("skewed", at=behind))
+    update_list(a.root, "optout", [_id(5)], Provenance("skewed", at=behind))
     _remove(a.root, "optout", [_id(5)])
-    L.update_list(a.root, "optout", [_id(5)], L.Provenance("skewed", at=behind))  # ...not `at`
+    update_list(a.root, "optout", [_id(5)], Provenance("skewed", at=behind))  # ...not `at`
     assert skipped(a)["optout"] == {_id(4), _id(5)}
 
 
 def test_removing_one_id_of_a_sidecar_only_list_removes_only_that_id(tmp_path):
     ex = _ex(str(tmp_path / "e"))
-    # The low-level API: sidecars and no store (an export from before the store).
+    # Sidecars and no store (an export from before the store).
     pos = {}
     for i in (1, 2, 6):
         _, s, k = ex.where[_id(i)]
         pos.setdefault((B, s), []).append(k)
-    SL.add_skips(ex.root, "legacy", pos)
-    assert L.store_names(ex.root) == []
+    skip_samples(ex.root, "legacy", pos)
+    assert store_names(ex.root) == []
     _remove(ex.root, "legacy", [_id(2)])
     assert skipped(ex)["legacy"] == {_id(1), _id(6)}
     assert stored(ex.root)["legacy"] == {_id(1), _id(6)}
@@ -167,7 +182,7 @@ def test_a_whole_list_removed_from_the_registry_leaves_other_exports_sidecars_to
 ):
     _, a, b = bound
     _add(a.root, "trial", [_id(i) for i in range(8)])
-    L.sync(b.root)
+    sync(b.root)
     assert skipped(b)["trial"] == {_id(i) for i in range(8)}
     assert skips_cli.main(["remove", a.root, "trial"]) == 0
     assert skips_cli.main(["sync", b.root]) == 0
@@ -185,17 +200,17 @@ def test_a_symlinked_table_path_finds_the_same_registry_and_a_moved_one_is_found
     link = str(tmp_path / "link.lance")
     os.symlink(t, link)
     c = _ex(str(tmp_path / "c"))
-    L.sync(c.root, link)
+    sync(c.root, link)
     _add(a.root, "optout", [_id(7)])
-    L.sync(c.root)
+    sync(c.root)
     assert skipped(c)["optout"] == {_id(7)}
     # The table moves with its registry: the export's recorded paths fail, --table finds it.
     os.unlink(link)
     moved = str(tmp_path / "moved")
     os.makedirs(moved)
     shutil.move(t, os.path.join(moved, "t.lance"))
-    shutil.move(L.registry_uri(t), L.registry_uri(os.path.join(moved, "t.lance")))
-    with pytest.raises(L.ListError, match="--table URI"):
+    shutil.move(registry_uri(t), registry_uri(os.path.join(moved, "t.lance")))
+    with pytest.raises(ListError, match="--table URI"):
         _add(a.root, "optout", [_id(8)])
     _add(a.root, "optout", [_id(8)], table=os.path.join(moved, "t.lance"))
     assert skipped(a)["optout"] == {_id(7), _id(8)}
@@ -207,21 +222,21 @@ def test_a_crafted_export_cannot_inject_lists_into_our_registry(bound, tmp_path)
     lists = os.path.join(evil.root, naming.LISTS_DIR)
     os.makedirs(lists, exist_ok=True)
     # It names our table (path and a guessed identity) and holds a list of every id.
-    st = L.ExportState(table_id="0" * 32, table=t, position=1)
-    L.write_state(evil.root, st)
-    L.write_store_list(
-        evil.root, "all", L.store_table(pa.array(sorted(evil.all_ids())), L.Provenance("x"))
+    st = ExportState(table_id="0" * 32, table=t, position=1)
+    write_state(evil.root, st)
+    write_store_list(
+        evil.root, "all", store_table(pa.array(sorted(evil.all_ids())), Provenance("x"))
     )
-    with pytest.raises(L.ListError):
-        L.resolve(evil.root)  # never our registry
+    with pytest.raises(ListError):
+        resolve(evil.root)  # never our registry
     new = str(tmp_path / "new")
     assert skips_cli.main(["rewrite", evil.root, new, "--force", "--name", "none"]) in (0, 2)
-    assert "all" not in L.Registry.for_table(t).state()
-    L.sync(b.root)
+    assert "all" not in Registry.for_table(t).state()
+    sync(b.root)
     assert "all" not in skipped(b)
     # An export that names no table at all is export-only.
     plain = _ex(str(tmp_path / "plain"))
-    assert L.resolve(plain.root) is None
+    assert resolve(plain.root) is None
 
 
 def test_a_trial_list_warns_and_is_reported_with_its_source(bound, tmp_path, capsys):
@@ -230,7 +245,7 @@ def test_a_trial_list_warns_and_is_reported_with_its_source(bound, tmp_path, cap
     assert skips_cli.main(["add", a.root, "semdedup", "--ids", f]) == 0
     err = capsys.readouterr().err
     assert "leaves out 50.0%" in err and f"skips remove {a.root} semdedup" in err
-    done = L.sync(b.root)
+    done = sync(b.root)
     assert done["semdedup"]["source"] == "registry" and done["semdedup"]["share"] == 0.5
     capsys.readouterr()
     assert skips_cli.main(["list", b.root]) == 0
@@ -244,7 +259,7 @@ def test_lease_refuses_stores_without_conditional_writes_and_a_symlinked_lists_d
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     os.symlink(str(elsewhere), os.path.join(ex.root, naming.LISTS_DIR))
-    with pytest.raises(L.ListError, match="_lists is a symbolic link"):
+    with pytest.raises(ListError, match="_lists is a symbolic link"):
         _add(ex.root, "optout", [_id(1)])
     assert list(elsewhere.iterdir()) == []
 
@@ -282,39 +297,35 @@ def test_registry_written_before_commit_order_is_converted(tmp_path):
             "txn": [""] * 3,
         }
     )
-    lance.write_dataset(old, L.registry_uri(t))
-    reg = L.Registry.for_table(t)
+    lance.write_dataset(old, registry_uri(t))
+    reg = Registry.for_table(t)
     assert reg.state()["x"]["id"].to_pylist() == ["b"]
     reg.append(
-        lambda seq: L.log_rows(
-            "x", pa.array(["c"]), "add", L.Provenance("t"), seq=seq, base=seq, kind=0, export=""
+        lambda seq: log_rows(
+            "x", pa.array(["c"]), "add", Provenance("t"), seq=seq, base=seq, kind=0, export=""
         )
     )
     assert reg.state()["x"]["id"].to_pylist() == ["b", "c"]
     assert json.dumps(sorted(reg.state())) == '["x"]'
 
 
-# --- one write path: the low-level sidecar API ------------------------------------------------
+# --- one write path: sidecars only from the log -------------------------------------------------
 
 
-def test_the_low_level_api_refuses_a_list_the_log_keeps_and_its_own_lists_survive(bound):
+def test_the_sidecar_module_has_no_writer():
+    """Sidecars are written only by the materialisation: the format module only reads them."""
+    public = {n for n in dir(SL) if not n.startswith("_")}
+    assert not {n for n in public if n.startswith(("add_", "write_", "remove_"))}
+
+
+def test_sidecars_no_log_knows_are_taken_into_the_log_exactly(bound):
     _, a, _ = bound
     _add(a.root, "optout", [_id(1)])
-    for call in (
-        lambda: SL.add_skips_by_ids(a.root, "optout", [_id(2)]),
-        lambda: SL.add_skips(a.root, "optout", {a.where[_id(2)][:2]: [a.where[_id(2)][2]]}),
-        lambda: SL.remove_skip_list(a.root, "optout"),
-    ):
-        with pytest.raises(SL.UsageError, match="kept by the export's list log"):
-            call()
-    assert skipped(a)["optout"] == {_id(1)}
-    # A list the log does not keep goes in as sidecars, and is taken into the log exactly.
-    assert SL.add_skips_by_ids(a.root, "manual", [_id(4), _id(5)]).samples_listed == 2
+    # A list only in sidecars (a tree from before the log) goes into the log exactly.
+    assert skip_samples(a.root, "manual", ids=[_id(4), _id(5)]).samples_listed == 2
     _add(a.root, "optout", [_id(3)])
-    L.sync(a.root)
+    sync(a.root)
     assert skipped(a) == {"optout": {_id(1), _id(3)}, "manual": {_id(4), _id(5)}}
-    with pytest.raises(SL.UsageError, match="kept by the export's list log"):
-        SL.add_skips_by_ids(a.root, "manual", [_id(6)])
     _remove(a.root, "manual", [_id(4)])
     assert skipped(a)["manual"] == {_id(5)}
 
@@ -324,7 +335,7 @@ def test_the_low_level_api_refuses_a_list_the_log_keeps_and_its_own_lists_surviv
 
 def _forms(root: str) -> tuple:
     """Everything materialised: stores (with kinds), sidecar bytes, the state's lists and counts."""
-    stores = {n: L._read_store_file(root, n).to_pydict() for n in L.store_names(root)}
+    stores = {n: read_store_file(root, n).to_pydict() for n in store_names(root)}
     cars = {}
     for dirpath, _, files in os.walk(root):
         for f in files:
@@ -332,7 +343,7 @@ def _forms(root: str) -> tuple:
                 cars[os.path.relpath(os.path.join(dirpath, f), root)] = open(
                     os.path.join(dirpath, f), "rb"
                 ).read()
-    st = L.read_state(root)
+    st = read_state(root)
     return stores, cars, st.lists, st.counts, st.position
 
 
@@ -341,19 +352,19 @@ def test_an_update_binds_only_the_changed_ids_and_equals_a_full_rebind(bound, mo
     _add(a.root, "optout", [_id(i) for i in range(8)] + ["gone/1"])
     _add(a.root, "optout", [_id(10)], export_only=True)
     _add(b.root, "dedup", [_id(9)])  # the registry moves on without a
-    real, seen = L.bind, []
+    real, seen = bind, []
 
     def counting(root, lists, **kw):
         seen.append(sum(len(v) for v in lists.values()))
         return real(root, lists, **kw)
 
-    monkeypatch.setattr(L, "bind", counting)
+    monkeypatch.setattr(MAT, "bind", counting)
     r = _remove(a.root, "optout", [_id(3)])
     assert seen == [2]  # _id(3), and dedup's _id(9) from b: not the list's 9 ids
     assert (r.ids_in_list, r.samples_listed) == (9, 8)
     delta = _forms(a.root)
-    monkeypatch.setattr(L, "bind", real)
-    L.sync(a.root)  # the full rebind
+    monkeypatch.setattr(MAT, "bind", real)
+    sync(a.root)  # the full rebind
     assert _forms(a.root) == delta
     assert skipped(a) == {"optout": {_id(i) for i in (0, 1, 2, 4, 5, 6, 7, 10)}, "dedup": {_id(9)}}
 
@@ -362,21 +373,21 @@ def test_an_update_binds_only_the_changed_ids_and_equals_a_full_rebind(bound, mo
 def test_an_update_rebinds_whole_when_the_position_is_not_a_known_prefix(bound, monkeypatch, why):
     _, a, _ = bound
     _add(a.root, "optout", [_id(1), _id(2)])
-    st = L.read_state(a.root)
+    st = read_state(a.root)
     if why == "dirty":  # a materialisation was interrupted
         st.dirty = True
     else:  # the registry was rewritten (converted, recreated) since
         st.log_id = "0" * 32
-    L.write_state(a.root, st)
-    real, seen = L.bind, []
+    write_state(a.root, st)
+    real, seen = bind, []
     monkeypatch.setattr(
-        L, "bind", lambda root, lists, **kw: seen.append(dict(lists)) or real(root, lists, **kw)
+        MAT, "bind", lambda root, lists, **kw: seen.append(dict(lists)) or real(root, lists, **kw)
     )
     _add(a.root, "optout", [_id(3)])
     assert [sorted(x) for x in seen] == [["optout"]]
     assert len(seen[0]["optout"]) == 3
     assert skipped(a)["optout"] == {_id(1), _id(2), _id(3)}
-    assert not L.read_state(a.root).dirty
+    assert not read_state(a.root).dirty
 
 
 def test_an_interrupted_update_leaves_the_state_dirty_and_the_next_one_repairs(bound, monkeypatch):
@@ -386,11 +397,11 @@ def test_an_interrupted_update_leaves_the_state_dirty_and_the_next_one_repairs(b
     def boom(*a, **kw):
         raise OSError("disk full")
 
-    monkeypatch.setattr(L, "write_store_list", boom)
+    monkeypatch.setattr(MAT, "write_store_list", boom)
     with pytest.raises(OSError):
         _add(a.root, "optout", [_id(2)])
-    assert L.read_state(a.root).dirty
+    assert read_state(a.root).dirty
     monkeypatch.undo()
     _add(a.root, "optout", [_id(3)])
     assert skipped(a)["optout"] == {_id(1), _id(2), _id(3)}
-    assert not L.read_state(a.root).dirty
+    assert not read_state(a.root).dirty

@@ -1,7 +1,7 @@
 """Skip lists survive every operation that makes a new tree, and concurrent updates all land.
 
 A list is a set of row ids kept in the export's ``_lists/`` store and in the
-registry next to the table (:mod:`prx_data.skips.lists`); sidecars derive
+registry next to the table (:mod:`prx_data.skips.registry`); sidecars derive
 from it. Each test runs the commands a user runs and checks what the loader
 streams afterwards.
 """
@@ -23,8 +23,10 @@ from prx_data.cli import verify as verify_cli
 from prx_data.cli import write_mds as write_mds_cli
 from prx_data.export import layout, naming, safety
 from prx_data.export.spec import ExportConfig
-from prx_data.skips import lists as L
 from prx_data.skips import sidecar as SL
+from prx_data.skips.export_state import read_store_list, store_names
+from prx_data.skips.ops import sync
+from prx_data.skips.registry import Registry
 from prx_data.stream.dataset import DatasetSpec
 from tests.exportkit import make_export, run_rank, upload_tree
 from tests.tablekit import make_table
@@ -95,11 +97,11 @@ def test_rewrite_applying_dedup_keeps_the_optout_list(tmp_path, capsys):
     # The duplicates are gone from the shards, the opt-outs are still skipped.
     assert _streamed(new) == set(ids) - set(dups) - set(opted)
     # The applied list stays in the log (its samples are gone from the shards, so it skips none).
-    assert L.store_names(new) == ["dedup", "optout"]
+    assert store_names(new) == ["dedup", "optout"]
     assert SL.skip_stats(new, names=["dedup"]).get("dedup", []) == [] or all(
         r.skipped == 0 for r in SL.skip_stats(new, names=["dedup"])["dedup"]
     )
-    kept = L.read_store_list(new, "optout")
+    kept = read_store_list(new, "optout")
     assert sorted(kept["id"].to_pylist()) == opted
     assert set(kept["reason"].to_pylist()) == {"ticket 7"}
     report = json.loads(open(os.path.join(new, "report.json")).read())
@@ -152,7 +154,7 @@ def test_fresh_export_of_the_same_table_gets_the_optout(table, tmp_path, ray_loc
     report = _export(table, second)
     assert report.lists["optout"]["samples"] == 1
     assert "s/2" not in _streamed(second)
-    assert L.read_store_list(second, "optout")["command"].to_pylist() == ["optout"]
+    assert read_store_list(second, "optout")["command"].to_pylist() == ["optout"]
 
 
 def test_drop_list_unregisters_a_trial_list_and_keeps_the_others(table, tmp_path, ray_local):
@@ -162,10 +164,10 @@ def test_drop_list_unregisters_a_trial_list_and_keeps_the_others(table, tmp_path
     _optout(first, _ids_file(tmp_path, "o", ["s/5"]))
     args = ["--table", table, "--out", second, "--tiers", "512", "--min-units", "2"]
     assert write_mds_cli.main([*args, "--no-progress", "--drop-list", "trial"]) == 0
-    assert "trial" not in L.Registry.for_table(table).state()
+    assert "trial" not in Registry.for_table(table).state()
     streamed = _streamed(second)
     assert "s/2" in streamed and "s/5" not in streamed
-    assert L.store_names(second) == ["optout"]
+    assert store_names(second) == ["optout"]
 
 
 def test_id_opted_out_before_it_was_exported_stays_out(table, tmp_path, ray_local, capsys):
@@ -234,15 +236,15 @@ def test_concurrent_adds_all_land(where, tmp_path, request):
         upload_tree(local_table, registry_table)
     else:
         make_table(registry_table, [("s/0", _jpeg(0), "c")])
-    L.sync(root, registry_table)  # bound to the table, as write_mds leaves it
+    sync(root, registry_table)  # bound to the table, as write_mds leaves it
     first = _ids_file(tmp_path, "c0", [f"ds/{B}/0"])
     assert skips_cli.main(["add", root, "optout", "--ids", first]) == 0
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     _concurrent_adds(root, registry_table, tmp_path, env)
 
     want = sorted(f"ds/{B}/{i}" for i in (0, 1, 3, 5, 7))
-    assert sorted(L.read_store_list(root, "optout")["id"].to_pylist()) == want
-    assert sorted(L.Registry.for_table(registry_table).state()["optout"]["id"].to_pylist()) == want
+    assert sorted(read_store_list(root, "optout")["id"].to_pylist()) == want
+    assert sorted(Registry.for_table(registry_table).state()["optout"]["id"].to_pylist()) == want
     shards = layout.read_index(root, B)
     skipped = SL.load_skips(root, B, shards, ["optout"])
     where_of = {sid: (s, i) for sid, (_, s, i) in ex.where.items()}
@@ -255,10 +257,11 @@ def test_registry_appends_from_many_processes_all_land(tmp_path):
     reg_table = str(tmp_path / "t.lance")
     make_table(reg_table, [("s/0", _jpeg(0), "c")])
     code = (
-        "import sys; from prx_data.skips import lists as L; import pyarrow as pa; "
-        "r = L.Registry.for_table(sys.argv[1]); "
-        "r.append(lambda seq: L.log_rows('x', pa.array([sys.argv[2]]), 'add', "
-        "L.Provenance('test'), seq=seq, base=seq, kind=0, export='e'))"
+        "import sys; import pyarrow as pa; from prx_data.skips.registry import Registry; "
+        "from prx_data.skips.log import Provenance, log_rows; "
+        "r = Registry.for_table(sys.argv[1]); "
+        "r.append(lambda seq: log_rows('x', pa.array([sys.argv[2]]), 'add', "
+        "Provenance('test'), seq=seq, base=seq, kind=0, export='e'))"
     )
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [
@@ -266,7 +269,7 @@ def test_registry_appends_from_many_processes_all_land(tmp_path):
         for k in range(5)
     ]
     assert [p.wait(timeout=300) for p in procs] == [0] * 5
-    got = L.Registry.for_table(reg_table).state()["x"]["id"].to_pylist()
+    got = Registry.for_table(reg_table).state()["x"]["id"].to_pylist()
     assert sorted(got) == [f"id{k}" for k in range(5)]
 
 
@@ -293,7 +296,7 @@ def test_sync_gives_another_export_of_the_table_its_lists(tmp_path, capsys):
     a = make_export(str(tmp_path / "a"), {B: 8}, samples_per_part=8)
     b = make_export(str(tmp_path / "b"), {B: 8}, samples_per_part=4)
     for ex in (a, b):
-        L.sync(ex.root, t)  # two exports of one table, as write_mds leaves them
+        sync(ex.root, t)  # two exports of one table, as write_mds leaves them
     _optout(a.root, _ids_file(tmp_path, "o", [f"ds/{B}/2", f"ds/{B}/5"]))
     assert skips_cli.main(["sync", b.root]) == 0
     assert "optout: 2 ids, 2 samples skipped" in capsys.readouterr().out

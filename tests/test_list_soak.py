@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from prx_data.skips import lists as L
+from prx_data.skips.ops import sync
+from prx_data.skips.registry import Registry
 from tests.exportkit import make_export, upload_tree
 from tests.tablekit import make_table
 from tests.test_list_model import skipped
@@ -34,7 +35,7 @@ def _soak(tmp_path, procs: int, ops: int, bucket: str | None = None) -> int:
             upload_tree(ex.root, root)
             ex.root = root
     for ex in exports:
-        L.sync(ex.root, table)
+        sync(ex.root, table)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     logs = [str(tmp_path / f"w{k}.jsonl") for k in range(procs)]
     running = [
@@ -52,7 +53,7 @@ def _soak(tmp_path, procs: int, ops: int, bucket: str | None = None) -> int:
     assert not any("Traceback" in e for e in errs), "\n".join(errs)
     print(f"soak: {procs} processes, {procs * ops} operations, {len(acked_of(logs))} acknowledged")
     acked = acked_of(logs)
-    reg = L.Registry.for_table(table)
+    reg = Registry.for_table(table)
     entries = reg.entries()
     by_seq: dict[int, set] = {}
     for s, n, i, op in zip(
@@ -73,7 +74,7 @@ def _soak(tmp_path, procs: int, ops: int, bucket: str | None = None) -> int:
     # Nothing resurrected: the state is the replay in commit order.
     assert {n: set(t["id"].to_pylist()) for n, t in reg.state().items()} == want
     for ex in exports:
-        L.sync(ex.root)
+        sync(ex.root)
         held = ex.all_ids()
         assert skipped(ex) == {n: v & held for n, v in want.items() if v & held}
     return len(acked)

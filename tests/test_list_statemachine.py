@@ -35,8 +35,13 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
 
 from prx_data.export import layout  # noqa: E402
-from prx_data.skips import lists as L  # noqa: E402
 from prx_data.skips import sidecar as SL  # noqa: E402
+from prx_data.skips.bind import ids_at  # noqa: E402
+from prx_data.skips.export_state import export_lease  # noqa: E402
+from prx_data.skips.log import Provenance  # noqa: E402
+from prx_data.skips.materialise import materialise  # noqa: E402
+from prx_data.skips.ops import carry, sync, update_list  # noqa: E402
+from prx_data.skips.registry import Registry, read_table_id, registry_uri  # noqa: E402
 from tests.exportkit import make_export  # noqa: E402
 from tests.tablekit import make_table  # noqa: E402
 
@@ -60,10 +65,10 @@ class ListLog(RuleBasedStateMachine):
         for e in EXPORTS:
             root = os.path.join(self.tmp, e)
             shutil.copytree(TEMPLATE.root, root)
-            L.sync(root, self.table)
+            sync(root, self.table)
             self.ex[e] = root
         self.where = TEMPLATE.where
-        self.tid = L.read_table_id(self.table)
+        self.tid = read_table_id(self.table)
         self.reg: dict[str, set[str]] = {}
         self.over: dict[str, dict[tuple[str, str], str]] = {e: {} for e in EXPORTS}
         self.shown: dict[str, dict[str, set[str]]] = {e: {} for e in EXPORTS}
@@ -99,8 +104,8 @@ class ListLog(RuleBasedStateMachine):
             for i in ids:
                 self.over[e].pop((n, i), None)
 
-    def prov(self) -> L.Provenance:
-        return L.Provenance("model", at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.skew))
+    def prov(self) -> Provenance:
+        return Provenance("model", at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.skew))
 
     # --- rules ---------------------------------------------------------------------------------
 
@@ -110,7 +115,7 @@ class ListLog(RuleBasedStateMachine):
 
     @rule(e=st.sampled_from(EXPORTS), n=st.sampled_from(LISTS), ids=ids_st, only=st.booleans())
     def add(self, e, n, ids, only):
-        L.update_list(self.ex[e], n, sorted(ids), self.prov(), export_only=only)
+        update_list(self.ex[e], n, sorted(ids), self.prov(), export_only=only)
         if only:
             self.over[e].update({(n, i): "add" for i in ids})
         else:
@@ -119,7 +124,7 @@ class ListLog(RuleBasedStateMachine):
 
     @rule(e=st.sampled_from(EXPORTS), n=st.sampled_from(LISTS), ids=ids_st, only=st.booleans())
     def remove_ids(self, e, n, ids, only):
-        L.update_list(self.ex[e], n, sorted(ids), self.prov(), mode="remove", export_only=only)
+        update_list(self.ex[e], n, sorted(ids), self.prov(), mode="remove", export_only=only)
         if only:
             self.over[e].update({(n, i): "remove" for i in ids})
         else:
@@ -129,7 +134,7 @@ class ListLog(RuleBasedStateMachine):
     @rule(e=st.sampled_from(EXPORTS), n=st.sampled_from(LISTS), only=st.booleans())
     def remove_list(self, e, n, only):
         held = set(self.view(e).get(n, set()))
-        L.update_list(self.ex[e], n, None, self.prov(), mode="remove", export_only=only)
+        update_list(self.ex[e], n, None, self.prov(), mode="remove", export_only=only)
         if only:
             self.over[e].update({(n, i): "remove" for i in held})
         else:
@@ -138,14 +143,14 @@ class ListLog(RuleBasedStateMachine):
 
     @rule(e=st.sampled_from(EXPORTS))
     def sync(self, e):
-        L.sync(self.ex[e])
+        sync(self.ex[e])
         self.shown[e] = self.view(e)
 
     @rule(e=st.sampled_from(EXPORTS))
     def overwrite(self, e):
         """``write_mds --overwrite``: carry the old tree's entries, a new tree, materialise."""
-        reg = L.Registry.for_table(self.table)
-        L.carry(self.ex[e], reg)
+        reg = Registry.for_table(self.table)
+        carry(self.ex[e], reg)
         for (n, i), op in sorted(self.over[e].items()):
             self.reg_op(n, {i}, op)
         self.gen += 1
@@ -153,8 +158,8 @@ class ListLog(RuleBasedStateMachine):
         shutil.copytree(TEMPLATE.root, root)
         shutil.rmtree(self.ex[e])
         self.ex[e] = root
-        with L.export_lease(root) as lease:
-            L.materialise(root, reg, lease, full=True)
+        with export_lease(root) as lease:
+            materialise(root, reg, lease, full=True)
         self.shown[e] = self.view(e)
 
     @rule(e=st.sampled_from(EXPORTS))
@@ -163,8 +168,8 @@ class ListLog(RuleBasedStateMachine):
         self.gen += 1
         root = os.path.join(self.tmp, f"{e}.{self.gen}")
         shutil.copytree(TEMPLATE.root, root)
-        with L.export_lease(root) as lease:
-            L.materialise(root, L.Registry.for_table(self.table), lease, full=True)
+        with export_lease(root) as lease:
+            materialise(root, Registry.for_table(self.table), lease, full=True)
         self.ex[e], self.over[e], self.held[e] = root, {}, set(TEMPLATE.where)
         self.shown[e] = self.view(e)
 
@@ -187,7 +192,7 @@ class ListLog(RuleBasedStateMachine):
     def dedup(self, e, ids):
         """``dedup --export``: the dedup list replaced, in one registry commit."""
         gone = self.view(e).get("dedup", set()) - ids
-        L.update_list(self.ex[e], "dedup", sorted(ids), self.prov(), mode="replace")
+        update_list(self.ex[e], "dedup", sorted(ids), self.prov(), mode="replace")
         self.reg_op("dedup", gone, "remove")
         self.reg_op("dedup", ids, "add")
         self.shown[e] = self.view(e)
@@ -201,19 +206,19 @@ class ListLog(RuleBasedStateMachine):
         self.gen += 1
         row = row.set_column(0, "id", pa.array([f"s/new{self.gen}"], pa.string()))
         lance.write_dataset(row, self.table, mode="append")
-        assert L.read_table_id(self.table) == self.tid
+        assert read_table_id(self.table) == self.tid
 
     @rule()
     def compact(self):
         """Compaction and old-version cleanup of the table and of the registry."""
         import lance
 
-        for uri in (self.table, L.registry_uri(self.table)):
+        for uri in (self.table, registry_uri(self.table)):
             if os.path.exists(uri):
                 ds = lance.dataset(uri)
                 ds.optimize.compact_files()
                 lance.dataset(uri).cleanup_old_versions(older_than=dt.timedelta(0))
-        assert L.read_table_id(self.table) == self.tid
+        assert read_table_id(self.table) == self.tid
 
     # --- the check -------------------------------------------------------------------------
 
@@ -239,7 +244,7 @@ class ListLog(RuleBasedStateMachine):
             want = set().union(*self.shown[e].values()) & self.held[e]
             srcs = load_sources(DatasetSpec(root=self.ex[e]), [TIER])
             positions = {(b.bucket, s): idx for b in srcs for s, idx in b.skips.items()}
-            assert set(L.ids_at(self.ex[e], positions).to_pylist()) == want, e
+            assert set(ids_at(self.ex[e], positions).to_pylist()) == want, e
             streamed = sum(b.samples - b.skipped for b in srcs)
             assert streamed == len(self.held[e] - want), e
 
@@ -251,7 +256,7 @@ def _sidecar_ids(root: str) -> dict[str, set[str]]:
         shards = layout.read_index(root, bucket)
         for n in SL.list_sidecars(root, bucket, shards):
             got = SL.load_skips(root, bucket, shards, [n])
-            ids = set(L.ids_at(root, {(bucket, s): v for s, v in got.items()}).to_pylist())
+            ids = set(ids_at(root, {(bucket, s): v for s, v in got.items()}).to_pylist())
             if ids:
                 out.setdefault(n, set()).update(ids)
     return out

@@ -11,8 +11,7 @@ import pytest
 from prx_data.cli.skips import main
 from prx_data.export import layout
 from prx_data.skips import rewrite as R
-from prx_data.skips import sidecar as S
-from tests.exportkit import make_export
+from tests.exportkit import make_export, skip_samples
 
 B1, B2 = "512/1.000", "512/0.500"
 
@@ -21,8 +20,8 @@ B1, B2 = "512/1.000", "512/0.500"
 def export(tmp_path):
     ex = make_export(str(tmp_path / "ex"), {B1: 8, B2: 4}, samples_per_part=4)
     # Every sample of B2 and the whole first part of B1 are skipped.
-    S.add_skips_by_ids(ex.root, "dedup", [f"ds/{B2}/{i}" for i in range(4)])
-    S.add_skips_by_ids(ex.root, "nsfw", [f"ds/{B1}/{i}" for i in range(4)] + [f"ds/{B1}/5"])
+    skip_samples(ex.root, "dedup", ids=[f"ds/{B2}/{i}" for i in range(4)])
+    skip_samples(ex.root, "nsfw", ids=[f"ds/{B1}/{i}" for i in range(4)] + [f"ds/{B1}/5"])
     return ex
 
 

@@ -84,9 +84,9 @@ def test_planted_near_duplicates_found_and_the_largest_kept(planted, tmp_path, e
             skipped |= {where[(bucket, base, int(x))] for x in idx.tolist()}
     assert skipped == set(PLANTED)
     assert rep.skip_list["samples_listed"] == 6
-    from prx_data.skips import lists as LS  # recorded in the table's list registry too
+    from prx_data.skips.ops import list_ids  # recorded in the table's list registry too
 
-    assert set(LS.list_ids(out, "semdedup").to_pylist()) == set(PLANTED)
+    assert set(list_ids(out, "semdedup").to_pylist()) == set(PLANTED)
     # Deterministic: a second run gives the same sidecars, byte for byte.
     before = {r: open(f"{out}/{r}", "rb").read() for r in SL.storage.list_files(out, ".skip")}
     SJ.run_semdedup(cfg)
@@ -179,6 +179,6 @@ def test_ray_and_local_engines_agree_and_store_cluster_columns(planted, tmp_path
 
 
 def _list_ids(out: str) -> list[str]:
-    from prx_data.skips import lists as LS
+    from prx_data.skips.ops import list_ids
 
-    return LS.list_ids(out, "semdedup").to_pylist()
+    return list_ids(out, "semdedup").to_pylist()

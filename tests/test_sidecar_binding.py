@@ -14,7 +14,7 @@ from prx_data.cli.skips import main
 from prx_data.export import layout, naming
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import DatasetSpec, load_sources
-from tests.exportkit import FakeExport, make_export
+from tests.exportkit import FakeExport, make_export, skip_samples
 
 B = "512/1.000"
 
@@ -30,7 +30,7 @@ def export(template, tmp_path):
     root = str(tmp_path / "ex")
     shutil.copytree(template.root, root)
     ex = FakeExport(root, template.ids, template.where)
-    S.add_skips(root, "dedup", {(B, _shard(ex)): [1, 2]})
+    skip_samples(root, "dedup", {(B, _shard(ex)): [1, 2]})
     return ex
 
 
@@ -104,7 +104,7 @@ def test_sidecar_without_hashes_is_refused_by_a_hashed_index(tmp_path):
     root = str(tmp_path / "ex")
     ex = make_export(root, {B: 12}, samples_per_part=12, samples_per_shard=4, hashes=[])
     shard = _shard(ex)
-    S.add_skips(root, "dedup", {(B, shard): [1]})
+    skip_samples(root, "dedup", {(B, shard): [1]})
     old = open(os.path.join(root, B, shard), "rb").read()
     _rehash_shard(ex, shard, old[:-1] + bytes([old[-1] ^ 0xFF]))
     with pytest.raises(S.SkipListError, match="index records shard hashes"):

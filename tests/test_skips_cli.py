@@ -12,7 +12,7 @@ import pytest
 from prx_data.cli.skips import main
 from prx_data.skips import sidecar as S
 from prx_data.skips.rewrite import RewriteRefused, rewrite_export
-from tests.exportkit import make_export
+from tests.exportkit import make_export, skip_samples
 
 B1, B2 = "512/1.000", "512/0.500"
 
@@ -66,8 +66,8 @@ def test_add_from_table_query(export, tmp_path):
 
 def test_rewrite_threshold_and_verified_output(export, tmp_path):
     root = export.root
-    S.add_skips_by_ids(root, "dedup", [f"ds/{B1}/{i}" for i in (0, 1, 7)])  # 3 of 30 = 10%
-    S.add_skips_by_ids(root, "x", [f"ds/{B2}/{i}" for i in (4,)])
+    skip_samples(root, "dedup", ids=[f"ds/{B1}/{i}" for i in (0, 1, 7)])  # 3 of 30 = 10%
+    skip_samples(root, "x", ids=[f"ds/{B2}/{i}" for i in (4,)])
     with pytest.raises(RewriteRefused, match="Pass --force"):
         rewrite_export(root, str(tmp_path / "o1"), names=["x"])
     out = str(tmp_path / "clean")

@@ -17,7 +17,7 @@ from prx_data.core import storage
 from prx_data.export import layout
 from prx_data.skips import rewrite as R
 from prx_data.skips import sidecar as S
-from tests.exportkit import make_export, upload_tree
+from tests.exportkit import make_export, skip_samples, upload_tree
 
 pytestmark = pytest.mark.remote
 B1, B2 = "512/1.000", "512/0.500"
@@ -53,8 +53,8 @@ def _export(tmp_path, **kw):
     ex = make_export(
         str(tmp_path / "src"), {B1: 40, B2: 24}, samples_per_part=16, samples_per_shard=6, **kw
     )
-    S.add_skips_by_ids(ex.root, "dedup", [f"ds/{B1}/{i}" for i in range(0, 40, 3)])
-    S.add_skips_by_ids(ex.root, "optout", [f"ds/{B2}/{i}" for i in (1, 2, 20)])
+    skip_samples(ex.root, "dedup", ids=[f"ds/{B1}/{i}" for i in range(0, 40, 3)])
+    skip_samples(ex.root, "optout", ids=[f"ds/{B2}/{i}" for i in (1, 2, 20)])
     return ex
 
 

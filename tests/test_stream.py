@@ -17,7 +17,7 @@ import torch
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import DatasetSpec
 from prx_data.stream.planner import PlanError
-from tests.exportkit import make_export, run_rank
+from tests.exportkit import make_export, run_rank, skip_samples
 
 logging.getLogger("streaming").setLevel(logging.ERROR)
 B1, B2, B3 = "512/1.000", "512/0.500", "512/2.000"
@@ -31,12 +31,12 @@ def export(tmp_path_factory):
     )
     rng = random.Random(0)
     ids = sorted(ex.all_ids())
-    S.add_skips_by_ids(root, "dedup", rng.sample(ids, 14))
-    S.add_skips_by_ids(root, "nsfw", rng.sample(ids, 6))
+    skip_samples(root, "dedup", ids=rng.sample(ids, 14))
+    skip_samples(root, "nsfw", ids=rng.sample(ids, 6))
     # One shard with every sample skipped: it must vanish from the sample space.
     bucket, shard, _ = ex.where[f"ds/{B3}/0"]
     n = sum(1 for w in ex.where.values() if w[1] == shard and w[0] == bucket)
-    S.add_skips(root, "dedup", {(bucket, shard): range(n)})
+    skip_samples(root, "dedup", {(bucket, shard): range(n)})
     return ex
 
 
@@ -130,7 +130,7 @@ def test_proportions_mix_within_tolerance(export, tmp_path):
     # The second export is zstd-compressed and has its own skip list.
     other = make_export(str(tmp_path / "b"), {B1: 40}, name="other", compression="zstd")
     gone = {f"other/{B1}/{i}" for i in (3, 4, 20, 39)}
-    S.add_skips_by_ids(other.root, "nsfw", gone)
+    skip_samples(other.root, "nsfw", ids=gone)
     specs = [DatasetSpec(export.root, proportion=0.75), DatasetSpec(other.root, proportion=0.25)]
     run = run_rank(
         specs, rank=0, world_size=1, batch_size=4, tier=512, epoch_size=160, small_buckets="drop"
@@ -219,7 +219,7 @@ def test_errors_are_clear(export, tmp_path):
     root = str(tmp_path / "c")
     shutil.copytree(export.root, root)
     bucket, shard, _ = export.where[f"ds/{B1}/3"]
-    S.add_skips(root, "late", {(bucket, shard): [0]})
+    skip_samples(root, "late", {(bucket, shard): [0]})
     path = f"{root}/{bucket}/{shard}.late.skip"
     data = bytearray(open(path, "rb").read())
     data[-1] ^= 0xFF

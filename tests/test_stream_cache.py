@@ -17,7 +17,7 @@ import pytest
 
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import DatasetSpec
-from tests.exportkit import make_export, run_rank, upload_tree
+from tests.exportkit import make_export, run_rank, skip_samples, upload_tree
 
 pytestmark = pytest.mark.remote
 logging.getLogger("streaming").setLevel(logging.ERROR)
@@ -61,7 +61,7 @@ def test_warm_cache_after_reexport_streams_the_new_bytes(moto_server, tmp_path):
     assert S.read_index(old.root, B1) == S.read_index(new.root, B1)
     upload_tree(new.root, root)
     out = "v2/512/1.000/3"
-    assert S.add_skips_by_ids(root, "optout", [out]).samples_listed == 1
+    assert skip_samples(root, "optout", ids=[out]).samples_listed == 1
 
     seen = _stream(DatasetSpec(root, local=cache))
     # 23 kept samples stream as 5 whole batches of 4, every one from the new export.
@@ -79,7 +79,7 @@ def test_cache_limit_over_remote_and_local_never_deletes_the_local_export(moto_s
         os.path.getsize(os.path.join(local.root, f)) for f in before
     )  # shards of both exports are the same size
     optout = {f"l/{B1}/{i}" for i in (1, 2, 5, 9)}  # skip-aware shard readers are pinned too
-    S.add_skips_by_ids(local.root, "optout", sorted(optout))
+    skip_samples(local.root, "optout", ids=sorted(optout))
     specs = [DatasetSpec(root, local=str(tmp_path / "cache")), DatasetSpec(local.root)]
     seen = _stream(specs, cache_limit=5 * size + 4096, shuffle=True)
     # Not one file of the local export was deleted, and the whole epoch streamed.

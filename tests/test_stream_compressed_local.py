@@ -15,10 +15,9 @@ import shutil
 import pytest
 
 from prx_data.export.verify import verify_export
-from prx_data.skips import sidecar as S
 from prx_data.stream import cache as shard_cache
 from prx_data.stream.dataset import DatasetSpec
-from tests.exportkit import make_export, run_rank
+from tests.exportkit import make_export, run_rank, skip_samples
 
 B = "512/1.000"
 GONE = {f"ds/{B}/{i}" for i in (1, 5, 17)}
@@ -36,7 +35,7 @@ def _tree(root: str) -> dict[str, int]:
 @pytest.fixture
 def zexport(tmp_path):
     ex = make_export(str(tmp_path / "z"), {B: 24}, samples_per_part=8, compression="zstd")
-    S.add_skips_by_ids(ex.root, "dedup", GONE)
+    skip_samples(ex.root, "dedup", ids=GONE)
     return ex
 
 

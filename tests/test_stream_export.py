@@ -16,8 +16,10 @@ from prx_data.export.merge import finalize
 from prx_data.export.prepare import plan_units, prepare_output
 from prx_data.export.spec import ExportConfig
 from prx_data.export.unit import export_unit
-from prx_data.skips import sidecar as S
+from prx_data.skips.log import Provenance
+from prx_data.skips.ops import update_list
 from prx_data.stream.dataset import DatasetSpec
+from prx_data.table.lance_ops import query_ids
 from tests.exportkit import run_rank
 from tests.tablekit import folder_items, make_table
 
@@ -48,8 +50,11 @@ def test_exporter_output_streams_with_a_query_skip_list(tmp_path):
     )
     flag_uri = str(tmp_path / "flags.lance")
     lance.write_dataset(flagged, flag_uri)
-    added = S.add_skips_by_query(cfg.out, "flagged", flag_uri, "flag = true")
-    assert added.samples_listed == len(chosen) and added.ids_not_found == 0
+    # ``skips add --table --where`` (the export's own table's registry).
+    added = update_list(
+        cfg.out, "flagged", query_ids(flag_uri, "flag = true"), Provenance("test"), table=table
+    )
+    assert added.samples_listed == len(chosen) and added.ids_not_in_export == 0
 
     run = run_rank(
         DatasetSpec(cfg.out), rank=0, world_size=1, batch_size=1, tier=512, shuffle=False

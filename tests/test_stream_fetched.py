@@ -16,7 +16,7 @@ from prx_data.core import storage
 from prx_data.skips import sidecar as S
 from prx_data.stream import fetched
 from prx_data.stream.dataset import DatasetSpec, fetch_catalog
-from tests.exportkit import make_export, upload_tree
+from tests.exportkit import make_export, skip_samples, upload_tree
 from tests.s3proxy import RuleProxy
 
 pytestmark = pytest.mark.remote
@@ -57,8 +57,8 @@ def test_second_start_fetches_nothing_unchanged_and_each_change_once(s3_bucket, 
     root = f"s3://{s3_bucket}/ex"
     ex = make_export(str(tmp_path / "ex"), {B1: 24, B2: 12}, samples_per_shard=6)
     upload_tree(ex.root, root)
-    S.add_skips_by_ids(root, "optout", [f"ds/{B1}/{i}" for i in (0, 7, 13)] + [f"ds/{B2}/1"])
-    S.add_skips_by_ids(root, "nsfw", [f"ds/{B2}/8"])
+    skip_samples(root, "optout", ids=[f"ds/{B1}/{i}" for i in (0, 7, 13)] + [f"ds/{B2}/1"])
+    skip_samples(root, "nsfw", ids=[f"ds/{B2}/8"])
     cache = str(tmp_path / "cache")
     _gets(proxy)
 
@@ -71,7 +71,7 @@ def test_second_start_fetches_nothing_unchanged_and_each_change_once(s3_bucket, 
     assert _gets(proxy) == 0  # a second start downloads no unchanged file
 
     # One more id in a shard that has a sidecar: that sidecar alone is fetched again.
-    S.add_skips_by_ids(root, "optout", [f"ds/{B1}/1"])
+    skip_samples(root, "optout", ids=[f"ds/{B1}/1"])
     _gets(proxy)
     _fetch(root, cache)
     assert _gets(proxy) == 1
@@ -81,7 +81,7 @@ def test_second_start_fetches_nothing_unchanged_and_each_change_once(s3_bucket, 
         assert f.read() == storage.read_bytes(f"{root}/{B1}/{rel}")
 
     # A list removed from the export leaves the cache, with nothing downloaded.
-    S.remove_skip_list(root, "nsfw")
+    skip_samples(root, "nsfw", remove=True)
     _gets(proxy)
     _fetch(root, cache)
     assert _gets(proxy) == 0
@@ -129,7 +129,7 @@ def test_a_record_for_another_root_or_a_damaged_one_trusts_nothing(s3_bucket, pr
     root = f"s3://{s3_bucket}/ex"
     ex = make_export(str(tmp_path / "ex"), {B1: 12}, samples_per_shard=6)
     upload_tree(ex.root, root)
-    S.add_skips_by_ids(root, "optout", [f"ds/{B1}/2"])
+    skip_samples(root, "optout", ids=[f"ds/{B1}/2"])
     cache = str(tmp_path / "cache")
     _fetch(root, cache)
     _gets(proxy)

@@ -57,15 +57,14 @@ def _launch(
 
 @pytest.mark.slow
 def test_gloo_elastic_resume_exactly_once(tmp_path):
-    from prx_data.skips import sidecar as S
-    from tests.exportkit import make_export
+    from tests.exportkit import make_export, skip_samples
 
     root = str(tmp_path / "ex")
     ex = make_export(
         root, {"512/1.000": 64, "512/0.500": 40}, samples_per_part=16, samples_per_shard=6
     )
     skipped = set(random.Random(1).sample(sorted(ex.all_ids()), 8))
-    S.add_skips_by_ids(root, "dedup", skipped)
+    skip_samples(root, "dedup", ids=skipped)
     port = 29500 + os.getpid() % 1000
     full = _launch(root, 2, str(tmp_path / "full"), None, None, port)
     a = _launch(root, 2, str(tmp_path / "a"), 2, None, port + 1)

@@ -11,9 +11,8 @@ import random
 
 import pytest
 
-from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import DatasetSpec, ResumeMismatch
-from tests.exportkit import make_export, run_rank
+from tests.exportkit import make_export, run_rank, skip_samples
 
 logging.getLogger("streaming").setLevel(logging.ERROR)
 
@@ -86,7 +85,7 @@ def test_an_opt_out_added_since_the_checkpoint_is_refused_by_default(two):
     state = first[0].state
     assert state["prx_fingerprint"]["datasets"][0]["skip_lists"] == {}
     gone = random.Random(3).sample(sorted(a.all_ids()), 9)
-    S.add_skips_by_ids(a.root, "optout", gone)
+    skip_samples(a.root, "optout", ids=gone)
     with pytest.raises(ResumeMismatch) as err:
         run_rank(a.root, rank=0, world_size=1, batch_size=8, state=state, **KW)
     msg = str(err.value)
@@ -99,7 +98,7 @@ def test_restart_epoch_applies_the_opt_out_and_sees_every_other_sample_once(two)
     first = _first_two_ranks(a.root, **KW)
     trained = set(flat(first))
     gone = set(random.Random(4).sample(sorted(a.all_ids()), 9))
-    S.add_skips_by_ids(a.root, "optout", gone)
+    skip_samples(a.root, "optout", ids=gone)
     # Resume on 4 ranks (global batch 8 kept), then on 1.
     four = [
         run_rank(

@@ -28,13 +28,12 @@ def _free_port() -> int:
 
 @pytest.mark.slow  # two interpreters importing torch: ~10 s idle, far more on a busy box
 def test_ranks_with_different_skip_lists_raise_the_same_error(tmp_path):
-    from prx_data.skips import sidecar as S
-    from tests.exportkit import make_export
+    from tests.exportkit import make_export, skip_samples
 
     root = str(tmp_path / "ex")
     make_export(root, {B1: 32}, samples_per_shard=8)
-    S.add_skips_by_ids(root, "dedup", [f"ds/{B1}/1"])
-    S.add_skips_by_ids(root, "optout", [f"ds/{B1}/2", f"ds/{B1}/3"])
+    skip_samples(root, "dedup", ids=[f"ds/{B1}/1"])
+    skip_samples(root, "optout", ids=[f"ds/{B1}/2", f"ds/{B1}/3"])
     port = _free_port()
     procs = []
     for rank, lists in ((0, "dedup"), (1, "dedup,optout")):

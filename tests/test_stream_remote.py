@@ -18,7 +18,7 @@ import pytest
 from prx_data.core import storage
 from prx_data.skips import sidecar as S
 from prx_data.stream.dataset import DatasetSpec, fetch_catalog
-from tests.exportkit import make_export, run_rank, upload_tree
+from tests.exportkit import make_export, run_rank, skip_samples, upload_tree
 from tests.s3proxy import relay, send_error
 
 pytestmark = pytest.mark.remote
@@ -96,7 +96,7 @@ def test_remote_skip_lists_stream_exactly_once(s3, tmp_path, monkeypatch):
     ex, root = s3["export"], s3["root"]
     # Library API against object storage: add by ids, list, stats.
     skipped = {f"ds/{B1}/{i}" for i in (1, 2, 17, 33)} | {f"ds/{B2}/5"}
-    r = S.add_skips_by_ids(root, "optout", sorted(skipped))
+    r = skip_samples(root, "optout", ids=sorted(skipped))
     assert r.samples_listed == 5 and r.ids_not_found == 0
     assert set(S.list_skip_lists(root)["optout"]) == {B1, B2}
     n_sidecars = sum(S.list_skip_lists(root)["optout"].values())
@@ -170,4 +170,4 @@ def test_remote_proportions_and_mismatched_sidecar(s3, tmp_path, monkeypatch):
             tier=512,
             small_buckets="drop",
         )
-    assert S.remove_skip_list(root, "stale") == 1
+    assert skip_samples(root, "stale", remove=True).removed == 1

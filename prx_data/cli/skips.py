@@ -1,17 +1,21 @@
-"""``python -m prx_data.skips``: argument parsing over :mod:`prx_data.skips.rewrite`."""
+"""``python -m prx_data.skips``: argument parsing over :mod:`prx_data.skips.ops` and
+:mod:`prx_data.skips.rewrite`; one function per subcommand (:data:`COMMANDS`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from prx_data.core.errors import PrxDataError
 from prx_data.export import layout
-from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
+from prx_data.skips.bind import ids_at
+from prx_data.skips.export_state import read_state, read_store
+from prx_data.skips.log import Provenance
+from prx_data.skips.ops import lists_text, sync, update_list
 from prx_data.skips.sidecar import read_ids_file, read_indices_file
 from prx_data.table.lance_ops import query_ids
 
@@ -168,150 +172,185 @@ def _refuse_plain_tree(root: str) -> None:
     refuse_plain_tree(root)
 
 
+def _add(args: argparse.Namespace) -> list:
+    if args.table and not args.where:
+        raise SystemExit("--table needs --where")
+    if args.where and not args.table:
+        raise SystemExit("--where needs --table")
+    if args.indices:
+        ids = ids_at(args.root, read_indices_file(args.indices))
+    elif args.ids:
+        ids = read_ids_file(args.ids)
+    else:
+        ids = query_ids(args.table, args.where)
+    r = update_list(
+        args.root,
+        args.name,
+        ids,
+        Provenance("skips add", args.reason),
+        table=args.table,
+        export_only=args.export_only,
+    )
+    print(
+        f"{r.name}: {r.samples_listed} samples in {r.shards_written} shard sidecars; "
+        f"{r.ids_in_list} ids in the list"
+        + (
+            f"; {r.ids_not_in_export} ids not found in the export (kept in the list)"
+            if r.ids_not_in_export
+            else ""
+        )
+        + (f"; recorded in {r.registry}" if r.registry else "; this export only")
+    )
+    if r.warning:
+        print(r.warning, file=sys.stderr)
+    return []
+
+
+def _list(args: argparse.Namespace) -> list:
+    lists = skiplist.list_skip_lists(args.root, args.tier)
+    stored = {n: len(t) for n, t in read_store(args.root).items()}
+    state = read_state(args.root)
+    source = state.lists if state is not None else {}
+    if not lists and not stored:
+        print("no skip lists")
+    for name in sorted(set(lists) | set(stored)):
+        ids = (
+            f"{stored[name]} ids" + (f" (from {source[name]})" if source.get(name) else "")
+            if name in stored
+            else "no ids in _lists/ (sidecars only: any list update records them)"
+        )
+        where = ", ".join(f"{b} ({n} shards)" for b, n in lists.get(name, {}).items())
+        print(f"{name}: {where or 'no sample in this export'}; {ids}")
+    problems = skiplist.sidecar_problems(args.root, args.tier, read=not args.no_check)
+    for pr in problems:
+        print(pr.text())
+    return problems
+
+
+def _stats(args: argparse.Namespace) -> list:
+    problems: list = []
+    stats = skiplist.skip_stats(args.root, args.name, args.tier, problems=problems)
+    if args.json:
+        body = {
+            k: [asdict(r) | {"percent": round(r.percent, 4)} for r in v] for k, v in stats.items()
+        }
+        if problems:  # list names start with [a-z0-9], so this key cannot clash
+            body["_problems"] = [asdict(pr) for pr in problems]
+        print(json.dumps(body, indent=1))
+    else:
+        print(f"{'list':<20} {'bucket':<12} {'samples':>10} {'skipped':>9} {'%':>7}")
+        for name, rows in stats.items():
+            for r in rows:
+                print(f"{name:<20} {r.bucket:<12} {r.samples:>10} {r.skipped:>9} {r.percent:>7.2f}")
+        for pr in problems:
+            print(pr.text())
+    return problems
+
+
+def _remove(args: argparse.Namespace) -> list:
+    prov = Provenance("skips remove", args.reason)
+    ids = read_ids_file(args.ids) if args.ids else None
+    r = update_list(
+        args.root,
+        args.name,
+        ids,
+        prov,
+        mode="remove",
+        table=args.table,
+        export_only=args.export_only,
+    )
+    print(
+        f"{args.name}: "
+        + (f"removed {r.ids_requested} ids" if ids is not None else "removed the list")
+        + (f" (in {r.registry})" if r.registry else " (this export only)")
+        + f"; {r.ids_in_list} ids left"
+    )
+    return []
+
+
+def _sync(args: argparse.Namespace) -> list:
+    done = sync(args.root, args.table, drop=args.drop_lists)
+    st = read_state(args.root)
+    print(
+        f"{args.root}: {len(done)} lists"
+        + (f" at registry position {st.position}" if st and st.table_id else "")
+    )
+    for line in lists_text(done):
+        print(line)
+    return []
+
+
+def _index(args: argparse.Namespace) -> int | list:
+    from prx_data.export import idindex
+
+    if args.check:
+        index, why = idindex.open_index(args.root)
+        print(f"{args.root}: id index current ({index.rows} rows)" if index else why)
+        return 0 if index else 1
+    info = idindex.write_id_index(args.root)
+    print(f"{info.uri}: {info.rows} rows from {info.buckets} buckets")
+    return []
+
+
+def _rewrite(args: argparse.Namespace) -> int | list:
+    from prx_data.skips.rewrite import RewriteRefused, rewrite_export
+
+    try:
+        r = rewrite_export(
+            args.root,
+            args.out,
+            names=args.name,
+            threshold=args.threshold,
+            force=args.force,
+            verify=not args.no_verify,
+            drop_lists=args.drop_lists,
+            max_local=args.max_local_bytes,
+            work_dir=args.work_dir,
+        )
+    except RewriteRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {r.samples_out} of {r.samples_in} samples ({r.skipped} skipped) in "
+        f"{r.buckets} buckets to {r.out}" + (", verified" if r.verified else "")
+    )
+    for line in lists_text(r.lists_carried):
+        print(line.replace("  ", "  carried ", 1))
+    if r.buckets_dropped:
+        print(f"left out (every sample skipped): {', '.join(r.buckets_dropped)}")
+    if r.warnings:
+        print(f"{sum(r.warnings.values())} streaming warnings, see the report")
+    print(f"report: {r.out}/report.json")
+    return []
+
+
+#: One function per subcommand: each returns the sidecar problems it found (exit 1 when
+#: any), or an exit status of its own.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int | list]] = {
+    "add": _add,
+    "list": _list,
+    "stats": _stats,
+    "remove": _remove,
+    "sync": _sync,
+    "index": _index,
+    "rewrite": _rewrite,
+}
+#: Subcommands that change the export: refused on a tree another writer made.
+WRITES = ("add", "remove", "sync", "rewrite")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    problems: list = []
     try:
         args.root = layout.tree(args.root)  # an adopted flat tree: its layout, once
-        if args.cmd in ("add", "remove", "sync", "rewrite"):
+        if args.cmd in WRITES:
             _refuse_plain_tree(args.root)
-        if args.cmd == "add":
-            if args.table and not args.where:
-                raise SystemExit("--table needs --where")
-            if args.where and not args.table:
-                raise SystemExit("--where needs --table")
-            if args.indices:
-                ids = idlists.ids_at(args.root, read_indices_file(args.indices))
-            elif args.ids:
-                ids = read_ids_file(args.ids)
-            else:
-                ids = query_ids(args.table, args.where)
-            r = idlists.update_list(
-                args.root,
-                args.name,
-                ids,
-                idlists.Provenance("skips add", args.reason),
-                table=args.table,
-                export_only=args.export_only,
-            )
-            print(
-                f"{r.name}: {r.samples_listed} samples in {r.shards_written} shard sidecars; "
-                f"{r.ids_in_list} ids in the list"
-                + (
-                    f"; {r.ids_not_in_export} ids not found in the export (kept in the list)"
-                    if r.ids_not_in_export
-                    else ""
-                )
-                + (f"; recorded in {r.registry}" if r.registry else "; this export only")
-            )
-            if r.warning:
-                print(r.warning, file=sys.stderr)
-        elif args.cmd == "list":
-            lists = skiplist.list_skip_lists(args.root, args.tier)
-            stored = {n: len(t) for n, t in idlists.read_store(args.root).items()}
-            state = idlists.read_state(args.root)
-            source = state.lists if state is not None else {}
-            if not lists and not stored:
-                print("no skip lists")
-            for name in sorted(set(lists) | set(stored)):
-                ids = (
-                    f"{stored[name]} ids" + (f" (from {source[name]})" if source.get(name) else "")
-                    if name in stored
-                    else "no ids in _lists/ (sidecars only: any list update records them)"
-                )
-                where = ", ".join(f"{b} ({n} shards)" for b, n in lists.get(name, {}).items())
-                print(f"{name}: {where or 'no sample in this export'}; {ids}")
-            problems = skiplist.sidecar_problems(args.root, args.tier, read=not args.no_check)
-            for pr in problems:
-                print(pr.text())
-        elif args.cmd == "stats":
-            problems = []
-            stats = skiplist.skip_stats(args.root, args.name, args.tier, problems=problems)
-            if args.json:
-                body = {
-                    k: [asdict(r) | {"percent": round(r.percent, 4)} for r in v]
-                    for k, v in stats.items()
-                }
-                if problems:  # list names start with [a-z0-9], so this key cannot clash
-                    body["_problems"] = [asdict(pr) for pr in problems]
-                print(json.dumps(body, indent=1))
-            else:
-                print(f"{'list':<20} {'bucket':<12} {'samples':>10} {'skipped':>9} {'%':>7}")
-                for name, rows in stats.items():
-                    for r in rows:
-                        print(
-                            f"{name:<20} {r.bucket:<12} {r.samples:>10} {r.skipped:>9} {r.percent:>7.2f}"
-                        )
-                for pr in problems:
-                    print(pr.text())
-        elif args.cmd == "remove":
-            prov = idlists.Provenance("skips remove", args.reason)
-            ids = read_ids_file(args.ids) if args.ids else None
-            r = idlists.update_list(
-                args.root,
-                args.name,
-                ids,
-                prov,
-                mode="remove",
-                table=args.table,
-                export_only=args.export_only,
-            )
-            print(
-                f"{args.name}: "
-                + (f"removed {r.ids_requested} ids" if ids is not None else "removed the list")
-                + (f" (in {r.registry})" if r.registry else " (this export only)")
-                + f"; {r.ids_in_list} ids left"
-            )
-        elif args.cmd == "sync":
-            done = idlists.sync(args.root, args.table, drop=args.drop_lists)
-            st = idlists.read_state(args.root)
-            print(
-                f"{args.root}: {len(done)} lists"
-                + (f" at registry position {st.position}" if st and st.table_id else "")
-            )
-            for line in idlists.lists_text(done):
-                print(line)
-        elif args.cmd == "index":
-            from prx_data.export import idindex
-
-            if args.check:
-                index, why = idindex.open_index(args.root)
-                print(f"{args.root}: id index current ({index.rows} rows)" if index else why)
-                return 0 if index else 1
-            info = idindex.write_id_index(args.root)
-            print(f"{info.uri}: {info.rows} rows from {info.buckets} buckets")
-        elif args.cmd == "rewrite":
-            from prx_data.skips.rewrite import RewriteRefused, rewrite_export
-
-            try:
-                r = rewrite_export(
-                    args.root,
-                    args.out,
-                    names=args.name,
-                    threshold=args.threshold,
-                    force=args.force,
-                    verify=not args.no_verify,
-                    drop_lists=args.drop_lists,
-                    max_local=args.max_local_bytes,
-                    work_dir=args.work_dir,
-                )
-            except RewriteRefused as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            print(
-                f"wrote {r.samples_out} of {r.samples_in} samples ({r.skipped} skipped) in "
-                f"{r.buckets} buckets to {r.out}" + (", verified" if r.verified else "")
-            )
-            for line in idlists.lists_text(r.lists_carried):
-                print(line.replace("  ", "  carried ", 1))
-            if r.buckets_dropped:
-                print(f"left out (every sample skipped): {', '.join(r.buckets_dropped)}")
-            if r.warnings:
-                print(f"{sum(r.warnings.values())} streaming warnings, see the report")
-            print(f"report: {r.out}/report.json")
+        problems = COMMANDS[args.cmd](args)
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if isinstance(problems, int):
+        return problems
     if problems:
         print(
             f"{len(problems)} sidecar problem(s): orphan files are never applied and unparseable "

@@ -66,7 +66,7 @@ LIST_NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,63}"
 LIST_NAME_RE = re.compile(LIST_NAME_PATTERN)
 #: Suffix of a skip-list sidecar next to its shard (:mod:`prx_data.skips.sidecar`).
 SIDECAR_SUFFIX = ".skip"
-#: The export's skip lists as row ids (:mod:`prx_data.skips.lists`): one parquet per list
+#: The export's skip lists as row ids (:mod:`prx_data.skips.export_state`): one parquet per list
 #: (never ``*.json``: streaming's ``merge_index`` would take it for an index), the
 #: reference to the table's registry, and the lock that serialises updates.
 LISTS_DIR = "_lists"

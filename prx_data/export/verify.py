@@ -266,7 +266,8 @@ def _verify_lists(root: str, res: VerifyResult) -> None:
         if (
             not name.endswith(".parquet")
             or ".tmp-" in name
-            or name == "_local.parquet"  # the export-only log is not a list (prx_data.skips.lists)
+            or name
+            == "_local.parquet"  # the export-only log is not a list (prx_data.skips.export_state)
             or res.under_unsafe(path)
         ):
             continue

@@ -1,6 +1,23 @@
-"""Skip lists: per-shard sidecars that leave samples out of an export without rewriting it.
+"""Skip lists: sets of row ids that leave samples out of an export without rewriting it.
 
-:mod:`~prx_data.skips.sidecar` is the format and tree access;
-:mod:`~prx_data.skips.optout`, :mod:`~prx_data.skips.dedup` and
-:mod:`~prx_data.skips.rewrite` build on it.
+There is one source of truth per table, a log of list entries, and everything else is
+derived from it. The rooms, each one concern, lowest first (each imports only those
+above it in this list)::
+
+    errors        ListError, UncarriableList
+    sidecar       the .skip sidecar format and its readers (what the loader applies)
+    log           the entries (LOG_SCHEMA), their order, and the state they decide
+    registry      a table's identity and its registry (the log's registry entries)
+    export_state  one export's store files, its _lists/registry state, its own log,
+                  its lease, and which registry it belongs to
+    bind          row ids <-> sample positions in an export's shards
+    recover       lists the log does not hold yet (sidecars only, pre-log stores)
+    materialise   an export's lists made the log's state, store and sidecars; the
+                  only writer of sidecars
+    ops           update, sync, carry, snapshot, remove; reports
+
+:mod:`~prx_data.skips.optout`, :mod:`~prx_data.skips.dedup`,
+:mod:`~prx_data.skips.semdedup` and :mod:`~prx_data.skips.rewrite` build on
+:mod:`~prx_data.skips.ops`; :mod:`~prx_data.skips.reader` is the skip-aware shard reader.
+See docs/STREAMING.md (skip lists: one log per table).
 """

@@ -128,14 +128,16 @@ def replace_skip_list(
     """Make the list exactly the ids of ``skip_rows`` (manifest rows: bucket, shard, index, id;
     without ``id`` the positions are turned into ids through the manifests).
 
-    The ids go to the registry of ``table`` (:mod:`prx_data.skips.lists`, one
+    The ids go to the registry of ``table`` (:mod:`prx_data.skips.ops`, one
     commit), then to the export's store, and the sidecars are derived from it
     under the export's lease. New sidecars replace old ones file by file
     (atomic writes), so a reader never sees the list missing; stale ones are
     removed afterwards.
     """
-    from prx_data.skips import lists as LS
     from prx_data.skips import sidecar as SL
+    from prx_data.skips.bind import ids_at
+    from prx_data.skips.log import Provenance
+    from prx_data.skips.ops import update_list
 
     if "id" in skip_rows.column_names:
         ids = skip_rows["id"]
@@ -148,12 +150,12 @@ def replace_skip_list(
             strict=True,
         ):
             positions.setdefault((b, s), []).append(int(i))
-        ids = LS.ids_at(export_root, positions)
-    res = LS.update_list(
+        ids = ids_at(export_root, positions)
+    res = update_list(
         export_root,
         name,
         ids,
-        LS.Provenance("dedup", reason),
+        Provenance("dedup", reason),
         mode="replace",
         table=table,
     )

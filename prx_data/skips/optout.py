@@ -187,22 +187,23 @@ def add_optout(
     they are what is counted, and a key is unmatched when none of its row ids
     is in the export (including keys that have no row in the table at all).
     The ids are recorded in the table's list registry first
-    (:mod:`prx_data.skips.lists`), so every later export of the table leaves
+    (:mod:`prx_data.skips.ops`), so every later export of the table leaves
     them out too, ids this export does not hold included; ``export_only``
     changes only this export.
     """
-    from prx_data.skips import lists as LS
     from prx_data.skips import sidecar as SL
+    from prx_data.skips.log import Provenance
+    from prx_data.skips.ops import update_list
 
     SL.validate_name(name)
     if keys is not None:
         ids = {i for v in keys.values() for i in v}
     wanted = sorted(set(ids))
-    res = LS.update_list(
+    res = update_list(
         export,
         name,
         wanted,
-        LS.Provenance("optout", reason),
+        Provenance("optout", reason),
         table=table,
         export_only=export_only,
     )

@@ -17,7 +17,7 @@ Examples::
     python -m prx_data.skips rewrite out/ out-clean/ --threshold 0.10
 
 A rewrite carries every list it does not apply to the new export, bound by
-row id to the new shards (:mod:`prx_data.skips.lists`), together with every
+row id to the new shards (:mod:`prx_data.skips.ops`), together with every
 list of the table's registry; the lists it applies are left out, with every
 one of their ids (also ids the registry holds and the sidecars do not yet).
 """
@@ -47,8 +47,12 @@ from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
 from prx_data.export import durable, idindex, layout, merge, naming
-from prx_data.skips import lists as idlists
 from prx_data.skips import sidecar as skiplist
+from prx_data.skips.bind import bind
+from prx_data.skips.errors import ListError
+from prx_data.skips.export_state import export_lease, resolve, table_of
+from prx_data.skips.materialise import materialise
+from prx_data.skips.ops import carry, lists_of, lists_text, snapshot_local
 from prx_data.skips.reader import SkipMDSReader
 from prx_data.skips.sidecar import read_ids_file, read_indices_file  # noqa: F401 (re-exported)
 
@@ -119,7 +123,7 @@ class RewriteResult:
         if self.lists_carried:
             lines.append("")
             lines.append("skip lists carried (by row id):")
-            lines += idlists.lists_text(self.lists_carried)
+            lines += lists_text(self.lists_carried)
         if self.lists_dropped:
             lines.append(f"skip lists left behind: {', '.join(self.lists_dropped)}")
         if self.registry is None and self.table:
@@ -379,14 +383,14 @@ def rewrite_export(
     t0 = time.monotonic()
     buckets = layout.list_buckets(root)
     # Every list as ids, before anything is written: one that cannot be recovered refuses.
-    source_table = idlists.table_of(root)
+    source_table = table_of(root)
     try:
-        reg = idlists.resolve(root)
-    except idlists.ListError:
+        reg = resolve(root)
+    except ListError:
         reg = None  # the table is not found from here: the new export's lists are its own
     # Every list as the log's state, before anything is written: one that cannot be recovered
     # (a corrupt sidecar of a list the log does not hold) refuses.
-    carried = idlists.lists_of(root, reg, drop=drop_lists)
+    carried = lists_of(root, reg, drop=drop_lists)
     known = set(carried)
     total = skipped = 0
     plan = []
@@ -408,7 +412,7 @@ def rewrite_export(
         samples[bucket] = sum(s.samples for s in shards)
     applied |= known if names is None else set(names) & known
     # An applied list leaves with all its ids, also those its sidecars do not hold yet.
-    extra = idlists.bind(
+    extra = bind(
         root,
         {n: carried[n]["id"].combine_chunks() for n in sorted(applied) if n in carried},
     )
@@ -455,12 +459,12 @@ def rewrite_export(
         idindex.write_id_index(out)  # before the lists, which bind their ids through it
         # The lists, re-bound by row id to the new shards (after every bucket): the source's
         # export-only entries go to the registry where newer, then the log is materialised.
-        with idlists.export_lease(out) as lease:
+        with export_lease(out) as lease:
             if reg is not None:
-                idlists.carry(root, reg, drop=drop_lists)
+                carry(root, reg, drop=drop_lists)
             else:
-                idlists.snapshot_local(root, out, lease, drop=drop_lists)
-            done = idlists.materialise(out, reg, lease, full=True)
+                snapshot_local(root, out, lease, drop=drop_lists)
+            done = materialise(out, reg, lease, full=True)
         lists_carried = {n: v for n, v in done.items() if n not in applied}
     finally:
         shutil.rmtree(work, ignore_errors=True)

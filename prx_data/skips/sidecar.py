@@ -1,4 +1,4 @@
-"""Named skip lists stored as per-shard sidecars next to the MDS shards.
+"""The skip-list sidecar format and its readers: per-shard files next to the MDS shards.
 
 Mosaic Streaming cannot leave samples out without rewriting shards. A skip
 list records, per shard, the sample indices to leave out; the loader
@@ -22,7 +22,8 @@ the index records hashes the sidecar must carry the same ones) or that was
 renamed (header name != file name) is refused on load. Stray ``*.skip``
 files (a name that is not a valid list name, a shard the index does not
 have) are reported by :func:`scan_sidecars` instead of being ignored. The
-same list written twice gives identical bytes.
+same list written twice gives identical bytes. Sidecars are written only by the
+list materialisation (:mod:`prx_data.skips.materialise`), from the log.
 """
 
 from __future__ import annotations
@@ -32,17 +33,14 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from prx_data.core import confined, storage
 from prx_data.core.errors import (
-    OutOfRange,
     PrxDataError,
-    UnknownName,
     UsageError,
     read_user_text,
 )
@@ -61,16 +59,11 @@ from prx_data.export.naming import (  # noqa: F401
     LISTS_REF_NAME,
     SIDECAR_SUFFIX,
 )
-from prx_data.table.lance_ops import query_ids
 
 MAGIC = b"PRXSKIP1"
 #: The naming contract lives with the export tree (:mod:`prx_data.export.layout`).
 SUFFIX = SIDECAR_SUFFIX
 NAME_RE = LIST_NAME_RE
-#: The export-only list log in ``_lists/`` (written by :mod:`prx_data.skips.lists`).
-LOCAL_LOG_NAME = "_local.parquet"
-#: How long a list writer waits for the export's lease (held by a run or another update).
-LOCK_TIMEOUT_S = 900.0
 
 
 class SkipListError(PrxDataError, ValueError):
@@ -362,193 +355,7 @@ def read_ids_file(path: str) -> list[str]:
     ]
 
 
-# --- library API ---------------------------------------------------------------------------
-
-
-@dataclass
-class AddResult:
-    """Outcome of adding to a skip list: what was written and what could not be matched."""
-
-    name: str
-    shards_written: int = 0
-    samples_listed: int = 0
-    #: Row ids not found in any manifest (add_skips_by_ids / add_skips_by_query).
-    ids_not_found: int = 0
-    #: Those ids, sorted (a request is small next to the export; a compliance report lists them).
-    missing_ids: list[str] = field(default_factory=list)
-
-
-def logged_lists(export_root: str) -> set[str]:
-    """Lists the export's list log owns (:mod:`prx_data.skips.lists`): those its list state
-    (``_lists/registry``) records as materialised, and those its export-only log
-    (``_lists/_local.parquet``) has entries for. Their sidecars are derived from the log, so
-    the next materialisation rewrites them: they must be changed through the log."""
-    import io
-
-    import pyarrow.parquet as pq
-
-    base = storage.join(export_root, LISTS_DIR)
-    out: set[str] = set()
-    try:
-        obj = json.loads(storage.read_bytes(storage.join(base, LISTS_REF_NAME)))
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        obj = None
-    if isinstance(obj, dict) and isinstance(obj.get("lists"), dict):
-        out |= {str(n) for n in obj["lists"]}
-    try:
-        data = storage.read_bytes(storage.join(base, LOCAL_LOG_NAME))
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    try:
-        out |= set(pq.read_table(io.BytesIO(data), columns=["list"])["list"].to_pylist())
-    except Exception:  # noqa: BLE001 - an unreadable log owns whatever it may hold
-        raise SkipListError(
-            f"{storage.join(base, LOCAL_LOG_NAME)}: unreadable export-only list log; the "
-            "sidecars cannot be changed outside it: run python -m prx_data.skips sync "
-            f"{export_root} to see why"
-        ) from None
-    return out
-
-
-@contextmanager
-def _low_level(export_root: str, name: str, what: str) -> Iterator[None]:
-    """Hold the export's lease (a materialisation cannot run meanwhile), refusing a list the
-    log owns: a sidecar written here would be silently undone by the next ``sync``."""
-    from prx_data.export.lock import ExportLock
-
-    validate_name(name)
-    with ExportLock(export_root, wait_s=LOCK_TIMEOUT_S, what="skip-list update"):
-        if name in logged_lists(export_root):
-            raise UsageError(
-                f"{export_root}: list {name!r} is kept by the export's list log, so {what} "
-                "here would be undone at the next sync; change it with python -m "
-                f"prx_data.skips add/remove {export_root} {name} (prx_data.skips.lists."
-                "update_list), --export-only to change only this export"
-            )
-        yield
-
-
-def add_skips(
-    export_root: str,
-    name: str,
-    skips: Mapping[tuple[str, str], Iterable[int]],
-    *,
-    replace: bool = False,
-) -> AddResult:
-    """Add sample indices ``{(bucket, shard basename): indices}`` to the list ``name``.
-
-    Indices are merged with an existing sidecar of the same name, so adding the
-    same indices again rewrites identical bytes. ``replace=True`` overwrites the
-    given shards' sidecars instead (an empty set removes the shard from the list).
-    Everything is validated before anything is written. Holds the export's lease;
-    a list the export's list log owns is refused (:func:`logged_lists`): change it
-    through :mod:`prx_data.skips.lists`, which records the change first.
-    """
-    with _low_level(export_root, name, "writing its sidecars"):
-        return write_skips(export_root, name, skips, replace=replace)
-
-
-def write_skips(
-    export_root: str,
-    name: str,
-    skips: Mapping[tuple[str, str], Iterable[int]],
-    *,
-    replace: bool = False,
-    existing: set[tuple[str, str]] | None = None,
-) -> AddResult:
-    """:func:`add_skips` without the lease or the log check: for the list materialisation
-    (:mod:`prx_data.skips.lists`), which holds the export's lease and is the log's writer.
-    ``existing``: the given shards that have a sidecar of the list, when the caller knows
-    (saves listing their buckets)."""
-    validate_name(name)
-    result = AddResult(name)
-    by_bucket: dict[str, dict[str, list]] = {}
-    for (bucket, shard), idx in skips.items():
-        by_bucket.setdefault(bucket, {}).setdefault(shard, []).append(
-            np.asarray(idx if isinstance(idx, np.ndarray) else list(idx), np.int64)
-        )
-    remote = storage.is_remote(export_root)
-    box = confined.confined(export_root)
-    # Validate everything first, so bad input writes nothing.
-    jobs = []
-    for bucket, per_shard in sorted(by_bucket.items()):
-        shards = {s.basename: s for s in read_index(export_root, bucket)}
-        if existing is None:
-            have = set(list_sidecars(export_root, bucket, list(shards.values())).get(name, []))
-        else:
-            have = {s for b, s in existing if b == bucket}
-        for base, arrs in sorted(per_shard.items()):
-            if base not in shards:
-                raise UnknownName(
-                    f"shard {base!r} is not in the index of bucket {bucket!r} under {export_root}"
-                )
-            info = shards[base]
-            idx = np.unique(np.concatenate(arrs)) if arrs else np.zeros(0, np.int64)
-            if len(idx) and (idx[0] < 0 or idx[-1] >= info.samples):
-                bad = int(idx[-1] if idx[-1] >= info.samples else idx[0])
-                raise OutOfRange(
-                    f"{bucket}/{base}: sample index {bad} is outside 0..{info.samples - 1}"
-                )
-            jobs.append((bucket, info, idx, base in have))
-
-    def write(job) -> int:
-        bucket, info, idx, has_old = job
-        path = rel_join(export_root, f"{bucket}/{sidecar_basename(info.basename, name)}")
-        if has_old and not replace:
-            old = read_sidecar(export_root, bucket, info, name).indices.astype(np.int64)
-            idx = np.union1d(old, idx)
-        # Writes are confined to the export like reads: never through a link out of it.
-        if not len(idx):
-            if has_old:  # replace with nothing: the shard leaves the list
-                box.delete(path)
-            return 0
-        box.write_atomic(path, SkipList(name, info, idx.astype(np.uint32)).to_bytes())
-        return len(idx)
-
-    for n in map_io(write, jobs, remote):
-        result.shards_written += bool(n)
-        result.samples_listed += n
-    return result
-
-
-def add_skips_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResult:
-    """Skip the samples whose row id (Lance ``id``) is in ``ids``, via the export's id index
-    (or its manifests, for an export without one).
-
-    The low-level path: sidecars only, under the export's lease, for a list the export's
-    list log does not own (:func:`logged_lists`; the log imports such a list exactly, id by
-    id, at its next change). A list the log owns is refused with the command to use.
-    """
-    with _low_level(export_root, name, "adding ids to its sidecars"):
-        return _add_by_ids(export_root, name, ids)
-
-
-def _add_by_ids(export_root: str, name: str, ids: Iterable[str]) -> AddResult:
-    import pyarrow as pa
-
-    from prx_data.export.idindex import lookup_or_manifests
-
-    wanted = pa.array(sorted(set(ids)), pa.string())
-    skips: dict[tuple[str, str], list[int]] = {}
-    found: set[str] = set()
-    for hit in lookup_or_manifests(export_root, wanted):
-        for b, s, i in zip(
-            hit["bucket"].to_pylist(),
-            hit["shard"].to_pylist(),
-            hit["index"].to_pylist(),
-            strict=True,
-        ):
-            skips.setdefault((b, s), []).append(i)
-        found.update(hit["id"].to_pylist())
-    result = write_skips(export_root, name, skips)
-    result.missing_ids = sorted(set(wanted.to_pylist()) - found)
-    result.ids_not_found = len(result.missing_ids)
-    return result
-
-
-def add_skips_by_query(export_root: str, name: str, table_uri: str, where: str) -> AddResult:
-    """Skip the samples whose rows match ``where`` in the Lance table ``table_uri``."""
-    return add_skips_by_ids(export_root, name, query_ids(table_uri, where))
+# --- reports -------------------------------------------------------------------------------
 
 
 def list_skip_lists(
@@ -630,24 +437,3 @@ def skip_stats(
             BucketStats(bucket, total, sum(len(v) for v in union.values()))
         )
     return out
-
-
-def remove_skip_list(export_root: str, name: str, tiers: Iterable[int] | None = None) -> int:
-    """Delete every sidecar of list ``name``; returns how many files were removed.
-
-    Under the export's lease; a list the export's list log owns is refused (a sidecar
-    deleted here would come back at the next sync): ``python -m prx_data.skips remove``.
-    """
-    with _low_level(export_root, name, "deleting its sidecars"):
-        return _remove_sidecars(export_root, name, tiers)
-
-
-def _remove_sidecars(export_root: str, name: str, tiers: Iterable[int] | None) -> int:
-    paths = []
-    for bucket in list_buckets(export_root, tiers):
-        for shard in list_sidecars(export_root, bucket, read_index(export_root, bucket)).get(
-            name, []
-        ):
-            paths.append(rel_join(export_root, f"{bucket}/{sidecar_basename(shard, name)}"))
-    map_io(confined.confined(export_root).delete, paths, storage.is_remote(export_root))
-    return len(paths)
