@@ -59,6 +59,7 @@ from prx_data.export.prepare import (
     prepare_output,
     release_table_version,
 )
+from prx_data.export.removals import write_keys
 from prx_data.export.safety import foreign_entries, list_top, remove_stale_parts
 from prx_data.export.spec import ExportConfig, UnitResult, WorkUnit
 from prx_data.export.unit import export_unit
@@ -269,21 +270,28 @@ class ExportSink:
     def on_write_start(self, lock: ExportLock) -> list[WorkUnit]:
         """Carry and drop lists, place the work, prepare the output; returns the units to run."""
         from prx_data.skips.errors import ListError
+        from prx_data.skips.export_state import check_recorded, read_state
+        from prx_data.skips.ledger import Ledger
         from prx_data.skips.log import Provenance
         from prx_data.skips.ops import carry, remove_list
-        from prx_data.skips.registry import Registry
 
         cfg = self.cfg
         self.t0, self.lock = time.perf_counter(), lock
         try:
-            self.registry = Registry.for_table(cfg.table)
+            self.registry = Ledger.for_table(cfg.table, cfg.ledger)
+            ours = list_top(cfg.out) and not foreign_entries(cfg.out)
+            if ours and (self.overwrite or self.resume):
+                # The tree follows a ledger: an --overwrite or a resume from a copy of the
+                # table must not trade it for another (or an empty) one.
+                check_recorded(cfg.out, read_state(cfg.out), self.registry)
             for name in self.unregister_lists:
                 remove_list(self.registry, name, Provenance("write_mds --drop-list"))
-            if self.overwrite and list_top(cfg.out) and not foreign_entries(cfg.out):
+            if self.overwrite and ours:
                 # Before anything is deleted: the old tree's export-only entries go to the
-                # table's registry where newer, and the new tree is materialised from the log
-                # at the end (a killed run keeps them there).
+                # ledger where newer, and the new tree is materialised from the log at the
+                # end (a killed run keeps them there).
                 carry(cfg.out, self.registry, drop=self.may_drop_lists)
+            optouts = self.registry.optout_keys()
         except ListError as e:
             raise ExportError(str(e)) from None
         self.where = placement(cfg, self.driver_rows, self.ray_address, self.num_cpus, self.engine)
@@ -291,6 +299,7 @@ class ExportSink:
         if cfg.min_units is None and not self.resume:  # a resume keeps the count it started with
             cfg = replace(cfg, min_units=auto_min_units(self.where))
         self.cfg = cfg = prepare_output(cfg, overwrite=self.overwrite, resume=self.resume)
+        write_keys(cfg.out, optouts)  # the ledger's opt-outs, left out while the units write
         self.units = plan_units(cfg)
         self.finished = done_parts(cfg.out) if self.resume else {}
         if self.resume:  # packs with a marker are kept; half-written ones go with unfinished parts

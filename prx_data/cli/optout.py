@@ -48,6 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--table", help="Lance table the export was made from (for --where and --source-ids)."
     )
     p.add_argument(
+        "--ledger",
+        metavar="URI",
+        help="The corpus ledger to record the opt-out in (default: the one the export follows; "
+        "$PRX_LEDGER; else _prx_ledger.lance beside --table). Every later export of any table "
+        "of the corpus leaves the ids, and copies of their images, out while it writes.",
+    )
+    p.add_argument(
+        "--allow-unmatched",
+        action="store_true",
+        help="Record the ids even when none of them is in the export or in a table of the "
+        "corpus (ids not ingested yet); without it such a request fails and records nothing.",
+    )
+    p.add_argument(
         "--source", help="Source name that --source-ids belong to (row id = '<source>/<key>')."
     )
     p.add_argument(
@@ -56,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--export-only",
         action="store_true",
-        help="Change only this export. Default: also record the ids in the list registry next "
-        "to the table the export was made from, so every later export of it leaves them out.",
+        help="Change only this export. Default: also record the ids in the corpus ledger, so "
+        "no later export of any table of the corpus writes them.",
     )
     p.add_argument("--report", default=None, help="Also write the report as JSON to this path.")
     p.add_argument(
@@ -97,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     from prx_data.core.errors import PrxDataError
     from prx_data.export import layout
     from prx_data.export.adopt import refuse_plain_tree
+    from prx_data.skips.export_state import require_export
 
     try:
+        require_export(args.export)  # a typo creates nothing and says so
         refuse_plain_tree(args.export)
         args.export = layout.tree(args.export)  # an adopted flat tree: its layout, once
         report = add_optout(
@@ -108,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             keys=keys,
             reason=args.reason,
             table=args.table,
+            ledger=args.ledger,
             export_only=args.export_only,
+            allow_unmatched=args.allow_unmatched,
         )
     except PrxDataError as e:  # ListError, a tree not adopted, an unsafe index
         print(f"error: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ from prx_data.core.errors import PrxDataError
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.bind import ids_at
-from prx_data.skips.export_state import read_state, read_store
+from prx_data.skips.export_state import read_state, read_store, require_export
 from prx_data.skips.log import Provenance
 from prx_data.skips.ops import lists_text, sync, update_list
 from prx_data.skips.sidecar import read_ids_file, read_indices_file
@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument(
         "--table",
         metavar="URI",
-        help="the table whose registry to read (always wins; needed when the export's table "
-        "moved or the export names none)",
+        help="the table whose folder's ledger to read (needed when the export's table moved "
+        "or the export names none)",
     )
+    _ledger_arg(sy)
     sy.add_argument(
         "--drop-lists",
         metavar="NAME",
@@ -144,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--work-dir", metavar="DIR", help="where to stage shards (default: the temp directory)"
     )
     rw.add_argument(
+        "--table",
+        metavar="URI",
+        help="record the old export's own (export-only) entries in this table's folder's "
+        "ledger; without --table or --ledger they stay the new export's own, and nothing read "
+        "from the old export is written into a ledger",
+    )
+    _ledger_arg(rw)
+    rw.add_argument(
         "--drop-lists",
         metavar="NAME",
         action="append",
@@ -151,18 +160,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not carry this list to the new export (only needed, and only allowed, for a "
         "list whose ids cannot be recovered; every other list is always carried)",
     )
+    lg = sub.add_parser(
+        "ledger",
+        help="the corpus ledger: show it, adopt an earlier version's per-table registry into "
+        "it, or give a copied ledger its own identity",
+    )
+    lg.add_argument("action", choices=("show", "adopt", "fork"))
+    lg.add_argument(
+        "uri", help="show/fork: the ledger; adopt: the registry (<table>.lists.lance) to adopt"
+    )
+    lg.add_argument("--ledger", metavar="URI", help="adopt: the ledger to adopt into")
+    lg.add_argument("--table", metavar="URI", help="adopt: the table whose folder's ledger")
     return p
 
 
+def _ledger_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ledger",
+        metavar="URI",
+        help="the corpus ledger (default: the one the export follows; $PRX_LEDGER; else "
+        "_prx_ledger.lance beside --table); must be the ledger the export recorded",
+    )
+
+
 def _registry_args(p: argparse.ArgumentParser) -> None:
+    _ledger_arg(p)
     p.add_argument(
         "--reason", default="", help="free text kept with every id (why it was added/removed)"
     )
     p.add_argument(
         "--export-only",
         action="store_true",
-        help="change only this export, not the list registry next to its table (later exports "
-        "of the table will not see the change, until --overwrite or rewrite carries it there)",
+        help="change only this export, not the corpus ledger (later exports will not see the "
+        "change, until --overwrite or rewrite carries it there)",
     )
 
 
@@ -189,6 +219,7 @@ def _add(args: argparse.Namespace) -> list:
         ids,
         Provenance("skips add", args.reason),
         table=args.table,
+        ledger=args.ledger,
         export_only=args.export_only,
     )
     print(
@@ -257,6 +288,7 @@ def _remove(args: argparse.Namespace) -> list:
         prov,
         mode="remove",
         table=args.table,
+        ledger=args.ledger,
         export_only=args.export_only,
     )
     print(
@@ -269,11 +301,11 @@ def _remove(args: argparse.Namespace) -> list:
 
 
 def _sync(args: argparse.Namespace) -> list:
-    done = sync(args.root, args.table, drop=args.drop_lists)
+    done = sync(args.root, args.table, ledger=args.ledger, drop=args.drop_lists)
     st = read_state(args.root)
     print(
         f"{args.root}: {len(done)} lists"
-        + (f" at registry position {st.position}" if st and st.table_id else "")
+        + (f" at ledger position {st.position} ({st.ledger})" if st and st.ledger_id else "")
     )
     for line in lists_text(done):
         print(line)
@@ -304,6 +336,8 @@ def _rewrite(args: argparse.Namespace) -> int | list:
             force=args.force,
             verify=not args.no_verify,
             drop_lists=args.drop_lists,
+            table=args.table,
+            ledger=args.ledger,
             max_local=args.max_local_bytes,
             work_dir=args.work_dir,
         )
@@ -324,6 +358,43 @@ def _rewrite(args: argparse.Namespace) -> int | list:
     return []
 
 
+def _ledger(args: argparse.Namespace) -> int | list:
+    from prx_data.skips.ledger import Ledger, ledger_uri
+
+    if args.action == "fork":
+        new = Ledger(args.uri).fork()
+        print(f"{args.uri}: now ledger {new}; exports that followed the original refuse it")
+        return []
+    if args.action == "adopt":
+        led = (
+            Ledger.for_table(args.table, args.ledger)
+            if args.table
+            else Ledger(ledger_uri(None, args.ledger))
+        )
+        n = led.adopt(args.uri)
+        print(
+            f"{args.uri}: adopted into {led.uri} ({n} ids)"
+            if n is not None
+            else f"{args.uri}: nothing to adopt (no registry there, or adopted before)"
+        )
+        return []
+    led = Ledger(args.uri)
+    head, _ = led.position()
+    if not head:
+        print(f"{args.uri}: no ledger there")
+        return 1
+    lists = led.state()
+    keys = led.optout_keys()
+    print(f"{led.uri}: ledger {led.identity}, position {head}, {len(lists)} lists")
+    for name, t in lists.items():
+        print(f"  {name}: {len(t)} ids")
+    print(
+        f"  opt-out keys applied by every export: {len(keys.id)} ids, {len(keys.sha256)} "
+        f"source digests, {len(keys.phash)} pHashes"
+    )
+    return []
+
+
 #: One function per subcommand: each returns the sidecar problems it found (exit 1 when
 #: any), or an exit status of its own.
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | list]] = {
@@ -334,6 +405,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | list]] = {
     "sync": _sync,
     "index": _index,
     "rewrite": _rewrite,
+    "ledger": _ledger,
 }
 #: Subcommands that change the export: refused on a tree another writer made.
 WRITES = ("add", "remove", "sync", "rewrite")
@@ -342,7 +414,9 @@ WRITES = ("add", "remove", "sync", "rewrite")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.root = layout.tree(args.root)  # an adopted flat tree: its layout, once
+        if hasattr(args, "root"):
+            require_export(args.root)  # a typo creates nothing and says so
+            args.root = layout.tree(args.root)  # an adopted flat tree: its layout, once
         if args.cmd in WRITES:
             _refuse_plain_tree(args.root)
         problems = COMMANDS[args.cmd](args)

@@ -166,6 +166,14 @@ class ExportConfig:
         help="Lance SQL filter applied before bucketing; rows that fail it are counted as "
         "'filtered' (e.g. \"label = 'visual'\").",
     )
+    ledger: str | None = flag(
+        None,
+        "--ledger",
+        metavar="URI",
+        help="The corpus ledger whose opt-outs the export leaves out while it writes, and whose "
+        "lists it follows (default: $PRX_LEDGER, else _prx_ledger.lance beside --table). An "
+        "--overwrite or --resume must name the ledger the export already follows.",
+    )
     max_caption_chars: int = flag(
         20000,
         "--max-caption-chars",
@@ -179,6 +187,7 @@ class ExportConfig:
         """Everything that determines the output bytes (for resume checks)."""
         d = asdict(self)
         d.pop("out")
+        d.pop("ledger")  # checked against the ledger the export records, not as a setting
         return d
 
     @property

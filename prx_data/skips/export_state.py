@@ -10,15 +10,19 @@
 * **The export-only log** (``_lists/_local.parquet``, :data:`LOCAL_LOG_NAME`):
   the export's own entries (:mod:`prx_data.skips.log`), appended under the
   export's lease (:func:`export_lease`, the same lease export runs hold).
-* **Which registry** (:func:`resolve`). An export finds its registry from the
-  table paths it recorded (relative to the export first, then absolute), or
-  from ``--table``, which always wins; a path only counts when the table there
-  has the export's identity. A reference read from an export never decides
-  alone which registry is written: an export whose recorded table is not found
-  (or has another identity) is refused for writes unless ``--export-only`` or
-  ``--table`` says where they go.
+* **Which ledger** (:func:`resolve`). An export records the corpus ledger it
+  follows (:mod:`prx_data.skips.ledger`): its identity and where it lives
+  (relative to the export first, then absolute). ``--ledger`` (or ``--table``,
+  whose folder's ledger it names) must be that ledger; a recorded ledger that is
+  missing or replaced is an error naming it, never an empty list. Exports from
+  before the ledger recorded their table's identity instead: they find the
+  table as before and follow the ledger beside it, which adopts the table's
+  old registry. A reference read from an export never decides alone which
+  ledger is written: an export whose ledger and table are not found is refused
+  for writes unless ``--export-only``, ``--ledger`` or ``--table`` says where
+  they go.
 * **The entries that decide the export's lists** (:func:`export_entries`): the
-  registry's up to a position and the export's own.
+  ledger's up to a position and the export's own.
 """
 
 from __future__ import annotations
@@ -35,12 +39,21 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from prx_data.core import storage
+from prx_data.core.errors import NotFound
 from prx_data.core.lease import Lease
 from prx_data.core.schema import REPORT_NAME
 from prx_data.export import layout, naming
 from prx_data.export.lock import ExportLock
 from prx_data.skips import sidecar as SL
 from prx_data.skips.errors import ListError
+from prx_data.skips.ledger import (
+    LEDGER_ENV,
+    Ledger,
+    identity_at,
+    ledger_uri,
+    read_table_id,
+    table_identity,
+)
 from prx_data.skips.log import (
     ADD,
     LOCK_TIMEOUT_S,
@@ -49,9 +62,9 @@ from prx_data.skips.log import (
     STORE_FILE_SCHEMA,
     STORE_SCHEMA,
     concat_entries,
+    conform_entries,
     log_rows,
 )
-from prx_data.skips.registry import Registry, read_table_id, table_identity
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +164,13 @@ class ExportState:
     #: {list: where its ids come from} as materialised.
     lists: dict[str, str] = field(default_factory=dict)
     format: int = STATE_FORMAT
-    #: The registry's log identity at ``position`` (:meth:`Registry.position`).
+    #: The ledger's log identity at ``position`` (:meth:`Ledger.position`).
     log_id: str | None = None
+    #: The ledger the export follows: its identity, canonical URI, and (both local) its
+    #: path relative to the export.
+    ledger_id: str | None = None
+    ledger: str | None = None
+    ledger_rel: str | None = None
     #: The export's sample count, and {list: {ids, samples, shards}} as materialised.
     total: int | None = None
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -188,7 +206,14 @@ def read_state(root: str) -> ExportState | None:
     if obj.get("format") != STATE_FORMAT:
         return ExportState(format=1)  # an old reference ({"registry": path}): never trusted
     st = ExportState()
-    for k, typ in (("table_id", str), ("table", str), ("table_rel", str)):
+    for k, typ in (
+        ("table_id", str),
+        ("table", str),
+        ("table_rel", str),
+        ("ledger_id", str),
+        ("ledger", str),
+        ("ledger_rel", str),
+    ):
         v = obj.get(k)
         setattr(st, k, v if isinstance(v, typ) else None)
     for k in ("position", "local"):
@@ -215,18 +240,48 @@ def write_state(root: str, st: ExportState) -> None:
     storage.write_bytes_atomic(_state_path(root), st.to_json())
 
 
-def state_for(root: str, reg: Registry) -> ExportState:
-    """The export's state (a new one when it has none of this format) bound to ``reg``'s table:
-    its identity, its canonical URI and (both local) its path relative to the export."""
+def _rel(root: str, uri: str) -> str | None:
+    if storage.is_remote(root) or storage.is_remote(uri):
+        return None
+    return os.path.relpath(uri, os.path.realpath(root))
+
+
+def state_for(root: str, led: Ledger) -> ExportState:
+    """The export's state (a new one when it has none of this format) bound to ``led``: the
+    ledger's identity and place, and the table the job works on (when it names one)."""
     st = read_state(root)
     st = ExportState() if st is None or st.format != STATE_FORMAT else st
-    st.table_id, st.table = reg.table_id, reg.table
-    st.table_rel = (
-        os.path.relpath(reg.table, os.path.realpath(root))
-        if not storage.is_remote(root) and not storage.is_remote(reg.table)
-        else None
-    )
+    if led.table:
+        st.table_id, st.table, st.table_rel = led.table_id, led.table, _rel(root, led.table)
+    st.ledger_id, st.ledger, st.ledger_rel = led.identity, led.uri, _rel(root, led.uri)
     return st
+
+
+#: ``base`` of an export-only entry made while the export's ledger was out of reach: newer
+#: than everything until the export next meets its ledger, which rebases it to its head.
+PENDING_BASE = 1 << 62
+
+
+def rebase_local(root: str, lease: Lease, led: Ledger, st: ExportState | None) -> None:
+    """Place the export's own entries in ``led``'s order at the export's first contact with
+    it (an export bound to a per-table registry of an earlier version) and wherever an entry
+    was made while the ledger was out of reach (:data:`PENDING_BASE`)."""
+    local = read_local(root)
+    if not len(local):
+        return
+    base = local["base"].to_numpy().copy()
+    head = led.head()
+    first = st is not None and st.format == STATE_FORMAT and st.ledger_id is None
+    if first:
+        at = led.adopted().get(st.log_id or "", head)
+        base[(base >= 0) & (base < PENDING_BASE)] = at
+    base[base >= PENDING_BASE] = head
+    if (base == local["base"].to_numpy()).all():
+        return
+    lease.check()
+    _write_local(
+        root, local.set_column(local.schema.get_field_index("base"), "base", pa.array(base))
+    )
 
 
 def _local_path(root: str) -> str:
@@ -241,7 +296,7 @@ def read_local(root: str) -> pa.Table:
     except FileNotFoundError:
         return LOG_SCHEMA.empty_table()
     try:
-        return pq.read_table(io.BytesIO(data)).select(LOG_SCHEMA.names).cast(LOG_SCHEMA)
+        return conform_entries(pq.read_table(io.BytesIO(data)))
     except (pa.ArrowException, KeyError, ValueError) as e:
         raise ListError(f"{path}: unreadable export-only list log ({e})") from None
 
@@ -279,43 +334,93 @@ def _candidates(root: str, st: ExportState | None) -> list[str]:
     cfg_table = table_of(root)
     if cfg_table:
         out.append(cfg_table)
-    seen, uniq = set(), []
-    for c in out:
-        if c not in seen:
-            seen.add(c)
-            uniq.append(c)
-    return uniq
+    return list(dict.fromkeys(out))
+
+
+def _recorded_ledger(root: str, st: ExportState) -> Ledger:
+    """The ledger the export recorded, where it recorded it; missing or replaced: an error."""
+    places = []
+    if st.ledger_rel and not storage.is_remote(root):
+        places.append(os.path.normpath(os.path.join(root, st.ledger_rel)))
+    if st.ledger:
+        places.append(st.ledger)
+    for uri in dict.fromkeys(places):
+        got = identity_at(uri)
+        if got == st.ledger_id:
+            return Ledger(uri, table=_found_table(root, st), table_id=st.table_id)
+        if got is not None:
+            raise ListError(
+                f"{root} follows ledger {st.ledger_id}, but {uri} holds ledger {got} (replaced); "
+                "restore the ledger, or name where it lives now with --ledger URI"
+            )
+    raise ListError(
+        f"{root} follows ledger {st.ledger_id} at {st.ledger}, which is missing; restore it, "
+        "or name where it lives now with --ledger URI (an export never takes a missing ledger "
+        "for an empty one)"
+    )
+
+
+def _found_table(root: str, st: ExportState) -> str | None:
+    for c in _candidates(root, st):
+        if st.table_id and read_table_id(c) == st.table_id:
+            return c
+    return None
+
+
+def check_recorded(root: str, st: ExportState | None, led: Ledger) -> Ledger:
+    """``led``, when it is the ledger the export recorded (or it recorded none)."""
+    if st is None or not st.ledger_id:
+        return led
+    got = led.identity
+    if got != st.ledger_id:
+        where = "no ledger" if got is None else f"ledger {got}"
+        raise ListError(
+            f"{root} follows ledger {st.ledger_id} (at {st.ledger}), and {led.uri} holds "
+            f"{where}; pass --ledger {st.ledger} (or where it lives now)"
+        )
+    return led
 
 
 def resolve(
-    root: str, table: str | None = None, *, export_only: bool = False, strict: bool = True
-) -> Registry | None:
-    """The registry the export's lists are recorded in (None: export-only).
+    root: str,
+    table: str | None = None,
+    *,
+    ledger: str | None = None,
+    export_only: bool = False,
+    strict: bool = True,
+) -> Ledger | None:
+    """The ledger the export's lists are recorded in (None: export-only).
 
-    ``table`` always wins (an export that recorded another table's identity is
-    refused). Otherwise a path the export recorded counts only when the table
-    there has the identity the export recorded; an export that names a table
-    which is not found is refused when ``strict`` (writes: pass ``--table`` or
-    ``--export-only``) and export-only otherwise. An export that names no table
-    (made without one, or received without its identity) is export-only.
+    ``ledger`` (or ``$PRX_LEDGER``), else ``table``'s folder's ledger, must be the one the
+    export recorded. Without either, the recorded ledger is used where it lives (missing or
+    replaced: an error); an export from before ledgers finds its table by identity, as
+    before, and follows the ledger beside it. An export that names nothing is export-only;
+    one whose table is not found is refused when ``strict`` and export-only otherwise.
     """
     if export_only:
         return None
     st = read_state(root) if storage.exists(root) else None
+    st = st if st is not None and st.format == STATE_FORMAT else None
     recorded = st.table_id if st is not None else None
-    if table:
-        tid = table_identity(table)
-        if recorded and recorded != tid:
-            raise ListError(
-                f"{root} holds the lists of another table (identity {recorded}; {table} is "
-                f"{tid}); pass the table it was exported from, or --export-only"
-            )
-        return Registry(table, tid)
+    if ledger or os.environ.get(LEDGER_ENV) or table:
+        if table:
+            tid = table_identity(table)
+            if recorded and recorded != tid and not (st and st.ledger_id):
+                raise ListError(
+                    f"{root} holds the lists of another table (identity {recorded}; {table} is "
+                    f"{tid}); pass the table it was exported from, or --export-only"
+                )
+            led = Ledger.for_table(table, ledger)
+        else:
+            led = Ledger(ledger_uri(None, ledger), table=_found_table(root, st) if st else None)
+        return check_recorded(root, st, led)
+    if st is not None and st.ledger_id:
+        return _recorded_ledger(root, st)
     names = _candidates(root, st)
     if recorded:
         for c in names:
             if read_table_id(c) == recorded:
-                return Registry(c, recorded)
+                return Ledger.for_table(c)
     if not names:
         return None
     if not strict:
@@ -328,8 +433,22 @@ def resolve(
         "one, or received from elsewhere)"
     )
     raise ListError(
-        f"{root} {why}, so the change cannot be recorded in its registry: pass --table URI "
-        "(where the table lives now), or --export-only to change only this export"
+        f"{root} {why}, so the change cannot be recorded in its ledger: pass --ledger URI or "
+        "--table URI (where the table lives now), or --export-only to change only this export"
+    )
+
+
+def require_export(root: str) -> None:
+    """Refuse, before anything is created, a path that holds no export: a typo must not look
+    like a request that was carried out."""
+    from prx_data.export.safety import has_proof
+
+    if storage.exists(root) and (has_proof(root) or layout.list_buckets(root)):
+        return
+    what = "does not exist" if not storage.exists(root) else "holds no export"
+    raise NotFound(
+        f"{root} {what}: give the root of an export (python -m prx_data.write_mds --out); "
+        "nothing was recorded"
     )
 
 
@@ -350,12 +469,12 @@ def table_of(root: str) -> str | None:
 
 
 def export_entries(
-    root: str, reg: Registry | None, names: Iterable[str] | None, upto: int | None = None
+    root: str, reg: Ledger | None, names: Iterable[str] | None, upto: int | None = None
 ) -> tuple[pa.Table, int]:
-    """(entries that decide the export's lists, the registry position they stand for).
+    """(entries that decide the export's lists, the ledger position they stand for).
 
-    Without a reachable registry, an export that was materialised from one keeps
-    what it holds: its stores stand for the registry at the recorded position.
+    Without a reachable ledger, an export that was materialised from one keeps
+    what it holds: its stores stand for the ledger at the recorded position.
     """
     st = read_state(root)
     st = None if st is None or st.format != STATE_FORMAT else st
@@ -367,7 +486,7 @@ def export_entries(
         head = reg.head() if upto is None else upto
         got = reg.entries(names, upto=head) if head else LOG_SCHEMA.empty_table()
         return concat_entries([got, local]), head
-    if st is None or not st.table_id:
+    if st is None or not (st.table_id or st.ledger_id):
         return local, st.position if st else 0
     p = st.position
     snap = [

@@ -56,6 +56,11 @@ LOG_SCHEMA = pa.schema(
         ("reason", pa.string()),
         ("export", pa.string()),
         ("host", pa.string()),
+        # An opt-out entry's content keys: the row's source digest and pHash (null where
+        # unknown), so the removal follows the image to its copies (prx_data.core.keys).
+        ("sha256", pa.string()),
+        ("phash", pa.int64()),
+        ("optout", pa.bool_()),
     ]
 )
 #: The store file also keeps each id's kind (the entry that decided it), so an update can
@@ -131,9 +136,20 @@ def log_rows(
     base: int,
     kind: int,
     export: str,
+    keys: pa.Table | None = None,
 ) -> pa.Table:
-    """Log entries for ``ids`` (``prov``: one provenance, or a store table of per-id ones)."""
+    """Log entries for ``ids`` (``prov``: one provenance, or a store table of per-id ones).
+
+    ``keys`` (``id``, ``sha256``, ``phash``): the ids are opt-outs, with these content keys
+    where an id has a row there (:mod:`prx_data.skips.content`).
+    """
     n = len(ids)
+    sha = pa.nulls(n, pa.string())
+    ph = pa.nulls(n, pa.int64())
+    if keys is not None and n:
+        at_key = pc.index_in(ids.cast(pa.string()), value_set=keys["id"].combine_chunks())
+        sha = pc.take(keys["sha256"].combine_chunks(), at_key)
+        ph = pc.take(keys["phash"].combine_chunks(), at_key)
     if isinstance(prov, pa.Table):
         at, command, reason = prov["added"], prov["command"], prov["reason"]
     else:
@@ -153,13 +169,30 @@ def log_rows(
             "reason": reason,
             "export": pa.array([export] * n, pa.string()),
             "host": pa.array([socket.gethostname()] * n, pa.string()),
+            "sha256": sha,
+            "phash": ph,
+            "optout": pa.array(np.full(n, keys is not None), pa.bool_()),
         },
         schema=LOG_SCHEMA,
     )
 
 
+def conform_entries(t: pa.Table) -> pa.Table:
+    """Entries as :data:`LOG_SCHEMA`, whatever version wrote them (columns added since
+    read as null; ``optout`` as false)."""
+    cols = []
+    for f in LOG_SCHEMA:
+        if f.name in t.column_names:
+            cols.append(t[f.name].cast(f.type))
+        elif f.name == "optout":
+            cols.append(pa.array(np.zeros(len(t), bool)))
+        else:
+            cols.append(pa.nulls(len(t), f.type))
+    return pa.Table.from_arrays(cols, schema=LOG_SCHEMA)
+
+
 def concat_entries(tables: Sequence[pa.Table]) -> pa.Table:
-    tables = [t.select(LOG_SCHEMA.names).cast(LOG_SCHEMA) for t in tables if t is not None]
+    tables = [conform_entries(t) for t in tables if t is not None]
     return pa.concat_tables(tables) if tables else LOG_SCHEMA.empty_table()
 
 

@@ -41,6 +41,7 @@ from prx_data.skips.export_state import (
     read_local,
     read_state,
     read_store_file,
+    rebase_local,
     samples_total,
     sidecar_names,
     state_for,
@@ -48,6 +49,7 @@ from prx_data.skips.export_state import (
     write_state,
     write_store_list,
 )
+from prx_data.skips.ledger import Ledger
 from prx_data.skips.log import (
     ADD,
     REMOVE,
@@ -58,14 +60,13 @@ from prx_data.skips.log import (
     state,
     store_rows,
 )
-from prx_data.skips.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
 def materialise(
     root: str,
-    reg: Registry | None,
+    reg: Ledger | None,
     lease: Lease,
     *,
     names: Iterable[str] | None = None,
@@ -84,6 +85,8 @@ def materialise(
     """
     old = read_state(root)
     old = old if old is not None and old.format == STATE_FORMAT else None
+    if reg is not None:
+        rebase_local(root, lease, reg, old)
     st = state_for(root, reg) if reg is not None else (old or ExportState())
     if reg is not None:
         head, log_id = reg.position()
@@ -126,7 +129,7 @@ def materialise(
 
 def _delta_lists(
     old: ExportState | None,
-    reg: Registry | None,
+    reg: Ledger | None,
     head: int,
     log_id: str | None,
     local: pa.Table,
@@ -161,7 +164,7 @@ def _delta_lists(
 
 def _apply_changes(
     root: str,
-    reg: Registry | None,
+    reg: Ledger | None,
     lease: Lease,
     old: ExportState,
     st: ExportState,
@@ -281,7 +284,7 @@ def _patch_sidecars(
 
 def _rebind(
     root: str,
-    reg: Registry | None,
+    reg: Ledger | None,
     lease: Lease,
     st: ExportState,
     head: int,

@@ -25,6 +25,7 @@ from prx_data.core.lease import Lease
 from prx_data.skips import sidecar as SL
 from prx_data.skips.errors import ListError
 from prx_data.skips.export_state import (
+    PENDING_BASE,
     append_local,
     export_entries,
     export_lease,
@@ -35,6 +36,7 @@ from prx_data.skips.export_state import (
     samples_total,
     store_names,
 )
+from prx_data.skips.ledger import Ledger
 from prx_data.skips.log import (
     ADD,
     EXPORT_ONLY,
@@ -43,6 +45,7 @@ from prx_data.skips.log import (
     REMOVE,
     Provenance,
     concat_entries,
+    conform_entries,
     latest,
     log_rows,
     state,
@@ -50,7 +53,6 @@ from prx_data.skips.log import (
 )
 from prx_data.skips.materialise import materialise
 from prx_data.skips.recover import import_rows, import_unlogged, unlogged
-from prx_data.skips.registry import Registry
 
 #: A list that leaves out more than this share of an export is reported with a warning.
 WARN_SHARE = 0.10
@@ -79,14 +81,14 @@ class ListUpdate:
     warning: str | None = None
 
 
-def _view(root: str, reg: Registry | None, name: str) -> pa.Array:
+def _view(root: str, reg: Ledger | None, name: str) -> pa.Array:
     """The ids list ``name`` holds for this export now (the log's state)."""
     entries, _ = export_entries(root, reg, [name])
     t = state(entries).get(name)
     return t["id"].combine_chunks() if t is not None else pa.array([], pa.string())
 
 
-def _quiet_resolve(root: str) -> Registry | None:
+def _quiet_resolve(root: str) -> Ledger | None:
     try:
         return resolve(root, strict=False)
     except ListError:
@@ -115,15 +117,19 @@ def update_list(
     *,
     mode: str = "add",
     table: str | None = None,
+    ledger: str | None = None,
     export_only: bool = False,
-    registry: Registry | None = None,
+    registry: Ledger | None = None,
+    keys: pa.Table | None = None,
 ) -> ListUpdate:
     """Add ids to / remove ids from / replace the list ``name``, then materialise the export.
 
     ``mode="remove"`` with ``ids=None`` removes the whole list (every id it
     holds for this export). Everything happens under the export's lease: the
-    entry goes to the registry (or, ``export_only``, to the export's own log),
+    entry goes to the ledger (or, ``export_only``, to the export's own log),
     and the export's lists are materialised from the log read afterwards.
+    ``keys`` (``id``, ``sha256``, ``phash``): the added ids are opt-outs with these
+    content keys (:mod:`prx_data.skips.content`), applied by every later export.
     """
     SL.validate_name(name)
     if mode not in ("add", "remove", "replace"):
@@ -131,15 +137,17 @@ def update_list(
     whole = ids is None
     req = None if whole else unique_ids(ids)
     with export_lease(root) as lease:
-        reg = registry if registry is not None else resolve(root, table, export_only=export_only)
+        reg = registry
+        if reg is None:
+            reg = resolve(root, table, ledger=ledger, export_only=export_only)
         view = reg if reg is not None else _quiet_resolve(root)  # what materialises the export
         import_unlogged(root, lease)
         # A registry entry is based on its own commit; an export-only one on the registry
         # position this export has seen (its order against later registry entries).
         seen: int | None = None
         if reg is None:
-            st = read_state(root)
-            seen = view.head() if view is not None else (st.position if st else 0)
+            # Out of reach: newer than everything until the export meets its ledger again.
+            seen = view.head() if view is not None else PENDING_BASE
 
         def rows(seq: int) -> pa.Table:
             # What the list holds (under the lease) matters only to a whole-list remove and
@@ -156,6 +164,7 @@ def update_list(
                 base=seq if seen is None else seen,
                 kind=REGISTRY if reg is not None else EXPORT_ONLY,
                 export=root,
+                keys=keys if mode == "add" else None,
             )
 
         if reg is not None:
@@ -185,19 +194,21 @@ def update_list(
     )
 
 
-def sync(root: str, table: str | None = None, *, drop: Iterable[str] = ()) -> dict[str, dict]:
+def sync(
+    root: str, table: str | None = None, *, ledger: str | None = None, drop: Iterable[str] = ()
+) -> dict[str, dict]:
     """Materialise every list of the export from the log (``skips sync``); idempotent.
 
     Reads the log after taking the export's lease. A list the log emptied
     leaves the export in every form (store and sidecars).
     """
     with export_lease(root) as lease:
-        reg = resolve(root, table, strict=table is not None)
+        reg = resolve(root, table, ledger=ledger, strict=bool(table or ledger))
         import_unlogged(root, lease, drop)
         return materialise(root, reg, lease, full=True)
 
 
-def carry(src: str, reg: Registry, *, drop: Iterable[str] = ()) -> int:
+def carry(src: str, reg: Ledger, *, drop: Iterable[str] = ()) -> int:
     """Record ``src``'s export-only entries (and lists the log does not hold yet) in ``reg``,
     each where the registry holds nothing newer for that id. Returns the entries carried."""
     found = unlogged(src, read_state(src), drop)
@@ -223,7 +234,7 @@ def carry(src: str, reg: Registry, *, drop: Iterable[str] = ()) -> int:
         kind = pa.array(np.full(n, REGISTRY, np.int8))
         out = out.set_column(out.schema.get_field_index("kind"), "kind", kind)
         counted["n"] = n
-        return out.select(LOG_SCHEMA.names).cast(LOG_SCHEMA)
+        return conform_entries(out)
 
     reg.append(make)
     return counted.get("n", 0)
@@ -239,7 +250,7 @@ def snapshot_local(src: str, dst: str, lease: Lease, *, drop: Iterable[str] = ()
         append_local(dst, lease, lambda seq: import_rows(lists, seq, src))
 
 
-def remove_list(reg: Registry, name: str, prov: Provenance) -> int:
+def remove_list(reg: Ledger, name: str, prov: Provenance) -> int:
     """Remove every id of list ``name`` from the registry (``write_mds --drop-list``)."""
     SL.validate_name(name)
 
@@ -252,7 +263,7 @@ def remove_list(reg: Registry, name: str, prov: Provenance) -> int:
     return reg.append(make)
 
 
-def lists_of(root: str, reg: Registry | None, *, drop: Iterable[str] = ()) -> dict[str, pa.Table]:
+def lists_of(root: str, reg: Ledger | None, *, drop: Iterable[str] = ()) -> dict[str, pa.Table]:
     """{list: ids} the export holds by the log's state, with lists the log does not hold yet
     (raises :class:`UncarriableList` for one whose ids cannot be recovered, unless dropped)."""
     entries, _ = export_entries(root, reg, None)

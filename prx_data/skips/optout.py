@@ -128,8 +128,12 @@ class OptOutReport:
     not_matched: list[str] = field(default_factory=list)
     #: The file the CLI wrote ``not_matched`` to (one per line), if any.
     not_matched_file: str | None = None
-    #: The table's list registry the ids were recorded in (None: only this export).
+    #: The corpus ledger the ids were recorded in (None: only this export).
     registry: str | None = None
+    #: {rule: rows it took out}: the requested ids, and the rows found through their
+    #: content keys (byte-identical copies, equal pHash) and dedup groups in every table
+    #: of the corpus (:mod:`prx_data.skips.content`).
+    by_rule: dict[str, int] = field(default_factory=dict)
     #: Ids the list holds, in this export and not (later exports of the table skip them all).
     ids_in_list: int = 0
     #: Share of the export this list leaves out, and the warning when it is above 10 %.
@@ -154,10 +158,16 @@ class OptOutReport:
             lines += [
                 f"    {b}: {c:,}" for b, c in self.buckets.items() if b.split("/")[0] == tier and c
             ]
+        extended = {r: n for r, n in self.by_rule.items() if r != "id" and n}
+        if extended:
+            lines.append(
+                "the same images under other ids, also left out: "
+                + ", ".join(f"{n:,} by {r}" for r, n in extended.items())
+            )
         if self.registry:
             lines.append(
-                f"recorded in {self.registry} ({self.ids_in_list:,} ids in the list): every later "
-                "export of the table leaves them out"
+                f"recorded in the ledger {self.registry} ({self.ids_in_list:,} ids in the list): "
+                "no later export of any table of the corpus writes them"
             )
         if self.warning:
             lines.append(self.warning)
@@ -179,36 +189,62 @@ def add_optout(
     keys: Mapping[str, Sequence[str]] | None = None,
     reason: str = "",
     table: str | None = None,
+    ledger: str | None = None,
     export_only: bool = False,
+    allow_unmatched: bool = False,
 ) -> OptOutReport:
     """Add the samples of ``ids`` to the skip list ``name`` in every bucket of ``export``.
 
     ``keys`` (from :func:`resolve_source_ids`) makes the request the source keys:
     they are what is counted, and a key is unmatched when none of its row ids
     is in the export (including keys that have no row in the table at all).
-    The ids are recorded in the table's list registry first
-    (:mod:`prx_data.skips.ops`), so every later export of the table leaves
-    them out too, ids this export does not hold included; ``export_only``
-    changes only this export.
+    The opt-out follows the image: rows of any table of the corpus that share a
+    requested row's source bytes, pHash or dedup group are added too
+    (:func:`prx_data.skips.content.expand`). Everything is recorded in the corpus
+    ledger first (:mod:`prx_data.skips.ledger`) with the rows' content keys, so
+    no later export writes them; ``export_only`` changes only this export.
+    A request none of whose ids is in the export or in a table of the corpus is
+    refused (nothing is recorded) unless ``allow_unmatched``.
     """
+    import pyarrow as pa
+
     from prx_data.skips import sidecar as SL
+    from prx_data.skips.bind import bind
+    from prx_data.skips.content import corpus_tables, expand, keys_of
+    from prx_data.skips.export_state import require_export, resolve, table_of
     from prx_data.skips.log import Provenance
     from prx_data.skips.ops import update_list
 
     SL.validate_name(name)
+    require_export(export)
     if keys is not None:
         ids = {i for v in keys.values() for i in v}
     wanted = sorted(set(ids))
+    led = None if export_only else resolve(export, table, ledger=ledger)
+    folder = led.uri.rsplit("/", 1)[0] if led is not None else None
+    tables = corpus_tables(folder, [t for t in (table, led and led.table, table_of(export)) if t])
+    found = expand(tables, wanted)
+    if not allow_unmatched and wanted and not len(found.keys):
+        in_export = bind(export, {name: pa.array(wanted, pa.string())})[name]
+        if not in_export.positions:
+            raise UsageError(
+                f"none of the {len(wanted):,} requested ids is in {export} or in a table of the "
+                "corpus (check the ids, or the source with --source-ids); nothing was recorded. "
+                "Pass --allow-unmatched to record them anyway (ids not ingested yet)"
+            )
+    every = sorted(set(wanted) | set(found.ids()))
     res = update_list(
         export,
         name,
-        wanted,
+        every,
         Provenance("optout", reason),
-        table=table,
+        registry=led,
         export_only=export_only,
+        keys=keys_of(tables, every) if len(found.keys) else found.keys,
     )
+    missing_req = sorted(set(res.missing_ids) & set(wanted))
     if keys is None:
-        requested, not_matched = len(wanted), res.missing_ids
+        requested, not_matched = len(wanted), missing_req
     else:
         missing = set(res.missing_ids)
         requested = len(keys)
@@ -237,4 +273,5 @@ def add_optout(
         ids_in_list=res.ids_in_list,
         share=res.share,
         warning=res.warning,
+        by_rule={"id": len(wanted), **found.counts()},
     )

@@ -361,6 +361,8 @@ def rewrite_export(
     drop_lists: Sequence[str] = (),
     max_local: int | str | None = None,
     work_dir: str | None = None,
+    table: str | None = None,
+    ledger: str | None = None,
 ) -> RewriteResult:
     """Write ``out``: the export at ``root`` without the samples of the lists it applies.
 
@@ -384,10 +386,16 @@ def rewrite_export(
     buckets = layout.list_buckets(root)
     # Every list as ids, before anything is written: one that cannot be recovered refuses.
     source_table = table_of(root)
+    # Only the user's --table/--ledger lets what a (possibly received) export holds be written
+    # into a ledger; otherwise the ledger is read, and the old export's own entries stay the
+    # new export's own.
+    trusted = bool(table or ledger)
     try:
-        reg = resolve(root)
+        reg = resolve(root, table, ledger=ledger) if trusted else resolve(root)
     except ListError:
-        reg = None  # the table is not found from here: the new export's lists are its own
+        if trusted:
+            raise
+        reg = None  # the ledger is not found from here: the new export's lists are its own
     # Every list as the log's state, before anything is written: one that cannot be recovered
     # (a corrupt sidecar of a list the log does not hold) refuses.
     carried = lists_of(root, reg, drop=drop_lists)
@@ -460,7 +468,7 @@ def rewrite_export(
         # The lists, re-bound by row id to the new shards (after every bucket): the source's
         # export-only entries go to the registry where newer, then the log is materialised.
         with export_lease(out) as lease:
-            if reg is not None:
+            if reg is not None and trusted:
                 carry(root, reg, drop=drop_lists)
             else:
                 snapshot_local(root, out, lease, drop=drop_lists)
