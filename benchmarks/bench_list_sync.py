@@ -81,7 +81,7 @@ def main() -> int:
     from prx_data.skips.export_state import ExportState, read_state, write_state
     from prx_data.skips.log import Provenance, log_rows
     from prx_data.skips.ops import sync, update_list
-    from prx_data.skips.registry import Registry
+    from prx_data.skips.ledger import Ledger
     from tests.tablekit import make_table
 
     work = tempfile.mkdtemp(prefix="prx-listsync-", dir=args.work)
@@ -101,7 +101,7 @@ def main() -> int:
         res["fabricate_s"] = round(time.perf_counter() - t0, 1)
         table = os.path.join(work, "t.lance")
         make_table(table, [("s/0", b"\xff\xd8x", "c")])
-        reg = Registry.for_table(table)
+        reg = Ledger.for_table(table)
         t0 = time.perf_counter()
         r = args.registry
         half = min(r // 2, n // 2)

@@ -38,9 +38,9 @@ from prx_data.skips.export_state import (
     write_state,
     write_store_list,
 )
+from prx_data.skips.ledger import Ledger, default_ledger_uri, registry_uri
 from prx_data.skips.log import Provenance, log_rows, store_table
 from prx_data.skips.ops import carry, sync, update_list
-from prx_data.skips.registry import Registry, registry_uri
 from tests.exportkit import make_export, skip_samples
 from tests.tablekit import make_table
 
@@ -145,8 +145,8 @@ def test_reoptout_export_only_after_remove_survives_sync_rewrite_and_overwrite(b
     sync(b.root)
     assert "optout" not in skipped(b)
     # ...until --overwrite / rewrite carries it into the registry (the newest state of the id).
-    assert carry(a.root, Registry.for_table(t)) == 1
-    assert Registry.for_table(t).state()["optout"]["id"].to_pylist() == [_id(3)]
+    assert carry(a.root, Ledger.for_table(t)) == 1
+    assert Ledger.for_table(t).state()["optout"]["id"].to_pylist() == [_id(3)]
     sync(b.root)
     assert skipped(b)["optout"] == {_id(3)}
 
@@ -204,13 +204,15 @@ def test_a_symlinked_table_path_finds_the_same_registry_and_a_moved_one_is_found
     _add(a.root, "optout", [_id(7)])
     sync(c.root)
     assert skipped(c)["optout"] == {_id(7)}
-    # The table moves with its registry: the export's recorded paths fail, --table finds it.
+    # The table moves with its ledger: the export's recorded paths fail (naming the missing
+    # ledger, never reading it as empty), --table finds both.
     os.unlink(link)
     moved = str(tmp_path / "moved")
     os.makedirs(moved)
+    ledger = default_ledger_uri(t)
     shutil.move(t, os.path.join(moved, "t.lance"))
-    shutil.move(registry_uri(t), registry_uri(os.path.join(moved, "t.lance")))
-    with pytest.raises(ListError, match="--table URI"):
+    shutil.move(ledger, default_ledger_uri(os.path.join(moved, "t.lance")))
+    with pytest.raises(ListError, match=f"{ledger}, which is missing"):
         _add(a.root, "optout", [_id(8)])
     _add(a.root, "optout", [_id(8)], table=os.path.join(moved, "t.lance"))
     assert skipped(a)["optout"] == {_id(7), _id(8)}
@@ -231,7 +233,7 @@ def test_a_crafted_export_cannot_inject_lists_into_our_registry(bound, tmp_path)
         resolve(evil.root)  # never our registry
     new = str(tmp_path / "new")
     assert skips_cli.main(["rewrite", evil.root, new, "--force", "--name", "none"]) in (0, 2)
-    assert "all" not in Registry.for_table(t).state()
+    assert "all" not in Ledger.for_table(t).state()
     sync(b.root)
     assert "all" not in skipped(b)
     # An export that names no table at all is export-only.
@@ -298,7 +300,7 @@ def test_registry_written_before_commit_order_is_converted(tmp_path):
         }
     )
     lance.write_dataset(old, registry_uri(t))
-    reg = Registry.for_table(t)
+    reg = Ledger.for_table(t)
     assert reg.state()["x"]["id"].to_pylist() == ["b"]
     reg.append(
         lambda seq: log_rows(

@@ -1,7 +1,7 @@
 """Skip lists survive every operation that makes a new tree, and concurrent updates all land.
 
 A list is a set of row ids kept in the export's ``_lists/`` store and in the
-registry next to the table (:mod:`prx_data.skips.registry`); sidecars derive
+corpus ledger beside the table (:mod:`prx_data.skips.ledger`); sidecars derive
 from it. Each test runs the commands a user runs and checks what the loader
 streams afterwards.
 """
@@ -25,8 +25,8 @@ from prx_data.export import layout, naming, safety
 from prx_data.export.spec import ExportConfig
 from prx_data.skips import sidecar as SL
 from prx_data.skips.export_state import read_store_list, store_names
+from prx_data.skips.ledger import Ledger
 from prx_data.skips.ops import sync
-from prx_data.skips.registry import Registry
 from prx_data.stream.dataset import DatasetSpec
 from tests.exportkit import make_export, run_rank, upload_tree
 from tests.tablekit import make_table
@@ -141,8 +141,10 @@ def test_overwrite_keeps_lists_and_reports_them(table, tmp_path, ray_local, caps
     report = _export(table, out, overwrite=True)
     got = report.lists["optout"]
     assert list(report.lists) == ["optout"]
-    assert (got["ids"], got["samples"], got["source"]) == (2, 2, "registry")
-    assert got["share"] == 2 / N_ROWS
+    # The opted-out images are not written again: the list keeps its ids, skips nothing.
+    assert (got["ids"], got["samples"], got["source"]) == (2, 0, "registry")
+    assert report.dropped["opted_out"] == 2
+    assert not {"s/1", "s/6"} & set(layout.read_manifests(out)["id"].to_pylist())
     assert _streamed(out) == {f"s/{i}" for i in range(N_ROWS)} - {"s/1", "s/6"}
     _verify_clean(out, capsys)
 
@@ -152,7 +154,9 @@ def test_fresh_export_of_the_same_table_gets_the_optout(table, tmp_path, ray_loc
     _export(table, first)
     _optout(first, _ids_file(tmp_path, "o", ["s/2"]))
     report = _export(table, second)
-    assert report.lists["optout"]["samples"] == 1
+    assert report.dropped["opted_out"] == 1  # never written, so no sample to skip
+    assert report.lists["optout"]["samples"] == 0
+    assert "s/2" not in set(layout.read_manifests(second)["id"].to_pylist())
     assert "s/2" not in _streamed(second)
     assert read_store_list(second, "optout")["command"].to_pylist() == ["optout"]
 
@@ -164,7 +168,7 @@ def test_drop_list_unregisters_a_trial_list_and_keeps_the_others(table, tmp_path
     _optout(first, _ids_file(tmp_path, "o", ["s/5"]))
     args = ["--table", table, "--out", second, "--tiers", "512", "--min-units", "2"]
     assert write_mds_cli.main([*args, "--no-progress", "--drop-list", "trial"]) == 0
-    assert "trial" not in Registry.for_table(table).state()
+    assert "trial" not in Ledger.for_table(table).state()
     streamed = _streamed(second)
     assert "s/2" in streamed and "s/5" not in streamed
     assert store_names(second) == ["optout"]
@@ -244,7 +248,7 @@ def test_concurrent_adds_all_land(where, tmp_path, request):
 
     want = sorted(f"ds/{B}/{i}" for i in (0, 1, 3, 5, 7))
     assert sorted(read_store_list(root, "optout")["id"].to_pylist()) == want
-    assert sorted(Registry.for_table(registry_table).state()["optout"]["id"].to_pylist()) == want
+    assert sorted(Ledger.for_table(registry_table).state()["optout"]["id"].to_pylist()) == want
     shards = layout.read_index(root, B)
     skipped = SL.load_skips(root, B, shards, ["optout"])
     where_of = {sid: (s, i) for sid, (_, s, i) in ex.where.items()}
@@ -257,9 +261,9 @@ def test_registry_appends_from_many_processes_all_land(tmp_path):
     reg_table = str(tmp_path / "t.lance")
     make_table(reg_table, [("s/0", _jpeg(0), "c")])
     code = (
-        "import sys; import pyarrow as pa; from prx_data.skips.registry import Registry; "
+        "import sys; import pyarrow as pa; from prx_data.skips.ledger import Ledger; "
         "from prx_data.skips.log import Provenance, log_rows; "
-        "r = Registry.for_table(sys.argv[1]); "
+        "r = Ledger.for_table(sys.argv[1]); "
         "r.append(lambda seq: log_rows('x', pa.array([sys.argv[2]]), 'add', "
         "Provenance('test'), seq=seq, base=seq, kind=0, export='e'))"
     )
@@ -269,7 +273,7 @@ def test_registry_appends_from_many_processes_all_land(tmp_path):
         for k in range(5)
     ]
     assert [p.wait(timeout=300) for p in procs] == [0] * 5
-    got = Registry.for_table(reg_table).state()["x"]["id"].to_pylist()
+    got = Ledger.for_table(reg_table).state()["x"]["id"].to_pylist()
     assert sorted(got) == [f"id{k}" for k in range(5)]
 
 

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from prx_data.skips.ledger import Ledger
 from prx_data.skips.ops import sync
-from prx_data.skips.registry import Registry
 from tests.exportkit import make_export, upload_tree
 from tests.tablekit import make_table
 from tests.test_list_model import skipped
@@ -53,7 +53,7 @@ def _soak(tmp_path, procs: int, ops: int, bucket: str | None = None) -> int:
     assert not any("Traceback" in e for e in errs), "\n".join(errs)
     print(f"soak: {procs} processes, {procs * ops} operations, {len(acked_of(logs))} acknowledged")
     acked = acked_of(logs)
-    reg = Registry.for_table(table)
+    reg = Ledger.for_table(table)
     entries = reg.entries()
     by_seq: dict[int, set] = {}
     for s, n, i, op in zip(

@@ -38,10 +38,10 @@ from prx_data.export import layout  # noqa: E402
 from prx_data.skips import sidecar as SL  # noqa: E402
 from prx_data.skips.bind import ids_at  # noqa: E402
 from prx_data.skips.export_state import export_lease  # noqa: E402
+from prx_data.skips.ledger import Ledger, read_table_id, registry_uri  # noqa: E402
 from prx_data.skips.log import Provenance  # noqa: E402
 from prx_data.skips.materialise import materialise  # noqa: E402
 from prx_data.skips.ops import carry, sync, update_list  # noqa: E402
-from prx_data.skips.registry import Registry, read_table_id, registry_uri  # noqa: E402
 from tests.exportkit import make_export  # noqa: E402
 from tests.tablekit import make_table  # noqa: E402
 
@@ -149,7 +149,7 @@ class ListLog(RuleBasedStateMachine):
     @rule(e=st.sampled_from(EXPORTS))
     def overwrite(self, e):
         """``write_mds --overwrite``: carry the old tree's entries, a new tree, materialise."""
-        reg = Registry.for_table(self.table)
+        reg = Ledger.for_table(self.table)
         carry(self.ex[e], reg)
         for (n, i), op in sorted(self.over[e].items()):
             self.reg_op(n, {i}, op)
@@ -169,7 +169,7 @@ class ListLog(RuleBasedStateMachine):
         root = os.path.join(self.tmp, f"{e}.{self.gen}")
         shutil.copytree(TEMPLATE.root, root)
         with export_lease(root) as lease:
-            materialise(root, Registry.for_table(self.table), lease, full=True)
+            materialise(root, Ledger.for_table(self.table), lease, full=True)
         self.ex[e], self.over[e], self.held[e] = root, {}, set(TEMPLATE.where)
         self.shown[e] = self.view(e)
 

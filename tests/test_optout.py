@@ -87,10 +87,10 @@ def test_ids_file_covers_every_tier_and_rerun_changes_nothing(export, tmp_path, 
 def test_query_and_source_ids(export, tmp_path):
     from tests.dedup_images import jpeg, make_image
 
-    img = jpeg(make_image(0, 64, 64))
+    # Each row its own image: rows sharing bytes would leave together (content keys).
     items = [
-        (sid, img, "remove me" if sid.endswith("/3") else "keep")
-        for sid in sorted(export.all_ids())
+        (sid, jpeg(make_image(k, 64, 64)), "remove me" if sid.endswith("/3") else "keep")
+        for k, sid in enumerate(sorted(export.all_ids()))
     ]
     table = str(tmp_path / "t.lance")
     make_table(table, items)  # tablekit puts every row under source "test"
