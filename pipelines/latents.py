@@ -20,7 +20,6 @@ VAE is refused unless ``replace``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import time
@@ -346,9 +345,8 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
         # Latents this job wrote for shards the export no longer has (an --overwrite export
         # made new parts): removed, then dropped from the record.
         gone = [k for k in (previous or {}).get("shards") or {} if k not in keys]
-        for key in gone:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(L.npy_path(cfg.out, key))
+        for key in gone:  # keys checked by read_record; deleted inside _latents only
+            L.delete_npy(cfg.out, key)
         if gone:
             L.write_record(cfg.out, identity, cfg.dtype, shards)
         for u in units:
