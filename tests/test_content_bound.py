@@ -11,6 +11,7 @@ its folder, and sees the shards' order.
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -145,3 +146,30 @@ def test_the_fingerprint_keys_shards_by_content_and_sees_their_order():
     v2 = {"version": 2, "datasets": [{"root": "r", "samples": 7, "shards": "y"}]}
     v2["datasets"][0]["holdout"] = {"held_out": 2, "digest": "d2"}
     assert resume.describe_changes(v1, v2) == []
+
+
+def test_latents_follow_their_shards_content_to_new_folder_names(tmp_path, vae):
+    """The same shards under other part names (an export of an older version made again):
+    the latents job moves each .npy to its shard's new key instead of encoding it again."""
+    from prx_data.export import latents as L
+    from prx_data.export.merge import merge_bucket
+
+    table, out = _table(tmp_path), str(tmp_path / "out")
+    _export(table, out, shard_size=0)
+    job = LatentsConfig(out=out, vae=vae, progress=False, engine="local")
+    first = run_latents(job)
+    for bucket in layout.list_buckets(out):
+        bdir = os.path.join(out, *bucket.split("/"))
+        parts = sorted(p for p in os.listdir(bdir) if naming.PART_RE.fullmatch(p))
+        renamed = [naming.part_name(0, 2 * k) for k in range(len(parts))]
+        for old, new in zip(parts, renamed, strict=True):
+            os.rename(os.path.join(bdir, old), os.path.join(bdir, new))
+        merge_bucket(bdir, renamed)
+    again = run_latents(job)
+    assert (again.encoded_shards, again.skipped_shards) == (0, first.shards)
+    record = L.read_record(out)
+    for bucket in layout.list_buckets(out):
+        index = layout.read_index(out, bucket)
+        assert L.stale_shards(record, bucket, index) == []
+        assert all(os.path.isfile(L.npy_path(out, L.shard_key(bucket, s.basename))) for s in index)
+    assert all(k.split("/")[2].startswith("f") for k in record["shards"])

@@ -148,6 +148,28 @@ def npy_digest(root: str, key: str, max_bytes: int) -> str | None:
         return None
 
 
+def move_npy(root: str, old: str, new: str) -> bool:
+    """Move a shard's ``.npy`` to another shard's key, inside ``_latents`` (no link followed).
+
+    Returns False when there is no regular file to move.
+    """
+    import stat
+
+    base = confined.confined(storage.join(root, LATENTS_DIR))
+    src = base.resolve(npy_path(root, check_key(old)))
+    try:
+        if not stat.S_ISREG(os.lstat(src).st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    dst_path = npy_path(root, check_key(new))
+    os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+    dst = base.resolve(dst_path)
+    os.replace(src, dst)
+    _fsync_dir(os.path.dirname(dst))
+    return True
+
+
 #: The numpy dtype each storage dtype is written as (bfloat16: its bits as ``uint16``).
 STORED_DTYPES = {
     "float16": np.dtype("<f2"),
