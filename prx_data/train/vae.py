@@ -65,7 +65,13 @@ def _weights_folder(name_or_path: str, subfolder: str | None) -> str:
     from huggingface_hub import snapshot_download
 
     pattern = f"{subfolder}/*" if subfolder else "*"
-    root = snapshot_download(name_or_path, allow_patterns=[pattern], local_files_only=True)
+    try:  # from_pretrained has just fetched it into the cache
+        root = snapshot_download(name_or_path, allow_patterns=[pattern], local_files_only=True)
+    except Exception as e:  # noqa: BLE001 (hub errors have no common base): one line
+        raise ValueError(
+            f"vae.name_or_path: cannot find the cached files of {name_or_path!r} to digest its "
+            f"weights ({type(e).__name__}); give a local folder"
+        ) from None
     return os.path.join(root, subfolder) if subfolder else root
 
 
