@@ -20,7 +20,6 @@ VAE is refused unless ``replace``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import time
@@ -343,13 +342,13 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
                 done = dict(previous.get("shards") or {})
         keys = {u["key"] for u in every}
         shards = {k: v for k, v in done.items() if k in keys}
+        moved = _follow_content(cfg.out, every, done, shards)
         # Latents this job wrote for shards the export no longer has (an --overwrite export
         # made new parts): removed, then dropped from the record.
         gone = [k for k in (previous or {}).get("shards") or {} if k not in keys]
-        for key in gone:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(L.npy_path(cfg.out, key))
-        if gone:
+        for key in gone:  # keys checked by read_record; deleted inside _latents only
+            L.delete_npy(cfg.out, key)
+        if gone or moved:
             L.write_record(cfg.out, identity, cfg.dtype, shards)
         for u in units:
             if u["key"] in shards:
@@ -395,6 +394,42 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
             L.write_record(cfg.out, identity, cfg.dtype, shards)
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _follow_content(
+    root: str, every: list[dict[str, Any]], done: dict[str, dict], shards: dict[str, dict]
+) -> int:
+    """Latents recorded for a shard path the export no longer has, whose shard is now at
+    another path with the same content (samples, bytes and hashes): moved there, not
+    encoded again. Returns how many moved; ``shards`` gains them.
+
+    Latents belong to a shard's data, not to its folder: an export of an older version
+    (parts named by fragment ids) made again gives the same shards under new names. Only
+    shards with content hashes are matched (bytes alone would not tell two apart); the
+    moved file is still checked by its digest before it is trusted (:class:`ShardEncoder`).
+    """
+
+    def content(binding: dict) -> str | None:
+        hashes = binding.get("shard_hashes") or {}
+        if not hashes:
+            return None
+        return repr((binding.get("samples"), binding.get("shard_bytes"), sorted(hashes.items())))
+
+    keys = {u["key"] for u in every}
+    orphans: dict[str, str] = {}
+    for key, rec in sorted(done.items()):
+        c = content(rec)
+        if key not in keys and c is not None:
+            orphans.setdefault(c, key)
+    moved = 0
+    for u in every:
+        if u["key"] in shards or not orphans:
+            continue
+        old = orphans.pop(content(L.shard_binding(u["entry"])) or "", None)
+        if old is not None and L.move_npy(root, old, u["key"]):
+            shards[u["key"]] = done[old]
+            moved += 1
+    return moved
 
 
 def _identity(cfg: LatentsConfig) -> dict[str, Any]:

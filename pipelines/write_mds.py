@@ -61,7 +61,7 @@ from prx_data.export.prepare import (
 )
 from prx_data.export.removals import write_keys
 from prx_data.export.safety import foreign_entries, list_top, remove_stale_parts
-from prx_data.export.spec import ExportConfig, UnitResult, WorkUnit
+from prx_data.export.spec import ExportConfig, UnitResult, WorkUnit, kept_parts
 from prx_data.export.unit import export_unit
 
 #: Work units per cluster CPU when ``min_units`` is not given. Units cost the same
@@ -303,7 +303,7 @@ class ExportSink:
         self.units = plan_units(cfg)
         self.finished = done_parts(cfg.out) if self.resume else {}
         if self.resume:  # packs with a marker are kept; half-written ones go with unfinished parts
-            remove_stale_parts(cfg.out, set(self.finished) | done_packs(cfg.out), cfg.tiers)
+            remove_stale_parts(cfg.out, kept_parts(self.finished) | done_packs(cfg.out), cfg.tiers)
         return [u for u in self.units if u.part not in self.finished]
 
     def write(self, todo: list[WorkUnit]) -> dict[str, UnitResult]:

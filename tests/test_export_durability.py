@@ -170,7 +170,7 @@ def test_unit_files_and_folders_are_fsynced_before_its_marker(tmp_path, table, m
     )
     for part, r in results.items():
         for bucket in r.buckets:
-            pdir = os.path.join(out, bucket, part)
+            pdir = os.path.join(out, bucket, r.part_in(bucket))
             paths = [os.path.join(out, bucket), pdir]
             paths += [os.path.join(pdir, f) for f in os.listdir(pdir)]
             assert {"index.json", "ids.parquet", "shard.00000.mds"} <= set(os.listdir(pdir))

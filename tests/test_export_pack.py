@@ -88,8 +88,11 @@ def test_packed_export_holds_the_unpacked_samples_in_few_shards(table, tmp_path,
     assert len(_parts(plain)) - 1 == r0.units >= 6  # one part per unit (+ index.json)
     # The default 64 MiB: the whole bucket is one pack of one shard.
     index = layout.read_index(packed, B)
-    assert [s.basename.split("/")[0] for s in index] == ["p000000-f000000-000000000"]
-    assert _parts(packed) == ["index.json", "p000000-f000000-000000000"]
+    # Parts and packs are named by the ids they hold, never by fragment ids or row numbers.
+    whole = naming.content_pack_name(naming.ids_digest(f"s/{i:02d}" for i in range(N_ROWS)))
+    assert [s.basename.split("/")[0] for s in index] == [whole]
+    assert _parts(packed) == ["index.json", whole]
+    assert all(naming.CONTENT_PART_RE.fullmatch(p) for p in _parts(plain) if p != "index.json")
     assert _samples(packed) == _samples(plain)  # the same ids, the same encoded bytes
     assert sorted(_samples(plain)) == [f"s/{i:02d}" for i in range(N_ROWS)]
     assert verify_cli.main([packed, "--deep", "--no-progress"]) == 0
@@ -120,7 +123,7 @@ def test_tiny_bucket_of_one_sample_is_one_pack(tmp_path, ray_local):
     out = str(tmp_path / "o")
     report = _export(uri, out)
     assert report.samples_written == 1
-    assert _parts(out) == ["index.json", "p000000-f000000-000000000"]
+    assert _parts(out) == ["index.json", naming.content_pack_name(naming.ids_digest(["only"]))]
     assert list(_samples(out)) == ["only"]
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
 

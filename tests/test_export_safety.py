@@ -113,6 +113,23 @@ def test_wide_part_names_are_ours_and_unknown_shard_suffixes_are_not(tmp_path):
     assert safety.foreign_entries(root) == [f"{B}/{wide}/shard.00002.mds.exe"]
 
 
+def test_content_part_names_are_ours_and_near_misses_are_not(tmp_path):
+    """Parts and packs named by their ids (``u``/``p`` + 16 lower-case hex digits) are part
+    folders of ours, beside the fragment-range names of older exports; a name that only
+    looks like one (short, long, upper case, a suffix, a newline) is somebody else's."""
+    root = str(tmp_path / "exp")
+    make_export(root, {B: 4})
+    digest = naming.ids_digest(["a", "b"])
+    ours = [naming.content_part_name(digest), naming.content_pack_name(digest)]
+    near = ["u" + "0" * 15, "u" + "0" * 17, "u" + "A" * 16, "p" + "0" * 16 + "-x", "q" + "0" * 16]
+    for name in ours + near:
+        os.makedirs(os.path.join(root, B, name))
+        open(os.path.join(root, B, name, "shard.00000.mds"), "wb").close()
+    assert all(naming.PART_RE.fullmatch(n) for n in ours)
+    assert not any(naming.PART_RE.fullmatch(n) for n in [*near, ours[0] + "\n"])
+    assert sorted(safety.foreign_entries(root)) == sorted(f"{B}/{n}" for n in near)
+
+
 def test_out_that_is_a_file_and_table_without_images_are_clean_errors(tmp_path, table):
     f = tmp_path / "file.bin"
     f.write_bytes(b"x")

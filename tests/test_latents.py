@@ -486,7 +486,7 @@ def test_latents_of_shards_an_overwrite_replaced_are_removed_by_the_next_run(tmp
     run_latents(_job(root, vae))
     old = [Path(L.npy_path(root, k)) for k in L.read_record(root)["shards"]]
     record = L.read_record(root)
-    ghost = "512/1.000/p999999-f000000-000000000/shard.00000"  # a part since replaced
+    ghost = "512/1.000/p999999-f000000-000000000/shard.00000.mds"  # a part since replaced
     record["shards"][ghost] = next(iter(record["shards"].values()))
     Path(L.npy_path(root, ghost)).parent.mkdir(parents=True)
     Path(L.npy_path(root, ghost)).write_bytes(old[0].read_bytes())

@@ -13,6 +13,7 @@ import io
 import os
 import posixpath
 import uuid
+from collections.abc import Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -71,14 +72,16 @@ def fsync(path: str) -> None:
         os.close(fd)
 
 
-def publish_parts(out: str, stage: str, part: str, buckets: list[str]) -> None:
+def publish_parts(out: str, stage: str, parts: Mapping[str, str]) -> None:
     """fsync each staged part (files, then folder), rename it into its bucket, fsync the buckets.
 
-    A part already at the target was left by an earlier attempt of this unit
-    (the marker is written only after this step) and is replaced.
+    ``parts`` maps each bucket (``<tier>/<ar>``) to the part folder staged as
+    ``<stage>/<tier>/<ar>/<part>``. A part already at the target was left by an
+    earlier attempt of this unit (the marker is written only after this step)
+    and is replaced.
     """
     dirs = {out}
-    for name in buckets:
+    for name, part in sorted(parts.items()):
         src = os.path.join(stage, *name.split("/"), part)
         for f in sorted(os.listdir(src)):
             fsync(os.path.join(src, f))
@@ -91,6 +94,22 @@ def publish_parts(out: str, stage: str, part: str, buckets: list[str]) -> None:
         dirs |= {bdir, os.path.dirname(bdir)}  # the tier and bucket may be new
     for d in sorted(dirs, reverse=True):
         fsync(d)
+    remove_tree(stage)
+
+
+def upload_parts(out: str, stage: str, parts: Mapping[str, str]) -> None:
+    """Object storage: PUT each staged part's files under its bucket (each PUT is durable).
+
+    An earlier attempt's objects at the same part are deleted first; the unit's
+    marker, written after this, is what vouches for the part.
+    """
+    for name, part in sorted(parts.items()):
+        src = os.path.join(stage, *name.split("/"), part)
+        dst = storage.join(out, *name.split("/"), part)
+        storage.delete(dst)
+        for f in sorted(os.listdir(src)):
+            with open(os.path.join(src, f), "rb") as fh:
+                storage.write_bytes_atomic(storage.join(dst, f), fh.read())
     remove_tree(stage)
 
 

@@ -9,7 +9,7 @@ latent set belongs to one VAE: another VAE is another folder's worth of
 files, and the export, its skip lists and its id index stay as they are.
 
 ``_latents/record.json`` names the VAE (class, factors, posterior,
-compression, channels) and the storage dtype, and per shard the xxh64 of its
+compression, channels, and the sha256 of its weight files) and the storage dtype, and per shard the xxh64 of its
 ``.npy`` bytes and the shard it was computed from (bytes, samples, hashes), so
 a re-export or a changed shard is never served stale latents. The job
 (:mod:`prx_data.pipelines.latents`) writes it; the loader and the trainer
@@ -48,6 +48,9 @@ VAE_KEYS = (
     "posterior",
     "compression",
     "latent_channels",
+    # sha256 of the VAE's weight files: another VAE of the same class and config is another
+    # VAE (a record without it, from an older version, vouches for none).
+    "weights",
 )
 #: Largest record read back (a million shards at ~300 bytes each).
 MAX_RECORD_BYTES = 1 << 30
@@ -63,11 +66,33 @@ def shard_key(bucket: str, basename: str) -> str:
     parts = basename.split("/")
     if (
         basename.startswith("/")
+        or "\\" in basename
         or any(p in ("", ".", "..") for p in parts)
         or not SHARD_FILE_RE.fullmatch(parts[-1])
     ):
         raise LatentsError(f"{bucket}/{basename}: not a shard name of an export")
     return f"{bucket}/{basename}"
+
+
+def check_key(key: object) -> str:
+    """A key read from a record, checked as :func:`shard_key` checks the ones it makes.
+
+    The record is data: a key like ``512/1.000/../../../x/shard.00000.mds`` would
+    otherwise name a ``.npy`` outside ``_latents`` to read or delete.
+    """
+    if not isinstance(key, str) or key.count("/") < 3:
+        raise LatentsError(f"{key!r}: not a shard key of an export")
+    tier, ar, rest = key.split("/", 2)
+    try:
+        return shard_key(f"{tier}/{ar}", rest)
+    except (ValueError, PrxDataError):
+        raise LatentsError(f"{key!r}: not a shard key of an export") from None
+
+
+def delete_npy(root: str, key: str) -> None:
+    """Delete a shard's ``.npy`` (a checked key), confined to ``_latents`` (no link followed)."""
+    base = storage.join(root, LATENTS_DIR)
+    confined.confined(base).delete(npy_path(root, check_key(key)))
 
 
 def npy_rel(key: str) -> str:
@@ -123,9 +148,110 @@ def npy_digest(root: str, key: str, max_bytes: int) -> str | None:
         return None
 
 
-def load_npy(path: str) -> np.ndarray:
-    """A shard's latents, memory-mapped (``allow_pickle=False``: data never runs code)."""
-    return np.load(path, mmap_mode="r", allow_pickle=False)
+def move_npy(root: str, old: str, new: str) -> bool:
+    """Move a shard's ``.npy`` to another shard's key, inside ``_latents`` (no link followed).
+
+    Returns False when there is no regular file to move.
+    """
+    import stat
+
+    base = confined.confined(storage.join(root, LATENTS_DIR))
+    src = base.resolve(npy_path(root, check_key(old)))
+    try:
+        if not stat.S_ISREG(os.lstat(src).st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    dst_path = npy_path(root, check_key(new))
+    os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+    dst = base.resolve(dst_path)
+    os.replace(src, dst)
+    _fsync_dir(os.path.dirname(dst))
+    return True
+
+
+#: The numpy dtype each storage dtype is written as (bfloat16: its bits as ``uint16``).
+STORED_DTYPES = {
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float32": np.dtype("<f4"),
+}
+
+
+def load_npy(
+    root: str,
+    key: str,
+    dtype: str,
+    shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
+    """A shard's latents, memory-mapped, after checking what the file is and holds.
+
+    The ``.npy`` must be a regular file inside ``<root>/_latents`` (a link out of
+    it, a FIFO, a device are refused: the file is opened ``O_NONBLOCK`` and
+    ``fstat``-ed, so a FIFO never blocks), its header must parse without pickle
+    and give the record's storage ``dtype`` and, when given, ``shape``
+    (``[samples, C, H/f, W/f]``). Finiteness is checked per sample by the loader
+    (:func:`sample_latent`): a whole-file check would read every shard at start.
+    """
+    import errno
+    import stat
+
+    path = npy_path(root, check_key(key))
+    base = storage.join(root, LATENTS_DIR)
+    try:
+        real = confined.confined(base).resolve(path)
+    except confined.UnsafeFileError as e:
+        raise LatentsError(f"{e}; run python -m prx_data.latents {root} --vae VAE") from None
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise LatentsError(
+                f"{path}: missing; run python -m prx_data.latents {root} --vae VAE"
+            ) from None
+        raise LatentsError(f"{path}: cannot be opened as a latents file ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise LatentsError(f"{path}: not a regular file; refusing to read it")
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                got_shape, fortran, got = np.lib.format.read_array_header_1_0(f)
+            else:
+                got_shape, fortran, got = np.lib.format.read_array_header_2_0(f)
+        except ValueError as e:
+            raise LatentsError(f"{path}: not a .npy file ({e})") from None
+        want = STORED_DTYPES.get(dtype)
+        if want is None or got != want or got.hasobject:
+            raise LatentsError(
+                f"{path}: holds {got}, the latents record says {dtype}; run python -m "
+                f"prx_data.latents {root} --vae VAE again"
+            )
+        if shape is not None and tuple(got_shape) != tuple(shape):
+            raise LatentsError(
+                f"{path}: shape {list(got_shape)}, the record and the shard say {list(shape)}; "
+                f"run python -m prx_data.latents {root} --vae VAE again"
+            )
+        offset = f.tell()
+        if os.fstat(f.fileno()).st_size < offset + int(np.prod(got_shape)) * got.itemsize:
+            raise LatentsError(f"{path}: shorter than its header says; run the latents job again")
+        if not int(np.prod(got_shape)):
+            return np.zeros(got_shape, got)
+        return np.memmap(
+            f, got, mode="r", offset=offset, shape=tuple(got_shape), order="F" if fortran else "C"
+        )
+
+
+def sample_latent(stored: np.ndarray, dtype: str, where: str) -> np.ndarray:
+    """One stored latent as float32 (:func:`from_stored`), refused when not finite."""
+    out = from_stored(stored, dtype)
+    if not np.isfinite(out).all():
+        raise LatentsError(
+            f"{where}: a latent holds NaN or infinity; run python -m prx_data.latents with "
+            "--replace (or vae.source: encode)"
+        )
+    return out
 
 
 def read_record(root: str) -> dict[str, Any] | None:
@@ -144,6 +270,17 @@ def read_record(root: str) -> dict[str, Any] | None:
         ) from None
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         raise LatentsError(f"{path}: not a prx-data latents record")
+    shards = record.get("shards")
+    if not isinstance(shards, dict) or not all(isinstance(v, dict) for v in shards.values()):
+        raise LatentsError(f"{path}: its shards are not a mapping of shard records")
+    for key in shards:
+        try:
+            check_key(key)
+        except LatentsError as e:
+            raise LatentsError(
+                f"{path}: {e}; the record was not written by python -m prx_data.latents. "
+                f"Delete {LATENTS_DIR}/ and run the latents job again"
+            ) from None
     if record.get("version") != RECORD_VERSION:
         raise LatentsError(
             f"{path}: latents record version {record.get('version')!r}; this prx-data reads "
@@ -202,6 +339,8 @@ def vae_differences(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> l
         else:
             same = a == b
         if not same:
+            if k == "weights":  # sha256 of the files: the first 12 digits tell them apart
+                a, b = (x[:12] + "..." if isinstance(x, str) else x for x in (a, b))
             out.append(f"{k} {a!r} -> {b!r}")
     return out
 

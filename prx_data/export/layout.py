@@ -12,9 +12,9 @@ loader and the tests all read the same thing. Names and paths are
       .prx-export.lock                 the run lock (local); .prx-export.lease on object storage
       _progress/export.marker          written first: proof that the tree is an export of ours
       _progress/config                 the pinned export config (JSON text, not *.json)
-      _progress/dropped/<part>.parquet a unit's dropped rows, merged into dropped.parquet
-      _progress/<part>.done            one marker per finished work unit
-      _progress/writing/<part>.<hex>/  a unit's parts while it writes them (local): renamed
+      _progress/dropped/<unit>.parquet a unit's dropped rows, merged into dropped.parquet
+      _progress/<unit>.done            one marker per finished work unit (its parts' names)
+      _progress/writing/<unit>.<hex>/  a unit's parts while it writes them (local): renamed
                                        into the buckets once fsynced, then the marker
       <tier>/<ar>/index.json           merged bucket index, written atomically
       <tier>/<ar>/<part>/index.json    the part's own MDSWriter index
@@ -28,9 +28,16 @@ loader and the tests all read the same thing. Names and paths are
       _ids.lance/                      id index: id -> bucket, shard, index (Lance, BTREE on id;
                                        :mod:`prx_data.export.idindex`), rebuilt after every merge
 
-``<part>`` names a work unit, ``f<fragment:06d>-<start:09d>`` (:func:`~prx_data.export.naming.part_name`), or,
-once the pack stage ran, a pack of consecutive unit parts of the bucket,
-``p<ordinal:06d>-<first unit part>`` (:func:`~prx_data.export.naming.pack_name`, :mod:`prx_data.export.pack`).
+``<part>`` is named by the row ids it holds, never by where they sit in the table: a work
+unit's part is ``u<digest:016x>`` (:func:`~prx_data.export.naming.content_part_name`) and,
+once the pack stage ran, a pack of consecutive unit parts of the bucket is ``p<digest:016x>``
+(:func:`~prx_data.export.naming.content_pack_name`, :mod:`prx_data.export.pack`), where the
+digest (:func:`~prx_data.export.naming.ids_digest`) depends only on the set of ids. A table
+compacted or ingested again therefore exports to the same names, and what is bound to a
+shard's path (latents, skip-list sidecars, a checkpoint's fingerprint) still holds. Exports
+of older versions name parts ``f<fragment:06d>-<start:09d>`` and packs
+``p<ordinal:06d>-<first part>``; they stay readable. The work unit's key
+(``f<fragment>-<start>``) still names its bookkeeping under ``_progress``.
 The merged index is built by :func:`prx_data.export.merge.merge_bucket`, our documented equivalent
 of ``streaming.base.util.merge_index``: it prefixes each shard basename with
 its part, sorts parts, writes with sorted keys and replaces the file

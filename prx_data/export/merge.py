@@ -37,6 +37,7 @@ from prx_data.export.spec import (
     UnitResult,
     caption_warnings,
     is_failure,
+    published_parts,
     warn,
 )
 
@@ -251,10 +252,10 @@ def finalize(
         written += r.written
         dropped.update(r.dropped)
         notes.update(r.notes)
-        for name, n in r.buckets.items():
-            per_bucket.setdefault(name, []).append(r.part)
-            per_part.setdefault(name, {})[r.part] = n
-            counts[name] += n
+    for name, parts in published_parts(results).items():
+        per_bucket[name] = list(parts)
+        per_part[name] = {part: r.buckets[name] for part, r in parts.items()}
+        counts[name] += sum(per_part[name].values())
     if packs is not None:
         per_part = {name: dict(packed) for name, packed in packs.items()}
         per_bucket = {name: list(packed) for name, packed in per_part.items()}

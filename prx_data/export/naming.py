@@ -8,30 +8,91 @@ spells digits ``[0-9]`` (``\\d`` also matches other scripts' digits, e.g. ``٥١
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterable
 
 from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
 
 
 def part_name(fragment_id: int, start: int) -> str:
-    """The part (work unit) directory name: stable for a table version and unit plan."""
+    """A work unit's key, ``f<fragment>-<start>``: its progress marker, its dropped rows and
+    its staging folder, all bookkeeping of one table version's unit plan. Exports written
+    before parts were named by content (:func:`content_part_name`) also name their part
+    folders so; such trees stay readable."""
     return f"f{fragment_id:06d}-{start:09d}"
 
 
 def pack_name(ordinal: int, first_part: str) -> str:
-    """A pack's directory name: its place in the bucket and the first unit part it holds."""
+    """The pack name of exports written before packs were named by content
+    (:func:`content_pack_name`): its place in the bucket and its first unit part."""
     return f"p{ordinal:06d}-{first_part}"
 
 
-#: What :func:`part_name` produces (widths are minimums: more fragments widen them).
-UNIT_PART_PATTERN = r"f[0-9]{6,}-[0-9]{9,}"
-#: What :func:`pack_name` produces: a pack of consecutive unit parts (``prx_data.export.pack``).
-PACK_PATTERN = rf"p[0-9]{{6,}}-{UNIT_PART_PATTERN}"
+#: 64-bit additive set digest of row ids (see :func:`ids_digest`).
+_DIGEST_MASK = (1 << 64) - 1
+_DIGEST_PERSON = b"prx-part-ids"
+
+
+def ids_digest(ids: Iterable[str]) -> int:
+    """A digest of a set of row ids that does not depend on their order or on the table.
+
+    The sum, modulo 2**64, of a 64-bit BLAKE2b of each id: a part's digest is
+    that of the ids it holds, and a pack's is the sum of its parts' digests
+    (their id sets are disjoint), so a pack is named by content without
+    reading one id. What a compaction, a re-ingest or a rewrite of the table
+    changes (fragment ids, row addresses, the order of fragments) never
+    reaches it: an identical re-export gives identical names, so whatever is
+    bound to a shard's path (latents, checkpoints' fingerprints) still holds.
+    """
+    import numpy as np
+
+    def one(i: str) -> bytes:
+        return hashlib.blake2b(i.encode(), digest_size=8, person=_DIGEST_PERSON).digest()
+
+    words = np.frombuffer(b"".join(map(one, ids)), dtype="<u8")
+    return int(words.sum(dtype=np.uint64)) & _DIGEST_MASK if len(words) else 0
+
+
+def content_part_name(digest: int) -> str:
+    """A work unit's part in one bucket, named by the ids it holds (:func:`ids_digest`)."""
+    return f"u{digest & _DIGEST_MASK:016x}"
+
+
+def content_pack_name(digest: int) -> str:
+    """A pack, named by the ids it holds: the sum of its parts' digests (:func:`ids_digest`)."""
+    return f"p{digest & _DIGEST_MASK:016x}"
+
+
+def name_digest(name: str) -> int | None:
+    """The id digest a content-named part or pack carries; None for a legacy name."""
+    if CONTENT_PART_RE.fullmatch(name) or CONTENT_PACK_RE.fullmatch(name):
+        return int(name[1:], 16)
+    return None
+
+
+def combine_digests(digests: Iterable[int]) -> int:
+    """The digest of the union of disjoint id sets, from theirs."""
+    return sum(digests) & _DIGEST_MASK
+
+
+_HEX64 = r"[0-9a-f]{16}"
+#: A part named by its unit's fragment range, as older versions wrote (widths are minimums).
+LEGACY_UNIT_PART_PATTERN = r"f[0-9]{6,}-[0-9]{9,}"
+#: What :func:`content_part_name` and :func:`content_pack_name` produce.
+CONTENT_PART_PATTERN = rf"u{_HEX64}"
+CONTENT_PACK_PATTERN = rf"p{_HEX64}"
+#: A work unit's part: named by content, or by fragment range (older exports).
+UNIT_PART_PATTERN = rf"(?:{CONTENT_PART_PATTERN}|{LEGACY_UNIT_PART_PATTERN})"
+#: A pack of unit parts (``prx_data.export.pack``): by content, or :func:`pack_name` (older).
+PACK_PATTERN = rf"(?:{CONTENT_PACK_PATTERN}|p[0-9]{{6,}}-{LEGACY_UNIT_PART_PATTERN})"
 #: A part directory of a bucket: a work unit's part, or a pack of them.
 PART_PATTERN = rf"(?:{UNIT_PART_PATTERN}|{PACK_PATTERN})"
 #: A shard file as MDSWriter names it, raw or compressed (streaming's compression extensions).
 SHARD_FILE_PATTERN = r"shard\.[0-9]{5,}\.mds(?:\.(?:br|bz2|gz|snappy|zstd))?"
+CONTENT_PART_RE = re.compile(CONTENT_PART_PATTERN)
+CONTENT_PACK_RE = re.compile(CONTENT_PACK_PATTERN)
 #: Compiled patterns; a merged index names ``<part>/shard.NNNNN.mds[.ext]`` (PART_SHARD_RE).
 PART_RE = re.compile(PART_PATTERN)
 SHARD_FILE_RE = re.compile(SHARD_FILE_PATTERN)

@@ -1,9 +1,9 @@
 """The pack stage: a bucket's unit parts, concatenated into shards of about ``shard_size``.
 
-A work unit writes one part per bucket it touches, so a large table gives
+A work unit writes one part per bucket it touches (named by the ids it holds), so a large table gives
 millions of small shards (a unit of 1,000 rows over 25 buckets: 40 samples,
 a few MB, per part), against Mosaic's 50-100 MB. After every unit is done
-and before the buckets are merged, consecutive parts of a bucket (in part
+and before the buckets are merged, consecutive parts of a bucket (in name
 order) are grouped into packs of at most ``shard_size`` bytes
 (:func:`plan_packs`), and each pack is written (:func:`write_pack`) by
 feeding the parts' MDS samples, as encoded bytes, to streaming's
@@ -40,9 +40,18 @@ from prx_data.core import storage
 from prx_data.core.schema import MANIFEST_NAME
 from prx_data.export.bounded import imap_bounded, io_workers
 from prx_data.export.durable import fsync, publish_parts, stage_dir, write_manifest
-from prx_data.export.naming import INDEX_NAME, PACK_PATTERN, PROGRESS_DIR, ExportError, pack_name
+from prx_data.export.naming import (
+    INDEX_NAME,
+    PACK_PATTERN,
+    PROGRESS_DIR,
+    ExportError,
+    combine_digests,
+    content_pack_name,
+    name_digest,
+    pack_name,
+)
 from prx_data.export.safety import check_manifest_shards, load_index, remove_tree
-from prx_data.export.spec import ExportConfig, UnitResult
+from prx_data.export.spec import ExportConfig, UnitResult, published_parts
 
 #: Where a written pack leaves its marker: ``_progress/packed/<tier>/<ar>/<pack>``.
 PACKED_DIR = f"{PROGRESS_DIR}/packed"
@@ -100,14 +109,18 @@ def plan_packs(out: str, results: Mapping[str, UnitResult], shard_size: int) -> 
     A part larger than ``shard_size`` is a pack of its own; a bucket with one
     part is one pack. Only the units' results are read (plus the index of a
     part whose marker predates ``bucket_bytes``): arithmetic over the parts,
-    the same on every cluster and every rerun.
+    the same on every cluster and every rerun. Parts are named by the ids they
+    hold, so their order, the cut and each pack's name
+    (:func:`~prx_data.export.naming.content_pack_name`, the sum of its parts'
+    digests) depend on the content alone: a table compacted or ingested again
+    gives the same packs.
     """
     per_bucket: dict[str, list[tuple[str, int, int]]] = {}
     unknown: list[tuple[str, str]] = []
-    for part in sorted(results):
-        r = results[part]
-        for bucket, n in r.buckets.items():
-            b = r.bucket_bytes.get(bucket)
+    for bucket, parts in published_parts(results).items():
+        for part in sorted(parts):
+            r = parts[part]
+            n, b = r.buckets[bucket], r.bucket_bytes.get(bucket)
             if b is None:
                 unknown.append((bucket, part))
             per_bucket.setdefault(bucket, []).append((part, n, -1 if b is None else b))
@@ -138,13 +151,22 @@ def plan_packs(out: str, results: Mapping[str, UnitResult], shard_size: int) -> 
             packs.append(
                 Pack(
                     bucket=bucket,
-                    name=pack_name(k, run[0][0]),
+                    name=_pack_name(k, [p for p, _, _ in run]),
                     parts=tuple(p for p, _, _ in run),
                     samples=sum(n for _, n, _ in run),
                     nbytes=sum(b for _, _, b in run),
                 )
             )
     return packs
+
+
+def _pack_name(ordinal: int, parts: Sequence[str]) -> str:
+    """By content when every part is named by content; as older versions named it otherwise
+    (a resume of units an older version finished)."""
+    digests = [name_digest(p) for p in parts]
+    if all(d is not None for d in digests):
+        return content_pack_name(combine_digests(digests))
+    return pack_name(ordinal, parts[0])
 
 
 # --- writing one pack -----------------------------------------------------------------------
@@ -292,7 +314,7 @@ def write_pack(cfg: ExportConfig, pack: Pack) -> Pack:
         ids = _write_samples(cfg, pack, bucket_dir, storage.join(dest_bucket, pack.name))
         write_manifest(dest_bucket, pack.name, ids)
         if local:
-            publish_parts(cfg.out, stage, pack.name, [pack.bucket])
+            publish_parts(cfg.out, stage, {pack.bucket: pack.name})
         storage.write_bytes_atomic(marker, pack.to_json().encode())
         if local:
             fsync(os.path.dirname(marker))

@@ -44,7 +44,7 @@ from prx_data.export.naming import (
     SIDECAR_SUFFIX,
     TIER_RE,
     WRITING_DIR,
-    part_name,
+    content_part_name,
 )
 
 
@@ -67,7 +67,7 @@ def check_shard_basename(index_path: str, basename: object, *, in_part: bool = F
         why = why_unsafe(basename)
         raise UnsafeIndexError(
             f"{index_path}: refusing shard name {basename!r}{why}; an export written by "
-            f"prx_data.write_mds names {want} with <part> like {part_name(0, 0)}"
+            f"prx_data.write_mds names {want} with <part> like {content_part_name(0)}"
         )
     return basename
 
@@ -412,7 +412,8 @@ def remove_stale_parts(out: str, keep: set[str], tiers: tuple[int, ...]) -> int:
     :func:`foreign_entries` first. The report goes first, so a kill part-way
     leaves a tree the loader and ``verify`` see as unfinished. A symbolic link
     is never followed: a linked tier, bucket or part is left alone, and so is its target.
-    ``keep`` holds part names (kept in every bucket) and ``<tier>/<ar>/<pack>`` paths.
+    ``keep`` holds ``<tier>/<ar>/<part>`` paths (finished units' parts, written packs), and
+    bare part names kept in every bucket (the unit keys that named the parts of older versions).
     """
     for name in (REPORT_NAME, "report.txt"):
         storage.delete(storage.join(out, name))

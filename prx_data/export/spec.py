@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
 import pyarrow as pa
@@ -220,11 +221,14 @@ class WorkUnit:
 
     @property
     def part(self) -> str:
+        """The unit's key (:func:`~prx_data.export.naming.part_name`): its marker, dropped rows
+        and staging folder. Its part folders are named by content (:attr:`UnitResult.parts`)."""
         return part_name(self.fragment_id, self.start)
 
 
 @dataclass
 class UnitResult:
+    #: The unit's key (:attr:`WorkUnit.part`), which names its marker.
     part: str
     rows: int = 0
     written: int = 0
@@ -234,6 +238,14 @@ class UnitResult:
     dropped: dict[str, int] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    #: The part folder the unit wrote in each bucket, named by the ids it holds
+    #: (:func:`~prx_data.export.naming.content_part_name`). Absent from the markers of
+    #: older versions, whose parts are named :attr:`part` in every bucket.
+    parts: dict[str, str] = field(default_factory=dict)
+
+    def part_in(self, bucket: str) -> str:
+        """The name of the unit's part folder in ``bucket``."""
+        return self.parts.get(bucket, self.part)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -241,6 +253,34 @@ class UnitResult:
     @classmethod
     def from_json(cls, text: str) -> UnitResult:
         return cls(**json.loads(text))
+
+
+def published_parts(results: Mapping[str, UnitResult]) -> dict[str, dict[str, UnitResult]]:
+    """``{bucket: {part folder: its unit's result}}``, refusing two units with one folder.
+
+    Parts are named by the ids they hold, so two units name the same folder
+    only when the table repeats row ids (or, about once in 2**64, by chance):
+    the second would replace the first's samples. Refused in one line.
+    """
+    out: dict[str, dict[str, UnitResult]] = {}
+    for key in sorted(results):
+        r = results[key]
+        for bucket in r.buckets:
+            name = r.part_in(bucket)
+            seen = out.setdefault(bucket, {})
+            if name in seen:
+                raise ExportError(
+                    f"work units {seen[name].part} and {r.part} both wrote part {name} of "
+                    f"bucket {bucket}: the table repeats row ids across them. Make ids unique "
+                    "(python -m prx_data.dedup, or re-ingest), then export with --overwrite"
+                )
+            seen[name] = r
+    return out
+
+
+def kept_parts(results: Mapping[str, UnitResult]) -> set[str]:
+    """``<tier>/<ar>/<part>`` of every part the finished units wrote (what a resume keeps)."""
+    return {f"{b}/{r.part_in(b)}" for r in results.values() for b in r.buckets}
 
 
 #: Drop reasons that are choices, not failures: they never count toward --max-error-rate.

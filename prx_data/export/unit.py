@@ -17,6 +17,7 @@ The job's start, units, completion and failure are
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections import Counter
 
@@ -36,12 +37,14 @@ from prx_data.export.durable import (
     fsync,
     publish_parts,
     stage_dir,
+    upload_parts,
     write_dropped_rows,
     write_manifest,
 )
-from prx_data.export.naming import DROPPED_DIR, marker_path
+from prx_data.export.naming import DROPPED_DIR, content_part_name, ids_digest, marker_path
 from prx_data.export.prepare import open_table
 from prx_data.export.removals import OPTED_OUT, load_keys, read_columns, removed
+from prx_data.export.safety import remove_tree
 from prx_data.export.spec import (
     DOWNLOAD_DROP,
     UNLISTED_REASONS,
@@ -91,12 +94,27 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     """Process one work unit end to end; idempotent given the same config.
 
     A retried unit (Ray reruns it when its worker dies) meets what its first
-    attempt left and must still succeed. On a local ``--out`` each attempt
-    writes its parts into its own folder under ``_progress/writing``, fsyncs
-    them and renames them into the buckets; on object storage (no rename) it
-    clears its own part before writing it. Either way the marker comes last,
-    after everything it vouches for is durable.
+    attempt left and must still succeed. Each attempt writes its parts into
+    its own folder (under ``_progress/writing`` on a local ``--out``, a
+    temporary folder for object storage), names each part by the ids it holds
+    (:func:`~prx_data.export.naming.content_part_name`), then fsyncs and renames
+    them into the buckets, or uploads them after clearing an earlier attempt's
+    objects. Either way the marker comes last, after everything it vouches for
+    is durable.
     """
+    local = not storage.is_remote(cfg.out)
+    # Parts are written under the unit's key, then named by the ids they hold (known only
+    # once written) and published: renamed into the buckets (local) or uploaded.
+    stage = stage_dir(cfg.out, unit.part) if local else tempfile.mkdtemp(prefix="prx-unit-")
+    try:
+        return _write_unit(cfg, unit, stage)
+    finally:
+        if not local:
+            remove_tree(stage)
+
+
+def _write_unit(cfg: ExportConfig, unit: WorkUnit, stage: str) -> UnitResult:
+    """:func:`export_unit` with its parts staged in ``stage`` (a local folder)."""
     from prx_data.core.streaming_compat import mds_writer
 
     MDSWriter = mds_writer()  # noqa: N806 (a class); not all of `streaming`: see mds_writer
@@ -112,6 +130,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     optouts = load_keys(cfg.out)
     wanted += [c for c in read_columns(optouts, available) if c not in wanted]
     read_cols = [c for c in wanted if c in available]
+    local = not storage.is_remote(cfg.out)
     result = UnitResult(part=unit.part)
     dropped: Counter = Counter()
     listed: list[tuple[str, str, str]] = []  # (id, reason, detail) for dropped.parquet
@@ -126,8 +145,6 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
     ids: dict[str, list[str]] = {}
     columns = sample_columns(cfg, ds.schema)
     kept = {c: columns[c] for c in cfg.keep_columns}
-    local = not storage.is_remote(cfg.out)
-    stage = stage_dir(cfg.out, unit.part) if local else cfg.out
 
     projection = {c: c for c in read_cols}
     if cfg.filter:
@@ -186,10 +203,8 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                     sample[c] = _kept_value(row.get(c), enc)
                 writer = writers.get(b.name)
                 if writer is None:
-                    if not local:  # an earlier attempt's shards, index or manifest
-                        storage.delete(storage.join(cfg.out, b.name, unit.part))
                     writer = MDSWriter(
-                        out=storage.join(stage, b.name, unit.part),
+                        out=os.path.join(stage, *b.name.split("/"), unit.part),
                         columns=columns,
                         compression=cfg.compression,
                         hashes=list(cfg.hashes) or None,
@@ -207,10 +222,14 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
         for writer in writers.values():
             writer.finish()
     for name, id_list in ids.items():
-        result.bucket_bytes[name] = write_manifest(storage.join(stage, name), unit.part, id_list)
+        bdir = os.path.join(stage, *name.split("/"))
+        part = content_part_name(ids_digest(id_list))
+        os.rename(os.path.join(bdir, unit.part), os.path.join(bdir, part))
+        result.bucket_bytes[name] = write_manifest(bdir, part, id_list)
         result.buckets[name] = len(id_list)
-    if local and ids:
-        publish_parts(cfg.out, stage, unit.part, sorted(ids))
+        result.parts[name] = part
+    if ids:
+        (publish_parts if local else upload_parts)(cfg.out, stage, result.parts)
     result.dropped = dict(dropped)
     result.notes = dict(notes)
     if listed:

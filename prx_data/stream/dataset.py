@@ -116,9 +116,9 @@ def _plan_spec(
 
 
 @functools.lru_cache(maxsize=256)
-def _latent_file(path: str) -> np.ndarray:
-    """A shard's latents, memory-mapped once per process (workers map their own)."""
-    return latents_store.load_npy(path)
+def _latent_file(root: str, key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A shard's latents, checked and memory-mapped once per process (workers map their own)."""
+    return latents_store.load_npy(root, key, dtype, shape)
 
 
 def _stream_latents(
@@ -127,8 +127,9 @@ def _stream_latents(
     shape: tuple[int, int],
     records: dict[str, dict],
     bucket_spec: BucketSpec = DEFAULT_SPEC,
-) -> tuple[str, str]:
-    """(root, dtype) of a bucket whose latents are all there and made from its shards.
+) -> tuple[str, str, tuple[int, int, int]]:
+    """(root, dtype, one latent's shape) of a bucket whose latents are all there and made
+    from its shards.
 
     Raises :class:`~prx_data.export.latents.LatentsError` (one line) for a remote or
     foreign tree, a higher tier (latents are at each shard's own shape), no record, or
@@ -156,7 +157,15 @@ def _stream_latents(
             f"{root}: {len(stale)} shard(s) have no up-to-date latents (first: {stale[0]}); "
             f"run python -m prx_data.latents {root} --vae VAE"
         )
-    return root, str(record.get("dtype"))
+    vae = record.get("vae") or {}
+    try:
+        f, c = int(vae["compression"]), int(vae["latent_channels"])
+    except (KeyError, TypeError, ValueError):
+        raise latents_store.LatentsError(
+            f"{root}: its latents record names no VAE grid (compression, latent_channels); "
+            f"run python -m prx_data.latents {root} --vae VAE --replace"
+        ) from None
+    return root, str(record.get("dtype")), (c, b.height // f, b.width // f)
 
 
 def _decode(data: bytes, shape: tuple[int, int]) -> torch.Tensor:
@@ -269,8 +278,8 @@ class BucketedDataset(StreamingDataset):
         self.bucket_spec = spec.bucket_spec
         #: Attach each sample's precomputed VAE latent as ``latent`` (``vae.source: precomputed``).
         self.latents = bool(latents)
-        #: Per stream with latents: (export root, storage dtype).
-        self.stream_latents: list[tuple[str, str] | None] = []
+        #: Per stream with latents: (export root, storage dtype, one latent's shape).
+        self.stream_latents: list[tuple[str, str, tuple[int, int, int]] | None] = []
         destroy_dist = maybe_init_dist()
         try:
             world = World.detect()
@@ -408,17 +417,16 @@ class BucketedDataset(StreamingDataset):
 
     def _latent(self, shard_id: int, k: int, stream: int, bucket: str) -> torch.Tensor:
         """The precomputed latent of the ``k``-th served sample of a shard (its stored index)."""
-        root, dtype = self.stream_latents[stream]
+        root, dtype, one = self.stream_latents[stream]
         reader = self.shards[shard_id]
         stored = reader.stored_index(k) if isinstance(reader, SkipMDSReader) else k
         key = latents_store.shard_key(bucket, reader.raw_data.basename)
-        arr = _latent_file(latents_store.npy_path(root, key))
-        if stored >= arr.shape[0]:
-            raise latents_store.LatentsError(
-                f"{latents_store.npy_path(root, key)}: {arr.shape[0]} latents for a shard of "
-                f"more samples; run python -m prx_data.latents {root} --vae VAE again"
-            )
-        return torch.from_numpy(latents_store.from_stored(arr[stored], dtype))
+        # Shape (the shard's samples, the VAE's grid at this bucket) and dtype checked once per
+        # file, finiteness per sample: the file is data, whoever wrote it.
+        samples = reader.raw_samples if isinstance(reader, SkipMDSReader) else reader.samples
+        arr = _latent_file(root, key, dtype, (int(samples), *one))
+        where = f"{latents_store.npy_path(root, key)} sample {stored}"
+        return torch.from_numpy(latents_store.sample_latent(arr[stored], dtype, where))
 
     def _foreign_item(self, raw, shard_id: int, k: int, cols, shape) -> dict[str, Any]:
         """An item of a tree another writer made (:func:`prx_data.stream.foreign.item`)."""

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 #: checkpoint: refuse (default), or start the checkpoint's epoch over with the current lists.
 ON_CHANGE = ("error", "restart_epoch")
 FINGERPRINT_KEY = "prx_fingerprint"
+FINGERPRINT_VERSION = 2
 
 
 class ResumeMismatch(planner.PlanError):
@@ -69,11 +70,13 @@ def fingerprint(
                 "samples": sum(b.samples for b in src),
                 "skip_lists": per_list,
                 "holdout": _holdout_entry(spec, src),
+                "shards": _shards_entry(src),
             }
         )
     buckets = json.dumps([[b.dataset, b.bucket, b.choose] for b in plan.buckets])
     return {
-        "version": 1,
+        # 2: skip lists and the hold-out keyed by shard content, and the shards' digest.
+        "version": FINGERPRINT_VERSION,
         "tier": tier,
         "include_higher_tiers": include_higher_tiers,
         "bucket_spec": hashlib.sha1(repr(bucket_spec).encode()).hexdigest()[:16],
@@ -103,6 +106,26 @@ def _holdout_entry(spec: DatasetSpec, src: Sequence[BucketSource]) -> dict[str, 
     }
 
 
+def _shards_entry(src: Sequence[BucketSource]) -> str:
+    """Digest of the dataset's shards by content, in bucket then index order (not their names)."""
+    from prx_data.stream.spec import shards_digest
+
+    text = ";".join(f"{b.bucket}:{shards_digest(b.shards)}" for b in src)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _without_digests(fp: dict[str, Any]) -> dict[str, Any]:
+    """A fingerprint with the per-list and hold-out digests left out: how a checkpoint of
+    version 1 (digests keyed by folder names) is compared, by the counts alone."""
+    out = json.loads(json.dumps(fp))
+    for d in out.get("datasets", []):
+        for entry in (d.get("skip_lists") or {}).values():
+            entry.pop("digest", None)
+        if isinstance(d.get("holdout"), dict):
+            d["holdout"].pop("digest", None)
+    return out
+
+
 def _per_bucket(entries: Iterable[tuple[str, tuple[int, str]]]) -> tuple[int, str]:
     """(samples, digest) of one dataset from each bucket's ``shard_digest``, in bucket order."""
     h = hashlib.sha1()
@@ -129,6 +152,8 @@ def describe_changes(
     in force only in ``new``, then only in ``old``.
     """
     out: list[str] = []
+    if int(old.get("version", 1)) < 2 or int(new.get("version", 1)) < 2:
+        old, new = _without_digests(old), _without_digests(new)
     keys = ("tier", "include_higher_tiers", "bucket_spec", "batching_method")
     for key in (*keys, "global_batch_size", "replication", "unit"):
         if old.get(key) != new.get(key):
@@ -146,6 +171,11 @@ def describe_changes(
                 out.append(f"{root}: {key} {a.get(key)} -> {b.get(key)}")
         if a.get("samples") != b.get("samples"):
             out.append(f"{root}: {a.get('samples')} -> {b.get('samples')} samples in its shards")
+        elif "shards" in a and "shards" in b and a["shards"] != b["shards"]:
+            out.append(
+                f"{root}: its shards changed since the checkpoint (their bytes or their order; "
+                "the export was rewritten or made again from other data)"
+            )
         # Checkpoints written before the hold-out joined the fingerprint have no entry.
         if "holdout" in a and a.get("holdout") != b.get("holdout"):
             out.append(f"{root}: {_describe_holdout(a.get('holdout'), b.get('holdout'))}")

@@ -121,7 +121,7 @@ def load_sources(
         for b in out:
             held, side = sets[b.bucket]
             b.skips = merge_skips(b.skips, side)
-            b.held = shard_digest(held)
+            b.held = shard_digest(held, b.shards)
     return out
 
 
@@ -142,7 +142,7 @@ def _load_lists(
     lists: dict[str, tuple[int, str]] = {}
     for name in chosen:
         one = skiplist.load_skips(base, bucket, shards, [name], listing=listing)
-        n, digest = shard_digest(one)
+        n, digest = shard_digest(one, shards)
         for shard, idx in one.items():
             merged.setdefault(shard, []).append(np.asarray(idx, dtype=np.uint32))
         if n:

@@ -7,7 +7,7 @@ catalog, the hold-out, resume safety and the dataset build on these.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -87,16 +87,43 @@ class BucketSource:
         return sum(len(v) for v in self.skips.values())
 
 
-def shard_digest(per_shard: Mapping[str, np.ndarray]) -> tuple[int, str]:
+def shard_content_key(shard: layout.ShardInfo) -> str:
+    """What a shard is, whatever its folder is called: its samples, bytes and content hashes.
+
+    A re-export that writes the same bytes under other names (a table compacted or
+    ingested again) keeps every key; one that changes a shard changes its key. An
+    export written without ``--hashes`` has only its size to go by, so its key also
+    carries its name (which, for exports of this version, is named by its ids).
+    """
+    hashes = ",".join(f"{k}={v}" for k, v in sorted(shard.hashes.items()))
+    return f"{shard.samples}:{shard.bytes}:{hashes or shard.basename}"
+
+
+def shard_digest(
+    per_shard: Mapping[str, np.ndarray], shards: Sequence[layout.ShardInfo]
+) -> tuple[int, str]:
     """(indices, sha1 of the set) of one bucket's per-shard index sets.
 
-    Shards in name order, indices as stored (uint32), so equal sets give equal
-    digests whatever order they were built in; a resume compares them.
+    Each shard is keyed by its content (:func:`shard_content_key`), never by
+    its folder's name, shards in key order and indices as stored (uint32), so
+    equal sets over the same data give equal digests whatever order they were
+    built in and whatever the parts are called; a resume compares them.
     """
+    keys = {s.basename: shard_content_key(s) for s in shards}
     h = hashlib.sha1()
     n = 0
-    for shard in sorted(per_shard):
+    for key, shard in sorted((keys.get(b, b), b) for b in per_shard):
         idx = np.ascontiguousarray(per_shard[shard], dtype=np.uint32)
-        h.update(shard.encode() + b"\0" + idx.tobytes())
+        h.update(key.encode() + b"\0" + idx.tobytes())
         n += len(idx)
     return n, h.hexdigest()
+
+
+def shards_digest(shards: Sequence[layout.ShardInfo]) -> str:
+    """sha1 of a bucket's shards by content (:func:`shard_content_key`), in index order.
+
+    Streaming numbers samples by their shard's place in the index, so the epoch's
+    order depends on it: a resume needs the same shards in the same order, and
+    not the same folder names.
+    """
+    return hashlib.sha1("\n".join(map(shard_content_key, shards)).encode()).hexdigest()[:16]

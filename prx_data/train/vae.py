@@ -14,6 +14,9 @@ Latents follow diffusers' convention, the one ``PRXPipeline`` decodes with:
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 import torch
 
 from prx_data.train.text_encoder import resolve_dtype
@@ -51,6 +54,54 @@ def load_autoencoder(name_or_path: str, subfolder: str | None, dtype: torch.dtyp
     return cls.from_pretrained(name_or_path, torch_dtype=dtype, **kw)
 
 
+#: Files of a diffusers model folder that hold its weights (hashed by :func:`weights_digest`).
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def _weights_folder(name_or_path: str, subfolder: str | None) -> str:
+    """The local folder holding the autoencoder's weights (a hub id: its cached snapshot)."""
+    if os.path.isdir(name_or_path):
+        return os.path.join(name_or_path, subfolder) if subfolder else name_or_path
+    from huggingface_hub import snapshot_download
+
+    pattern = f"{subfolder}/*" if subfolder else "*"
+    try:  # from_pretrained has just fetched it into the cache
+        root = snapshot_download(name_or_path, allow_patterns=[pattern], local_files_only=True)
+    except Exception as e:  # noqa: BLE001 (hub errors have no common base): one line
+        raise ValueError(
+            f"vae.name_or_path: cannot find the cached files of {name_or_path!r} to digest its "
+            f"weights ({type(e).__name__}); give a local folder"
+        ) from None
+    return os.path.join(root, subfolder) if subfolder else root
+
+
+def weights_digest(name_or_path: str, subfolder: str | None = None) -> str:
+    """sha256 of the autoencoder's weight files as they are on disk (names and bytes).
+
+    What precomputed latents are bound to beyond the class and factors: two VAEs
+    of one class and config with other weights give other latents. Taken from
+    the files, not from the loaded tensors, so a trainer that loads the VAE in
+    bfloat16 and a latents job that loaded it in float32 agree.
+    """
+    folder = _weights_folder(name_or_path, subfolder)
+    names = sorted(
+        n
+        for n in os.listdir(folder)
+        if n.endswith(WEIGHT_SUFFIXES) and os.path.isfile(os.path.join(folder, n))
+    )
+    if not names:
+        raise ValueError(
+            f"vae.name_or_path: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}"
+        )
+    h = hashlib.sha256()
+    for n in names:
+        h.update(n.encode() + b"\0")
+        with open(os.path.join(folder, n), "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 class LatentCodec:
     """A frozen AutoencoderKL / AutoencoderDC: uint8-range images <-> scaled latents.
 
@@ -69,6 +120,8 @@ class LatentCodec:
     ) -> None:
         self.vae = vae.eval().requires_grad_(False)
         self.kind = type(vae).__name__
+        #: sha256 of the weight files (:func:`weights_digest`); None for a VAE built in memory.
+        self.weights: str | None = None
         cfg = vae.config
         self.scaling_factor = float(
             scaling_factor if scaling_factor is not None else getattr(cfg, "scaling_factor", 1.0)
@@ -98,6 +151,7 @@ class LatentCodec:
     ) -> LatentCodec:
         vae = load_autoencoder(name_or_path, subfolder, resolve_dtype(dtype, device))
         codec = cls(vae, **kwargs)
+        codec.weights = weights_digest(name_or_path, subfolder)
         if device is not None:
             codec.to(device)
         return codec
@@ -125,7 +179,7 @@ class LatentCodec:
             v.tile_latent_min_size = int(tile_size) // self.compression
 
     def identity(self) -> dict:
-        """What latents made by this codec depend on: class, factors, posterior, grid.
+        """What latents made by this codec depend on: class, factors, posterior, grid, weights.
 
         Precomputed latents (:mod:`prx_data.export.latents`) record it, and a
         trainer whose codec says otherwise refuses them.
@@ -137,6 +191,7 @@ class LatentCodec:
             "posterior": self.posterior,
             "compression": self.compression,
             "latent_channels": self.latent_channels,
+            "weights": self.weights,
         }
 
     @property
