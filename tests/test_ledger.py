@@ -243,3 +243,21 @@ def test_an_opt_out_that_matches_nothing_fails_unless_allowed(corpus, tmp_path, 
     _, out = corpus
     assert _optout(out, ["test/nope"], tmp_path) != 0
     assert _optout(out, ["test/nope"], tmp_path, "--allow-unmatched") == 0
+
+
+def test_opted_out_bytes_still_in_the_shards_are_counted_and_purged(corpus, tmp_path, capsys):
+    from prx_data.cli import verify as VC
+
+    _, out = corpus
+    assert _optout(out, ["test/img1"], tmp_path) == 0
+    capsys.readouterr()
+    assert SC.main(["stats", out]) == 0
+    assert "still in the shards (hidden by sidecars): 1 (optout-1: 1)" in capsys.readouterr().out
+    assert VC.main([out]) == 0
+    assert "1 opted-out samples still in the shards" in capsys.readouterr().err
+    new = str(tmp_path / "purged")
+    assert SC.main(["rewrite", out, new, "--purge-optouts"]) == 0  # 1 of 6: under 10 %
+    assert "bytes fewer" in capsys.readouterr().out
+    assert written_ids(new) == set(IMAGES) - {"test/img1"}
+    assert SC.main(["stats", new]) == 0
+    assert "still in the shards (hidden by sidecars): 0" in capsys.readouterr().out

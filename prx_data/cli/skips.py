@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
+from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
@@ -134,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse unless at least this share is skipped (default %(default)s)",
     )
     rw.add_argument("--force", action="store_true", help="rewrite even below the threshold")
+    rw.add_argument(
+        "--purge-optouts",
+        action="store_true",
+        help="apply exactly the ledger's opt-out lists, whatever share they skip (no "
+        "threshold): the opted-out images leave the shards; reports the bytes removed",
+    )
     rw.add_argument("--no-verify", action="store_true", help="skip the sample-by-sample comparison")
     rw.add_argument(
         "--max-local-bytes",
@@ -267,6 +274,9 @@ def _stats(args: argparse.Namespace) -> list:
         }
         if problems:  # list names start with [a-z0-9], so this key cannot clash
             body["_problems"] = [asdict(pr) for pr in problems]
+        from prx_data.skips.ops import optouts_present
+
+        body["_optouts_present"] = optouts_present(args.root)
         print(json.dumps(body, indent=1))
     else:
         print(f"{'list':<20} {'bucket':<12} {'samples':>10} {'skipped':>9} {'%':>7}")
@@ -275,7 +285,26 @@ def _stats(args: argparse.Namespace) -> list:
                 print(f"{name:<20} {r.bucket:<12} {r.samples:>10} {r.skipped:>9} {r.percent:>7.2f}")
         for pr in problems:
             print(pr.text())
+        _print_present(args.root)
     return problems
+
+
+def _print_present(root: str) -> None:
+    """How many opted-out samples the shards still hold (hidden by sidecars), and the purge."""
+    from prx_data.skips.ops import optouts_present
+
+    present = optouts_present(root)
+    if present is None:
+        print("opted-out samples still in the shards: unknown (the export's ledger is not found)")
+        return
+    n = sum(present.values())
+    per = ", ".join(f"{k}: {v}" for k, v in present.items() if v)
+    print(
+        f"opted-out samples still in the shards (hidden by sidecars): {n}"
+        + (f" ({per})" if per else "")
+    )
+    if n:
+        print(f"purge them: python -m prx_data.skips rewrite {root} NEW_ROOT --purge-optouts")
 
 
 def _remove(args: argparse.Namespace) -> list:
@@ -327,13 +356,25 @@ def _index(args: argparse.Namespace) -> int | list:
 def _rewrite(args: argparse.Namespace) -> int | list:
     from prx_data.skips.rewrite import RewriteRefused, rewrite_export
 
+    names, force = args.name, args.force
+    if args.purge_optouts:
+        from prx_data.skips.export_state import resolve
+
+        led = resolve(args.root, args.table, ledger=args.ledger)
+        t = led.optout_entries() if led is not None else None
+        names = sorted(set(t["list"].to_pylist())) if t is not None and len(t) else []
+        if not names:
+            print(f"{args.root}: no opt-out list to purge")
+            return []
+        force = True
+    before = sum(storage.file_sizes(args.root).values()) if args.purge_optouts else 0
     try:
         r = rewrite_export(
             args.root,
             args.out,
-            names=args.name,
+            names=names,
             threshold=args.threshold,
-            force=args.force,
+            force=force,
             verify=not args.no_verify,
             drop_lists=args.drop_lists,
             table=args.table,
@@ -354,6 +395,9 @@ def _rewrite(args: argparse.Namespace) -> int | list:
         print(f"left out (every sample skipped): {', '.join(r.buckets_dropped)}")
     if r.warnings:
         print(f"{sum(r.warnings.values())} streaming warnings, see the report")
+    if args.purge_optouts:
+        after = sum(storage.file_sizes(r.out).values())
+        print(f"purged opt-out lists {', '.join(names)}: {before - after:,} bytes fewer")
     print(f"report: {r.out}/report.json")
     return []
 

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for p in res.problems:
             print(p)
+        _print_optouts(res.root)
         deep = f", {res.rehashed} rehashed" if args.deep else ""
         verdict = "ok" if res.ok else f"{len(res.problems)} problem(s)"
         print(
@@ -127,6 +128,29 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0 if res.ok else 1
+
+
+def _print_optouts(root: str) -> None:
+    """Opted-out samples the shards still hold: not a problem (sidecars hide them), a fact a
+    compliance check needs."""
+    from prx_data.skips.ops import optouts_present
+
+    try:
+        present = optouts_present(root)
+    except PrxDataError as e:
+        print(f"opted-out samples still in the shards: unknown ({e})", file=sys.stderr)
+        return
+    if present:
+        n = sum(present.values())
+        print(
+            f"{root}: {n} opted-out samples still in the shards, hidden by sidecars"
+            + (
+                f"; purge: python -m prx_data.skips rewrite {root} NEW_ROOT --purge-optouts"
+                if n
+                else ""
+            ),
+            file=sys.stderr,
+        )
 
 
 def _verify_adopted(root: str, deep: bool) -> int:

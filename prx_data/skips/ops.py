@@ -333,3 +333,29 @@ __all__ = [
     "sync",
     "update_list",
 ]
+
+
+def optouts_present(root: str, reg: Ledger | None = None) -> dict[str, int] | None:
+    """{opt-out list: its samples still physically in the export's shards} (hidden by
+    sidecars, not yet purged); None when the export's ledger is not reachable.
+
+    An export written after an opt-out holds none of its samples (the write-time
+    filter); one written before holds them until ``skips rewrite --purge-optouts``.
+    """
+    from prx_data.skips.bind import bind
+
+    if reg is None:
+        try:
+            reg = resolve(root, strict=False)
+        except ListError:
+            return None
+        if reg is None:
+            return None
+    t = reg.optout_entries()
+    if not len(t):
+        return {}
+    lists = {
+        n: t.filter(pc.equal(t["list"], n))["id"].combine_chunks()
+        for n in sorted(pc.unique(t["list"]).to_pylist())
+    }
+    return {n: b.samples for n, b in bind(root, lists).items()}
