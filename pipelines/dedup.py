@@ -142,6 +142,8 @@ class DedupReport(FailureCounts):
     buckets: dict[str, Group] = field(default_factory=dict)
     skip_list: dict | None = None
     phash_job: dict | None = None
+    #: {opt-out list: group members added}: an opted-out row's duplicates follow it.
+    optouts_extended: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
     counted = "rows"
@@ -174,6 +176,11 @@ class DedupReport(FailureCounts):
             f"rows in clusters {self.rows_in_clusters:,}  removed {self.removed:,}  "
             f"largest cluster {self.largest_cluster}  spanning tiers {self.clusters_spanning_tiers}",
         ]
+        if self.optouts_extended:
+            lines.append(
+                "opt-outs extended to their duplicate groups: "
+                + ", ".join(f"{k} +{v}" for k, v in self.optouts_extended.items())
+            )
         if self.unhashed:
             lines.append(
                 "not hashed: " + ", ".join(f"{k} {v}" for k, v in sorted(self.unhashed.items()))
@@ -392,6 +399,10 @@ def run_dedup(cfg: DedupConfig) -> DedupReport:
             storage_options=cfg.storage_options,
         )
 
+    # An opted-out row's group leaves with it, before the export's lists are updated below.
+    from prx_data.skips.optout import extend_to_groups
+
+    extended = extend_to_groups(cfg.table, ids, clusters.keeper)
     # Where each row lives: the export's manifests, or the bucket it would get.
     skip_info = None
     if cfg.export is not None:
@@ -462,6 +473,7 @@ def run_dedup(cfg: DedupConfig) -> DedupReport:
         buckets=sort_groups(buckets),
         skip_list=skip_info,
         phash_job=job,
+        optouts_extended=extended,
         seconds=round(time.perf_counter() - start, 3),
     )
     if cfg.report:

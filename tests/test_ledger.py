@@ -261,3 +261,25 @@ def test_opted_out_bytes_still_in_the_shards_are_counted_and_purged(corpus, tmp_
     assert written_ids(new) == set(IMAGES) - {"test/img1"}
     assert SC.main(["stats", new]) == 0
     assert "still in the shards (hidden by sidecars): 0" in capsys.readouterr().out
+
+
+def test_dedup_after_an_opt_out_takes_the_opted_out_rows_group_with_it(tmp_path):
+    """A re-encoded copy (other bytes, same picture) made before dedup ever ran: dedup groups
+    it with the opted-out original, and the copy leaves too instead of streaming in its place."""
+    from PIL import Image
+
+    from prx_data.cli import dedup as DC
+
+    data = tmp_path / "data"
+    data.mkdir()
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(IMAGES["test/img2"])).save(buf, "JPEG", quality=70)
+    table = _table(data / "t.lance", extra={"other/reencoded": buf.getvalue()})
+    out = str(tmp_path / "exp")
+    _export(table, out)
+    assert _optout(out, ["test/img2"], tmp_path) == 0
+    assert "other/reencoded" in streamed_ids(out)  # no group known yet: only the id went
+    assert DC.main(["--table", table, "--export", out, "--engine", "local"]) == 0
+    assert not {"test/img2", "other/reencoded"} & streamed_ids(out)
+    report = _export(table, tmp_path / "exp2")
+    assert report.dropped.get("opted_out") == 2

@@ -23,7 +23,7 @@ EMBEDDING = "embedding"  # optional fixed-size float32 vector
 #: Hex sha256 of ``image`` as ingested or downloaded: the key an opt-out follows to every
 #: byte-identical copy (:mod:`prx_data.core.keys`). Null for a URL row not fetched yet.
 SHA256 = "sha256"
-#: 64-bit perceptual hash (int64), filled by the dedup job: the key an opt-out follows to
+#: 64-bit perceptual hash (uint64), filled by the dedup job: the key an opt-out follows to
 #: re-encoded copies.
 PHASH = "phash"
 

@@ -35,7 +35,7 @@ DUP_OF = "dup_of"
 #: Ids looked up per ``IN`` filter.
 LOOKUP_CHUNK = 4096
 #: Key columns of :func:`keys_of` (id, sha256, phash).
-KEYS_SCHEMA = pa.schema([(S.ID, pa.string()), (S.SHA256, pa.string()), (S.PHASH, pa.int64())])
+KEYS_SCHEMA = pa.schema([(S.ID, pa.string()), (S.SHA256, pa.string()), (S.PHASH, pa.uint64())])
 #: The rules an opt-out is extended by, in the order the report lists them.
 RULES = ("id", "sha256", "phash", "dedup_group")
 
@@ -128,7 +128,7 @@ def keys_of(tables: Sequence[str], ids: Sequence[str]) -> pa.Table:
         {
             S.ID: pa.array(order, pa.string()),
             S.SHA256: pa.array([rows[i][0] for i in order], pa.string()),
-            S.PHASH: pa.array([rows[i][1] for i in order], pa.int64()),
+            S.PHASH: pa.array([rows[i][1] for i in order], pa.uint64()),
         },
         schema=KEYS_SCHEMA,
     )

@@ -59,7 +59,7 @@ LOG_SCHEMA = pa.schema(
         # An opt-out entry's content keys: the row's source digest and pHash (null where
         # unknown), so the removal follows the image to its copies (prx_data.core.keys).
         ("sha256", pa.string()),
-        ("phash", pa.int64()),
+        ("phash", pa.uint64()),
         ("optout", pa.bool_()),
     ]
 )
@@ -145,7 +145,7 @@ def log_rows(
     """
     n = len(ids)
     sha = pa.nulls(n, pa.string())
-    ph = pa.nulls(n, pa.int64())
+    ph = pa.nulls(n, pa.uint64())
     if keys is not None and n:
         at_key = pc.index_in(ids.cast(pa.string()), value_set=keys["id"].combine_chunks())
         sha = pc.take(keys["sha256"].combine_chunks(), at_key)

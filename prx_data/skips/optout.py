@@ -275,3 +275,56 @@ def add_optout(
         warning=res.warning,
         by_rule={"id": len(wanted), **found.counts()},
     )
+
+
+def extend_to_groups(table: str, ids, keeper, *, command: str = "dedup") -> dict[str, int]:
+    """Opt out every member of a duplicate group that holds an opted-out row.
+
+    ``ids`` are the table's rows, ``keeper[i]`` the row index of row ``i``'s group keeper
+    (itself when unique, -1 without a hash). An opt-out made before the groups existed
+    must not let the group's next-best member stream in its place, so the members join
+    the same opt-out list in the corpus ledger, with their content keys. Returns
+    {list: ids added}.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from prx_data.skips.content import keys_of
+    from prx_data.skips.ledger import Ledger
+    from prx_data.skips.log import ADD, REGISTRY, Provenance, concat_entries, log_rows
+
+    led = Ledger.for_table(table)
+    opted = led.optout_entries()
+    if not len(opted):
+        return {}
+    keeper = np.asarray(keeper)
+    ids = pa.array(ids, pa.string()) if not isinstance(ids, pa.Array) else ids
+    row = pc.index_in(opted["id"], value_set=ids).to_numpy(zero_copy_only=False)
+    added: dict[str, pa.Array] = {}
+    for name in sorted(set(opted["list"].to_pylist())):
+        mine = pc.equal(opted["list"], name).to_numpy(zero_copy_only=False)
+        rows = row[mine]
+        rows = rows[~np.isnan(rows)].astype(np.int64) if rows.dtype.kind == "f" else rows
+        roots = keeper[rows]
+        roots = roots[roots >= 0]
+        if not len(roots):
+            continue
+        members = ids.filter(pa.array(np.isin(keeper, roots)))
+        have = opted.filter(pa.array(mine))["id"]
+        new = members.filter(pc.invert(pc.is_in(members, value_set=have)))
+        if len(new):
+            added[name] = new
+    if not added:
+        return {}
+    keys = keys_of([table], sorted({i for a in added.values() for i in a.to_pylist()}))
+    prov = Provenance(command, "member of an opted-out row's duplicate group")
+    led.append(
+        lambda seq: concat_entries(
+            [
+                log_rows(n, a, ADD, prov, seq=seq, base=seq, kind=REGISTRY, export="", keys=keys)
+                for n, a in added.items()
+            ]
+        )
+    )
+    return {n: len(a) for n, a in added.items()}
