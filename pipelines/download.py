@@ -48,6 +48,7 @@ import pyarrow.compute as pc
 from prx_data.core import schema as S
 from prx_data.core.errors import Conflict, UsageError
 from prx_data.core.flags import REQUIRED, flag, mebibytes
+from prx_data.core.keys import sha256_hex
 from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import check_engine
 from prx_data.download import fetch as F
@@ -606,6 +607,10 @@ def fetch_batch(
         out = out.set_column(
             types.get_field_index(name), name, pa.array(values, types.field(name).type)
         )
+    if S.SHA256 in types.names:  # the key an opt-out follows to byte-identical copies
+        digests = [sha256_hex(b) if b else None for b in image]
+        i = types.get_field_index(S.SHA256)
+        out = out.set_column(i, S.SHA256, pa.array(digests, pa.string()))
     out = out.append_column(_HOST, pa.array(host, pa.string()))
     out = out.append_column(_RECEIVED, pa.array(received, pa.int64()))
     return out.append_column(_FETCHED, pa.array(~is_dup))
@@ -889,8 +894,9 @@ def fill_rows(
     ds = pinned_table(table, version, storage_options)
     addrs = pa.array(unit["rows"], pa.uint64())
     rows = ds._take_rows(unit["rows"])
-    src = ds._take_rows(unit["sources"], columns=_COPIED)
-    for name in _COPIED:
+    copied = _COPIED + ([S.SHA256] if S.SHA256 in ds.schema.names else [])
+    src = ds._take_rows(unit["sources"], columns=copied)
+    for name in copied:
         i = rows.schema.get_field_index(name)
         rows = rows.set_column(i, name, src[name].cast(rows.schema.field(name).type))
     if hashes is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -220,11 +221,13 @@ def test_download_fills_rows_like_ingest_once_per_url(tmp_path):
             seed = int(p.rsplit("/", 1)[1])
             want = photo(seed, fmt="PNG" if p.startswith("/png/") else "JPEG")
             assert r["image"] == want, p
+            assert r["sha256"] == hashlib.sha256(want).hexdigest()  # duplicates' too
             assert (r["width"], r["height"], r["probe_error"]) == (96, 64, None)
             assert r["format"] == ("png" if p.startswith("/png/") else "jpeg")
             assert (r["download_status"], r["download_error"]) == ("ok", None)
         else:
             assert r["image"] is None and r["probe_error"] == "missing_image"
+            assert r["sha256"] is None
             assert (r["download_status"], r["download_error"]) == failures[p]
     # Each URL fetched once, though /img/1 is in three rows and the 404 in two.
     assert hits["/img/1"] == 1 and hits["/status/404"] == 1
