@@ -283,3 +283,40 @@ def test_dedup_after_an_opt_out_takes_the_opted_out_rows_group_with_it(tmp_path)
     assert not {"test/img2", "other/reencoded"} & streamed_ids(out)
     report = _export(table, tmp_path / "exp2")
     assert report.dropped.get("opted_out") == 2
+
+
+def test_a_received_export_cannot_write_its_lists_into_our_ledger(corpus, tmp_path):
+    """A tree that records our ledger's identity and carries a crafted export-only log: a
+    rewrite without --table/--ledger keeps those entries the new tree's own."""
+    table, out = corpus
+    received = str(tmp_path / "received")
+    shutil.copytree(out, received)
+    f = tmp_path / "all.txt"
+    f.write_text("\n".join(IMAGES) + "\n")
+    assert SC.main(["add", received, "evil", "--ids", str(f), "--export-only"]) == 0
+    led = LG.Ledger.for_table(table)
+    before = led.head()
+    assert SC.main(["rewrite", received, str(tmp_path / "new"), "--force"]) == 0
+    assert led.head() == before and "evil" not in led.state()
+    # With the user's --table, the same entries are carried, as the user asked.
+    assert SC.main(["rewrite", received, str(tmp_path / "new2"), "--force", "--table", table]) == 0
+    assert set(led.state()["evil"]["id"].to_pylist()) == set(IMAGES)
+
+
+def test_an_export_only_change_made_out_of_reach_of_the_ledger_survives_the_next_sync(
+    corpus, tmp_path
+):
+    table, out = corpus
+    ledger = LG.default_ledger_uri(table)
+    f = tmp_path / "one.txt"
+    f.write_text("test/img3\n")
+    assert SC.main(["add", out, "nsfw", "--ids", str(f)]) == 0
+    other = str(tmp_path / "other")
+    _export(table, other)
+    # A remove through another export: the ledger's last word, which `out` has not seen.
+    assert SC.main(["remove", other, "nsfw", "--ids", str(f)]) == 0
+    shutil.move(ledger, ledger + ".away")  # the export cannot see its ledger now
+    assert SC.main(["add", out, "nsfw", "--ids", str(f), "--export-only"]) == 0
+    shutil.move(ledger + ".away", ledger)
+    assert SC.main(["sync", out]) == 0
+    assert "test/img3" not in streamed_ids(out)  # the later, export-only add stands
