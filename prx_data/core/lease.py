@@ -137,7 +137,7 @@ class Lease:
         self.took_over: str | None = None
         self._fd: int | None = None
         self._lease: _Lease | None = None
-        self._fence_token: object | None = None
+        self._fence: _LeaseFence | None = None
 
     def __enter__(self) -> Lease:
         self.acquire()
@@ -171,7 +171,8 @@ class Lease:
             lease = _Lease(self.path, self.ttl_s, self.what)
             self.took_over = lease.acquire()
             self._lease = lease
-            self._fence_token = storage.push_fence(_LeaseFence(self))
+            self._fence = _LeaseFence(self)
+            storage.push_fence(self._fence)
         else:
             raise LeaseUnsupported(
                 f"{self.path}: {scheme}:// has no conditional writes that this toolkit uses, so "
@@ -199,9 +200,9 @@ class Lease:
                 raise self.error(str(e)) from None
 
     def release(self) -> None:
-        if self._fence_token is not None:
-            storage.pop_fence(self._fence_token)
-            self._fence_token = None
+        if self._fence is not None:
+            storage.pop_fence(self._fence)  # in this context; others skip it once released
+            self._fence = None
         if self._lease is not None:
             self._lease.release()
             self._lease = None
@@ -708,6 +709,10 @@ class _LeaseFence:
     def __init__(self, lease: Lease):
         self.lease = lease
         self.root = posixpath.dirname(lease.path.rstrip("/"))
+
+    @property
+    def active(self) -> bool:
+        return self.lease._fence is self
 
     def confirm(self) -> None:
         self.lease.confirm()

@@ -397,6 +397,10 @@ class Fence(Protocol):
 
     root: str
 
+    @property
+    def active(self) -> bool:
+        """False once the lease is released: the fence no longer applies."""
+
     def confirm(self) -> None:
         """Raise unless the store still holds the lease as ours (a conditional write)."""
 
@@ -410,19 +414,14 @@ _FENCES: contextvars.ContextVar[tuple[Fence, ...]] = contextvars.ContextVar(
 )
 
 
-def push_fence(fence: Fence) -> object:
-    """Fence this context's writes under ``fence.root`` (a lease taken); returns a token."""
-    return _FENCES.set((*_FENCES.get(), fence))
+def push_fence(fence: Fence) -> None:
+    """Fence this context's writes under ``fence.root`` (a lease taken)."""
+    _FENCES.set((*_FENCES.get(), fence))
 
 
-def pop_fence(token: object) -> None:
-    """Undo :func:`push_fence` (the lease released)."""
-    try:
-        _FENCES.reset(token)  # type: ignore[arg-type]
-    except ValueError:  # released from another context: drop it from this one's stack
-        old = getattr(token, "old_value", ())
-        keep = () if old is contextvars.Token.MISSING else old
-        _FENCES.set(tuple(f for f in _FENCES.get() if f in keep))
+def pop_fence(fence: Fence) -> None:
+    """Undo :func:`push_fence` (the lease released; leases may end in any order)."""
+    _FENCES.set(tuple(f for f in _FENCES.get() if f is not fence))
 
 
 def active_fence(path: str) -> Fence | None:
@@ -431,7 +430,7 @@ def active_fence(path: str) -> Fence | None:
         return None
     for fence in reversed(_FENCES.get()):
         root = fence.root.rstrip("/") + "/"
-        if path.startswith(root):
+        if fence.active and path.startswith(root):
             return fence
     return None
 
