@@ -277,3 +277,14 @@ def test_a_list_command_on_an_export_with_a_symlinked_lock_leaves_the_target(tmp
     with pytest.raises(LockFileUnsafe):
         L.update_list(ex.root, "optout", ["ds/512/1.000/1"], L.Provenance("test"))
     assert victim.read_text() == "keep me"
+
+
+def test_write_mds_refuses_an_unsupported_store_in_one_line(tmp_path, capsys):
+    from prx_data.cli.write_mds import main
+
+    rc = main(["--table", str(tmp_path / "t.lance"), "--out", "az://container/ex"])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert len(err.splitlines()) == 1, err
+    assert "az:// is not a supported store" in err and "s3://" in err and "gs://" in err
+    assert not (tmp_path / "t.lance").exists()
