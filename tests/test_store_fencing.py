@@ -241,6 +241,70 @@ def test_gs_lease_release_only_deletes_its_own_generation(gs_bucket, monkeypatch
     assert not storage.exists(f"{root}/.lease")
 
 
+_PAUSED_WRITER = """
+import os, signal, sys
+from prx_data.core import storage
+from prx_data.export.lock import ExportLock
+out, target = sys.argv[1], sys.argv[2]
+lock = ExportLock(out, ttl_s=float(sys.argv[3]))
+lock.acquire()
+storage.write_bytes_atomic(target, b"old run")
+lock.check()
+print("checked", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # paused between its check and its write
+storage.write_bytes_atomic(target, b"old run, resumed")
+print("wrote", flush=True)
+"""
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.remote
+@pytest.mark.faults
+def test_an_exporter_stopped_with_sigstop_past_its_lease_cannot_overwrite(remote_root):
+    """The issue's scenario, with a real process: SIGSTOP between its lease check and its
+    write, another run takes the lease over and writes, SIGCONT: the old writer is refused
+    and the new run's file stays."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target = f"{remote_root}/512/1.000/index.json"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_WRITER, remote_root, target, str(TTL)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "checked"
+        end = time.monotonic() + 30
+        while not _stopped(child.pid):
+            assert time.monotonic() < end, "the writer did not stop"
+            time.sleep(0.02)
+        with ExportLock(remote_root, ttl_s=TTL) as new:
+            assert "stopped refreshing" in new.took_over
+            storage.write_bytes_atomic(target, b"new run")  # fenced by the new lease
+            child.send_signal(signal.SIGCONT)
+            out, err = child.communicate(timeout=60)
+            assert child.returncode != 0 and "wrote" not in out
+            assert "lost the lease" in err
+            assert storage.read_bytes(target) == b"new run"
+            new.confirm()  # the old holder's resumption left the new lease alone
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait()
+
+
 # --- local lock files ----------------------------------------------------------------------------
 
 
