@@ -305,6 +305,35 @@ def test_an_exporter_stopped_with_sigstop_past_its_lease_cannot_overwrite(remote
             child.wait()
 
 
+@pytest.mark.remote
+@pytest.mark.faults
+def test_a_release_racing_a_takeover_leaves_the_new_lease(s3_bucket, monkeypatch):
+    """The release reads the lease (still ours), another run takes it over, then the delete
+    comes: conditional on the ETag read, it is refused and the new holder keeps its lease
+    (moto honours If-Match on deletes; fake-gcs-server ignores ifGenerationMatch there)."""
+    root = f"s3://{s3_bucket}/race"
+    old = ExportLock(root, ttl_s=TTL)
+    old.acquire()
+    store = old._lease.store
+    new = ExportLock(root, ttl_s=TTL)
+    delete = store.delete
+
+    def takeover_then_delete(*, beat=False, tag=None):
+        _pause(old)
+        t = threading.Thread(target=new.acquire)
+        t.start()
+        t.join()
+        delete(beat=beat, tag=tag)
+
+    monkeypatch.setattr(store, "delete", takeover_then_delete)
+    old.release()
+    assert new.held
+    body = json.loads(storage.read_bytes(f"{root}/{naming.LEASE_NAME}"))
+    assert body["owner"] == new._lease.owner
+    new.confirm()
+    new.release()
+
+
 # --- local lock files ----------------------------------------------------------------------------
 
 
