@@ -334,6 +334,53 @@ def test_a_release_racing_a_takeover_leaves_the_new_lease(s3_bucket, monkeypatch
     new.release()
 
 
+def _foreign_lease(store, expires: float, **cond) -> str:
+    """Write a lease of another host (``owner`` elsewhere) with the store's conditions."""
+    import time
+
+    body = {"owner": "elsewhere", "pid": 1, "host": "skewed", "started": 0.0}
+    body.update(expires=expires, ttl_s=TTL, written=time.time())
+    tag = store.put(json.dumps(body).encode(), **cond)
+    assert tag is not None
+    return tag
+
+
+@pytest.mark.remote
+@pytest.mark.faults
+def test_takeover_ignores_the_wall_clocks_of_other_hosts(remote_root):
+    """As tests/test_export_lease.py checks on s3://, on both stores: only this host's
+    monotonic clock and the lease's tag decide."""
+    import time
+
+    from prx_data.core.lease import lease_store
+
+    ahead = f"{remote_root}-ahead"
+    store = lease_store(f"{ahead}/{naming.LEASE_NAME}", TTL)
+    _foreign_lease(store, time.time() + 3600, IfNoneMatch="*")  # dead, clock an hour ahead
+    t0 = time.monotonic()
+    with ExportLock(ahead, ttl_s=TTL) as lock:
+        assert "stopped refreshing" in lock.took_over
+        assert time.monotonic() - t0 >= TTL
+    behind = f"{remote_root}-behind"
+    store = lease_store(f"{behind}/{naming.LEASE_NAME}", TTL)
+    tag = _foreign_lease(store, time.time() - 3600, IfNoneMatch="*")  # live, an hour behind
+    stop = threading.Event()
+
+    def beat(tag=tag):
+        while not stop.wait(TTL / 8):
+            tag = _foreign_lease(store, time.time() - 3600, IfMatch=tag)
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(ExportLocked, match="holds the lease"):
+            ExportLock(behind, ttl_s=TTL).acquire()
+    finally:
+        stop.set()
+        t.join()
+    assert json.loads(store.get()[0])["owner"] == "elsewhere"
+
+
 # --- local lock files ----------------------------------------------------------------------------
 
 
