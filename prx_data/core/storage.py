@@ -492,11 +492,16 @@ def gcs_client():
     pyarrow has no generation preconditions, so the conditional writes (the
     lease and :func:`put_if`) on ``gs://`` go through this client.
     """
-    return _gcs_client(gcs_emulator())
+    return _gcs_client(gcs_emulator(), os.getpid())  # a forked child makes its own
+
+
+def new_gcs_client():
+    """An uncached :func:`gcs_client` (for a library that keeps its own, per process)."""
+    return _gcs_client.__wrapped__(gcs_emulator(), os.getpid())
 
 
 @functools.lru_cache(maxsize=4)
-def _gcs_client(emulator: str | None):
+def _gcs_client(emulator: str | None, pid: int):
     try:
         from google.cloud import storage as gcs
     except ImportError:

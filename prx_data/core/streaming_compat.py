@@ -148,7 +148,7 @@ def _emulator_gcs_client():
 
     if not storage.gcs_emulator() or (os.environ.get("GCS_KEY") and os.environ.get("GCS_SECRET")):
         return None
-    return storage.gcs_client()
+    return storage.new_gcs_client()
 
 
 def _install_gcs_emulator_hooks() -> None:
