@@ -381,6 +381,39 @@ def test_takeover_ignores_the_wall_clocks_of_other_hosts(remote_root):
     assert json.loads(store.get()[0])["owner"] == "elsewhere"
 
 
+@pytest.mark.remote
+def test_write_new_creates_once_and_takes_a_retry_of_the_same_bytes(remote_root):
+    path = f"{remote_root}/512/1.000/f0-0/shard.00000.mds"
+    storage.write_new(path, b"ours")
+    storage.write_new(path, b"ours")  # a retried request whose first answer was lost
+    with pytest.raises(storage.StoreConflict, match="nothing was overwritten"):
+        storage.write_new(path, b"a stale writer's")
+    assert storage.read_bytes(path) == b"ours"
+
+
+@pytest.mark.remote
+@pytest.mark.faults
+def test_a_units_shards_never_overwrite_what_another_run_wrote_there(remote_root, tmp_path):
+    """A unit (or pack) clears its folder and then only creates objects: a shard that a run
+    which took the lease over wrote meanwhile is kept, and the unit fails in one line."""
+    from prx_data.core.streaming_compat import mds_writer
+    from prx_data.export.durable import create_only_uploads, refused_upload
+
+    part = f"{remote_root}/512/1.000/f0-0"
+    theirs = f"{part}/shard.00001.mds"
+    storage.write_bytes_atomic(theirs, b"the new run's shard")
+    writer = mds_writer()(out=part, columns={"id": "str", "n": "int"}, size_limit=1 << 10)
+    create_only_uploads(writer)
+    with pytest.raises(Exception):  # noqa: B017 - streaming's own wording, then ours below
+        for i in range(200):
+            writer.write({"id": f"s/{i}", "n": i})
+        writer.finish()
+    refused = refused_upload([writer])
+    assert isinstance(refused, storage.StoreConflict) and theirs in str(refused)
+    assert storage.read_bytes(theirs) == b"the new run's shard"
+    assert storage.exists(f"{part}/shard.00000.mds")  # its first shard was new: written
+
+
 # --- local lock files ----------------------------------------------------------------------------
 
 

@@ -50,8 +50,9 @@ by the target's precondition if the new holder has written that file since,
 and otherwise its file is replaced by the new holder's own fenced write of it
 (which is conditional on what it read, the stale file). No store offers a
 write conditional on another object, so this is the strongest guarantee an
-S3 or GCS bucket gives without tokens in every key. Shards that Mosaic
-Streaming uploads itself are not fenced this way (docs/EXPORT.md).
+S3 or GCS bucket gives without tokens in every key. The shards that units
+and packs upload are create-only writes instead
+(:func:`prx_data.export.durable.create_only_uploads`; docs/EXPORT.md).
 
 ``wait_s`` makes an acquirer wait (with jittered backoff) for a live holder
 instead of refusing at once: list updates wait for each other, export runs

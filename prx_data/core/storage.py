@@ -601,6 +601,30 @@ def put_if(path: str, data: bytes, tag: str | None) -> str | None:
     raise UsageError(f"{path}: conditional writes are for s3:// and gs:// objects")
 
 
+class StoreConflict(PrxDataError):
+    """Another writer put an object where this one expected none (a conditional create refused)."""
+
+
+def write_new(path: str, data: bytes) -> None:
+    """Create ``path`` (``s3://``/``gs://``) only if no object is there, checked by the store
+    (``If-None-Match: *``; ``ifGenerationMatch=0``). The same bytes already there (a retried
+    request whose first answer was lost) count as written; other bytes raise
+    :class:`StoreConflict` and are left as they are.
+    """
+    if put_if(path, data, None) is not None:
+        return
+    try:
+        if read_bytes(path) == data:
+            return
+    except FileNotFoundError:
+        pass
+    raise StoreConflict(
+        f"{path}: another process wrote this object after this one cleared its folder (a "
+        "run that lost its lease while paused, or two runs on one output); nothing was "
+        "overwritten. Make sure one run writes there, then run it again"
+    )
+
+
 def delete(path: str) -> None:
     """Delete a file, or a directory (prefix) with everything under it; nothing there is fine."""
     if _is_s3(path):

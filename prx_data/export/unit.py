@@ -33,8 +33,10 @@ from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
 from prx_data.core.schema import mds_sample
 from prx_data.export.durable import (
+    create_only_uploads,
     fsync,
     publish_parts,
+    refused_upload,
     stage_dir,
     write_dropped_rows,
     write_manifest,
@@ -188,6 +190,7 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                         hashes=list(cfg.hashes) or None,
                         size_limit=cfg.size_limit,
                     )
+                    create_only_uploads(writer)
                     writers[b.name] = writer
                     ids[b.name] = []
                 writer.write(sample)
@@ -196,9 +199,20 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
                 q = row.get(QUALITY_COLUMN)  # written, but blank: see prx_data.quality
                 if q and is_low_information(q["std"], q["entropy"], q["flat"]):
                     notes["blank"] += 1
+    except Exception:
+        refused = refused_upload(writers.values())
+        if refused is not None:
+            raise refused from None
+        raise
     finally:
-        for writer in writers.values():
-            writer.finish()
+        try:
+            for writer in writers.values():
+                writer.finish()
+        except Exception:
+            refused = refused_upload(writers.values())
+            if refused is not None:
+                raise refused from None
+            raise
     for name, id_list in ids.items():
         result.bucket_bytes[name] = write_manifest(storage.join(stage, name), unit.part, id_list)
         result.buckets[name] = len(id_list)
