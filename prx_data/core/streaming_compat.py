@@ -15,6 +15,7 @@ contract test per symbol) and the upstream suite with our Stream swapped in
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 import types
@@ -129,6 +130,58 @@ __all__ = [
     "reader_from_json",
     "sampling_hooks",
 ]
+
+
+# --- streaming's GCS clients at a GCS emulator ---------------------------------------------------
+#
+# Streaming 0.13's GCSUploader.__init__ and GCSDownloader._create_gcs_client build their
+# google-cloud-storage Client from ``google.auth.default()`` (or from GCS_KEY/GCS_SECRET HMAC
+# keys, against storage.googleapis.com only). google-cloud-storage's Client itself honours
+# STORAGE_EMULATOR_HOST, but ``google.auth.default()`` fails first where no credentials exist,
+# as on a test machine or CI runner beside an emulator. With STORAGE_EMULATOR_HOST set (and no
+# HMAC keys), both build an anonymous Client instead, which the emulator accepts; without it,
+# streaming's own code runs unchanged.
+
+
+def _emulator_gcs_client():
+    from prx_data.core import storage
+
+    if not storage.gcs_emulator() or (os.environ.get("GCS_KEY") and os.environ.get("GCS_SECRET")):
+        return None
+    return storage.new_gcs_client()
+
+
+def _install_gcs_emulator_hooks() -> None:
+    from streaming.base.storage import download, upload
+
+    if getattr(upload.GCSUploader, "_prx_emulator_hook", False):
+        return
+    uploader_init = upload.GCSUploader.__init__
+    create_client = download.GCSDownloader._create_gcs_client
+
+    def init(self, out, keep_local=False, progress_bar=False, retry=2, exist_ok=False):
+        client = _emulator_gcs_client()
+        if client is None:
+            uploader_init(self, out, keep_local, progress_bar, retry, exist_ok)
+            return
+        upload.CloudUploader.__init__(self, out, keep_local, progress_bar, retry, exist_ok)
+        self.gcs_client = client
+        self.authentication = upload.GCSAuthentication.SERVICE_ACCOUNT
+        self.check_bucket_exists(self.remote)
+
+    def create(self) -> None:
+        client = _emulator_gcs_client()
+        if client is None:
+            create_client(self)
+        else:
+            self._gcs_client = client
+
+    upload.GCSUploader.__init__ = init
+    upload.GCSUploader._prx_emulator_hook = True
+    download.GCSDownloader._create_gcs_client = create
+
+
+_install_gcs_emulator_hooks()
 
 
 def mds_writer() -> type:

@@ -24,6 +24,43 @@ from prx_data.export.naming import INDEX_NAME, WRITING_DIR, ExportError
 from prx_data.export.safety import load_index, remove_tree
 
 
+def create_only_uploads(writer) -> None:
+    """Make a remote ``MDSWriter`` create each file only where no object is (store-checked).
+
+    A unit or pack first deletes its folder, so every shard and index it
+    uploads is new: uploaded with :func:`prx_data.core.storage.write_new`, a
+    writer that lost the export's lease while paused cannot overwrite what the
+    run that took over wrote there, and the newer run cannot silently mix with
+    it (its own upload is refused, and it fails). Local writers are left alone
+    (the ``flock`` is held until the process ends).
+    """
+    up = writer.cloud_writer
+    if not up.remote or not storage.is_remote(up.remote):
+        return
+
+    def upload_file(filename: str) -> None:
+        local = os.path.join(up.local, filename)
+        with open(local, "rb") as f:
+            data = f.read()
+        try:
+            storage.write_new(storage.join(up.remote, filename), data)
+        except storage.StoreConflict as e:
+            up.prx_refused = e  # streaming's writer reports only "one of the threads failed"
+            raise
+        up.clear_local(local=local)
+
+    up.upload_file = upload_file
+
+
+def refused_upload(writers) -> Exception | None:
+    """The first upload a store refused among ``writers`` (see :func:`create_only_uploads`)."""
+    for w in writers:
+        err = getattr(getattr(w, "cloud_writer", None), "prx_refused", None)
+        if err is not None:
+            return err
+    return None
+
+
 def write_manifest(bucket_dir: str, part: str, id_list: list[str]) -> int:
     """ids.parquet: (shard basename as in the merged index, index in shard, id).
 
@@ -101,7 +138,11 @@ def upload_parts(out: str, stage: str, parts: Mapping[str, str]) -> None:
     """Object storage: PUT each staged part's files under its bucket (each PUT is durable).
 
     An earlier attempt's objects at the same part are deleted first; the unit's
-    marker, written after this, is what vouches for the part.
+    marker, written after this, is what vouches for the part. Each file is then
+    created only where no object is (:func:`prx_data.core.storage.write_new`,
+    checked by the store), as :func:`create_only_uploads` does for a writer
+    uploading itself: a unit paused past the export's lease cannot overwrite
+    what the run that took over wrote there.
     """
     for name, part in sorted(parts.items()):
         src = os.path.join(stage, *name.split("/"), part)
@@ -109,7 +150,7 @@ def upload_parts(out: str, stage: str, parts: Mapping[str, str]) -> None:
         storage.delete(dst)
         for f in sorted(os.listdir(src)):
             with open(os.path.join(src, f), "rb") as fh:
-                storage.write_bytes_atomic(storage.join(dst, f), fh.read())
+                storage.write_new(storage.join(dst, f), fh.read())
     remove_tree(stage)
 
 

@@ -39,7 +39,14 @@ import numpy as np
 from prx_data.core import storage
 from prx_data.core.schema import MANIFEST_NAME
 from prx_data.export.bounded import imap_bounded, io_workers
-from prx_data.export.durable import fsync, publish_parts, stage_dir, write_manifest
+from prx_data.export.durable import (
+    create_only_uploads,
+    fsync,
+    publish_parts,
+    refused_upload,
+    stage_dir,
+    write_manifest,
+)
 from prx_data.export.naming import (
     INDEX_NAME,
     PACK_PATTERN,
@@ -267,6 +274,7 @@ def _write_samples(cfg: ExportConfig, pack: Pack, bucket_dir: str, dest: str) ->
                         hashes=list(cfg.hashes) or None,
                         size_limit=cfg.size_limit,
                     )
+                    create_only_uploads(writer)
                 elif columns != writer.columns:
                     raise ExportError(
                         f"{part_dir}: columns {sorted(columns)} differ from the pack's "
@@ -275,9 +283,20 @@ def _write_samples(cfg: ExportConfig, pack: Pack, bucket_dir: str, dest: str) ->
                 for sample in _shard_samples(part_dir, entry):
                     writer.write(sample)
             ids += _part_ids(part_dir, part, entries)
+    except Exception:
+        refused = refused_upload([writer])
+        if refused is not None:
+            raise refused from None
+        raise
     finally:
         if writer is not None:
-            writer.finish()
+            try:
+                writer.finish()
+            except Exception:
+                refused = refused_upload([writer])
+                if refused is not None:
+                    raise refused from None
+                raise
     if len(ids) != pack.samples:
         raise ExportError(
             f"{bucket_dir}: pack {pack.name} holds {len(ids)} samples, its units wrote {pack.samples}"

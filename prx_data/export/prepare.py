@@ -101,8 +101,10 @@ def plan_units(cfg: ExportConfig) -> list[WorkUnit]:
 
 
 def check_out_location(out: str) -> None:
-    """A local ``--out`` must be a directory (or not exist yet, under a directory)."""
+    """A local ``--out`` must be a directory (or not exist yet, under a directory); a remote one
+    must be on a supported store (:data:`prx_data.core.storage.SUPPORTED_STORES`)."""
     if storage.is_remote(out):
+        storage.check_store(out)
         return
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):

@@ -34,8 +34,10 @@ from prx_data.core.quality import COLUMN as QUALITY_COLUMN
 from prx_data.core.quality import is_low_information
 from prx_data.core.schema import mds_sample
 from prx_data.export.durable import (
+    create_only_uploads,
     fsync,
     publish_parts,
+    refused_upload,
     stage_dir,
     upload_parts,
     write_dropped_rows,
@@ -210,6 +212,7 @@ def _write_unit(cfg: ExportConfig, unit: WorkUnit, stage: str) -> UnitResult:
                         hashes=list(cfg.hashes) or None,
                         size_limit=cfg.size_limit,
                     )
+                    create_only_uploads(writer)
                     writers[b.name] = writer
                     ids[b.name] = []
                 writer.write(sample)
@@ -218,9 +221,20 @@ def _write_unit(cfg: ExportConfig, unit: WorkUnit, stage: str) -> UnitResult:
                 q = row.get(QUALITY_COLUMN)  # written, but blank: see prx_data.quality
                 if q and is_low_information(q["std"], q["entropy"], q["flat"]):
                     notes["blank"] += 1
+    except Exception:
+        refused = refused_upload(writers.values())
+        if refused is not None:
+            raise refused from None
+        raise
     finally:
-        for writer in writers.values():
-            writer.finish()
+        try:
+            for writer in writers.values():
+                writer.finish()
+        except Exception:
+            refused = refused_upload(writers.values())
+            if refused is not None:
+                raise refused from None
+            raise
     for name, id_list in ids.items():
         bdir = os.path.join(stage, *name.split("/"))
         part = content_part_name(ids_digest(id_list))

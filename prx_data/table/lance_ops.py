@@ -319,7 +319,18 @@ def compact(
 
 
 def lance_storage_options(uri: str) -> dict[str, str] | None:
-    """Storage options for a Lance URI on an S3-compatible endpoint (``S3_ENDPOINT_URL``)."""
+    """Storage options for a Lance URI on an S3-compatible endpoint (``S3_ENDPOINT_URL``) or a
+    GCS emulator (``STORAGE_EMULATOR_HOST``: Lance's GCS client takes it as
+    ``google_base_url``, unsigned over http). Lance lists a table's versions through GCS's
+    XML API, which neither fake-gcs-server nor gcp-storage-emulator implements: a Lance table
+    on ``gs://`` is exercised against real GCS only (README, "Stores")."""
+    if uri.startswith("gs://"):
+        from prx_data.core.storage import gcs_emulator
+
+        emulator = gcs_emulator()
+        if not emulator:
+            return None
+        return {"google_base_url": emulator, "allow_http": "true", "google_skip_signature": "true"}
     if not uri.startswith("s3://"):
         return None
     opts: dict[str, str] = {}
