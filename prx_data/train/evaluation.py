@@ -224,9 +224,9 @@ def check_metrics_holdout(cfg: TrainConfig, plan: Any) -> None:
     """
     if not cfg.metrics.enabled:
         return
-    from prx_data.train.metrics import metric_names
+    from prx_data.train.config import METRIC_MODELS
 
-    names = metric_names(cfg.metrics)
+    names = [name for name, key in METRIC_MODELS if getattr(cfg.metrics, key)]
     distinct = sum(min(b.kept, b.choose) for b in plan.buckets if not b.excluded)
     if names and distinct < METRIC_MIN_SAMPLES:
         raise PlanError(

@@ -453,7 +453,9 @@ def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
 def metric_names(cfg_metrics: Any) -> Sequence[str]:
     """Names of the metrics a ``metrics:`` block turns on, in order."""
     out = []
-    for name, key in (("FID", "fid_model"), ("CMMD", "clip_model"), ("DINO-MMD", "dino_model")):
+    from prx_data.train.config import METRIC_MODELS
+
+    for name, key in METRIC_MODELS:
         if getattr(cfg_metrics, key):
             out.append(name)
     return out
