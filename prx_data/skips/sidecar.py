@@ -483,6 +483,11 @@ def write_skips(
                     f"shard {base!r} is not in the index of bucket {bucket!r} under {export_root}"
                 )
             info = shards[base]
+            target = rel_join(export_root, f"{bucket}/{sidecar_basename(base, name)}")
+            if not remote and os.path.isdir(target):  # one stat: never a traceback mid-write
+                raise SkipListError(
+                    f"{target}: a directory where the sidecar file belongs; remove or rename it"
+                )
             idx = np.unique(np.concatenate(arrs)) if arrs else np.zeros(0, np.int64)
             if len(idx) and (idx[0] < 0 or idx[-1] >= info.samples):
                 bad = int(idx[-1] if idx[-1] >= info.samples else idx[0])
