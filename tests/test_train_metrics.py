@@ -366,3 +366,40 @@ def test_generation_metrics_skip_repeated_copies_of_a_sample(monkeypatch):
     assert sorted(chr(int(v)) for v in torch.cat(seen.ids)) == ["a", "b", "c", "d"]
     cb.num_samples = 3  # the cap counts distinct samples too
     assert cb.evaluate(state, logger) == {"seen": 3.0}
+
+
+@pytest.mark.parametrize("name", ["smoke_latent_cpu.yaml", "smoke_latent_cached_cpu.yaml"])
+def test_smoke_configs_hold_out_enough_of_the_demo_after_the_readme_opt_out(name):
+    """The README runs each smoke config after its opt-out row (the demo's first two ids):
+    the hold-out must still give the metrics their samples, and training a full batch."""
+    import pyarrow as pa
+
+    from prx_data.core.buckets import assign_bucket
+    from prx_data.core.sample_data import DEFAULT_SIZES
+    from prx_data.stream.holdout import Holdout
+
+    # The demo's export, as its sample collection buckets (python -m prx_data.demo, 2 repeats).
+    buckets = {}
+    for k, (w, h) in enumerate(list(DEFAULT_SIZES) * 2):
+        got = assign_bucket(w, h)
+        if got.bucket is not None:
+            buckets[f"demo/img_{k:04d}"] = got.bucket
+    opted_out = set(sorted(buckets)[:2])  # cli.demo._write_optout_ids: the first ids
+    cfg = load_config(REPO / "configs" / "train" / name, [])
+    assert cfg.metrics.enabled
+    d, e = cfg.data, cfg.eval
+    ids = sorted(buckets)
+    held = Holdout(e.holdout_fraction, e.holdout_salt, "eval").mask(pa.array(ids)).tolist()
+    streamed = {
+        i
+        for i in ids
+        if i not in opted_out
+        and (buckets[i].tier == d.tier or (d.include_higher_tiers and buckets[i].tier > d.tier))
+    }
+    evaluated = [i for i, h in zip(ids, held, strict=True) if h and i in streamed]
+    assert len(evaluated) >= max(2, cfg.metrics.num_samples), evaluated
+    trained: dict[str, int] = {}
+    for i, h in zip(ids, held, strict=True):
+        if not h and i in streamed:
+            trained[buckets[i].name] = trained.get(buckets[i].name, 0) + 1
+    assert max(trained.values()) >= d.global_batch_size, trained
