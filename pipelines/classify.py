@@ -259,4 +259,44 @@ def run_classify(cfg: ClassifyConfig, spec: BackendSpec | None = None) -> Column
                 batch_size=cfg.batch_size,
                 text_only=True,
             )
-    return run_column_job(classify_job(cfg, spec, template))
+    report = run_column_job(classify_job(cfg, spec, template))
+    if not report.pending:
+        report.notes.append(why_nothing_to_do(cfg))
+    return report
+
+
+def why_nothing_to_do(cfg: ClassifyConfig) -> str:
+    """Why a run found no row to label: the column it read, how many rows have a usable value
+    there, and what to pass instead (a caption column that has values, or the caption job).
+    Counts with filters on the string columns, only on a run that did nothing."""
+    from prx_data.table.lance_ops import open_table, quote
+
+    ds = open_table(cfg.table, cfg.storage_options)
+
+    def usable(col: str) -> int:
+        return ds.count_rows(filter=f"{quote(col)} IS NOT NULL AND {quote(col)} != ''")
+
+    total = ds.count_rows()
+    have = usable(cfg.source_column)
+    src = cfg.source_column
+    if have:
+        return (
+            f"nothing to do: {have:,} of {total:,} rows have a {src!r} value and every one "
+            f"already has a {cfg.column!r} label (--only error or --only <label> redoes some)"
+        )
+    others = [
+        f.name
+        for f in ds.schema
+        if f.name != src
+        and f.name.startswith(S.CAPTION)
+        and not S.is_job_column(f.name)
+        and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type))
+    ]
+    counted = sorted(((usable(c), c) for c in others[:8]), key=lambda x: (-x[0], x[1]))
+    best = next(((n, c) for n, c in counted if n), None)
+    hint = (
+        f"pass --source-column {best[1]} ({best[0]:,} rows have one)"
+        if best
+        else f"fill {src!r} first (python -m prx_data.caption --column {src})"
+    )
+    return f"nothing to do: {src!r} has a usable value in 0 of {total:,} rows; {hint}"

@@ -38,7 +38,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -82,7 +82,10 @@ class DownloadConfig:
     url_column: str | None = flag(
         None,
         "--url-column",
-        help="column holding the URL (default: the first of url, URL, image_url, img_url)",
+        "--url-col",
+        help="column holding the URL (default: every one of url, URL, image_url, img_url, "
+        "src_url the table has, in turn: a table fed by a CSV and a LAION parquet has both url "
+        "and URL rows)",
     )
     hash_column: str | None = flag(
         None,
@@ -295,6 +298,16 @@ def url_column(names: Sequence[str], given: str | None = None) -> str:
         f"the table has no URL column (looked for {', '.join(URL_NAMES)}); "
         "name it with --url-column"
     )
+
+
+def url_columns(names: Sequence[str], given: str | None = None) -> list[str]:
+    """The URL columns to fetch, in turn: ``given``, else every one of :data:`URL_NAMES` the
+    table has (a table fed by a CSV's ``url`` and an older LAION ingest's ``URL`` has rows
+    whose URL is in only one of them: the first alone would leave the others unfetched)."""
+    if given is not None:
+        return [url_column(names, given)]
+    found = [n for n in URL_NAMES if n in names]
+    return found or [url_column(names)]
 
 
 def hash_column(names: Sequence[str], given: str | None = None) -> str | None:
@@ -939,14 +952,54 @@ def _recheck_hashes(rows: pa.Table, hashes: str) -> pa.Table:
 
 def run_download(cfg: DownloadConfig) -> DownloadReport:
     """Fetch every pending row's URL into the table (see the module docstring)."""
+    from prx_data.table.lance_ops import open_table
+
+    start = time.perf_counter()
+    names = open_table(cfg.table, cfg.storage_options).schema.names
+    report: DownloadReport | None = None
+    for url in url_columns(names, cfg.url_column):
+        run = cfg
+        if cfg.limit is not None and report is not None:
+            if report.rows >= cfg.limit:
+                break
+            run = replace(cfg, limit=cfg.limit - report.rows)
+        part = _run_column(run, url, start)
+        report = part if report is None else _combine(report, part)
+    assert report is not None
+    return report
+
+
+def _combine(a: DownloadReport, b: DownloadReport) -> DownloadReport:
+    """One report of two runs over URL columns in turn: counts added, versions first -> last."""
+    out = DownloadReport(a.table)
+    for f in fields(DownloadReport):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "url_column":
+            value = f"{x}, {y}"
+        elif f.name in ("table", "hash_column", "table_version"):
+            value = x
+        elif f.name in ("final_version", "seconds"):
+            value = y
+        elif isinstance(x, dict):
+            value = dict(Counter(x) + Counter(y))
+        elif isinstance(x, (int, float)):
+            value = x + y
+        else:
+            value = x
+        setattr(out, f.name, value)
+    out.failing_hosts = dict(_desc(out.failing_hosts)[:20])
+    return out
+
+
+def _run_column(cfg: DownloadConfig, url: str, start: float) -> DownloadReport:
+    """Fetch the pending rows whose URL is in column ``url``."""
     from prx_data.columns import runner as R
     from prx_data.table.lance_ops import open_table
     from prx_data.table.pins import column_pin, pinned
 
-    start = time.perf_counter()
     report = DownloadReport(cfg.table)
     ds = open_table(cfg.table, cfg.storage_options)
-    url = report.url_column = url_column(ds.schema.names, cfg.url_column)
+    report.url_column = url
     if cfg.check_hashes:
         report.hash_column = hash_column(ds.schema.names, cfg.hash_column) or ""
     missing = [

@@ -102,7 +102,8 @@ class IngestConfig:
         nargs="+",
         metavar="SOURCE",
         help="a folder, parquet file/folder, URL list (.txt one URL a line, .csv, .tsv "
-        "with or without a header, .jsonl), tar(s), twin-tar root or .lance table; "
+        "with or without a header, .jsonl, a .json array; any of them .gz/.bz2/.zst) or a "
+        "folder of them, tar(s), twin-tar root or .lance table; "
         "write NAME=PATH to choose the id prefix (default: the base name of PATH)",
     )
     table_uri: str = flag(
@@ -152,13 +153,16 @@ class IngestConfig:
     url_column: str | None = flag(
         None,
         "--url-column",
-        help="csv/tsv/jsonl: column with the image URL (default: url, URL, image_url...; "
-        "a file without a header calls it url)",
+        "--url-col",
+        help="csv/tsv/jsonl: column with the image URL, stored as url (default: url, URL, "
+        "image_url...; a file without a header calls it url); --url-col as img2dataset spells it",
     )
     caption_column: str | None = flag(
         None,
         "--caption-column",
-        help="parquet/lance/csv/tsv/jsonl: caption column (default: caption, text, TEXT...)",
+        "--caption-col",
+        help="parquet/lance/csv/tsv/jsonl: caption column (default: caption, text, TEXT...); "
+        "--caption-col as img2dataset spells it",
     )
     key_column: str | None = flag(
         None,

@@ -302,6 +302,15 @@ def _check_output(cfg: LatentsConfig) -> None:
             "is on disk (then upload the _latents folder with it)"
         )
     check_export_complete(cfg.out, read_export_report(cfg.out))
+    if cfg.tiers is not None:
+        # A tier the export lacks would encode nothing and exit 0: say which it has.
+        have = sorted({int(b.split("/")[0]) for b in list_buckets(cfg.out)})
+        missing = [int(t) for t in cfg.tiers if int(t) not in have]
+        if missing:
+            raise UsageError(
+                f"--tiers {','.join(map(str, missing))}: {cfg.out} has no such tier; its tiers: "
+                f"{','.join(map(str, have)) or 'none'}"
+            )
 
 
 def run_latents(cfg: LatentsConfig) -> LatentsReport:

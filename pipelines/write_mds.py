@@ -53,7 +53,7 @@ from prx_data.export.naming import ExportError
 from prx_data.export.pack import Pack, done_packs, plan_packs, write_pack
 from prx_data.export.pack import preload_writer as preload_pack_writer
 from prx_data.export.prepare import (
-    check_out_location,
+    check_before_work,
     open_table,
     plan_units,
     prepare_output,
@@ -217,7 +217,7 @@ def run_export(
         cfg.encode.check()
     except ValueError as e:
         raise ExportError(str(e)) from None
-    check_out_location(cfg.out)
+    check_before_work(cfg, overwrite=overwrite, resume=resume)  # before Ray or the table
     sink = ExportSink(
         cfg,
         overwrite=overwrite,

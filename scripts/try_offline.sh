@@ -57,7 +57,7 @@ step python -m prx_data.train configs/train/smoke_cpu.yaml variables.run_name="$
 step composer -n 2 -m prx_data.train configs/train/smoke_cpu.yaml variables.run_name="$run-2"
 step composer -n 2 -m prx_data.train configs/train/smoke_latent_cpu.yaml variables.run_name="$run-3"
 step composer -n 2 -m prx_data.train configs/train/smoke_latent_cached_cpu.yaml variables.run_name="$run-4"
-step python -m prx_data.demo
+step python -m prx_data.demo --workdir demo_out/again  # demo_out/table.lance now holds the columns above
 
 echo
 printf '%s\n' "${summary[@]}"

@@ -202,3 +202,43 @@ def test_classify_cli_rules_only(tmp_path, ray_local):
     uri = make_table(tmp_path / "cli.lance")
     assert main(["--table", uri, "--rules-only", "--column", "lbl", "--no-progress"]) == 0
     assert labels_of(uri, "lbl")[0] == "text"
+
+
+def test_a_run_with_nothing_to_classify_says_why(tmp_path):
+    """The README's default column (caption_vlm) empty: the report names it, the count, and
+    the column to pass instead, rather than only "nothing to do"."""
+    from prx_data.pipelines.classify import ClassifyConfig, run_classify
+
+    uri = str(tmp_path / "t.lance")
+    n = 5
+    lance.write_dataset(
+        pa.table(
+            {
+                "id": [f"c/{i}" for i in range(n)],
+                "caption": [f"a photo of a cat {i}" for i in range(n)],
+                "caption_vlm": pa.nulls(n, pa.string()),
+                "caption_vlm_status": pa.array(["error"] * n, pa.string()),
+            }
+        ),
+        uri,
+    )
+    cfg = ClassifyConfig(table=uri, rules_only=True, progress=False, engine="local")
+    report = run_classify(cfg)
+    assert report.rows == 0
+    text = report.summary()
+    assert "'caption_vlm' has a usable value in 0 of 5 rows" in text
+    assert "pass --source-column caption (5 rows have one)" in text
+    # Once labelled, a rerun says so instead.
+    run_classify(
+        ClassifyConfig(
+            table=uri, rules_only=True, progress=False, engine="local", source_column="caption"
+        )
+    )
+    again = run_classify(
+        ClassifyConfig(
+            table=uri, rules_only=True, progress=False, engine="local", source_column="caption"
+        )
+    )
+    assert (
+        "5 of 5 rows have a 'caption' value and every one already has a 'label'" in again.summary()
+    )

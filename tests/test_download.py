@@ -416,3 +416,16 @@ def test_explorer_filters_rows_by_download_status_and_error(tmp_path):
     assert "http_404" in labels["download_error"]
     hits = app.search({"label.download_status": "permanent"})
     assert [r["id"] for r in hits["results"]] == ["laion/00001"]
+
+
+def test_download_fetches_url_rows_whatever_their_source_called_the_column(tmp_path):
+    """A table fed by a CSV (``url``) and an older LAION ingest (``URL``): both are fetched."""
+    uri = str(tmp_path / "t.lance")
+    with ImageServer() as srv:
+        urls = [srv.url(f"/img/{i}") if i < 3 else None for i in range(6)]
+        upper = pa.array([None] * 3 + [srv.url(f"/img/{i}") for i in range(3, 6)], pa.string())
+        url_table(uri, urls, extra={"URL": upper})
+        report = run_download(cfg_for(uri, srv))
+    rows = rows_by_id(uri, ["id", "image", "download_status"])
+    assert all(r["download_status"] == "ok" and r["image"] for r in rows.values())
+    assert report.statuses == {"ok": 6} and report.url_column == "url, URL"

@@ -78,7 +78,7 @@ def test_parquet_laion_metadata_and_path_column(tmp_path):
     )
     rows, counts = _load_all(SourceSpec(laion))
     r = rows["laion/000001"]
-    assert r["caption"] == "a cat" and r["url"] == "http://x/1.jpg" and r["WIDTH"] == 640
+    assert r["caption"] == "a cat" and r["url"] == "http://x/1.jpg" and r["src_width"] == 640
     assert r["image"] is None and r["probe_error"] == "missing_image"
     assert counts["kept:probe_error:missing_image"] == 2
 

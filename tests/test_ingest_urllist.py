@@ -39,11 +39,11 @@ def test_headerless_tsv_like_cc12m_keeps_line_numbers_as_ids(tmp_path):
     assert detect_format(path) == "tsv"
     plan, rows, counts = _load_all(SourceSpec(path), items_per_unit=2)
     assert len(plan.units) == 3  # 6 lines, 2 per unit
-    assert sorted(rows) == ["cc12m/0", "cc12m/1", "cc12m/3", "cc12m/5"]
-    assert rows["cc12m/1"]["caption"] == '12" "vinyl'  # TSV does not quote
-    assert rows["cc12m/0"]["url"] == "http://a/1.jpg"
+    assert sorted(rows) == ["cc12m.tsv/0", "cc12m.tsv/1", "cc12m.tsv/3", "cc12m.tsv/5"]
+    assert rows["cc12m.tsv/1"]["caption"] == '12" "vinyl'  # TSV does not quote
+    assert rows["cc12m.tsv/0"]["url"] == "http://a/1.jpg"
     assert all(r["probe_error"] == "missing_image" and r["image"] is None for r in rows.values())
-    assert rows["cc12m/5"]["caption"] is None
+    assert rows["cc12m.tsv/5"]["caption"] is None
     assert counts["dropped:blank_line"] == 1 and counts["dropped:bad_row"] == 1
     assert counts["kept:caption_missing"] == 1
     # Ids do not depend on how the file is cut.
@@ -62,13 +62,13 @@ def test_csv_with_header_types_and_named_columns(tmp_path, monkeypatch):
     plan, rows, counts = _load_all(SourceSpec(path))
     types = {f.name: str(f.type) for f in plan.extra_fields}
     assert types == {
-        "URL": "string",
+        "url": "string",
         "similarity": "double",
         "width_src": "int64",
         "sha256": "string",
     }
-    a = rows["laion/0"]
-    assert (a["URL"], a["caption"], a["similarity"], a["width_src"]) == (
+    a = rows["laion.csv/0"]
+    assert (a["url"], a["caption"], a["similarity"], a["width_src"]) == (
         "http://x/1",
         "a, cat",
         0.31,
@@ -90,8 +90,8 @@ def test_csv_with_header_types_and_named_columns(tmp_path, monkeypatch):
     _, rows, counts = _load_all(
         SourceSpec(other), url_column="link", caption_column="desc", items_per_unit=2
     )
-    assert rows["o/3"]["link"] == "http://x/9" and rows["o/3"]["score"] is None
-    assert rows["o/0"]["caption"] == "d0" and rows["o/2"]["score"] == 2
+    assert rows["o.csv/3"]["url"] == "http://x/9" and rows["o.csv/3"]["score"] is None
+    assert rows["o.csv/0"]["caption"] == "d0" and rows["o.csv/2"]["score"] == 2
     assert counts["kept:bad_value:score"] == 1
 
 
@@ -100,9 +100,9 @@ def test_txt_and_json_lines(tmp_path):
     assert detect_format(txt) == "txt"
     _, rows, _ = _load_all(SourceSpec(txt), items_per_unit=2)
     assert {k: r["url"] for k, r in rows.items()} == {
-        "urls/0": "http://x/1",
-        "urls/1": "http://x/2",
-        "urls/3": "http://x/3",
+        "urls.txt/0": "http://x/1",
+        "urls.txt/1": "http://x/2",
+        "urls.txt/3": "http://x/3",
     }
     lines = [
         {"uid": "u1", "url": "http://x/1", "caption": "one", "sha256": "ab", "tags": [1, 2]},
@@ -115,13 +115,20 @@ def test_txt_and_json_lines(tmp_path):
         "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n",
     )
     plan, rows, counts = _load_all(SourceSpec(jl))
-    assert sorted(rows) == ["dc/u1", "dc/u2"]
-    assert rows["dc/u1"]["tags"] == [1, 2] and rows["dc/u2"]["sha256"] == "cd"
-    assert json.loads(rows["dc/u2"]["meta"]) == {"a": 1}
+    assert sorted(rows) == ["dc.jsonl/u1", "dc.jsonl/u2"]
+    assert rows["dc.jsonl/u1"]["tags"] == [1, 2] and rows["dc.jsonl/u2"]["sha256"] == "cd"
+    assert json.loads(rows["dc.jsonl/u2"]["meta"]) == {"a": 1}
     assert counts["dropped:bad_json_line"] == 1 and counts["dropped:no_url"] == 1
-    array = _write(tmp_path / "arr.json", json.dumps([{"url": "http://x"}]))
-    with pytest.raises(UsageError, match="jq -c"):
-        plan_source(SourceSpec(array))
+    # img2dataset users also have JSON arrays: read whole (capped), the element index as key.
+    array = _write(
+        tmp_path / "arr.json",
+        json.dumps([{"URL": "http://x/a", "TEXT": "a"}, {"URL": "http://x/b"}]),
+    )
+    _, rows, _ = _load_all(SourceSpec(array))
+    assert {k: (r["url"], r["caption"]) for k, r in rows.items()} == {
+        "arr.json/0": ("http://x/a", "a"),
+        "arr.json/1": ("http://x/b", None),
+    }
 
 
 def test_cutting_streams_and_counts_lines(tmp_path, monkeypatch):
@@ -152,8 +159,8 @@ def test_ingest_cli_reads_a_tsv_and_suggests_the_download(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "next: python -m prx_data.download --table" in out
     t = lance.dataset(uri).to_table(columns=["id", "url", "caption"]).to_pylist()
-    assert sorted(r["id"] for r in t) == sorted(f"cc12m/{i}" for i in range(30))
-    assert {r["id"]: r["caption"] for r in t}["cc12m/7"] == "caption 7"
+    assert sorted(r["id"] for r in t) == sorted(f"cc12m.tsv/{i}" for i in range(30))
+    assert {r["id"]: r["caption"] for r in t}["cc12m.tsv/7"] == "caption 7"
     # A second ingest of the same list adds nothing: the ids are stable.
     assert main([path, "--table", uri, "--no-progress"]) == 0
     assert lance.dataset(uri).count_rows() == 30
@@ -163,6 +170,128 @@ def test_a_line_that_is_not_utf8_is_kept_and_noted_on_its_own_row(tmp_path):
     path = tmp_path / "l.tsv"
     path.write_bytes(b"url\tcaption\nhttp://x/1\tok\nhttp://x/2\tcaf\xe9\n")
     _, rows, counts = _load_all(SourceSpec(str(path)))
-    assert rows["l/1"]["caption"] == "caf\ufffd" and "line_not_utf8" in rows["l/1"]["__notes"]
-    assert "line_not_utf8" not in rows["l/0"]["__notes"]
+    assert (
+        rows["l.tsv/1"]["caption"] == "caf\ufffd" and "line_not_utf8" in rows["l.tsv/1"]["__notes"]
+    )
+    assert "line_not_utf8" not in rows["l.tsv/0"]["__notes"]
     assert counts["kept:line_not_utf8"] == 1 and counts["kept:probe_error:missing_image"] == 2
+
+
+# --- lists as img2dataset users have them ---------------------------------------------------
+
+
+def _compress(data: bytes, codec: str) -> bytes:
+    import bz2
+    import gzip
+
+    if codec == "gzip":
+        return gzip.compress(data)
+    if codec == "bz2":
+        return bz2.compress(data)
+    import pyarrow as pa  # zstd through pyarrow (no zstandard package needed)
+
+    out = pa.BufferOutputStream()
+    with pa.CompressedOutputStream(out, "zstd") as f:
+        f.write(data)
+    return out.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize(("suffix", "codec"), [(".gz", "gzip"), (".bz2", "bz2"), (".zst", "zstd")])
+def test_compressed_lists_are_read_not_stored_as_urls(tmp_path, monkeypatch, suffix, codec):
+    import prx_data.ingest.urllist as U
+
+    monkeypatch.setattr(U, "_BLOCK", 64)  # ranges that start deep inside the stream
+    text = "url\tcaption\n" + "".join(f"http://x/{i}.jpg\tcap {i}\n" for i in range(40))
+    path = tmp_path / f"cc.tsv{suffix}"
+    path.write_bytes(_compress(text.encode(), codec))
+    assert detect_format(str(path)) == "tsv"
+    plan, rows, _ = _load_all(SourceSpec(str(path)), items_per_unit=3)
+    # Each unit decompresses from the start: their number is capped.
+    assert 1 < len(plan.units) <= U.COMPRESSED_UNITS
+    assert sorted(rows) == sorted(f"cc.tsv/{i}" for i in range(40))
+    assert rows["cc.tsv/39"]["url"] == "http://x/39.jpg"
+    assert rows["cc.tsv/39"]["caption"] == "cap 39"
+    # A gzip file named .tsv (the old advice: --format tsv) is found by its first bytes.
+    lying = tmp_path / "named.tsv"
+    lying.write_bytes(_compress(text.encode(), codec))
+    _, rows, _ = _load_all(SourceSpec(str(lying), fmt="tsv"))
+    assert all(r["url"].startswith("http://x/") for r in rows.values()) and len(rows) == 40
+
+
+def test_lists_with_one_stem_keep_their_rows_and_a_folder_of_lists_is_read(tmp_path):
+    from prx_data.pipelines.ingest import ingest
+
+    (tmp_path / "urls.txt").write_text("".join(f"http://x/t{i}\n" for i in range(13)))
+    (tmp_path / "urls.csv").write_text(
+        "URL,TEXT,LICENSE\n" + "".join(f"http://x/c{i},c {i},cc-by\n" for i in range(13))
+    )
+    uri = str(tmp_path / "t.lance")
+    report = ingest(
+        [str(tmp_path / "urls.txt"), str(tmp_path / "urls.csv")],
+        uri,
+        engine="local",
+        progress=False,
+    )
+    assert report.rows_written == 26
+    t = lance.dataset(uri).to_table().to_pylist()
+    by_id = {r["id"]: r for r in t}
+    assert (
+        by_id["urls.csv/3"]["url"] == "http://x/c3" and by_id["urls.txt/3"]["url"] == "http://x/t3"
+    )
+    assert by_id["urls.csv/3"]["caption"] == "c 3" and by_id["urls.csv/3"]["license"] == "cc-by"
+    assert "URL" not in lance.dataset(uri).schema.names
+
+    lists = tmp_path / "lists"
+    (lists / "more").mkdir(parents=True)
+    (lists / "a.tsv").write_text("http://x/a0\tA\nhttp://x/a1\tB\n")
+    (lists / "more" / "b.jsonl.gz").write_bytes(
+        _compress(b'{"url": "http://x/b0"}\n{"url": "http://x/b1"}\n', "gzip")
+    )
+    assert detect_format(str(lists)) == "urllists"
+    _, rows, _ = _load_all(SourceSpec(str(lists)))
+    assert {k: r["url"] for k, r in rows.items()} == {
+        "lists/a.tsv/0": "http://x/a0",
+        "lists/a.tsv/1": "http://x/a1",
+        "lists/more/b.jsonl/0": "http://x/b0",
+        "lists/more/b.jsonl/1": "http://x/b1",
+    }
+
+
+def test_img2dataset_flag_spellings_and_case_insensitive_names(tmp_path):
+    from prx_data.cli.ingest import build_parser
+
+    args = build_parser().parse_args(
+        ["x.csv", "--table", "t", "--url-col", "Link", "--caption-col", "Desc"]
+    )
+    assert (args.url_column, args.caption_column) == ("Link", "Desc")
+    path = _write(tmp_path / "o.csv", "LINK,DESC\nhttp://x/1,one\n")
+    _, rows, _ = _load_all(SourceSpec(path), url_column="link", caption_column="desc")
+    assert (rows["o.csv/0"]["url"], rows["o.csv/0"]["caption"]) == ("http://x/1", "one")
+
+
+def test_laion_parquet_columns_are_lower_cased(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "laion.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "URL": ["http://x/1"],
+                "TEXT": ["a cat"],
+                "LICENSE": ["cc0"],
+                "WIDTH": [640],
+                "aestheticScore": [5.0],
+            }
+        ),
+        path,
+    )
+    plan, rows, _ = _load_all(SourceSpec(path))
+    assert {f.name for f in plan.extra_fields} == {"url", "license", "src_width", "aestheticScore"}
+    (r,) = rows.values()
+    assert (r["url"], r["caption"], r["license"], r["src_width"]) == (
+        "http://x/1",
+        "a cat",
+        "cc0",
+        640,
+    )

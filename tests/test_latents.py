@@ -14,6 +14,7 @@ import torch
 from prx_data.pipelines.latents import LatentsConfig, run_latents
 
 from prx_data.core.buckets import DEFAULT_SPEC, bucket_name
+from prx_data.core.errors import UsageError
 from prx_data.export import latents as L
 from prx_data.export.sample import make_sample_export
 from prx_data.train.config import ConfigError, load_config
@@ -426,6 +427,9 @@ def test_tiers_encodes_only_those_and_keeps_the_others(tmp_path, vae):
     again = run_latents(_job(root, vae, tiers=(1024,)))
     assert (again.encoded_shards, again.skipped_shards) == (0, 1)
     assert len(L.read_record(root)["shards"]) == 2
+    # A tier the export lacks (768 is no tier at all) is refused, naming the ones it has.
+    with pytest.raises(UsageError, match="--tiers 768: .* has no such tier; its tiers: 512,1024"):
+        run_latents(_job(root, vae, tiers=(768,)))
 
 
 def test_a_second_run_is_refused_while_one_holds_the_latents_lease(tmp_path, vae):

@@ -105,3 +105,23 @@ def test_cli_module_help_runs():
         cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert res.returncode == 0 and "--threshold" in res.stdout
+
+
+def test_a_directory_named_like_a_sidecar_is_one_line_and_a_verify_problem(
+    export, tmp_path, capsys
+):
+    from prx_data.export.verify import verify_export
+
+    root = export.root
+    bucket, shard, idx = export.where[f"ds/{B1}/3"]
+    blocker = os.path.join(root, *bucket.split("/"), *f"{shard}.manual.skip".split("/"))
+    os.makedirs(blocker)
+    res = verify_export(root)
+    assert not res.ok
+    assert any(p.path.endswith(".manual.skip") and "a directory" in p.message for p in res.problems)
+    picks = tmp_path / "picks.tsv"
+    picks.write_text(f"{bucket} {shard} {idx}\n")
+    assert main(["add", root, "manual", "--indices", str(picks)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a directory where the sidecar file belongs" in err and len(err.splitlines()) == 1
+    assert os.path.isdir(blocker) and "manual" not in S.list_skip_lists(root)

@@ -165,6 +165,33 @@ def test_caption_policy_weights_dropout_and_fallback():
         CaptionPolicy.single("caption_vlm").choose({"caption": ["x"]})
 
 
+def test_caption_policy_warns_once_when_its_columns_are_empty():
+    import warnings
+
+    import prx_data.train.captions as C
+
+    empty = {"caption": ["", None, ""], "caption_vlm": ["", "", ""]}
+    policy = CaptionPolicy(("caption", "caption_vlm"), (1.0, 1.0), warn_empty=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        policy.choose(empty)
+        policy.choose(empty)  # once, not per batch
+    (w,) = [x for x in seen if "were empty" in str(x.message)]
+    assert "caption, caption_vlm were empty for 100% of the 3 samples" in str(w.message)
+    # A share above the threshold, once enough samples were drawn; dropout does not count.
+    n = C.EMPTY_WARN_AFTER
+    mostly = {"caption": ["x" if i % 4 == 0 else "" for i in range(n)]}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        CaptionPolicy(("caption",), (1.0,), warn_empty=True).choose(mostly)
+        CaptionPolicy(("caption",), (1.0,), dropout=0.6, warn_empty=True).choose(
+            {"caption": ["x"] * n}, torch.Generator().manual_seed(0)
+        )
+        CaptionPolicy(("caption",), (1.0,)).choose(empty)  # eval's policy: no warning
+    assert len([x for x in seen if "were empty for 75%" in str(x.message)]) == 1
+    assert len([x for x in seen if "were empty" in str(x.message)]) == 1
+
+
 def test_flow_pieces():
     x0 = uint8_to_unit(torch.tensor([[[[0, 255]]]], dtype=torch.uint8))
     assert x0.flatten().tolist() == [-1.0, 1.0]

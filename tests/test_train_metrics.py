@@ -299,3 +299,107 @@ def test_compare_puts_the_runs_last_sample_grids_side_by_side(tmp_path):
     green = (abs(lower - [20, 200, 20]).sum(-1) < 30).nonzero()[1]
     assert len(red) > 500 and len(green) > 500
     assert red.mean() < arr.shape[1] / 2 < green.mean()  # A on the left, B on the right
+
+
+# --- distinct held-out samples ----------------------------------------------------------------
+
+
+def test_a_hold_out_too_small_for_the_metrics_is_refused_at_plan_time(tmp_path, tiny):
+    from types import SimpleNamespace as NS
+
+    from prx_data.stream.planner import PlanError
+    from prx_data.train.evaluation import check_metrics_holdout
+
+    cfg = _smoke(tmp_path, tiny, str(tmp_path / "export"), "m")
+    # One held-out image, "filled" to a batch of 4: one distinct sample, not four.
+    plan = NS(buckets=[NS(kept=1, choose=4, excluded=False), NS(kept=9, choose=8, excluded=True)])
+    with pytest.raises(
+        PlanError, match="need at least 2 distinct held-out images and the hold-out holds 1"
+    ):
+        check_metrics_holdout(cfg, plan)
+    check_metrics_holdout(cfg, NS(buckets=[NS(kept=1, choose=1, excluded=False)] * 2))
+
+
+def test_generation_metrics_skip_repeated_copies_of_a_sample(monkeypatch):
+    """The eval stream repeats samples (padding, small_buckets: fill): each is measured once."""
+    from types import SimpleNamespace as NS
+
+    from torchmetrics import Metric
+
+    import prx_data.train.metrics as M
+
+    class Seen(Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("ids", default=[], dist_reduce_fx="cat")
+
+        def update(self, images, real):
+            if real:
+                self.ids.append(images[:, 0, 0, 0].clone())
+
+        def compute(self):
+            return torch.tensor(float(len(torch.cat(self.ids))))
+
+    def fake_generate(model, batch, **kw):
+        x = batch["image"].float()
+        return x, x
+
+    monkeypatch.setattr(M, "generate_like", fake_generate)
+    ids = [["a", "b"], ["a", "c"], ["c", "c"], ["d", "a"]]  # four distinct of eight
+    batches = [
+        {"id": b, "image": torch.tensor([float(ord(i)) for i in b]).reshape(-1, 1, 1, 1)}
+        for b in ids
+    ]
+    model = NS(transformer=nn.Linear(1, 1))
+    state = NS(
+        model=model,
+        precision="fp32",
+        device=NS(batch_to_device=lambda b: b),
+        evaluators=[NS(label="eval", dataloader=NS(dataloader=batches))],
+        timestamp=NS(batch=0),
+        run_name="r",
+    )
+    seen = Seen()
+    cb = M.GenerationMetrics({"seen": seen}, num_samples=10, interval="1ba", folder=None)
+    logger = NS(log_metrics=lambda m: None)
+    assert cb.evaluate(state, logger) == {"seen": 4.0}
+    assert sorted(chr(int(v)) for v in torch.cat(seen.ids)) == ["a", "b", "c", "d"]
+    cb.num_samples = 3  # the cap counts distinct samples too
+    assert cb.evaluate(state, logger) == {"seen": 3.0}
+
+
+@pytest.mark.parametrize("name", ["smoke_latent_cpu.yaml", "smoke_latent_cached_cpu.yaml"])
+def test_smoke_configs_hold_out_enough_of_the_demo_after_the_readme_opt_out(name):
+    """The README runs each smoke config after its opt-out row (the demo's first two ids):
+    the hold-out must still give the metrics their samples, and training a full batch."""
+    import pyarrow as pa
+
+    from prx_data.core.buckets import assign_bucket
+    from prx_data.core.sample_data import DEFAULT_SIZES
+    from prx_data.stream.holdout import Holdout
+
+    # The demo's export, as its sample collection buckets (python -m prx_data.demo, 2 repeats).
+    buckets = {}
+    for k, (w, h) in enumerate(list(DEFAULT_SIZES) * 2):
+        got = assign_bucket(w, h)
+        if got.bucket is not None:
+            buckets[f"demo/img_{k:04d}"] = got.bucket
+    opted_out = set(sorted(buckets)[:2])  # cli.demo._write_optout_ids: the first ids
+    cfg = load_config(REPO / "configs" / "train" / name, [])
+    assert cfg.metrics.enabled
+    d, e = cfg.data, cfg.eval
+    ids = sorted(buckets)
+    held = Holdout(e.holdout_fraction, e.holdout_salt, "eval").mask(pa.array(ids)).tolist()
+    streamed = {
+        i
+        for i in ids
+        if i not in opted_out
+        and (buckets[i].tier == d.tier or (d.include_higher_tiers and buckets[i].tier > d.tier))
+    }
+    evaluated = [i for i, h in zip(ids, held, strict=True) if h and i in streamed]
+    assert len(evaluated) >= max(2, cfg.metrics.num_samples), evaluated
+    trained: dict[str, int] = {}
+    for i, h in zip(ids, held, strict=True):
+        if not h and i in streamed:
+            trained[buckets[i].name] = trained.get(buckets[i].name, 0) + 1
+    assert max(trained.values()) >= d.global_batch_size, trained

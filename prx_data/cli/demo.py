@@ -81,7 +81,42 @@ def _write_optout_ids(workdir: str, export: str, n: int = 2) -> str:
     return path
 
 
-def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dict:
+def demo_columns() -> set[str]:
+    """The columns the demo's ingest writes (the table's own and the folder reader's)."""
+    from prx_data.core import schema as S
+    from prx_data.ingest import folder
+
+    return set(S.TABLE_SCHEMA.names) | {f.name for f in folder.EXTRA_FIELDS}
+
+
+def check_table_is_the_demos(table: str) -> None:
+    """Refuse to replace a table holding columns the demo did not write: the README's job rows
+    add them (captions, labels, scores, downloads), and a rerun would re-ingest over them."""
+    from prx_data.core.errors import UsageError
+
+    if not os.path.exists(table):
+        return
+    import lance
+
+    try:
+        names = lance.dataset(table).schema.names
+    except (OSError, ValueError):
+        raise UsageError(
+            f"{table} exists and is not a Lance table the demo wrote; pass --force to replace "
+            "it, or --workdir elsewhere"
+        ) from None
+    added = sorted(set(names) - demo_columns())
+    if added:
+        shown = ", ".join(added[:8]) + (f" and {len(added) - 8} more" if len(added) > 8 else "")
+        raise UsageError(
+            f"{table} has columns the demo did not write ({shown}): rerunning would replace the "
+            "table and lose them; pass --force to replace it, or --workdir elsewhere"
+        )
+
+
+def run_demo(
+    workdir: str, repeats: int = 2, num_cpus: int | None = None, force: bool = False
+) -> dict:
     from prx_data.export.spec import ExportConfig
     from prx_data.pipelines.ingest import ingest
     from prx_data.pipelines.write_mds import run_export
@@ -89,6 +124,8 @@ def run_demo(workdir: str, repeats: int = 2, num_cpus: int | None = None) -> dic
     src = os.path.join(workdir, "src")
     table = os.path.join(workdir, "table.lance")
     out = os.path.join(workdir, "export")
+    if not force:
+        check_table_is_the_demos(table)  # before anything of the workdir is replaced
     if os.path.exists(src):
         shutil.rmtree(src)
     items = make_sample_collection(src, repeats=repeats)
@@ -152,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workdir",
         default="demo_out",
-        help="Where the sample, table and export go (default: ./demo_out; replaced on rerun).",
+        help="Where the sample, table and export go (default: ./demo_out; replaced on rerun, "
+        "unless the table has columns the demo did not write: see --force).",
     )
     p.add_argument(
         "--repeats",
@@ -161,13 +199,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="Copies of the 16-size sample grid to generate (default: 2, i.e. 32 images).",
     )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all).")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="Replace the workdir's table even when it has columns the demo did not write "
+        "(captions, labels, scores the other jobs added); without it such a rerun is refused.",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from prx_data.core.errors import PrxDataError
+
     p = build_parser()
     args = p.parse_args(argv)
-    run_demo(args.workdir, args.repeats, args.num_cpus)
+    try:
+        run_demo(args.workdir, args.repeats, args.num_cpus, force=args.force)
+    except PrxDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from prx_data.cli.reporting import finish, finish_run
+from prx_data.core.buckets import check_tiers
 from prx_data.core.errors import PrxDataError
 from prx_data.core.flags import add_flags, from_args
 from prx_data.core.runtime import add_run_args, run_options_from_args
@@ -24,6 +25,9 @@ skip lists: every list in the log next to the table (<table>.lists.lance, writte
 skips add, optout and dedup) is applied to every export by row id; --overwrite carries
 the old export's export-only changes into it; --drop-list NAME undoes a trial list
 (see docs/STREAMING.md, Skip lists: one log per table).
+
+refusals: --tiers outside 512,1024,2048,4096 (the trainer's bucket spec), a missing
+--table and an --out that cannot be used are refused before Ray starts or the table is read.
 
 safety: --overwrite and --resume only touch a tree the exporter marked as its own
 (OUT/_progress/export.marker) that holds nothing but tiers, buckets and parts;
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = from_args(ExportConfig, args)
     try:
+        check_tiers(cfg.tiers)  # the command line has no bucket spec of its own
         report = run_export(
             cfg,
             overwrite=args.overwrite,

@@ -97,6 +97,9 @@ class ColumnReport(FailureCounts):
     #: Fragments a killed run had finished, committed at start without recomputing.
     recovered_fragments: int = 0
     recovered_rows: int = 0
+    #: Why the run did what it did when that is not plain (a no-op: the column it read, how
+    #: many rows had a value, what to pass instead); printed under the counts.
+    notes: list[str] = field(default_factory=list)
 
     counted = "rows"
 
@@ -145,6 +148,7 @@ class ColumnReport(FailureCounts):
         ]
         for reason, n in sorted(self.reasons.items(), key=lambda kv: -kv[1])[:10]:
             lines.append(f"  {n:,} x {reason}")
+        lines.extend(f"  {note}" for note in self.notes)
         if self.recovered_fragments:
             lines.append(
                 f"  {self.recovered_fragments:,} fragment(s) ({self.recovered_rows:,} rows) "

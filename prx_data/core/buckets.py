@@ -44,6 +44,17 @@ DROP_TOO_SMALL = "too_small"
 DROP_ASPECT_RATIO = "aspect_ratio"
 
 
+def check_tiers(tiers, valid: Sequence[int] = DEFAULT_TIERS, flag: str = "--tiers") -> None:
+    """Refuse tiers the trainer and planner would refuse later (their bucket spec's), naming
+    the valid ones: an export or latents at 768 would be written and then never trained on."""
+    bad = [t for t in tiers if t not in valid]
+    if bad:
+        raise UsageError(
+            f"{flag} {','.join(map(str, bad))}: not a tier of the bucket spec the trainer and "
+            f"planner use; valid tiers: {','.join(map(str, valid))}"
+        )
+
+
 @dataclass(frozen=True)
 class BucketSpec:
     """Configuration of the tier/shape table. The defaults are the PRX recipe."""

@@ -318,13 +318,15 @@ class Entry:
     problem: str | None = None
 
 
-def walk(directory: str) -> list[Entry]:
+def walk(directory: str, file_suffixes: tuple[str, ...] = ()) -> list[Entry]:
     """Every entry under a local ``directory`` (``/``-separated, sorted), links not followed.
 
     Regular files come with their size; symbolic links (whatever they point
     at), FIFOs, devices and sockets come with a problem instead, so an audit
-    reports them rather than reading them. Object stores list keys: every
-    object is a file there.
+    reports them rather than reading them; so does a directory whose name ends
+    in one of ``file_suffixes`` (where a file of that kind belongs: an empty one
+    would otherwise pass unseen). Object stores list keys: every object is a
+    file there.
     """
     if storage.is_remote(directory):
         return [Entry(r, s) for r, s in sorted(storage.file_sizes(directory).items())]
@@ -344,6 +346,14 @@ def walk(directory: str) -> list[Entry]:
                     Entry(rel, None, f"a symbolic link (to {target}); refusing to follow it")
                 )
             elif stat.S_ISDIR(st.st_mode):
+                if file_suffixes and name.endswith(file_suffixes):
+                    out.append(
+                        Entry(
+                            rel,
+                            None,
+                            "a directory named like a file (*" + "/*".join(file_suffixes) + ")",
+                        )
+                    )
                 continue
             elif not stat.S_ISREG(st.st_mode):
                 out.append(Entry(rel, None, f"{_kind(st.st_mode)}, not a regular file"))

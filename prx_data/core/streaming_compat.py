@@ -127,6 +127,7 @@ __all__ = [
     "is_safe_mds_encoding",
     "maybe_init_dist",
     "mds_reader_args",
+    "quiet_shared_memory",
     "reader_from_json",
     "sampling_hooks",
 ]
@@ -239,3 +240,51 @@ def sampling_hooks() -> tuple[ModuleType, Callable[..., Any]]:
     from streaming.base.sampling import get_sampling
 
     return dataset_module, get_sampling
+
+
+# --- shared memory released at exit --------------------------------------------------------------
+#
+# streaming's ``SharedMemory.cleanup`` (its atexit handler) unlinks the blocks a process
+# created, in one ``try``: the first block another process already removed (a rank, a
+# worker, or our clean-up of a stale prefix) raises FileNotFoundError, which it passes on,
+# and every later block stays registered with multiprocessing's resource tracker. At
+# shutdown the tracker then prints "leaked shared_memory objects" and one line per block
+# (26 at the end of a smoke training run). :func:`quiet_shared_memory` swaps in a clean-up
+# that goes on past a missing block and drops the tracker's record of it.
+
+
+def _cleanup_shared_memory(self) -> None:
+    """streaming's ``SharedMemory.cleanup``, block by block (see above)."""
+    from multiprocessing import resource_tracker
+
+    created, opened = list(self.created_shms), list(self.opened_shms)
+    self.created_shms, self.opened_shms = [], []  # once, whether atexit or a caller runs it
+    for shm in created:
+        try:
+            shm.close()
+        except (BufferError, OSError):
+            pass
+        try:
+            shm.unlink()
+        except FileNotFoundError:  # removed by another process: only our record is left
+            try:
+                resource_tracker.unregister(shm._name, "shared_memory")
+            except Exception:  # noqa: BLE001 - a tracker already gone at exit
+                pass
+    original = resource_tracker.unregister
+    resource_tracker.unregister = self.fix_unregister  # attached blocks are not ours to unlink
+    try:
+        for shm in opened:
+            try:
+                shm.close()
+            except (BufferError, OSError):
+                pass
+    finally:
+        resource_tracker.unregister = original
+
+
+def quiet_shared_memory() -> None:
+    """Make streaming's shared memory release go on past a block already removed (idempotent)."""
+    from streaming.base.shared import memory
+
+    memory.SharedMemory.cleanup = _cleanup_shared_memory

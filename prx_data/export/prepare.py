@@ -116,6 +116,49 @@ def check_out_location(out: str) -> None:
         raise ExportError(f"--out {out}: {parent} is a file, not a directory")
 
 
+def check_before_work(cfg: ExportConfig, *, overwrite: bool = False, resume: bool = False) -> None:
+    """Refuse what the run could not use before anything slow (starting Ray, reading the
+    table): a local ``--table`` that does not exist, and the ``--out`` checks of
+    :func:`check_output`."""
+    if not storage.is_remote(cfg.table) and not os.path.exists(cfg.table):
+        raise ExportError(f"--table {cfg.table} does not exist")
+    check_output(cfg.out, overwrite=overwrite, resume=resume)
+
+
+def check_output(out: str, *, overwrite: bool = False, resume: bool = False) -> None:
+    """Refuse an ``--out`` the run could not use, before anything slow (starting Ray, opening
+    the table): a file, a non-empty folder without ``--overwrite``/``--resume``, a tree that
+    is not provably ours. One listing of the top level; a tree with a live run's lock is left
+    to the lock to report. :func:`prepare_output` checks again under the lock."""
+    if overwrite and resume:
+        raise ExportError("--overwrite and --resume are mutually exclusive")
+    check_out_location(out)
+    top = list_top(out)
+    if LOCK_NAME in top or LEASE_NAME in top:
+        return
+    _refuse_entries(out, top, overwrite=overwrite, resume=resume)
+
+
+def _refuse_entries(out: str, entries: list[str], *, overwrite: bool, resume: bool) -> None:
+    """The refusals that need only the top-level listing (``entries``, lock files left out)."""
+    if entries and (resume or overwrite):
+        foreign = foreign_entries(out)
+        if foreign:
+            flag = "--resume" if resume else "--overwrite"
+            raise ExportError(
+                f"refusing to {flag} {out}: it is not provably an export written by "
+                f"prx_data.write_mds, so nothing was touched. Found: {describe_foreign(foreign)}"
+            )
+    if entries and not resume and not overwrite:
+        if REPORT_NAME in entries:
+            hint = "it holds a complete export; pass --overwrite to replace it"
+        elif PROGRESS_DIR in entries:
+            hint = "it holds an interrupted export; pass --resume to finish it or --overwrite to start again"
+        else:
+            hint = "choose an empty directory"
+        raise ExportError(f"output {out} is not empty: {hint}")
+
+
 def prepare_output(
     cfg: ExportConfig, *, overwrite: bool = False, resume: bool = False
 ) -> ExportConfig:
@@ -131,14 +174,7 @@ def prepare_output(
     check_out_location(cfg.out)
     entries = [e for e in list_top(cfg.out) if e not in (LOCK_NAME, LEASE_NAME)]
     config_path = storage.join(cfg.out, CONFIG_NAME)
-    if entries and (resume or overwrite):
-        foreign = foreign_entries(cfg.out)
-        if foreign:
-            flag = "--resume" if resume else "--overwrite"
-            raise ExportError(
-                f"refusing to {flag} {cfg.out}: it is not provably an export written by "
-                f"prx_data.write_mds, so nothing was touched. Found: {describe_foreign(foreign)}"
-            )
+    _refuse_entries(cfg.out, entries, overwrite=overwrite, resume=resume)
     if entries and resume:
         if not storage.exists(config_path):
             raise ExportError(
@@ -177,16 +213,6 @@ def prepare_output(
             )
         warn(caption_warnings(cfg.table, caps))
         return now
-    if entries:
-        complete = REPORT_NAME in entries
-        if not overwrite:
-            if complete:
-                hint = "it holds a complete export; pass --overwrite to replace it"
-            elif PROGRESS_DIR in entries:
-                hint = "it holds an interrupted export; pass --resume to finish it or --overwrite to start again"
-            else:
-                hint = "choose an empty directory"
-            raise ExportError(f"output {cfg.out} is not empty: {hint}")
     ds = open_table(cfg.table, cfg.table_version)
     check_table_columns(cfg.table, ds.schema)
     caps = resolve_caption_columns(ds.schema, cfg.caption_columns)

@@ -111,7 +111,7 @@ def _walk_tree(root: str, res: VerifyResult) -> list[str]:
     linked directory is looked at.
     """
     files = []
-    for e in confined.walk(root):
+    for e in confined.walk(root, (SIDECAR_SUFFIX,)):
         if e.problem is None:
             files.append(e.rel)
             continue

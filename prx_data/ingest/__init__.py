@@ -9,13 +9,15 @@ Each reader module has ``plan(path, source, ...) -> Plan`` (driver side) and
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from prx_data.core.errors import UsageError
+from prx_data.core import storage
+from prx_data.core.errors import NotFound, UsageError
 from prx_data.ingest import folder, lance_table, parquet, twintar, urllist, webdataset
 from prx_data.ingest.common import NOTES, Counts, Plan, WorkUnit, conform
 
@@ -80,6 +82,9 @@ def detect_format(path: str) -> str:
 
 def plan_source(spec: SourceSpec, **options) -> Plan:
     """Plan one source. ``options`` are reader-specific keyword arguments."""
+    if not storage.is_remote(spec.path) and not os.path.exists(spec.path):
+        # A typo (photoss/) is not a format question.
+        raise NotFound(f"source {spec.path!r} does not exist")
     fmt = spec.fmt or detect_format(spec.path)
     if fmt not in READERS:
         raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -66,6 +67,30 @@ class Roles:
 
 def kept_name(col: str) -> str:
     return f"src_{col}" if col in RESERVED else col
+
+
+def output_names(names: list[str] | tuple[str, ...], url: str | None = None) -> dict[str, str]:
+    """The table column of each kept source column. LAION's upper-case names are lower-cased
+    (``URL`` -> ``url``, ``LICENSE`` -> ``license``, ``WIDTH`` -> ``src_width``) so a table fed
+    by a LAION parquet and a CSV has one ``url`` column, which export and download read; the
+    URL column of a list (``url``) is ``url`` whatever it was called. A name whose lower case
+    another shares, or that would take a name already given, keeps its spelling (``src_``
+    before it when it clashes); mixed-case names (``aestheticScore``) stay as they are."""
+    lower = Counter(n.lower() for n in names)
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    if url is not None:
+        out[url] = "url"
+        taken.add("url")
+    for n in names:
+        if n == url:
+            continue
+        name = kept_name(n.lower() if n.isupper() and lower[n.lower()] == 1 else n)
+        if name in taken:
+            name = f"src_{n}"
+        out[n] = name
+        taken.add(name)
+    return out
 
 
 def _is_binary(t: pa.DataType) -> bool:
@@ -155,11 +180,12 @@ def detect_roles(
 
 def extra_fields(schema: pa.Schema, roles: Roles) -> list[pa.Field]:
     fields = []
+    out = output_names(roles.keep)
     for n in roles.keep:
         t = schema.field(n).type
         if pa.types.is_null(t):
             t = pa.string()
-        fields.append(pa.field(kept_name(n), t))
+        fields.append(pa.field(out[n], t))
     if roles.path is not None:
         fields.append(pa.field("source_file", pa.string()))
     if roles.embedding is not None and roles.embedding_dim:
@@ -187,6 +213,7 @@ def rows_from_batch(
     """Add one row per record of ``batch`` to ``rows`` according to ``roles``."""
     n = batch.num_rows
     col = {name: batch[name].to_pylist() for name in batch.column_names}
+    out = output_names(roles.keep)
     for i in range(n):
         image = None
         error = None
@@ -216,7 +243,7 @@ def rows_from_batch(
         else:
             key = f"{key_prefix}/{start + i}" if key_prefix else str(start + i)
         for name in roles.keep:
-            extra[kept_name(name)] = col[name][i]
+            extra[out[name]] = col[name][i]
         if roles.embedding is not None:
             vec = col[roles.embedding][i]
             if vec is not None and roles.embedding_dim and len(vec) != roles.embedding_dim:

@@ -1,4 +1,4 @@
-"""URL lists as img2dataset users bring them: plain text, CSV, TSV and JSON lines.
+"""URL lists as img2dataset users bring them: plain text, CSV, TSV, JSON lines and arrays.
 
 Each row becomes a table row without image bytes (``probe_error =
 missing_image``), as a LAION-style parquet does, so ``python -m
@@ -10,14 +10,30 @@ prx_data.download`` can fill it. Formats:
   first value is an ``http(s)://`` URL is ``url``, and with two columns the
   other is ``caption``, as in CC12M's ``url<TAB>caption``); TSV has no
   quoting (a ``"`` is text), CSV quotes as RFC 4180;
-- ``jsonl``: one JSON object per line (``.jsonl``, ``.ndjson``, or ``.json``
-  holding lines rather than one array).
+- ``jsonl``: one JSON object per line (``.jsonl``, ``.ndjson``, or ``.json``),
+  or one JSON array of objects (read whole, so at most ``JSON_ARRAY_BYTES``).
 
-The file is never read whole: the driver streams it once to count lines
-and cuts it into units of ``items_per_unit`` lines (byte ranges that start
-on a line); a load task reads only its range. Ids are stable: the key
-column's value (``key``, ``uid``...) when there is one, else the line's
-number (data lines from 0, the header not counted). Column types are
+Any of them may be compressed (``.gz``, ``.bz2``, ``.zst``): found by the
+suffix and by the first bytes (a gzip file named ``.tsv`` is decompressed, its
+bytes never taken for URLs). A compressed list cannot be seeked, so each of
+its units decompresses from the start up to its range; the units of one such
+file are capped at ``COMPRESSED_UNITS`` (decompress a very large list first to
+spread it wider). A folder holding only URL lists is read as lists
+(:class:`UrlListFolder`), not as an image folder.
+
+Column names are normalised: the URL column is ``url`` whatever the file
+called it, and the other kept columns are lower-cased (LAION's ``TEXT`` is
+the caption, ``LICENSE`` becomes ``license``), unless two differ only by case.
+
+The file is never read whole (a JSON array aside): the driver streams it once
+to count lines and cuts it into units of ``items_per_unit`` lines (byte ranges
+that start on a line); a load task reads only its range. Ids are stable and
+unique per list file: ``<list file name>/<key>``, the name without a
+compression suffix (``urls.csv/0`` and ``urls.txt/0`` never collide, and
+``urls.tsv.gz`` keeps the ids of ``urls.tsv``); in a folder of lists,
+``<folder>/<relative path>/<key>``. The key is the key column's value
+(``key``, ``uid``...) when there is one, else the line's number (data lines
+from 0, the header not counted; an array's element index). Column types are
 inferred from the first lines (integers, floats, strings; JSON lists and
 booleans as they are); a later value that does not fit becomes null and is
 counted (``bad_value:<column>``). A CSV field may not span lines (a quoted
@@ -37,8 +53,8 @@ import pyarrow as pa
 from prx_data.core import schema as S
 from prx_data.core import storage
 from prx_data.core.errors import UsageError
-from prx_data.ingest.common import CAPTION_KEYS, NOTES, Counts, Plan, WorkUnit, strip_ext
-from prx_data.ingest.parquet import KEY_NAMES, RESERVED
+from prx_data.ingest.common import CAPTION_KEYS, NOTES, Counts, Plan, WorkUnit
+from prx_data.ingest.parquet import KEY_NAMES, RESERVED, output_names
 
 #: URL column names tried in order (LAION, COYO, DataComp, CC12M and img2dataset's ``url``).
 URL_NAMES = ("url", "URL", "image_url", "img_url", "src_url")
@@ -60,8 +76,25 @@ SAMPLE_LINES = 1000
 _BLOCK = 8 * 1024 * 1024
 
 
+#: Compression suffixes and the pyarrow codec of each.
+COMPRESSIONS = {"gz": "gzip", "gzip": "gzip", "bz2": "bz2", "zst": "zstd", "zstd": "zstd"}
+#: Leading bytes of each codec's stream (how a compressed file named ``.tsv`` is found).
+MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\x28\xb5\x2f\xfd", "zstd"))
+#: Most units one compressed list is cut into (each decompresses from the file's start).
+COMPRESSED_UNITS = 16
+#: Largest JSON array read (it is parsed whole, by the driver for its layout and by one task).
+JSON_ARRAY_BYTES = 256 << 20
+
+
+def list_name(path: str) -> str:
+    """The file's name without a compression suffix (``urls.tsv.gz`` -> ``urls.tsv``)."""
+    base = posixpath.basename(path.rstrip("/"))
+    head, _, ext = base.rpartition(".")
+    return head if head and ext.lower() in COMPRESSIONS else base
+
+
 def _kind_of(path: str) -> str | None:
-    base = posixpath.basename(path.rstrip("/")).lower()
+    base = list_name(path).lower()
     return EXTENSIONS.get(base.rsplit(".", 1)[-1]) if "." in base else None
 
 
@@ -69,13 +102,39 @@ def _is_file(path: str) -> bool:
     return storage.is_remote(path) or os.path.isfile(path)
 
 
-def _open(path: str):
+def _open_raw(path: str):
     fs, p = storage.filesystem(path)
     return fs.open_input_file(p)
 
 
-def _sample(path: str, nbytes: int = 1 << 20) -> bytes:
-    with _open(path) as f:
+def codec_of(path: str) -> str | None:
+    """The compression of ``path`` by its first bytes (the suffix alone can lie both ways)."""
+    with _open_raw(path) as f:
+        head = f.read(4)
+    for magic, codec in MAGIC:
+        if head.startswith(magic):
+            if not pa.Codec.is_available(codec):
+                raise UsageError(
+                    f"{path!r} is {codec}-compressed and this pyarrow lacks {codec}: "
+                    "decompress it first"
+                )
+            return codec
+    ext = posixpath.basename(path).rpartition(".")[2].lower()
+    if ext in COMPRESSIONS:
+        raise UsageError(
+            f"{path!r} is named .{ext} but is not {COMPRESSIONS[ext]}-compressed: rename it"
+        )
+    return None
+
+
+def _open(path: str, codec: str | None = None):
+    """The file's bytes, decompressed when ``codec`` is given."""
+    raw = _open_raw(path)
+    return pa.CompressedInputStream(raw, codec) if codec else raw
+
+
+def _sample(path: str, nbytes: int = 1 << 20, codec: str | None = None) -> bytes:
+    with _open(path, codec) as f:
         return f.read(nbytes)
 
 
@@ -203,6 +262,10 @@ class Layout:
     caption: str | None
     key: str | None
     keep: tuple[tuple[str, str], ...]  # (column, its type's name)
+    #: The table column of each kept column (``URL`` -> ``url``, ``LICENSE`` -> ``license``).
+    out: tuple[str, ...] = ()
+    #: ``jsonl`` holding one JSON array instead of an object per line.
+    array: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -213,6 +276,8 @@ class Layout:
             "caption": self.caption,
             "key": self.key,
             "keep": [list(k) for k in self.keep],
+            "out": list(self.out),
+            "array": self.array,
         }
 
     @staticmethod
@@ -225,11 +290,30 @@ class Layout:
             d["caption"],
             d["key"],
             tuple((a, b) for a, b in d["keep"]),
+            tuple(d.get("out") or ()),
+            bool(d.get("array")),
         )
 
 
 def kept_name(col: str) -> str:
     return f"src_{col}" if col in RESERVED else col
+
+
+def _json_array(path: str, codec: str | None) -> list:
+    """The objects of a file holding one JSON array (read whole: at most JSON_ARRAY_BYTES)."""
+    data = _sample(path, JSON_ARRAY_BYTES + 1, codec)
+    if len(data) > JSON_ARRAY_BYTES:
+        raise UsageError(
+            f"{path!r} is a JSON array over {JSON_ARRAY_BYTES >> 20} MiB, read whole; write one "
+            "object per line (jq -c '.[]' FILE > FILE.jsonl) and ingest that"
+        )
+    try:
+        value = json.loads(data.decode("utf-8-sig", errors="replace"))
+    except ValueError as e:
+        raise UsageError(f"{path!r} is not valid JSON: {e}") from None
+    if not isinstance(value, list):
+        raise UsageError(f"{path!r} holds one JSON value that is not an array of objects")
+    return value
 
 
 def layout_of(
@@ -239,28 +323,29 @@ def layout_of(
     url_column: str | None = None,
     caption_column: str | None = None,
     key_column: str | None = None,
+    codec: str | None = None,
 ) -> Layout:
     """Read the first lines: header or not, the URL/caption/key columns, the others' types."""
-    lines = [ln for ln in _lines(_sample(path))[: SAMPLE_LINES + 1] if ln.strip()]
+    lines = [ln for ln in _lines(_sample(path, codec=codec))[: SAMPLE_LINES + 1] if ln.strip()]
     if not lines:
         raise UsageError(f"{path!r} has no lines: nothing to ingest")
+    array = kind == "jsonl" and lines[0].lstrip().startswith("[")
     if kind == "jsonl":
-        rows = []
-        for ln in lines[:SAMPLE_LINES]:
-            try:
-                obj = json.loads(ln)
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
-                rows.append(obj)
+        if array:
+            rows = [r for r in _json_array(path, codec)[:SAMPLE_LINES] if isinstance(r, dict)]
+        else:
+            rows = []
+            for ln in lines[:SAMPLE_LINES]:
+                try:
+                    obj = json.loads(ln)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    rows.append(obj)
         if not rows:
-            first = lines[0].lstrip()[:1]
-            hint = (
-                "; a JSON array is not streamable: write one object per line (jq -c '.[]')"
-                if first == "["
-                else ""
+            raise UsageError(
+                f"{path!r} holds no JSON object " + ("in its array" if array else "per line")
             )
-            raise UsageError(f"{path!r} holds no JSON object per line{hint}")
         names: list[str] = []
         for r in rows:
             names.extend(k for k in r if k not in names)
@@ -296,6 +381,9 @@ def layout_of(
             n: [row[i] if i < len(row) else "" for row in body[:SAMPLE_LINES]]
             for i, n in enumerate(names)
         }
+    url_column = _given(url_column, names)
+    caption_column = _given(caption_column, names)
+    key_column = _given(key_column, names)
     for given, what in ((url_column, "URL"), (caption_column, "caption"), (key_column, "key")):
         if given is not None and given not in names:
             raise UsageError(
@@ -306,7 +394,7 @@ def layout_of(
     if url is None:
         raise UsageError(
             f"{path!r} has no URL column (looked for {', '.join(URL_NAMES)} in {names}); "
-            "name it with --url-column"
+            "name it with --url-col"
         )
     caption = caption_column or _pick([n for n in names if n != url], CAPTION_KEYS)
     key = key_column or _pick([n for n in names if n not in (url, caption)], KEY_NAMES)
@@ -321,21 +409,35 @@ def layout_of(
         else:
             t = _infer_text_type(columns[n])
         keep.append((n, _type_name(t)))
-    return Layout(kind, header, tuple(names), url, caption, key, tuple(keep))
+    renamed = output_names([n for n, _ in keep], url)
+    out = tuple(renamed[n] for n, _ in keep)
+    return Layout(kind, header, tuple(names), url, caption, key, tuple(keep), out, array)
+
+
+def _given(column: str | None, names: list[str]) -> str | None:
+    """A column the user named, matched case-insensitively when only its case differs."""
+    if column is None or column in names:
+        return column
+    same = [n for n in names if n.lower() == column.lower()]
+    return same[0] if len(same) == 1 else column
 
 
 def extra_fields(layout: Layout) -> list[pa.Field]:
-    return [pa.field(kept_name(n), _type_from_name(t)) for n, t in layout.keep]
+    out = layout.out or tuple(kept_name(n) for n, _ in layout.keep)
+    return [pa.field(o, _type_from_name(t)) for o, (_, t) in zip(out, layout.keep, strict=True)]
 
 
 # --- plan (driver) and load (task) ---------------------------------------------------------
 
 
-def _cut(path: str, lines_per_unit: int) -> tuple[list[tuple[int, int, int]], int]:
+def _cut(
+    path: str, lines_per_unit: int, codec: str | None = None
+) -> tuple[list[tuple[int, int, int]], int]:
     """(byte start, byte end, first line number) per unit, and the file's line count.
 
     One streaming pass finding newlines with numpy: memory is one block, and
-    the Python work is per block and per unit, not per line.
+    the Python work is per block and per unit, not per line. For a compressed
+    file the offsets are in the decompressed stream.
     """
     import numpy as np
 
@@ -345,7 +447,7 @@ def _cut(path: str, lines_per_unit: int) -> tuple[list[tuple[int, int, int]], in
     line = 0  # lines ended so far
     offset = 0
     last = b""
-    with _open(path) as f:
+    with _open(path, codec) as f:
         while True:
             block = f.read(_BLOCK)
             if not block:
@@ -369,6 +471,18 @@ def _cut(path: str, lines_per_unit: int) -> tuple[list[tuple[int, int, int]], in
     return units, line
 
 
+def _merge_units(units: list[tuple[int, int, int]], most: int) -> list[tuple[int, int, int]]:
+    """At most ``most`` units of contiguous ranges (a compressed file's units each decompress
+    from the start: more of them would cost more than they spread)."""
+    if len(units) <= most:
+        return units
+    per = -(-len(units) // most)
+    return [
+        (units[i][0], units[min(i + per, len(units)) - 1][1], units[i][2])
+        for i in range(0, len(units), per)
+    ]
+
+
 class UrlListReader:
     """The reader of one URL-list format (a module-like object for :data:`READERS`)."""
 
@@ -378,10 +492,9 @@ class UrlListReader:
     def detect(self, path: str) -> bool:
         if _kind_of(path) != self.KIND or not _is_file(path):
             return False
-        if path.lower().endswith(".txt") and not storage.is_remote(path):
+        if list_name(path).lower().endswith(".txt") and not storage.is_remote(path):
             # A caption sidecar next to images is a folder's business; a URL list starts with one.
-            first = next((ln for ln in _lines(_sample(path, 4096)) if ln.strip()), "")
-            return _is_url(first)
+            return _starts_with_url(path)
         return True
 
     def plan(
@@ -396,19 +509,74 @@ class UrlListReader:
     ) -> Plan:
         if not _is_file(path):
             raise UsageError(f"{path!r} is not a file: a {self.KIND} URL list is one file")
-        layout = layout_of(
-            path,
+        return plan_files(
+            [(path, "")],
             self.KIND,
+            source or list_name(path) or self.KIND,
             url_column=url_column,
             caption_column=caption_column,
             key_column=key_column,
+            items_per_unit=items_per_unit,
         )
-        source = source or posixpath.basename(strip_ext(path.rstrip("/"))) or self.KIND
-        ranges, lines = _cut(path, max(1, items_per_unit))
+
+    def load(self, unit: WorkUnit, counts: Counts) -> pa.Table:
+        return load(unit, counts)
+
+
+def _starts_with_url(path: str) -> bool:
+    codec = codec_of(path)
+    first = next((ln for ln in _lines(_sample(path, 4096, codec)) if ln.strip()), "")
+    return _is_url(first)
+
+
+def plan_files(
+    files: list[tuple[str, str]],
+    kind: str | None,
+    source: str,
+    *,
+    url_column: str | None = None,
+    caption_column: str | None = None,
+    key_column: str | None = None,
+    items_per_unit: int = DEFAULT_ITEMS_PER_UNIT,
+) -> Plan:
+    """Plan URL lists ``(path, id prefix)`` under one source name; ``kind`` None: each file's
+    own (a folder of lists may mix them). Ids are ``<source>/<prefix><key>``."""
+    units: list[WorkUnit] = []
+    fields: dict[str, pa.Field] = {}
+    size = lines_total = 0
+    for path, prefix in files:
+        file_kind = kind or _kind_of(path)
+        if file_kind is None:
+            raise UsageError(f"cannot tell the URL list format of {path!r}; pass --format")
+        codec = codec_of(path)
+        layout = layout_of(
+            path,
+            file_kind,
+            url_column=url_column,
+            caption_column=caption_column,
+            key_column=key_column,
+            codec=codec,
+        )
+        for f in extra_fields(layout):
+            if f.name in fields and fields[f.name].type != f.type:
+                if pa.types.is_string(fields[f.name].type):
+                    continue
+                if not pa.types.is_string(f.type):
+                    raise UsageError(
+                        f"column {f.name!r} is {fields[f.name].type} in one list and {f.type} "
+                        f"in {path!r}; ingest them separately"
+                    )
+            fields[f.name] = f
+        if layout.array:
+            ranges, lines = [(0, 0, 0)], 0
+        else:
+            ranges, lines = _cut(path, max(1, items_per_unit), codec)
+            if codec is not None:
+                ranges = _merge_units(ranges, COMPRESSED_UNITS)
         ends = [first for _, _, first in ranges[1:]] + [lines]
-        units = [
+        units.extend(
             WorkUnit(
-                self.KIND,
+                file_kind,
                 source,
                 {
                     "file": path,
@@ -417,21 +585,29 @@ class UrlListReader:
                     "line": first,
                     "rows": max(0, end - first),  # lines: how the ingest job sizes its work
                     "layout": layout.to_json(),
+                    "codec": codec,
+                    "prefix": prefix,
                 },
             )
             for (a, b, first), end in zip(ranges, ends, strict=True)
-        ]
-        size = ranges[-1][1] if ranges else 0
-        approx = size / lines if lines else None
-        return Plan(units, extra_fields(layout), Counts(), approx)
-
-    def load(self, unit: WorkUnit, counts: Counts) -> pa.Table:
-        return load(unit, counts)
+        )
+        size += ranges[-1][1] if ranges else 0
+        lines_total += lines
+    approx = size / lines_total if lines_total else None
+    return Plan(units, list(fields.values()), Counts(), approx)
 
 
-def _read_range(path: str, start: int, end: int) -> bytes:
-    with _open(path) as f:
-        f.seek(start)
+def _read_range(path: str, start: int, end: int, codec: str | None = None) -> bytes:
+    with _open(path, codec) as f:
+        if codec is None:
+            f.seek(start)
+        else:  # a compressed stream is read from its start
+            left = start
+            while left:
+                got = len(f.read(min(left, _BLOCK)))
+                if not got:
+                    break
+                left -= got
         return f.read(end - start)
 
 
@@ -439,19 +615,23 @@ def load(unit: WorkUnit, counts: Counts) -> pa.Table:
     """The rows of one line range, built column by column (no per-row table machinery)."""
     a = unit.args
     layout = Layout.from_json(a["layout"])
-    lines = _read_range(a["file"], a["start"], a["end"]).split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    texts = []
+    codec = a.get("codec")
+    texts: list = []
     not_utf8 = set()
-    for pos, raw in enumerate(lines):
-        try:
-            texts.append(raw.decode("utf-8").removesuffix("\r"))
-        except UnicodeDecodeError:
-            texts.append(raw.decode("utf-8", errors="replace").removesuffix("\r"))
-            not_utf8.add(pos)
+    if layout.array:  # the elements themselves, parsed once (the file is capped)
+        texts = _json_array(a["file"], codec)
+    else:
+        lines = _read_range(a["file"], a["start"], a["end"], codec).split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        for pos, raw in enumerate(lines):
+            try:
+                texts.append(raw.decode("utf-8").removesuffix("\r"))
+            except UnicodeDecodeError:
+                texts.append(raw.decode("utf-8", errors="replace").removesuffix("\r"))
+                not_utf8.add(pos)
     first_line = a["line"]
-    if first_line == 0 and texts and texts[0].startswith("\ufeff"):
+    if first_line == 0 and texts and isinstance(texts[0], str) and texts[0].startswith("\ufeff"):
         texts[0] = texts[0][1:]
     skip_header = layout.header and first_line == 0
     types = {n: _type_from_name(t) for n, t in layout.keep}
@@ -464,19 +644,22 @@ def load(unit: WorkUnit, counts: Counts) -> pa.Table:
     captions: list[str | None] = []
     notes: list[list[str]] = []
     extra: dict[str, list] = {n: [] for n in types}
-    prefix = f"{unit.source}/"
+    prefix = f"{unit.source}/{a.get('prefix') or ''}"
     for pos, text in enumerate(texts):
         if skip_header and pos == 0:
             continue
-        if not text.strip():
+        if layout.array:
+            obj = text
+        elif not text.strip():
             counts.dropped("blank_line")
             continue
         if json_values:
-            try:
-                obj = json.loads(text)
-            except ValueError:
-                counts.dropped("bad_json_line")
-                continue
+            if not layout.array:
+                try:
+                    obj = json.loads(text)
+                except ValueError:
+                    counts.dropped("bad_json_line")
+                    continue
             if not isinstance(obj, dict):
                 counts.dropped("bad_json_line")
                 continue
@@ -539,4 +722,66 @@ def load(unit: WorkUnit, counts: Counts) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-READERS = tuple(UrlListReader(k) for k in KINDS)
+class UrlListFolder:
+    """A folder holding only URL lists (img2dataset's ``--url_list`` folder): each file is read
+    as its format says, ids ``<folder>/<relative path>/<key>``. Detected before the image
+    folder reader, which would find no image in it."""
+
+    KIND = "urllists"
+
+    @staticmethod
+    def _lists(root: str) -> list[str] | None:
+        from prx_data.ingest import folder
+
+        if not folder.is_folder(root):
+            return None
+        files = folder._list(root)
+        if not files or any(_kind_of(rel) is None for rel in files):
+            return None
+        return files
+
+    def detect(self, path: str) -> bool:
+        files = self._lists(path)
+        if not files:
+            return False
+        txt = [r for r in files if _kind_of(r) == "txt"]
+        return not txt or _starts_with_url(posixpath.join(path.rstrip("/"), txt[0]))
+
+    def plan(
+        self,
+        path: str,
+        source: str | None = None,
+        *,
+        url_column: str | None = None,
+        caption_column: str | None = None,
+        key_column: str | None = None,
+        items_per_unit: int = DEFAULT_ITEMS_PER_UNIT,
+    ) -> Plan:
+        root = path.rstrip("/") or "/"
+        files = self._lists(root)
+        if not files:
+            raise UsageError(
+                f"{path!r} is not a folder of URL lists (.txt, .csv, .tsv, .jsonl, .json, "
+                "optionally .gz/.bz2/.zst) and nothing else"
+            )
+        return plan_files(
+            [
+                (
+                    posixpath.join(root, rel),
+                    posixpath.join(posixpath.dirname(rel), list_name(rel)) + "/",
+                )
+                for rel in files
+            ],
+            None,
+            source or posixpath.basename(root) or self.KIND,
+            url_column=url_column,
+            caption_column=caption_column,
+            key_column=key_column,
+            items_per_unit=items_per_unit,
+        )
+
+    def load(self, unit: WorkUnit, counts: Counts) -> pa.Table:
+        return load(unit, counts)
+
+
+READERS = (*(UrlListReader(k) for k in KINDS), UrlListFolder())

@@ -21,6 +21,7 @@ readers.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from prx_data.core.lease import Lease
 from prx_data.export import bounded, layout
 from prx_data.skips import sidecar as SL
 from prx_data.skips.bind import bind
+from prx_data.skips.errors import ListError
 from prx_data.skips.export_state import (
     STATE_FORMAT,
     ExportState,
@@ -403,6 +405,11 @@ def _write_positions(
                     f"shard {base!r} is not in the index of bucket {bucket!r} under {export_root}"
                 )
             info = shards[base]
+            target = layout.rel_join(export_root, f"{bucket}/{SL.sidecar_basename(base, name)}")
+            if not remote and os.path.isdir(target):  # one stat: never a traceback mid-write
+                raise ListError(
+                    f"{target}: a directory where the sidecar file belongs; remove or rename it"
+                )
             idx = np.unique(np.concatenate(arrs)) if arrs else np.zeros(0, np.int64)
             if len(idx) and (idx[0] < 0 or idx[-1] >= info.samples):
                 bad = int(idx[-1] if idx[-1] >= info.samples else idx[0])

@@ -42,7 +42,7 @@ from prx_data.core.buckets import (
     same_ratio_shape,
 )
 from prx_data.core.errors import UnknownName, UsageError
-from prx_data.core.streaming_compat import World, maybe_init_dist
+from prx_data.core.streaming_compat import World, maybe_init_dist, quiet_shared_memory
 from prx_data.export import latents as latents_store
 from prx_data.skips.reader import SkipMDSReader
 from prx_data.stream import cache as shard_cache
@@ -78,6 +78,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+quiet_shared_memory()  # no "leaked shared_memory" lines at the end of a run
 
 
 def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[DatasetSpec]:

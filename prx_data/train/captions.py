@@ -8,10 +8,16 @@ unconditional branch used by classifier-free guidance.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+#: Share of drawn samples (dropout aside) whose caption columns were all empty above which
+#: the trainer warns, once enough samples were drawn to judge (:data:`EMPTY_WARN_AFTER`).
+EMPTY_WARN_SHARE = 0.5
+EMPTY_WARN_AFTER = 256
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,16 @@ class CaptionPolicy:
     columns: tuple[str, ...]
     weights: tuple[float, ...]
     dropout: float = 0.0
+    #: Warn (once) when the columns give empty captions: every one of the first batch, or
+    #: more than :data:`EMPTY_WARN_SHARE` of the samples once :data:`EMPTY_WARN_AFTER` were
+    #: drawn. The training policy sets it; an export whose captions are all empty otherwise
+    #: trains an unconditional model without a word.
+    warn_empty: bool = False
+    _tally: dict = field(
+        default_factory=lambda: {"drawn": 0, "empty": 0, "warned": False},
+        compare=False,
+        repr=False,
+    )
 
     def __post_init__(self) -> None:
         if not self.columns or len(self.columns) != len(self.weights):
@@ -67,4 +83,27 @@ class CaptionPolicy:
                     text = cand
                     break
             out.append(text)
+        if self.warn_empty:
+            self._watch(n - int(drop.sum()), sum(1 for i in range(n) if not drop[i] and not out[i]))
         return out
+
+    def _watch(self, drawn: int, empty: int) -> None:
+        t = self._tally
+        if t["warned"]:
+            return
+        first = t["drawn"] == 0
+        t["drawn"] += drawn
+        t["empty"] += empty
+        share = t["empty"] / t["drawn"] if t["drawn"] else 0.0
+        if (first and drawn and empty == drawn) or (
+            t["drawn"] >= EMPTY_WARN_AFTER and share > EMPTY_WARN_SHARE
+        ):
+            t["warned"] = True
+            warnings.warn(
+                f"caption columns {', '.join(self.columns)} were empty for {share:.0%} of the "
+                f"{t['drawn']:,} samples drawn so far (caption dropout aside): those train "
+                "without text. Check data.caption_columns against the export's columns, or fill "
+                "them (python -m prx_data.caption, then write_mds --overwrite)",
+                UserWarning,
+                stacklevel=3,
+            )

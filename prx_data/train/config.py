@@ -325,6 +325,10 @@ class SamplingConfig:
     folder: str = "runs/{run_name}/samples"
 
 
+#: The generation metrics and the ``metrics:`` key of the model each one needs (null: off).
+METRIC_MODELS = (("FID", "fid_model"), ("CMMD", "clip_model"), ("DINO-MMD", "dino_model"))
+
+
 @dataclass
 class MetricsConfig:
     """FID, CMMD and DINO-MMD of generated vs held-out real images (needs ``eval.enabled``).

@@ -209,6 +209,33 @@ def eval_data_config(cfg: TrainConfig, world_size: int) -> DataConfig:
     )
 
 
+#: Fewest distinct held-out images the generation metrics are computed on: FID's covariance
+#: needs two per side (torchmetrics raises on one, at the end of a run), and an MMD of one
+#: image against one is no distance between distributions.
+METRIC_MIN_SAMPLES = 2
+
+
+def check_metrics_holdout(cfg: TrainConfig, plan: Any) -> None:
+    """Refuse, at plan time, a hold-out with too few distinct images for FID/CMMD/DINO-MMD.
+
+    Counts each bucket's distinct held-out samples the eval pass reaches (``min(kept,
+    choose)``): the copies ``small_buckets: fill`` and the ranks' padding repeat are not
+    samples (:class:`~prx_data.train.metrics.GenerationMetrics` skips them too).
+    """
+    if not cfg.metrics.enabled:
+        return
+    from prx_data.train.config import METRIC_MODELS
+
+    names = [name for name, key in METRIC_MODELS if getattr(cfg.metrics, key)]
+    distinct = sum(min(b.kept, b.choose) for b in plan.buckets if not b.excluded)
+    if names and distinct < METRIC_MIN_SAMPLES:
+        raise PlanError(
+            f"metrics: {', '.join(names)} need at least {METRIC_MIN_SAMPLES} distinct held-out "
+            f"images and the hold-out holds {distinct} (repeated copies do not count); raise "
+            "eval.holdout_fraction, or turn them off (metrics.enabled=false)"
+        )
+
+
 def build_evaluator(cfg: TrainConfig, world_size: int, patch_size: int) -> Evaluator:
     """The Composer Evaluator for ``cfg.eval`` (label ``eval``)."""
     from prx_data.train.config import device_batch_size as _dbs
@@ -243,6 +270,7 @@ def build_evaluator(cfg: TrainConfig, world_size: int, patch_size: int) -> Evalu
     kept = sum(b.choose for b in ds.plan.buckets if not b.excluded)
     if kept == 0:
         raise PlanError(f"eval: no held-out sample to evaluate; {EVAL_FIX}")
+    check_metrics_holdout(cfg, ds.plan)
     loader = build_dataloader(ds, dcfg, batch)
     spec = DataSpec(
         loader,

@@ -73,6 +73,16 @@ class MMD(Metric):
         feats = self.feature(images).double()
         (self.real if real else self.fake).append(feats)
 
+    def agree_on_shape(self, gather) -> None:
+        """Give a rank that drew no sample ``(0, d)`` features, so the ranks' states gather:
+        torchmetrics fills an empty list with a 1-d empty tensor, which neither pads against
+        nor concatenates with ``(n, d)``. ``gather``: all_gather_object (every rank calls)."""
+        dims = [v.shape[1] for v in (*self.real, *self.fake)]
+        d = max(gather(dims[0] if dims else 0))
+        for state in (self.real, self.fake):
+            if not state and d:
+                state.append(torch.empty(0, d, dtype=torch.float64, device=self.device))
+
     def compute(self) -> torch.Tensor:
         def cat(v):
             return torch.cat(v) if isinstance(v, list) else v
@@ -217,12 +227,21 @@ def generate_like(model, batch, *, seed: int, steps: int, guidance_scale: float,
     return images, torch.cat(out)
 
 
+def _select(value, rows: list[int]):
+    """The ``rows`` of one batch entry (a tensor, or a list of captions / ids / shapes)."""
+    if rows == list(range(len(rows))):
+        return value[: len(rows)]
+    if isinstance(value, torch.Tensor):
+        return value[torch.as_tensor(rows, device=value.device)]
+    return [value[i] for i in rows]
+
+
 class GenerationMetrics(Callback):
     """Composer callback: FID / CMMD / DINO-MMD at an interval, on the held-out eval stream.
 
-    Each rank generates for its own part of the eval stream (up to
-    ``num_samples / world_size`` samples), the metric states are reduced over
-    ranks, rank 0 writes ``<folder>/gen-ba<batch>.json``; every rank logs
+    Each rank generates for its own part of the eval stream, distinct samples only (up to
+    ``num_samples`` over all ranks: a repeated copy is skipped), the metric states are
+    reduced over ranks, rank 0 writes ``<folder>/gen-ba<batch>.json``; every rank logs
     ``metrics/gen/<name>`` to the configured loggers.
     """
 
@@ -268,17 +287,36 @@ class GenerationMetrics(Callback):
 
         model = _unwrap(state.model)
         device = next(model.transformer.parameters()).device
-        per_rank = -(-self.num_samples // dist.get_world_size())
         for m in self.metrics.values():
             m.reset()
             m.to(device)
-        seen = 0
-        for batch in self._eval_loader(state):
-            if seen >= per_rank:
+        world, rank = dist.get_world_size(), dist.get_global_rank()
+        # Distinct samples only, over all ranks: the eval stream repeats samples (a rank's
+        # padding, small_buckets: fill), and a metric on two copies of one image is no
+        # metric. Every rank sees every batch's ids (one all-gather per batch, until every
+        # rank's loader is done or enough were taken), so all make the same choice.
+        taken: set[str] = set()
+        got = 0
+        batches = iter(self._eval_loader(state))
+        while got < self.num_samples:
+            batch = next(batches, None)
+            ids = [str(i) for i in batch["id"]] if batch is not None else None
+            every = dist.all_gather_object(ids) if world > 1 else [ids]
+            if all(x is None for x in every):
                 break
+            mine: list[int] = []
+            for r, rank_ids in enumerate(every):
+                for i, sid in enumerate(rank_ids or ()):
+                    if got >= self.num_samples or sid in taken:
+                        continue
+                    taken.add(sid)
+                    got += 1
+                    if r == rank:
+                        mine.append(i)
+            if not mine:
+                continue
             batch = state.device.batch_to_device(batch)
-            take = min(per_rank - seen, len(batch["id"]))
-            batch = {k: v[:take] for k, v in batch.items()}
+            batch = {k: _select(v, mine) for k, v in batch.items()}
             # Generation in the run's precision; features and statistics in fp32/fp64.
             with get_precision_context(state.precision):
                 real, fake = generate_like(
@@ -293,15 +331,18 @@ class GenerationMetrics(Callback):
             for m in self.metrics.values():
                 m.update(real, real=True)
                 m.update(fake, real=False)
-            seen += take
-        counts = [seen]
-        if dist.get_world_size() > 1:
-            counts = dist.all_gather_object(seen)
+        if world > 1:  # a rank may have drawn nothing: every sample another's copy
+            for m in self.metrics.values():
+                if isinstance(m, MMD):
+                    m.agree_on_shape(dist.all_gather_object)
+                elif not hasattr(m, "orig_dtype"):
+                    # torchmetrics' FID sets the dtype of its result in update(); its sums
+                    # are zeros on a rank without one and reduce as they are.
+                    m.orig_dtype = torch.float32
         values = {name: float(m.compute()) for name, m in self.metrics.items()}
         step = int(state.timestamp.batch)
         logger.log_metrics({f"metrics/gen/{k}": v for k, v in values.items()})
         self.history.append((step, values))
-        got = int(sum(counts))
         if dist.get_global_rank() == 0 and got < self.num_samples and not self._warned_short:
             self._warned_short = True
             log.warning(
@@ -318,7 +359,7 @@ class GenerationMetrics(Callback):
             path = os.path.join(folder, f"gen-ba{step:07d}.json")
             record = {
                 "batch": step,
-                "num_samples": int(sum(counts)),
+                "num_samples": got,
                 "metrics": values,
                 "models": self.models,
                 "seed": self.seed,
@@ -412,7 +453,9 @@ def save_tiny_metric_models(workdir: str, seed: int = 0) -> dict[str, str]:
 def metric_names(cfg_metrics: Any) -> Sequence[str]:
     """Names of the metrics a ``metrics:`` block turns on, in order."""
     out = []
-    for name, key in (("FID", "fid_model"), ("CMMD", "clip_model"), ("DINO-MMD", "dino_model")):
+    from prx_data.train.config import METRIC_MODELS
+
+    for name, key in METRIC_MODELS:
         if getattr(cfg_metrics, key):
             out.append(name)
     return out

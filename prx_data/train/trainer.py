@@ -88,7 +88,10 @@ def build_model(cfg: TrainConfig, device: torch.device | str | None = None) -> P
     transformer = build_transformer(cfg.model, encoder.hidden_size, channels)
     cols = cfg.data.caption_columns
     policy = CaptionPolicy(
-        tuple(c.name for c in cols), tuple(float(c.weight) for c in cols), cfg.data.caption_dropout
+        tuple(c.name for c in cols),
+        tuple(float(c.weight) for c in cols),
+        cfg.data.caption_dropout,
+        warn_empty=True,
     )
     precomputed = cfg.vae.source == "precomputed"
     return PRXFlowModel(transformer, encoder, policy, cfg.flow, vae=vae, precomputed=precomputed)
