@@ -58,8 +58,11 @@ ERROR = S.error_column("download")
 OUTPUTS = pa.schema([pa.field(STATUS, pa.string()), pa.field(ERROR, pa.string())])
 #: URL column names tried in order when none is given (LAION, COYO, DataComp, CC12M: ``url``).
 URL_NAMES = ("url", "URL", "image_url", "img_url", "src_url")
-#: Content-hash column names tried in order when none is given (DataComp: ``sha256``).
-HASH_NAMES = ("sha256", "SHA256", "md5", "MD5")
+#: Content-hash column names tried in order when none is given. A list's own ``sha256``
+#: (DataComp) is ingested as ``src_sha256``: a table's ``sha256`` is the digest of the bytes
+#: it holds (prx_data.core.keys), null until a row is fetched, so it comes last (older tables
+#: kept a list's column under that name).
+HASH_NAMES = ("src_sha256", "md5", "MD5", "src_md5", "sha256")
 #: ``only`` selector for every row without an image for a reason worth retrying:
 #: transient, permanent and refused (after ``--allow-private`` changed, say).
 FAILED = "failed"
@@ -621,7 +624,9 @@ def fetch_batch(
             types.get_field_index(name), name, pa.array(values, types.field(name).type)
         )
     if S.SHA256 in types.names:  # the key an opt-out follows to byte-identical copies
-        digests = [sha256_hex(b) if b else None for b in image]
+        # Rows without bytes keep what they had (an older table's expected hash, for a retry).
+        had = batch[S.SHA256].to_pylist()
+        digests = [sha256_hex(b) if b else h for b, h in zip(image, had, strict=True)]
         i = types.get_field_index(S.SHA256)
         out = out.set_column(i, S.SHA256, pa.array(digests, pa.string()))
     out = out.append_column(_HOST, pa.array(host, pa.string()))

@@ -43,9 +43,10 @@ def test_a_sha256_column_keeps_matching_bytes_only(tmp_path):
     with ImageServer() as srv:
         urls = [srv.url(p) for p in ("/img/1", "/img/2", "/img/3", "/img/1")]
         sha = pa.array([good, wrong, None, wrong], pa.string())
-        url_table(uri, urls, extra={"sha256": sha})
+        url_table(uri, urls, extra={"src_sha256": sha})  # a list's sha256, as ingest names it
         report = run_download(cfg_for(uri, srv.allow))
-        assert report.hash_column == "sha256" and "hashes checked against sha256" in report.text()
+        assert report.hash_column == "src_sha256"
+        assert "hashes checked against src_sha256" in report.text()
     rows = {r["id"]: r for r in lance.dataset(uri).to_table().to_pylist()}
     assert rows["laion/00000"]["image"] == photo(1)
     assert rows["laion/00002"]["image"] == photo(3)  # no hash: nothing to check
@@ -57,7 +58,7 @@ def test_a_sha256_column_keeps_matching_bytes_only(tmp_path):
     # Without the check the bytes are stored.
     plain = str(tmp_path / "plain.lance")
     with ImageServer() as srv:
-        url_table(plain, [srv.url("/img/2")], extra={"sha256": pa.array([wrong])})
+        url_table(plain, [srv.url("/img/2")], extra={"src_sha256": pa.array([wrong])})
         assert run_download(cfg_for(plain, srv.allow, check_hashes=False)).ok == 1
 
 

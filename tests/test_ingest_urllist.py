@@ -65,7 +65,7 @@ def test_csv_with_header_types_and_named_columns(tmp_path, monkeypatch):
         "url": "string",
         "similarity": "double",
         "width_src": "int64",
-        "sha256": "string",
+        "src_sha256": "string",  # the table's sha256 is the digest of the bytes it holds
     }
     a = rows["laion.csv/0"]
     assert (a["url"], a["caption"], a["similarity"], a["width_src"]) == (
@@ -74,7 +74,7 @@ def test_csv_with_header_types_and_named_columns(tmp_path, monkeypatch):
         0.31,
         640,
     )
-    assert a["sha256"] == "aa"
+    assert a["src_sha256"] == "aa"
     # Named columns; a value that does not fit the column's type is null and counted.
     other = _write(
         tmp_path / "o.csv",
@@ -116,7 +116,7 @@ def test_txt_and_json_lines(tmp_path):
     )
     plan, rows, counts = _load_all(SourceSpec(jl))
     assert sorted(rows) == ["dc.jsonl/u1", "dc.jsonl/u2"]
-    assert rows["dc.jsonl/u1"]["tags"] == [1, 2] and rows["dc.jsonl/u2"]["sha256"] == "cd"
+    assert rows["dc.jsonl/u1"]["tags"] == [1, 2] and rows["dc.jsonl/u2"]["src_sha256"] == "cd"
     assert json.loads(rows["dc.jsonl/u2"]["meta"]) == {"a": 1}
     assert counts["dropped:bad_json_line"] == 1 and counts["dropped:no_url"] == 1
     # img2dataset users also have JSON arrays: read whole (capped), the element index as key.
