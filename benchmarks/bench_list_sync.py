@@ -79,9 +79,9 @@ def main() -> int:
     from prx_data.export.merge import done_parts
     from prx_data.export.spec import ExportConfig
     from prx_data.skips.export_state import ExportState, read_state, write_state
+    from prx_data.skips.ledger import Ledger
     from prx_data.skips.log import Provenance, log_rows
     from prx_data.skips.ops import sync, update_list
-    from prx_data.skips.ledger import Ledger
     from tests.tablekit import make_table
 
     work = tempfile.mkdtemp(prefix="prx-listsync-", dir=args.work)

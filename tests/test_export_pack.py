@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 import pytest
 from prx_data.pipelines.write_mds import run_export
 
-from prx_data.cli import optout as optout_cli
 from prx_data.cli import verify as verify_cli
 from prx_data.export import layout, naming
 from prx_data.export import pack as packmod
@@ -133,7 +132,10 @@ def test_overwrite_carries_the_optout_list_onto_packed_shards(table, tmp_path, r
     _export(table, out, shard_size=0)  # an old, unpacked tree
     ids = tmp_path / "o.txt"
     ids.write_text("s/01\ns/08\n")
-    assert optout_cli.main(["--export", out, "--name", "optout", "--ids", str(ids)]) == 0
+    # A plain list (an opt-out's rows are never written again, so it would bind nothing).
+    from prx_data.cli import skips as skips_cli
+
+    assert skips_cli.main(["add", out, "optout", "--ids", str(ids)]) == 0
     report = _export(table, out, overwrite=True)  # re-exported packed: the list is carried
     assert {k: report.lists["optout"][k] for k in ("ids", "samples", "shards", "source")} == {
         "ids": 2,

@@ -20,7 +20,8 @@ from PIL import Image
 from prx_data.core import storage
 from prx_data.export.spec import ExportConfig
 from prx_data.pipelines import write_mds as pipeline
-from prx_data.skips import sidecar as S
+from prx_data.skips.log import Provenance
+from prx_data.skips.ops import update_list
 from prx_data.stream.dataset import DatasetSpec
 from tests.exportkit import make_export, run_rank, upload_tree
 from tests.tablekit import make_table
@@ -55,8 +56,9 @@ def test_an_export_on_gs_takes_skip_lists_and_streams_back(gs_bucket, tmp_path):
     root = f"gs://{gs_bucket}/ex"
     upload_tree(local, root)
     skipped = {f"ds/{B1}/{i}" for i in (1, 2, 17)} | {f"ds/{B2}/5"}
-    r = S.add_skips_by_ids(root, "optout", sorted(skipped))  # under the lease on gs://
-    assert r.samples_listed == 4 and r.ids_not_found == 0
+    # The one write path for lists, under the export's lease on gs://.
+    r = update_list(root, "optout", sorted(skipped), Provenance("test"), export_only=True)
+    assert r.samples_listed == 4 and r.ids_not_in_export == 0
     assert not storage.exists(f"{root}/.prx-export.lease")  # released
     spec = DatasetSpec(root, local=str(tmp_path / "cache"))
     run = run_rank(spec, rank=0, world_size=1, batch_size=1, tier=512, small_buckets="drop")

@@ -443,7 +443,8 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
 
 
 def test_a_list_command_on_an_export_with_a_symlinked_lock_leaves_the_target(tmp_path):
-    from prx_data.skips import lists as L
+    from prx_data.skips.log import Provenance
+    from prx_data.skips.ops import update_list
     from tests.exportkit import make_export
 
     victim = tmp_path / "precious.txt"
@@ -451,7 +452,7 @@ def test_a_list_command_on_an_export_with_a_symlinked_lock_leaves_the_target(tmp
     ex = make_export(str(tmp_path / "e"), {"512/1.000": 8}, samples_per_part=4)
     os.symlink(victim, os.path.join(ex.root, naming.LOCK_NAME))
     with pytest.raises(LockFileUnsafe):
-        L.update_list(ex.root, "optout", ["ds/512/1.000/1"], L.Provenance("test"))
+        update_list(ex.root, "optout", ["ds/512/1.000/1"], Provenance("test"))
     assert victim.read_text() == "keep me"
 
 

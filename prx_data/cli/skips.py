@@ -172,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the corpus ledger: show it, adopt an earlier version's per-table registry into "
         "it, or give a copied ledger its own identity",
     )
-    lg.add_argument("action", choices=("show", "adopt", "fork"))
+    lg.add_argument(
+        "action",
+        choices=("show", "adopt", "fork"),
+        help="show: its lists and opt-out keys; adopt: import a registry of an earlier version "
+        "(once); fork: give a copy its own identity",
+    )
     lg.add_argument(
         "uri", help="show/fork: the ledger; adopt: the registry (<table>.lists.lance) to adopt"
     )

@@ -120,6 +120,7 @@ def check_before_work(cfg: ExportConfig, *, overwrite: bool = False, resume: boo
     """Refuse what the run could not use before anything slow (starting Ray, reading the
     table): a local ``--table`` that does not exist, and the ``--out`` checks of
     :func:`check_output`."""
+    check_out_location(cfg.out)  # an unsupported store first: nothing else matters then
     if not storage.is_remote(cfg.table) and not os.path.exists(cfg.table):
         raise ExportError(f"--table {cfg.table} does not exist")
     check_output(cfg.out, overwrite=overwrite, resume=resume)
