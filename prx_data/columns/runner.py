@@ -559,7 +559,7 @@ def apply_step(fn: Callable, batch: pa.Table, kwargs: dict | None = None) -> pa.
     elif isinstance(out, dict):
         out = pa.table(out)
     if out.num_rows != batch.num_rows:
-        raise ValueError(
+        raise UsageError(
             f"column job step {getattr(fn, '__name__', fn)!r} returned {out.num_rows} rows "
             f"for {batch.num_rows}: steps must return one row per input row"
         )
@@ -720,7 +720,7 @@ def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> Colum
                 report.first_rows = batch.num_rows
             missing = [c for c in keep if c not in batch.column_names]
             if missing:
-                raise ValueError(f"the last step of column job {name!r} did not return {missing}")
+                raise UsageError(f"the last step of column job {name!r} did not return {missing}")
             if job.count_column:
                 col = batch[job.count_column]
                 count_into(counts, col)
