@@ -29,6 +29,11 @@ from prx_data.core.reports import JobReport
 from prx_data.core.runtime import check_engine
 from prx_data.table import lance_ops as T
 
+__all__ = [
+    "QualityConfig",
+    "run_quality",
+]
+
 
 @dataclass(frozen=True)
 class QualityConfig:

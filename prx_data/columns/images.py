@@ -16,6 +16,11 @@ from PIL import Image
 from prx_data.core import imaging
 from prx_data.core.errors import UsageError
 
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "fit_image",
+]
+
 #: Qwen2/2.5/3-VL's common serving budget: 1280 patches of 28x28 (~1 MP).
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
 JPEG_QUALITY = 95

@@ -66,6 +66,19 @@ from prx_data.core import lance_compat, runtime, storage
 from prx_data.core.errors import Conflict, UsageError
 from prx_data.table.pins import column_pin, pinned
 
+__all__ = [
+    "ColumnJob",
+    "SMALL_ROWS",
+    "Step",
+    "commit_fragments",
+    "ensure_columns",
+    "iter_results",
+    "pending_counts",
+    "plan",
+    "run_column_job",
+    "write_columns",
+]
+
 ROWADDR = "_rowaddr"
 #: Where a table keeps the checkpoints of unfinished column jobs.
 CHECKPOINT_DIR = "_prx_column_jobs"

@@ -21,3 +21,22 @@ above it in this list)::
 :mod:`~prx_data.skips.ops`; :mod:`~prx_data.skips.reader` is the skip-aware shard reader.
 See docs/STREAMING.md (skip lists: one log per table).
 """
+
+#: The rooms are modules, imported by path (``from prx_data.skips import ops``).
+__all__ = [
+    "bind",
+    "content",
+    "dedup",
+    "errors",
+    "export_state",
+    "ledger",
+    "log",
+    "materialise",
+    "ops",
+    "optout",
+    "reader",
+    "recover",
+    "rewrite",
+    "semdedup",
+    "sidecar",
+]
