@@ -163,3 +163,25 @@ def test_user_caused_library_errors_are_prx_data_errors_with_their_old_bases():
             call()
         assert isinstance(info.value, errors.PrxDataError)
         assert len(str(info.value).splitlines()) == 1, str(info.value)
+
+
+def test_the_other_ranks_relay_a_leaders_user_error_as_one_and_a_bug_as_a_bug(tmp_path):
+    """A user's error on local rank 0 is a one-line error on every rank, not tracebacks."""
+    from prx_data.stream.leader import lead, wait_for_leader
+
+    def fails(exc):
+        def work():
+            raise exc
+
+        return work
+
+    marker = str(tmp_path / "marker")
+    with pytest.raises(errors.UsageError):
+        lead(marker, fails(errors.UsageError("eval.holdout_fraction must be below 1")))
+    with pytest.raises(errors.PrxDataError, match="UsageError: eval.holdout_fraction"):
+        wait_for_leader(marker, 1.0, "the hold-out")
+    with pytest.raises(KeyError):
+        lead(marker, fails(KeyError("an injected bug")))
+    with pytest.raises(RuntimeError, match="an injected bug") as info:
+        wait_for_leader(marker, 1.0, "the hold-out")
+    assert not isinstance(info.value, errors.PrxDataError)
