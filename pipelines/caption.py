@@ -50,6 +50,11 @@ from prx_data.core.errors import UsageError
 from prx_data.core.flags import flag
 from prx_data.core.schema import error_column, status_column
 
+__all__ = [
+    "CaptionConfig",
+    "run_caption",
+]
+
 #: Internal column carrying why a row was flagged (counted in the report).
 REASON = "__reason"
 _IMAGE_OK = "__image"

@@ -45,6 +45,11 @@ from prx_data.core.errors import UsageError
 from prx_data.core.flags import flag
 from prx_data.core.schema import error_column
 
+__all__ = [
+    "ClassifyConfig",
+    "run_classify",
+]
+
 _RULE = "__rule"
 
 

@@ -53,6 +53,12 @@ from prx_data.core.reports import FailureCounts
 from prx_data.core.runtime import check_engine
 from prx_data.download import fetch as F
 
+__all__ = [
+    "DEFAULT_MAX_ERROR_RATE",
+    "DownloadConfig",
+    "run_download",
+]
+
 STATUS = S.status_column("download")
 ERROR = S.error_column("download")
 OUTPUTS = pa.schema([pa.field(STATUS, pa.string()), pa.field(ERROR, pa.string())])

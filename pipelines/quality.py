@@ -23,10 +23,16 @@ from prx_data.columns.runner import ColumnJob, Step, run_column_job
 from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core import quality
 from prx_data.core import schema as S
+from prx_data.core.errors import UsageError
 from prx_data.core.flags import REQUIRED, flag
 from prx_data.core.reports import JobReport
 from prx_data.core.runtime import check_engine
 from prx_data.table import lance_ops as T
+
+__all__ = [
+    "QualityConfig",
+    "run_quality",
+]
 
 
 @dataclass(frozen=True)
@@ -52,9 +58,9 @@ class QualityConfig:
     def __post_init__(self) -> None:
         check_engine(self.engine)
         if self.chunk_rows < 1:
-            raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
+            raise UsageError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if self.column in (S.ID, S.IMAGE, S.CAPTION):
-            raise ValueError(f"refusing to write image quality into the {self.column!r} column")
+            raise UsageError(f"refusing to write image quality into the {self.column!r} column")
 
 
 @dataclass

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import pytest
 
 from prx_data.columns import runner as R
+from prx_data.core.errors import PrxDataError
 
 ROWS, PER_FRAGMENT = 40, 8  # 5 fragments
 
@@ -245,7 +246,8 @@ def test_step_contract_and_type_checks(tmp_path):
     def drops_rows(batch):
         return measure(batch).slice(1)
 
-    with pytest.raises(ValueError, match="one row per input row"):
+    # The user's step broke the contract: one line naming the unit, not a traceback.
+    with pytest.raises(PrxDataError, match="one row per input row"):
         R.run_column_job(job(uri, steps=[R.Step(drops_rows)]))
     lance.dataset(uri).add_columns([pa.field("other", pa.string())])
     with pytest.raises(ValueError, match="this job writes"):

@@ -8,10 +8,13 @@ escapes the library (a ``KeyError`` from a bug, say) is not printed as an
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 
 from prx_data.core import errors
+
+SMOKE_CONFIG = str(Path(__file__).resolve().parents[1] / "configs/train/smoke_cpu.yaml")
 
 
 def _cli(job: str):
@@ -51,6 +54,12 @@ def _user_errors(tmp_path):
         "table-missing": ("table", ["stats", missing], "no Lance table at"),
         "download-missing": ("download", ["--table", missing], "ingest the URL list first"),
         "train-config-missing": ("train", [missing], "config file"),
+        # A setting checked when the trainer is built, not when the config is read.
+        "train-precision-on-cpu": (
+            "train",
+            [SMOKE_CONFIG, "trainer.device=cpu", "trainer.precision=amp_bf16"],
+            "use fp32 on CPU",
+        ),
     }
 
 
@@ -63,6 +72,7 @@ def _user_errors(tmp_path):
         "table-missing",
         "download-missing",
         "train-config-missing",
+        "train-precision-on-cpu",
     ],
 )
 def test_a_user_error_is_one_line_and_a_non_zero_exit(case, tmp_path, capsys):
@@ -121,3 +131,57 @@ def test_an_injected_bug_keeps_its_traceback(job, argv, target, exc, tmp_path, m
     subs = {"ROOT": str(tmp_path), "IDX": str(tmp_path / "IDX"), "T": str(tmp_path / "t.lance")}
     with pytest.raises(exc, match="an injected bug"):
         _cli(job)([subs.get(a, a) for a in argv])
+
+
+def _library_user_errors():
+    """Calls a user can get wrong through a config, a flag or a request, and what each raises."""
+    from prx_data.pipelines.quality import QualityConfig
+
+    from prx_data.explore.app import int_param
+    from prx_data.train.captions import CaptionPolicy
+    from prx_data.train.config import DataConfig
+    from prx_data.train.data import dataset_specs
+    from prx_data.train.text_encoder import resolve_dtype
+
+    return [
+        (lambda: CaptionPolicy(("caption",), (1.0,), dropout=2.0), errors.UsageError),
+        (
+            lambda: CaptionPolicy.single("caption_vlm").choose({"caption": ["a"]}),
+            errors.UnknownName,
+        ),
+        (lambda: resolve_dtype("int3"), errors.UsageError),
+        (lambda: dataset_specs(DataConfig(datasets=[])), errors.UsageError),
+        (lambda: int_param({"k": "x"}, "k", 1, 1, 10), errors.UsageError),
+        (lambda: QualityConfig(table="t.lance", chunk_rows=0), errors.UsageError),
+    ]
+
+
+def test_user_caused_library_errors_are_prx_data_errors_with_their_old_bases():
+    # The old builtin stays a base, so callers' ``except ValueError``/``KeyError`` still work.
+    for call, cls in _library_user_errors():
+        with pytest.raises(cls) as info:
+            call()
+        assert isinstance(info.value, errors.PrxDataError)
+        assert len(str(info.value).splitlines()) == 1, str(info.value)
+
+
+def test_the_other_ranks_relay_a_leaders_user_error_as_one_and_a_bug_as_a_bug(tmp_path):
+    """A user's error on local rank 0 is a one-line error on every rank, not tracebacks."""
+    from prx_data.stream.leader import lead, wait_for_leader
+
+    def fails(exc):
+        def work():
+            raise exc
+
+        return work
+
+    marker = str(tmp_path / "marker")
+    with pytest.raises(errors.UsageError):
+        lead(marker, fails(errors.UsageError("eval.holdout_fraction must be below 1")))
+    with pytest.raises(errors.PrxDataError, match="UsageError: eval.holdout_fraction"):
+        wait_for_leader(marker, 1.0, "the hold-out")
+    with pytest.raises(KeyError):
+        lead(marker, fails(KeyError("an injected bug")))
+    with pytest.raises(RuntimeError, match="an injected bug") as info:
+        wait_for_leader(marker, 1.0, "the hold-out")
+    assert not isinstance(info.value, errors.PrxDataError)

@@ -16,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
+#: ``main`` is the ``prx-data`` entry point; ``shim`` makes a ``python -m prx_data.<job>`` module.
+__all__ = ["JOBS", "Job", "main", "shim"]
+
 
 @dataclass(frozen=True)
 class Job:

@@ -7,6 +7,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+__all__ = [
+    "finish",
+]
+
 
 def print_error(e: BaseException, prefix: str = "error") -> None:
     """Print ``<prefix>: <first line>`` to stderr (the exception's type when it has no message)."""

@@ -50,6 +50,10 @@ class BackendUnavailable(PrxDataError, RuntimeError):
     """The backend's library (or hardware) is not available on this machine."""
 
 
+class BackendFailing(PrxDataError, RuntimeError):
+    """The backend failed on every row of several batches in a row: a set-up fault, not bad rows."""
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """Sampling settings shared by every backend (greedy by default: reproducible)."""
@@ -86,7 +90,7 @@ class GenerationConfig:
             except json.JSONDecodeError:
                 ok = False
             if not ok:
-                raise ValueError("json_schema must be a JSON object, as text")
+                raise UsageError("json_schema must be a JSON object, as text")
         if self.max_tokens < 1:
             raise UsageError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -160,7 +164,7 @@ class Backend(ABC):
                 "%s batch of %d failed (%s); retrying one by one", self.name, len(requests), e
             )
             return [g for r in requests for g in self([r])]
-        if len(out) != len(requests):
+        if len(out) != len(requests):  # decode() broke its contract: a bug in the backend class
             raise RuntimeError(
                 f"{self.name} backend returned {len(out)} results for {len(requests)} requests"
             )
@@ -189,7 +193,7 @@ class FailureGuard:
         if all(g.error is not None for g in gens):
             self.failed_batches += 1
             if self.failed_batches >= self.max_failed_batches:
-                raise RuntimeError(
+                raise BackendFailing(
                     f"the backend failed on every row of {self.failed_batches} batches in a row; "
                     f"last error: {gens[-1].error}. Fix the backend and rerun: finished rows are kept."
                 )

@@ -14,6 +14,12 @@ import math
 from PIL import Image
 
 from prx_data.core import imaging
+from prx_data.core.errors import UsageError
+
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "fit_image",
+]
 
 #: Qwen2/2.5/3-VL's common serving budget: 1280 patches of 28x28 (~1 MP).
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
@@ -38,7 +44,7 @@ def fit_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[bytes,
     for bytes that are not a usable image.
     """
     if max_pixels < 1:
-        raise ValueError(f"max_pixels must be positive, got {max_pixels}")
+        raise UsageError(f"max_pixels must be positive, got {max_pixels}")
     info = imaging.probe(data)
     w, h = fit_size(info.width, info.height, max_pixels)
     im = imaging.decode(data, draft_to=imaging.draft_size(info.width, info.height, w, h))

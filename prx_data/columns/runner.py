@@ -66,6 +66,19 @@ from prx_data.core import lance_compat, runtime, storage
 from prx_data.core.errors import Conflict, UsageError
 from prx_data.table.pins import column_pin, pinned
 
+__all__ = [
+    "ColumnJob",
+    "SMALL_ROWS",
+    "Step",
+    "commit_fragments",
+    "ensure_columns",
+    "iter_results",
+    "pending_counts",
+    "plan",
+    "run_column_job",
+    "write_columns",
+]
+
 ROWADDR = "_rowaddr"
 #: Where a table keeps the checkpoints of unfinished column jobs.
 CHECKPOINT_DIR = "_prx_column_jobs"
@@ -559,7 +572,7 @@ def apply_step(fn: Callable, batch: pa.Table, kwargs: dict | None = None) -> pa.
     elif isinstance(out, dict):
         out = pa.table(out)
     if out.num_rows != batch.num_rows:
-        raise ValueError(
+        raise UsageError(
             f"column job step {getattr(fn, '__name__', fn)!r} returned {out.num_rows} rows "
             f"for {batch.num_rows}: steps must return one row per input row"
         )
@@ -720,7 +733,7 @@ def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> Colum
                 report.first_rows = batch.num_rows
             missing = [c for c in keep if c not in batch.column_names]
             if missing:
-                raise ValueError(f"the last step of column job {name!r} did not return {missing}")
+                raise UsageError(f"the last step of column job {name!r} did not return {missing}")
             if job.count_column:
                 col = batch[job.count_column]
                 count_into(counts, col)

@@ -46,6 +46,7 @@ def pending_filter(
     from prx_data.table.lance_ops import quote
 
     if not include_missing and not redo and not redo_where:
+        # the jobs pass include_missing=False only with --only's (checked, non-empty) values
         raise ValueError("include_missing=False needs statuses to redo")
     clauses = []
     if value_column and value_column != status_column and value_column in existing:

@@ -15,6 +15,19 @@ from dataclasses import dataclass, field
 
 from prx_data.core.errors import UsageError
 
+__all__ = [
+    "BucketSpec",
+    "DEFAULT_SPEC",
+    "DEFAULT_TIERS",
+    "DROP_ASPECT_RATIO",
+    "DROP_TOO_SMALL",
+    "aspect_label",
+    "assign_bucket",
+    "bucket_name",
+    "parse_bucket_name",
+    "same_ratio_shape",
+]
+
 DEFAULT_TIERS: tuple[int, ...] = (512, 1024, 2048, 4096)
 #: Patches per side at tier T is T / PATCH_DIVISOR, i.e. a 16x16 grid for a square image.
 PATCH_DIVISOR = 16

@@ -22,6 +22,23 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from prx_data.core.errors import PrxDataError, UsageError
 
+__all__ = [
+    "CODECS",
+    "DEFAULT_CODEC",
+    "DEFAULT_JPEG_QUALITY",
+    "DRAFT_MARGIN",
+    "EncodeSpec",
+    "ImageError",
+    "RESAMPLE",
+    "cover_resize",
+    "decode",
+    "draft_size",
+    "encode",
+    "open_image",
+    "prepare_with",
+    "probe",
+]
+
 # Truncated files must fail loudly rather than decode to grey.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 

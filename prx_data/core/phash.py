@@ -39,6 +39,13 @@ from PIL import Image, ImageOps
 from prx_data.core.imaging import ImageError, decode_errors
 from prx_data.core.imaging import open_image as _open
 
+__all__ = [
+    "hamming",
+    "phash_bytes",
+    "phash_many",
+    "to_hex",
+]
+
 HASH_SIZE = 8
 IMG_SIZE = 32  # HASH_SIZE * highfreq_factor (4), as in imagehash
 #: The reduced JPEG decode keeps at least this many pixels on the short side.

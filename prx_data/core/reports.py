@@ -12,6 +12,11 @@ import dataclasses
 
 from prx_data.core.errors import ErrorRateExceeded, check_error_rate
 
+__all__ = [
+    "FailureCounts",
+    "JobReport",
+]
+
 
 class FailureCounts:
     """Mixin for a job report: ``failed`` of ``total`` items, checked against ``--max-error-rate``.

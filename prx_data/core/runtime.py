@@ -26,6 +26,20 @@ from typing import Any
 from prx_data.core.errors import DEFAULT_MAX_ERROR_RATE, PrxDataError, UsageError, error_rate_arg
 from prx_data.core.flags import add_flags, flag, from_args
 
+__all__ = [
+    "ENGINES",
+    "Placement",
+    "Resources",
+    "RunOptions",
+    "add_run_args",
+    "check_engine",
+    "ensure_ray",
+    "map_units",
+    "place",
+    "placement_cpus",
+    "run_options_from_args",
+]
+
 #: Seconds a job waits for the GCS port of the Ray cluster it was given to accept a
 #: connection (a head that is still starting) before it gives up.
 CONNECT_TIMEOUT_ENV = "PRX_RAY_CONNECT_TIMEOUT_S"

@@ -8,6 +8,28 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+__all__ = [
+    "CAPTION",
+    "EMBEDDING",
+    "FORMAT",
+    "HEIGHT",
+    "ID",
+    "IMAGE",
+    "MANIFEST_NAME",
+    "MDS_COLUMNS",
+    "PHASH",
+    "PROBE_ERROR",
+    "REPORT_NAME",
+    "SHA256",
+    "SOURCE",
+    "TABLE_SCHEMA",
+    "WIDTH",
+    "error_column",
+    "is_job_column",
+    "mds_sample",
+    "status_column",
+]
+
 # --- Lance table -------------------------------------------------------------
 #: Stable unique key of a row ("the row id"): derived from the source and the
 #: item's key, so re-ingesting the same item yields the same id.

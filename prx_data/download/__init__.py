@@ -4,3 +4,8 @@
 limits, retries, checks). The job that fills a table with it
 (``python -m prx_data.download``) is :mod:`prx_data.pipelines.download`.
 """
+
+#: The fetcher is a module: ``from prx_data.download import fetch``.
+__all__ = [
+    "fetch",
+]

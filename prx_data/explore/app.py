@@ -347,7 +347,7 @@ class Explorer:
                 continue
             if col in self.bool_labels:
                 if value not in ("true", "false"):
-                    raise ValueError(f"label.{col} must be true or false, got {value[:20]!r}")
+                    raise UsageError(f"label.{col} must be true or false, got {value[:20]!r}")
                 clauses.append(f"{column_sql(col)} = {value}")
             else:
                 clauses.append(f"{column_sql(col)} = {search.sql_str(value)}")
@@ -359,7 +359,7 @@ class Explorer:
         quality = params.get("quality") or ""
         if quality:
             if not self.has_quality or quality not in QUALITY_FILTERS:
-                raise ValueError(
+                raise UsageError(
                     f"unknown quality filter {quality!r}"
                     + ("" if self.has_quality else f" (the table has no {Q.COLUMN} column)")
                 )
@@ -380,7 +380,7 @@ class Explorer:
                     except ValueError:
                         bound = float("nan")
                     if bound != bound or bound in (float("inf"), float("-inf")):
-                        raise ValueError(f"{key}{col} must be a number, got {value!r}")
+                        raise UsageError(f"{key}{col} must be a number, got {value!r}")
                     clauses.append(f"{column_sql(col)} {op} {bound!r}")
         return " AND ".join(clauses) or None
 
@@ -400,12 +400,12 @@ class Explorer:
         if not col:
             return None
         if col not in self.scores:
-            raise ValueError(
+            raise UsageError(
                 f"cannot sort by {col[:60]!r}: use one of the numeric columns "
                 + (", ".join(self.scores) or "(the table has none)")
             )
         if order not in ("asc", "desc"):
-            raise ValueError(f"order must be asc or desc, not {order[:20]!r}")
+            raise UsageError(f"order must be asc or desc, not {order[:20]!r}")
         return col, order == "asc"
 
     def _rows(self, t: pa.Table, score: str | None = None) -> list[dict[str, Any]]:
@@ -561,7 +561,7 @@ class Explorer:
         except ValueError:
             cosine = float("nan")
         if not -1.0 <= cosine <= 1.0:
-            raise ValueError(f"cosine must be a number from -1 to 1, got {raw[:40]!r}")
+            raise UsageError(f"cosine must be a number from -1 to 1, got {raw[:40]!r}")
         col = self.cluster_column
         out: dict[str, Any] = {"id": row_id, "column": col, "cosine": cosine, "members": []}
         if col is None:
@@ -750,9 +750,9 @@ def int_param(params: dict[str, str], name: str, default: int, lo: int, hi: int)
     if not raw:
         return default
     if not (raw.isascii() and raw.isdigit()):
-        raise ValueError(f"{name} must be a whole number from {lo} to {hi:,}, not {raw[:40]!r}")
+        raise UsageError(f"{name} must be a whole number from {lo} to {hi:,}, not {raw[:40]!r}")
     if len(raw) > len(str(hi)) or not lo <= int(raw) <= hi:
-        raise ValueError(f"{name}={raw[:40]} is out of range: use {lo} to {hi:,}")
+        raise UsageError(f"{name}={raw[:40]} is out of range: use {lo} to {hi:,}")
     return int(raw)
 
 

@@ -47,6 +47,20 @@ from prx_data.export.naming import (
     content_part_name,
 )
 
+__all__ = [
+    "UnsafeIndexError",
+    "check_bucket",
+    "check_index_entries",
+    "check_manifest_shards",
+    "check_stream_basenames",
+    "columns_problem",
+    "foreign_entries",
+    "has_proof",
+    "list_top",
+    "load_index",
+    "remove_stale_parts",
+]
+
 
 class UnsafeIndexError(PrxDataError, ValueError):
     """An index (or manifest) names a file outside the layout the exporter writes."""

@@ -36,6 +36,10 @@ from prx_data.export import durable, naming, safety
 from prx_data.export.merge import done_parts, finalize
 from prx_data.export.spec import ExportConfig, UnitResult
 
+__all__ = [
+    "make_sample_export",
+]
+
 
 @dataclass
 class SampleExport:

@@ -25,3 +25,22 @@ first (each imports only those above it in this list)::
 :mod:`~prx_data.skips.ops`; :mod:`~prx_data.skips.reader` is the skip-aware shard reader.
 See docs/STREAMING.md (skip lists: one corpus ledger).
 """
+
+#: The rooms are modules, imported by path (``from prx_data.skips import ops``).
+__all__ = [
+    "bind",
+    "content",
+    "dedup",
+    "errors",
+    "export_state",
+    "ledger",
+    "log",
+    "materialise",
+    "ops",
+    "optout",
+    "reader",
+    "recover",
+    "rewrite",
+    "semdedup",
+    "sidecar",
+]

@@ -35,6 +35,10 @@ from typing import Any
 from prx_data.core import confined, storage
 from prx_data.core.errors import UsageError
 
+__all__ = [
+    "predownload_within_cache",
+]
+
 #: Written at the cache root once the cache follows the invariant above.
 TRACKED_NAME = "_prx_cache.v1"
 

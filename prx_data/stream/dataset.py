@@ -109,9 +109,9 @@ def _plan_spec(
         if v != (_SPEC_DEFAULTS[k] if k not in ("tier", "device_batch_size") else None)
     )
     if changed:
-        raise ValueError(f"give spec= or the plan keywords, not both (also given: {changed})")
+        raise UsageError(f"give spec= or the plan keywords, not both (also given: {changed})")
     if block is not None and spec.shuffle_block_size not in (None, block):
-        raise ValueError(
+        raise UsageError(
             f"shuffle_block_size={block} differs from the spec's {spec.shuffle_block_size}"
         )
     return spec if block is None else spec.replace(shuffle_block_size=block)

@@ -29,6 +29,11 @@ import torch
 
 from prx_data.core import imaging
 
+__all__ = [
+    "decode_batch",
+    "decode_chw",
+]
+
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
 

@@ -15,9 +15,16 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from prx_data.core import storage
+from prx_data.core.errors import PrxDataError
 
 _ERROR = "ERROR "
+#: The leader's failure was the user's to fix (a PrxDataError): the others fail with one line too.
+_USER_ERROR = "USER ERROR "
 _T = TypeVar("_T")
+
+
+class LeaderFailed(PrxDataError, RuntimeError):
+    """Local rank 0 failed with a user's error (its one line, relayed to the other ranks)."""
 
 
 def wait_for_leader(marker: str, timeout: float, what: str) -> str:
@@ -34,7 +41,9 @@ def wait_for_leader(marker: str, timeout: float, what: str) -> str:
         time.sleep(0.05)
     with open(marker) as f:
         text = f.read()
-    if text.startswith(_ERROR):
+    if text.startswith(_USER_ERROR):
+        raise LeaderFailed(f"local rank 0 failed {what}: {text[len(_USER_ERROR) :]}")
+    if text.startswith(_ERROR):  # a bug on the leader: its traceback is on rank 0
         raise RuntimeError(f"local rank 0 failed {what}: {text[len(_ERROR) :]}")
     return text
 
@@ -47,7 +56,8 @@ def lead(marker: str, work: Callable[[], tuple[_T, bytes]]) -> _T:
         result, body = work()
     except Exception as e:
         # Tell the waiting ranks why, instead of leaving them at the barrier.
-        storage.write_bytes_atomic(marker, f"{_ERROR}{type(e).__name__}: {e}".encode())
+        head = _USER_ERROR if isinstance(e, PrxDataError) else _ERROR
+        storage.write_bytes_atomic(marker, f"{head}{type(e).__name__}: {e}".encode())
         _node_barrier()
         raise
     storage.write_bytes_atomic(marker, body)

@@ -37,6 +37,15 @@ from prx_data.core.errors import PrxDataError
 from prx_data.core.flags import flag
 from prx_data.export import layout
 
+__all__ = [
+    "DatasetCount",
+    "Plan",
+    "PlanError",
+    "PlanSpec",
+    "count_export",
+    "plan_buckets",
+]
+
 BATCHING_METHODS = ("per_stream", "device_per_stream")
 #: What a plan does with a bucket too small for one unit (see :class:`PlanSpec`).
 SMALL_BUCKETS = ("error", "drop", "fill")

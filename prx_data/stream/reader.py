@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from streaming import Stream
 
+from prx_data.core.errors import UsageError
 from prx_data.core.streaming_compat import MDSReader, World, mds_reader_args
 from prx_data.export import naming, safety
 from prx_data.skips import sidecar as skiplist
@@ -67,7 +68,10 @@ class SkipStream(Stream):
                 out.append(reader)
                 continue
             if not isinstance(reader, MDSReader):
-                raise TypeError(f"skip lists need MDS shards, got {type(reader).__name__}")
+                raise UsageError(
+                    f"{self.local}: skip lists need MDS shards, got {type(reader).__name__}; "
+                    "export with python -m prx_data.write_mds"
+                )
             if int(skipped[-1]) >= reader.samples:
                 raise skiplist.SkipListError(
                     f"{self.local}/{reader.raw_data.basename}: skip index {int(skipped[-1])} "
@@ -114,4 +118,7 @@ def _pin(reader: Any, local: str) -> MDSReader:
         return PinnedSkipMDSReader(skipped=reader.skipped, **args)
     if isinstance(reader, MDSReader):
         return PinnedMDSReader(**mds_reader_args(reader))
-    raise TypeError(f"{local}: a local export needs MDS shards, got {type(reader).__name__}")
+    raise UsageError(
+        f"{local}: a local export needs MDS shards, got {type(reader).__name__}; "
+        "export with python -m prx_data.write_mds"
+    )

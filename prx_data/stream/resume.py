@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from prx_data.core.buckets import BucketSpec
+from prx_data.core.errors import UsageError
 from prx_data.stream import planner
 
 if TYPE_CHECKING:
@@ -356,7 +357,7 @@ def check_layout(saved: dict[str, Any], expected: dict[str, Any], holdout: str) 
     """
     got = saved.get("eval_holdout", "none")
     if got != holdout:
-        raise ValueError(
+        raise UsageError(
             f"eval: the checkpoint's training stream held out {got!r} (fraction/salt) but "
             f"this run holds out {holdout!r}; the sample space would change and the "
             "resume would not be exact. Keep eval.source/holdout_fraction/holdout_salt"
@@ -364,7 +365,7 @@ def check_layout(saved: dict[str, Any], expected: dict[str, Any], holdout: str) 
     for key, want in expected.items():
         value = saved.get(key)
         if value is not None and int(value) != want:
-            raise ValueError(
+            raise UsageError(
                 f"data.{key}: the checkpoint was written with {key}={value} but this run has "
                 f"{want}; an exact resume needs the same value (the world size may change)"
             )

@@ -27,6 +27,10 @@ from numpy.typing import NDArray
 
 from prx_data.core.streaming_compat import sampling_hooks
 
+__all__ = [
+    "get_sampling",
+]
+
 #: Upstream's function (the reference this one must equal) and the module that calls it.
 _upstream_dataset, upstream_get_sampling = sampling_hooks()
 

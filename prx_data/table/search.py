@@ -30,6 +30,27 @@ from prx_data.core.buckets import DEFAULT_SPEC, BucketSpec, aspect_label
 from prx_data.core.errors import UnknownName, UsageError
 from prx_data.table import lance_ops as T
 
+__all__ = [
+    "CLIP_IMAGE_COLUMN",
+    "DEFAULT_VECTOR_INDEX",
+    "MIN_ROWS_FOR_ANN",
+    "SEMDEDUP_CLUSTER_COLUMN",
+    "SEMDEDUP_COSINE_COLUMN",
+    "aspect_ranges",
+    "build_indexes",
+    "caption_columns",
+    "filter_sql",
+    "hybrid_search",
+    "indexed_columns",
+    "is_caption_column",
+    "similar",
+    "sql_str",
+    "text_search",
+    "vector_column",
+    "vector_of",
+    "vector_search",
+]
+
 DEFAULT_RRF_K = 60
 #: The column ``python -m prx_data.score clip`` writes its image embedding to.
 CLIP_IMAGE_COLUMN = "clip_image_embedding"

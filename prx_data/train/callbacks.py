@@ -20,6 +20,8 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from prx_data.core.errors import UnknownName
+
 
 class DataWaitMonitor(Callback):
     """Logs the fraction of step time spent waiting for the next batch.
@@ -145,7 +147,7 @@ class SampleIdLogger(Callback):
         batch = state.batch
         ids = batch.get(self.id_key) if isinstance(batch, dict) else None
         if ids is None:
-            raise KeyError(f"SampleIdLogger: batch has no {self.id_key!r} column")
+            raise UnknownName(f"SampleIdLogger: batch has no {self.id_key!r} column")
         if self._fh is None:
             return
         line = {

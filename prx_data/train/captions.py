@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prx_data.core.errors import UnknownName, UsageError
+
 #: Share of drawn samples (dropout aside) whose caption columns were all empty above which
 #: the trainer warns, once enough samples were drawn to judge (:data:`EMPTY_WARN_AFTER`).
 EMPTY_WARN_SHARE = 0.5
@@ -40,11 +42,11 @@ class CaptionPolicy:
 
     def __post_init__(self) -> None:
         if not self.columns or len(self.columns) != len(self.weights):
-            raise ValueError("caption columns and weights must be non-empty and of equal length")
+            raise UsageError("caption columns and weights must be non-empty and of equal length")
         if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
-            raise ValueError(f"caption weights must be >= 0 and not all zero: {self.weights}")
+            raise UsageError(f"caption weights must be >= 0 and not all zero: {self.weights}")
         if not 0.0 <= self.dropout <= 1.0:
-            raise ValueError(f"caption dropout must be in [0, 1], got {self.dropout}")
+            raise UsageError(f"caption dropout must be in [0, 1], got {self.dropout}")
 
     @classmethod
     def single(cls, column: str = "caption", dropout: float = 0.0) -> CaptionPolicy:
@@ -55,12 +57,13 @@ class CaptionPolicy:
     ) -> list[str]:
         """One caption per sample. An empty pick falls back to the next non-empty column.
 
-        Raises KeyError naming the column when a configured column is not in the batch.
+        Raises :class:`UnknownName` (a ``KeyError``) naming the column when a configured
+        column is not in the batch.
         """
         cols: list[Sequence[str]] = []
         for name in self.columns:
             if name not in batch:
-                raise KeyError(
+                raise UnknownName(
                     f"caption column {name!r} is not in the batch (has: {sorted(batch)})"
                 )
             cols.append(batch[name])  # type: ignore[arg-type]

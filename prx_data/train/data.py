@@ -17,6 +17,7 @@ import torch
 from composer.core import DataSpec
 from streaming import StreamingDataLoader, StreamingDataset
 
+from prx_data.core.errors import UsageError
 from prx_data.stream.dataset import BucketedDataset
 from prx_data.train.config import DataConfig, device_batch_size
 
@@ -40,7 +41,7 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         elif key in TENSOR_KEYS:
             shapes = {tuple(v.shape) for v in values}
             if len(shapes) != 1:
-                raise ValueError(
+                raise UsageError(
                     f"batch mixes image shapes {sorted(shapes)}; each device batch must come "
                     "from a single bucket (batching_method='device_per_stream' or 'per_stream')"
                 )
@@ -89,7 +90,7 @@ def _load_factory(path: str) -> Callable[[DataConfig, int], StreamingDataset]:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"data.factory: cannot import {path!r}: {exc}") from None
+        raise UsageError(f"data.factory: cannot import {path!r}: {exc}") from None
 
 
 def build_dataset(
@@ -106,13 +107,13 @@ def build_dataset(
     sample's precomputed VAE latent (``vae.source: precomputed``).
     """
     if cfg.factory and latents:
-        raise ValueError(
+        raise UsageError(
             "data.factory with vae.source: precomputed: a factory's dataset carries no "
             "latents; set vae.source: encode"
         )
     if cfg.factory:
         if holdout is not None:
-            raise ValueError(
+            raise UsageError(
                 "data.factory cannot apply the eval hold-out slice; use eval.source=export"
             )
         return _load_factory(cfg.factory)(cfg, batch_size)
@@ -135,7 +136,7 @@ def build_dataset(
 def dataset_specs(cfg: DataConfig, holdout: Any = None) -> list:
     """The ``DatasetSpec`` of each of ``cfg.datasets`` (what the loader and the planner read)."""
     if not cfg.datasets:
-        raise ValueError("data.datasets: at least one dataset (export root) is required")
+        raise UsageError("data.datasets: at least one dataset (export root) is required")
     from prx_data.stream.spec import DatasetSpec
 
     return [

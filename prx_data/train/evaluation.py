@@ -22,6 +22,7 @@ import torch
 from composer.core import DataSpec, Evaluator
 from torchmetrics import Metric
 
+from prx_data.core.errors import UsageError
 from prx_data.stream.planner import PlanError
 from prx_data.train.captions import CaptionPolicy
 from prx_data.train.config import DataConfig, DatasetConfig, TrainConfig
@@ -248,7 +249,7 @@ def build_evaluator(cfg: TrainConfig, world_size: int, patch_size: int) -> Evalu
     )
 
     if cfg.data.factory:
-        raise ValueError(
+        raise UsageError(
             "eval.enabled with data.factory: the eval stream is built from data.datasets or "
             "eval.datasets; drop data.factory or turn eval off"
         )
@@ -256,7 +257,7 @@ def build_evaluator(cfg: TrainConfig, world_size: int, patch_size: int) -> Evalu
     try:
         batch = _dbs(dcfg, world_size)
     except ValueError as exc:
-        raise ValueError(str(exc).replace("data.", "eval.", 1)) from None
+        raise UsageError(str(exc).replace("data.", "eval.", 1)) from None
     try:
         ds = build_dataset(
             dcfg,

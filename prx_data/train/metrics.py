@@ -35,6 +35,7 @@ from composer.core import Callback, Event
 from torch import nn
 from torchmetrics import Metric
 
+from prx_data.core.errors import UsageError
 from prx_data.core.tinymodels import TINY_TRANSFORMER, build_tiny_clip, save_square_processor
 from prx_data.train.sampling import IntervalGate
 
@@ -145,7 +146,7 @@ def load_features(kind: str, name_or_path: str, weights: str | None = None) -> n
         return _load_features(kind, name_or_path, weights)
     except (OSError, ValueError) as exc:  # not found, offline, not a repo id
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
+        raise UsageError(
             f"{_KEYS[kind]}: cannot load {name_or_path!r} ({first}); give a local folder or a "
             "hub id (the demo writes tiny ones: python -m prx_data.demo), or null to turn "
             "the metric off"
@@ -278,7 +279,7 @@ class GenerationMetrics(Callback):
         for ev in state.evaluators:
             if ev.label == "eval":
                 return ev.dataloader.dataloader
-        raise ValueError("metrics.enabled needs the held-out eval stream: set eval.enabled=true")
+        raise UsageError("metrics.enabled needs the held-out eval stream: set eval.enabled=true")
 
     @torch.no_grad()
     def evaluate(self, state, logger) -> dict[str, float]:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from composer.models import ComposerModel
 from diffusers.models.transformers.transformer_prx import PRXTransformer2DModel
 
+from prx_data.core.errors import UsageError
 from prx_data.train import evaluation
 from prx_data.train.captions import CaptionPolicy
 from prx_data.train.config import FlowConfig, ModelConfig
@@ -42,7 +43,7 @@ def build_transformer(
     channels); an explicit ``cfg.in_channels`` must agree with it.
     """
     if cfg.in_channels is not None and cfg.in_channels != in_channels:
-        raise ValueError(
+        raise UsageError(
             f"model.in_channels={cfg.in_channels} but the inputs have {in_channels} channels "
             "(3 in pixel space, the VAE's latent_channels in latent space); drop the key"
         )
@@ -50,12 +51,12 @@ def build_transformer(
         model = PRXTransformer2DModel.from_pretrained(cfg.pretrained)
         got = model.config.context_in_dim
         if got != context_in_dim:
-            raise ValueError(
+            raise UsageError(
                 f"model.pretrained expects text features of width {got}, "
                 f"the text encoder gives {context_in_dim}"
             )
         if model.config.in_channels != in_channels:
-            raise ValueError(
+            raise UsageError(
                 f"model.pretrained takes {model.config.in_channels} input channels, "
                 f"the inputs have {in_channels}"
             )
@@ -98,7 +99,7 @@ class PRXFlowModel(ComposerModel):
     ) -> None:
         super().__init__()
         if precomputed and vae is None:
-            raise ValueError("precomputed latents need the VAE that made them (vae.name_or_path)")
+            raise UsageError("precomputed latents need the VAE that made them (vae.name_or_path)")
         #: x0 is the batch's ``latent`` (stored by ``python -m prx_data.latents``), never encoded.
         self.precomputed = precomputed
         self.transformer = transformer
@@ -111,7 +112,7 @@ class PRXFlowModel(ComposerModel):
         self._patch = int(patch) * (vae.compression if vae is not None else 1)
         want = vae.latent_channels if vae is not None else 3
         if transformer.config.in_channels != want:
-            raise ValueError(
+            raise UsageError(
                 f"the transformer takes {transformer.config.in_channels} channels but the "
                 f"{'VAE latents have' if vae is not None else 'images have'} {want}"
             )
@@ -153,7 +154,7 @@ class PRXFlowModel(ComposerModel):
                 if self.vae is not None
                 else f"model.patch_size={self._patch}"
             )
-            raise ValueError(
+            raise UsageError(
                 f"image {w}x{h} is not divisible by {what}; "
                 "pick a patch size that divides the bucket shapes of the tier"
             )
@@ -172,13 +173,13 @@ class PRXFlowModel(ComposerModel):
         self._check_shape(images)
         if self.precomputed:
             if latent is None:
-                raise ValueError(
+                raise UsageError(
                     "vae.source: precomputed but the batch has no 'latent' (the loader attaches "
                     "it; a dataset passed in must too)"
                 )
             want = (images.shape[0], *self.vae.latent_shape(images.shape[-1], images.shape[-2]))
             if tuple(latent.shape) != want:
-                raise ValueError(
+                raise UsageError(
                     f"precomputed latents of shape {tuple(latent.shape)} for images "
                     f"{tuple(images.shape)}: expected {want}; the latents were made with "
                     "another VAE or for other images"

@@ -29,6 +29,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from PIL import Image
 
+from prx_data.core.errors import UsageError
 from prx_data.train.flow import euler_sample
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def pipeline_sample_images(
     w, h = shape
     f = model.pixel_patch
     if w % f or h % f:
-        raise ValueError(
+        raise UsageError(
             f"sampling.shapes: {w}x{h} is not a multiple of {f} "
             "(model.patch_size x the VAE's compression)"
         )

@@ -15,6 +15,8 @@ import torch
 import transformers
 from transformers import AutoModel, AutoModelForTextEncoding, AutoTokenizer, PreTrainedModel
 
+from prx_data.core.errors import UsageError
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,7 +29,7 @@ def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of auto, {', '.join(_DTYPES)}") from None
+        raise UsageError(f"unknown dtype {name!r}; use one of auto, {', '.join(_DTYPES)}") from None
 
 
 #: transformers renamed ``torch_dtype`` to ``dtype`` in 4.56.
@@ -100,7 +102,7 @@ class TextEncoder:
         text_cfg = getattr(cfg, "text_config", None)
         if text_cfg is not None and isinstance(getattr(text_cfg, "hidden_size", None), int):
             return text_cfg.hidden_size
-        raise ValueError(f"cannot tell the hidden size of {type(self.model).__name__}")
+        raise UsageError(f"cannot tell the hidden size of {type(self.model).__name__}")
 
     @property
     def device(self) -> torch.device:

@@ -32,6 +32,7 @@ from composer.optim import (
 from composer.utils import dist, reproducibility
 from streaming import StreamingDataset
 
+from prx_data.core.errors import UsageError
 from prx_data.train.callbacks import DataWaitMonitor, ResumeGuard, SampleIdLogger
 from prx_data.train.captions import CaptionPolicy
 from prx_data.train.composer_compat import (
@@ -62,12 +63,12 @@ def resolve_placement(cfg: TrainConfig) -> Placement:
     cuda = torch.cuda.is_available()
     device = t.device if t.device != "auto" else ("gpu" if cuda else "cpu")
     if device == "gpu" and not cuda:
-        raise ValueError("trainer.device: 'gpu' requested but CUDA is not available")
+        raise UsageError("trainer.device: 'gpu' requested but CUDA is not available")
     precision = (
         t.precision if t.precision != "auto" else ("amp_bf16" if device == "gpu" else "fp32")
     )
     if device == "cpu" and precision != "fp32":
-        raise ValueError(f"trainer.precision: {precision!r} needs a GPU; use fp32 on CPU")
+        raise UsageError(f"trainer.precision: {precision!r} needs a GPU; use fp32 on CPU")
     tdev = torch.device(f"cuda:{dist.get_local_rank()}") if device == "gpu" else torch.device("cpu")
     return Placement(device, precision, tdev)
 
@@ -357,7 +358,7 @@ def build_trainer(
 
     train_holdout = holdout_for(cfg, "train")
     if dataset is not None and train_holdout is not None:
-        raise ValueError(
+        raise UsageError(
             "eval.source=slice with a dataset passed in: the hold-out cannot be left out of a "
             "stream built elsewhere; let build_trainer build the stream, or evaluate on a "
             "separate export (eval.source=export)"

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from prx_data.core.errors import UsageError
 from prx_data.train.text_encoder import resolve_dtype
 
 #: Autoencoder classes by the ``_class_name`` of their diffusers config.
@@ -29,7 +30,7 @@ def _vae_class(name: str):
     import diffusers
 
     if name not in KINDS:
-        raise ValueError(
+        raise UsageError(
             f"vae.name_or_path: a {name!r} checkpoint; supported autoencoders are "
             f"{', '.join(KINDS)}"
         )
@@ -46,7 +47,7 @@ def load_autoencoder(name_or_path: str, subfolder: str | None, dtype: torch.dtyp
         config = AutoencoderKL.load_config(name_or_path, **kw)
     except (OSError, ValueError) as exc:  # not found, offline, not a repo id
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
+        raise UsageError(
             f"vae.name_or_path: cannot read {name_or_path!r} ({first}); give a diffusers "
             "autoencoder folder or hub id (the demo writes a tiny one: python -m prx_data.demo)"
         ) from None
@@ -68,7 +69,7 @@ def _weights_folder(name_or_path: str, subfolder: str | None) -> str:
     try:  # from_pretrained has just fetched it into the cache
         root = snapshot_download(name_or_path, allow_patterns=[pattern], local_files_only=True)
     except Exception as e:  # noqa: BLE001 (hub errors have no common base): one line
-        raise ValueError(
+        raise UsageError(
             f"vae.name_or_path: cannot find the cached files of {name_or_path!r} to digest its "
             f"weights ({type(e).__name__}); give a local folder"
         ) from None
@@ -90,7 +91,7 @@ def weights_digest(name_or_path: str, subfolder: str | None = None) -> str:
         if n.endswith(WEIGHT_SUFFIXES) and os.path.isfile(os.path.join(folder, n))
     )
     if not names:
-        raise ValueError(
+        raise UsageError(
             f"vae.name_or_path: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}"
         )
     h = hashlib.sha256()
@@ -218,7 +219,7 @@ class LatentCodec:
             self.to(x.device)
         c = self.compression
         if x.shape[-1] % c or x.shape[-2] % c:
-            raise ValueError(
+            raise UsageError(
                 f"image {x.shape[-1]}x{x.shape[-2]} is not a multiple of the VAE's {c}x compression"
             )
         out = self.vae.encode(x.to(self.dtype))
@@ -229,7 +230,7 @@ class LatentCodec:
             z = out.latent
         want = (x.shape[-2] // c, x.shape[-1] // c)
         if tuple(z.shape[-2:]) != want:
-            raise ValueError(
+            raise UsageError(
                 f"the {self.kind} encoded {x.shape[-1]}x{x.shape[-2]} to a "
                 f"{z.shape[-1]}x{z.shape[-2]} latent, not {want[1]}x{want[0]}; with vae.tiling "
                 "pick a vae.tile_size that divides the image (or turn tiling off)"
@@ -302,6 +303,6 @@ def save_tiny_autoencoder(path: str, kind: str = "AutoencoderKL", seed: int = 0)
             scaling_factor=0.8,
         )
     else:
-        raise ValueError(f"kind {kind!r}: one of {', '.join(KINDS)}")
+        raise UsageError(f"kind {kind!r}: one of {', '.join(KINDS)}")
     vae.save_pretrained(path)
     return path
