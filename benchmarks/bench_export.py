@@ -361,11 +361,14 @@ def race(paths: dict[str, Path], work: list, rounds: int, anchor: str) -> dict:
 def export_once(table: str, workdir: str, tag: str, tiers: tuple[int, ...], **cfg) -> dict:
     from prx_data.pipelines.write_mds import run_export
 
+    from prx_data.core.runtime import RunOptions
     from prx_data.export.spec import ExportConfig
 
     out = os.path.join(workdir, f"out-{tag}")
     t0 = time.perf_counter()
-    report = run_export(ExportConfig(table=table, out=out, tiers=tiers, **cfg), progress=False)
+    report = run_export(
+        ExportConfig(table=table, out=out, tiers=tiers, **cfg), RunOptions(progress=False)
+    )
     wall = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return {"samples": report.samples_written, "units": report.units, "seconds": wall}

@@ -41,21 +41,22 @@ from prx_data.core import storage
 from prx_data.core.runtime import (
     Placement,
     Resources,
-    check_engine,
+    RunOptions,
     map_units,
     place,
     placement_cpus,
 )
 from prx_data.core.storage import storage_env
+from prx_data.export.idindex import write_id_index
 from prx_data.export.lock import ExportLock
-from prx_data.export.merge import ExportReport, done_parts, finalize
+from prx_data.export.merge import ExportReport, merge, write_report
 from prx_data.export.naming import ExportError
 from prx_data.export.pack import Pack, done_packs, plan_packs, write_pack
 from prx_data.export.pack import preload_writer as preload_pack_writer
 from prx_data.export.prepare import (
+    Prepared,
     check_before_work,
-    open_table,
-    plan_units,
+    open_source,
     prepare_output,
     release_table_version,
 )
@@ -149,7 +150,7 @@ def run_packs(
     progress: bool = False,
     on_driver: bool = False,
 ) -> dict[str, dict[str, int]]:
-    """Write every pack; returns {bucket: {pack: samples}} for :func:`finalize`.
+    """Write every pack; returns {bucket: {pack: samples}} for :func:`prx_data.export.merge.merge`.
 
     The driver handles one small record per pack (never a sample): a plan, a
     task and a result each. Packs go to threads of the driver when they are
@@ -179,18 +180,32 @@ def run_packs(
     return {b: dict(sorted(v.items())) for b, v in sorted(out.items())}
 
 
+@dataclass(frozen=True)
+class ListChanges:
+    """What an export run changes in the table's skip lists before it writes.
+
+    Args:
+        may_drop_lists: skip lists of the tree being overwritten that may be left behind
+            because their ids cannot be recovered (any other list is kept).
+        unregister_lists: lists removed from the table's ledger first (undoing a trial).
+    """
+
+    may_drop_lists: tuple[str, ...] = ()
+    unregister_lists: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:  # a list or a generator from a caller: kept as a tuple
+        object.__setattr__(self, "may_drop_lists", tuple(self.may_drop_lists))
+        object.__setattr__(self, "unregister_lists", tuple(self.unregister_lists))
+
+
 def run_export(
     cfg: ExportConfig,
+    run: RunOptions,
     *,
     overwrite: bool = False,
     resume: bool = False,
-    ray_address: str | None = None,
-    num_cpus: int | None = None,
-    progress: bool = True,
-    may_drop_lists: tuple[str, ...] = (),
+    lists: ListChanges = ListChanges(),
     driver_rows: int = DRIVER_UNIT_ROWS,
-    unregister_lists: tuple[str, ...] = (),
-    engine: str = "auto",
 ) -> ExportReport:
     """Export ``cfg.table`` to bucketed MDS under ``cfg.out`` and return the report.
 
@@ -199,36 +214,22 @@ def run_export(
 
     Args:
         cfg: the export's settings (:class:`~prx_data.export.spec.ExportConfig`).
+        run: where and how it runs (:class:`~prx_data.core.runtime.RunOptions`: engine,
+            Ray address, CPUs, progress bar).
         overwrite: replace an export of ours at ``cfg.out``.
         resume: finish the interrupted export at ``cfg.out`` with the same settings.
-        ray_address: a Ray cluster to run on (default: ``$RAY_ADDRESS``, else local).
-        num_cpus: CPUs of a local Ray or of the driver threads.
-        progress: show a progress bar.
-        may_drop_lists: skip lists of the tree being overwritten that may be left behind
-            because their ids cannot be recovered (any other list is kept).
+        lists: changes to the table's skip lists first (:class:`ListChanges`).
         driver_rows: under ``engine="auto"``, a table of at most this many rows with no
             cluster named runs on threads of this process (0: always Ray); the export
             it writes is the same.
-        unregister_lists: lists removed from the table's registry first (undoing a trial).
-        engine: :data:`prx_data.core.runtime.ENGINES`.
     """
-    check_engine(engine)
     try:
         cfg.encode.check()
     except ValueError as e:
         raise ExportError(str(e)) from None
     check_before_work(cfg, overwrite=overwrite, resume=resume)  # before Ray or the table
     sink = ExportSink(
-        cfg,
-        overwrite=overwrite,
-        resume=resume,
-        ray_address=ray_address,
-        num_cpus=num_cpus,
-        progress=progress,
-        may_drop_lists=tuple(may_drop_lists),
-        driver_rows=driver_rows,
-        unregister_lists=tuple(unregister_lists),
-        engine=engine,
+        cfg, run, overwrite=overwrite, resume=resume, lists=lists, driver_rows=driver_rows
     )
     try:
         with ExportLock(cfg.out) as lock:
@@ -247,22 +248,18 @@ class ExportSink:
 
     :meth:`on_write_start` (under the lock: lists carried, placement, output
     prepared, units planned), :meth:`write` (the work units, each by
-    :class:`_ExportTask`), :meth:`on_write_complete` (packs, merge, the skip
-    lists bound through ``finalize``'s ``lists_hook``, the report) and
+    :class:`_ExportTask`), :meth:`on_write_complete` (pack, merge, id index,
+    skip lists, report: in that order, read top to bottom) and
     :meth:`on_write_failed` (a refused run leaves no trace). The fields are
-    :func:`run_export`'s arguments.
+    :func:`run_export`'s arguments, as they were given.
     """
 
     cfg: ExportConfig
+    run: RunOptions
     overwrite: bool = False
     resume: bool = False
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    progress: bool = True
-    may_drop_lists: tuple[str, ...] = ()
+    lists: ListChanges = ListChanges()
     driver_rows: int = DRIVER_UNIT_ROWS
-    unregister_lists: tuple[str, ...] = ()
-    engine: str = "auto"
 
     def __post_init__(self) -> None:
         self.created = not storage.is_remote(self.cfg.out) and not os.path.exists(self.cfg.out)
@@ -284,31 +281,35 @@ class ExportSink:
                 # The tree follows a ledger: an --overwrite or a resume from a copy of the
                 # table must not trade it for another (or an empty) one.
                 check_recorded(cfg.out, read_state(cfg.out), self.registry)
-            for name in self.unregister_lists:
+            for name in self.lists.unregister_lists:
                 remove_list(self.registry, name, Provenance("write_mds --drop-list"))
             if self.overwrite and ours:
                 # Before anything is deleted: the old tree's export-only entries go to the
                 # ledger where newer, and the new tree is materialised from the log at the
                 # end (a killed run keeps them there).
-                carry(cfg.out, self.registry, drop=self.may_drop_lists)
+                carry(cfg.out, self.registry, drop=self.lists.may_drop_lists)
             optouts = self.registry.optout_keys()
         except ListError as e:
             raise ExportError(str(e)) from None
-        self.where = placement(cfg, self.driver_rows, self.ray_address, self.num_cpus, self.engine)
+        table = open_source(cfg, resume=self.resume)  # the one open of the table here
+        self.where = placement(table.count_rows(), self.run, self.driver_rows)
         # Sized under the lock: starting Ray takes seconds, and a second run must meet the lock first.
         if cfg.min_units is None and not self.resume:  # a resume keeps the count it started with
             cfg = replace(cfg, min_units=auto_min_units(self.where))
-        self.cfg = cfg = prepare_output(cfg, overwrite=self.overwrite, resume=self.resume)
+        self.prepared = prepare_output(
+            cfg, overwrite=self.overwrite, resume=self.resume, table=table
+        )
+        self.cfg = cfg = self.prepared.cfg
         write_keys(cfg.out, optouts)  # the ledger's opt-outs, left out while the units write
-        self.units = plan_units(cfg)
-        self.finished = done_parts(cfg.out) if self.resume else {}
         if self.resume:  # packs with a marker are kept; half-written ones go with unfinished parts
-            remove_stale_parts(cfg.out, kept_parts(self.finished) | done_packs(cfg.out), cfg.tiers)
-        return [u for u in self.units if u.part not in self.finished]
+            kept = kept_parts(self.prepared.finished) | done_packs(cfg.out)
+            remove_stale_parts(cfg.out, kept, cfg.tiers)
+        return self.prepared.todo
 
     def write(self, todo: list[WorkUnit]) -> dict[str, UnitResult]:
         """Run the units not done yet; returns every unit's result, in part order."""
-        results: dict[str, UnitResult] = dict(self.finished)
+        prepared: Prepared = self.prepared
+        results: dict[str, UnitResult] = dict(prepared.finished)
         if todo:
             if not self.where.on_ray:
                 from prx_data.core.streaming_compat import mds_writer
@@ -325,9 +326,9 @@ class ExportSink:
                 self.where,
                 Resources(num_cpus=1, env=storage_env() or None),
                 desc="write_mds",
-                progress=self.progress,
-                total=len(self.units),
-                initial=len(self.finished),
+                progress=self.run.progress,
+                total=len(prepared.units),
+                initial=len(prepared.finished),
                 postfix=totals.postfix,
             )
             for text in done:
@@ -335,7 +336,7 @@ class ExportSink:
                 self.lock.check()
                 totals.add(r, replaces=results.get(r.part))
                 results[r.part] = r
-        expected = {u.part for u in self.units}
+        expected = {u.part for u in prepared.units}
         missing = expected - set(results)
         if missing:
             raise RuntimeError(
@@ -344,33 +345,42 @@ class ExportSink:
         return {p: results[p] for p in sorted(expected)}
 
     def on_write_complete(self, results: dict[str, UnitResult]) -> ExportReport:
-        """Pack, merge, bind the skip lists, write the report, release the pinned version."""
+        """The export's end, in order: pack, merge, id index, skip lists, report.
+
+        The lease is checked before each step (and each step checks it again
+        before each of its writes): a run that lost it stops there. ``report.json``
+        is the last file written, so a run killed between any two steps leaves a
+        tree that does not look complete, and ``--resume`` redoes the end.
+        """
+        from prx_data.skips.errors import ListError
+        from prx_data.skips.materialise import materialise
+
         cfg, lock = self.cfg, self.lock
-        lock.check()
-        packed = None
-        if cfg.shard_size > 0:
-            packed = run_packs(
+        packs = None
+        if cfg.shard_size > 0:  # 1. pack: each bucket's parts into shards of about shard_size
+            lock.check()
+            packs = run_packs(
                 cfg,
                 plan_packs(cfg.out, results, cfg.shard_size),
                 check=lock.check,
                 placement=self.where,
-                progress=self.progress,
+                progress=self.run.progress,
                 on_driver=not self.where.on_ray,
             )
-        seconds = time.perf_counter() - self.t0
-        report = finalize(cfg, results, seconds, self._bind_lists, check=lock.check, packs=packed)
-        release_table_version(cfg)  # complete: the version it read need not outlive cleanup now
-        return report
-
-    def _bind_lists(self) -> dict:
-        from prx_data.skips.errors import ListError
-        from prx_data.skips.materialise import materialise
-
-        self.lock.check()
+        seconds = time.perf_counter() - self.t0  # the report's time: start to packed
+        lock.check()  # 2. merge: every bucket's index.json, then dropped.parquet
+        merged = merge(cfg, results, packs, lease=lock)
+        lock.check()  # 3. the id index, which the skip lists bind their ids through
+        write_id_index(cfg.out, sorted(merged.buckets), check=lock.check)
+        lock.check()  # 4. the skip lists: the ledger materialised into this tree
         try:
-            return materialise(self.cfg.out, self.registry, self.lock, full=True)
+            lists = materialise(cfg.out, self.registry, lock, full=True)
         except ListError as e:
             raise ExportError(str(e)) from None
+        lock.check()  # 5. the report: report.txt, then report.json, the last file written
+        report = write_report(cfg, results, merged, seconds, lists, lease=lock)
+        release_table_version(cfg, self.prepared.table)  # the version need not outlive cleanup
+        return report
 
     def on_write_failed(self, error: BaseException) -> None:
         """A run that fails leaves an ``--out`` it created only if it wrote into it."""
@@ -379,16 +389,11 @@ class ExportSink:
             os.rmdir(out)  # a refused run leaves no trace
 
 
-def placement(
-    cfg: ExportConfig,
-    driver_rows: int,
-    ray_address: str | None,
-    num_cpus: int | None,
-    engine: str = "auto",
-) -> Placement:
-    """Where the units run: :func:`prx_data.core.runtime.place` by the table's rows (read
-    from the manifest, before anything is written) against ``driver_rows`` (0: Ray)."""
-    rows = open_table(cfg.table, cfg.table_version).count_rows() if engine == "auto" else 0
-    if engine == "auto" and driver_rows <= 0:
-        engine = "ray"
-    return place(engine, size=rows, small=driver_rows, ray_address=ray_address, num_cpus=num_cpus)
+def placement(rows: int, run: RunOptions, driver_rows: int = DRIVER_UNIT_ROWS) -> Placement:
+    """Where the units run: :func:`prx_data.core.runtime.place` by the table's ``rows``
+    (counted from the manifest, before anything is written) against ``driver_rows``
+    (0: Ray)."""
+    engine = "ray" if run.engine == "auto" and driver_rows <= 0 else run.engine
+    return place(
+        engine, size=rows, small=driver_rows, ray_address=run.ray_address, num_cpus=run.num_cpus
+    )

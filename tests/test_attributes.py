@@ -33,6 +33,7 @@ from prx_data.columns.backends import (
     Request,
     VLLMBackend,
 )
+from prx_data.core.runtime import RunOptions
 from tests.caption_doubles import ChatServer
 from tests.tablekit import make_table
 
@@ -287,7 +288,7 @@ def test_attributes_job_stores_valid_flags_invalid_and_filters_a_subset(tmp_path
     out = str(tmp_path / "photos")
     run_export(
         ExportConfig(table=uri, out=out, tiers=(512,), filter="attributes.style = 'photo'"),
-        progress=False,
+        RunOptions(progress=False),
     )
     assert sorted(read_manifests(out)["id"].to_pylist()) == ["a/red0", "a/red1"]
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from prx_data.cli import JOBS
+from prx_data.core.runtime import RunOptions
 
 
 @pytest.mark.parametrize("job", sorted(JOBS))
@@ -175,6 +176,6 @@ def test_demo_writes_the_id_file_its_optout_command_names(tmp_path):
     items = [(f"demo/img_{i:04d}", jpeg(640, 480), "c") for i in (3, 1, 2)]
     dropped = [("demo/a_banner", jpeg(2400, 300), "c"), ("demo/a_broken", b"x", "c")]
     make_table(table, [*dropped, *items])
-    run_export(ExportConfig(table=table, out=out, tiers=(512,)), progress=False)
+    run_export(ExportConfig(table=table, out=out, tiers=(512,)), RunOptions(progress=False))
     path = _write_optout_ids(str(tmp_path), out)
     assert read_id_file(path) == ["demo/img_0001", "demo/img_0002"]

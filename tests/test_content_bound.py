@@ -18,6 +18,7 @@ import pytest
 from prx_data.pipelines.latents import LatentsConfig, run_latents
 from prx_data.pipelines.write_mds import run_export
 
+from prx_data.core.runtime import RunOptions
 from prx_data.export import layout, naming
 from prx_data.export.layout import ShardInfo, content_digest
 from prx_data.export.spec import ExportConfig
@@ -49,7 +50,7 @@ def _table(tmp_path) -> str:
 def _export(table: str, out: str, **kw):
     flags = {k: kw.pop(k) for k in ("overwrite", "resume") if k in kw}
     cfg = ExportConfig(table=table, out=out, tiers=(512,), rows_per_task=2, min_units=1, **kw)
-    return run_export(cfg, progress=False, **flags)
+    return run_export(cfg, RunOptions(progress=False), **flags)
 
 
 def _shard_paths(root: str) -> list[str]:

@@ -121,7 +121,7 @@ def export_in_process(table: str, out: str):
     from prx_data.export.spec import ExportConfig
     from prx_data.export.unit import export_unit
 
-    cfg = prepare_output(ExportConfig(table=table, out=out, tiers=TIERS, rows_per_task=5))
+    cfg = prepare_output(ExportConfig(table=table, out=out, tiers=TIERS, rows_per_task=5)).cfg
     results = {}
     for unit in plan_units(cfg):
         r = export_unit(cfg, unit)

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from prx_data.pipelines.download import DownloadConfig, run_download
 
+from prx_data.core.runtime import RunOptions
 from prx_data.download import fetch as F
 from tests.downloadkit import ImageServer, photo, url_table
 
@@ -96,7 +97,7 @@ def test_export_lists_the_download_reason_in_dropped_parquet(tmp_path):
         url_table(uri, urls + [None])
         run_download(cfg_for(uri, srv.allow))
     out = str(tmp_path / "out")
-    report = pipeline.run_export(ExportConfig(uri, out, tiers=(64,)), progress=False)
+    report = pipeline.run_export(ExportConfig(uri, out, tiers=(64,)), RunOptions(progress=False))
     dropped = {r["id"]: r for r in pq.read_table(f"{out}/dropped.parquet").to_pylist()}
     assert dropped["laion/00001"]["reason"] == "download:http_404"
     assert dropped["laion/00002"]["reason"] == "download:bad_scheme"

@@ -18,6 +18,7 @@ from prx_data.pipelines.write_mds import run_export
 from streaming import LocalDataset, StreamingDataset
 
 from prx_data.core.buckets import parse_bucket_name
+from prx_data.core.runtime import RunOptions
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.naming import ExportError
 from prx_data.export.spec import ExportConfig
@@ -55,7 +56,9 @@ def _all_buckets(root: str) -> list[str]:
 def bad_export(bad_table, tmp_path_factory, ray_local):
     uri, cases = bad_table
     out = str(tmp_path_factory.mktemp("bad_out") / "out")
-    report = run_export(ExportConfig(table=uri, out=out, rows_per_task=5), progress=False)
+    report = run_export(
+        ExportConfig(table=uri, out=out, rows_per_task=5), RunOptions(progress=False)
+    )
     return out, report, cases
 
 
@@ -138,7 +141,7 @@ def test_png_option_is_lossless_format(bad_table, tmp_path, ray_local):
     out = str(tmp_path / "png")
     run_export(
         ExportConfig(table=uri, out=out, image_format="png", filter="id = 'bad/good'"),
-        progress=False,
+        RunOptions(progress=False),
     )
     [b] = _all_buckets(out)
     [s] = _read_bucket(out, b)
@@ -150,12 +153,12 @@ def test_png_option_is_lossless_format(bad_table, tmp_path, ray_local):
 def test_rerun_gives_identical_bytes_and_output_guard(photo_table, tmp_path, ray_local):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     cfg = ExportConfig(table=photo_table, out=a, rows_per_task=4)
-    r1 = run_export(cfg, progress=False)
-    run_export(ExportConfig(table=photo_table, out=b, rows_per_task=4), progress=False)
+    r1 = run_export(cfg, RunOptions(progress=False))
+    run_export(ExportConfig(table=photo_table, out=b, rows_per_task=4), RunOptions(progress=False))
     assert content_digest(a) == content_digest(b)
     with pytest.raises(ExportError, match="--overwrite"):
-        run_export(cfg, progress=False)
-    r2 = run_export(cfg, overwrite=True, progress=False)
+        run_export(cfg, RunOptions(progress=False))
+    r2 = run_export(cfg, RunOptions(progress=False), overwrite=True)
     assert content_digest(a) == content_digest(b) and r2.buckets == r1.buckets
     # a directory that is not an export is never deleted
     foreign = tmp_path / "foreign"
@@ -163,7 +166,9 @@ def test_rerun_gives_identical_bytes_and_output_guard(photo_table, tmp_path, ray
     (foreign / "notes.txt").write_text("mine")
     with pytest.raises(ExportError, match="not provably an export"):
         run_export(
-            ExportConfig(table=photo_table, out=str(foreign)), overwrite=True, progress=False
+            ExportConfig(table=photo_table, out=str(foreign)),
+            RunOptions(progress=False),
+            overwrite=True,
         )
     assert (foreign / "notes.txt").exists()
 
@@ -175,7 +180,8 @@ def _cli(*args: str) -> list[str]:
 def test_kill_and_resume_gives_complete_valid_output(photo_table, tmp_path, ray_local):
     ref = str(tmp_path / "ref")
     run_export(
-        ExportConfig(table=photo_table, out=ref, rows_per_task=2, min_units=1), progress=False
+        ExportConfig(table=photo_table, out=ref, rows_per_task=2, min_units=1),
+        RunOptions(progress=False),
     )
     out = str(tmp_path / "killed")
     env = {**os.environ, "PYTHONPATH": REPO}
@@ -217,14 +223,18 @@ def test_resume_refuses_changed_options(photo_table, tmp_path, ray_local):
     prepare_output(cfg)
     with pytest.raises(ExportError, match="options differ") as e:
         run_export(
-            ExportConfig(table=photo_table, out=out, rows_per_task=4, quality=80), resume=True
+            ExportConfig(table=photo_table, out=out, rows_per_task=4, quality=80),
+            RunOptions(),
+            resume=True,
         )
     assert "(here: --quality 92)" in str(e.value)
     # An export begun under the previous default codec names the flag that resumes it.
     old = str(tmp_path / "old")
     prepare_output(ExportConfig(table=photo_table, out=old, rows_per_task=4, codec="pillow"))
     with pytest.raises(ExportError, match="here: --codec pillow"):
-        run_export(ExportConfig(table=photo_table, out=old, rows_per_task=4), resume=True)
+        run_export(
+            ExportConfig(table=photo_table, out=old, rows_per_task=4), RunOptions(), resume=True
+        )
 
 
 TWO_NODE_SCRIPT = r"""
@@ -235,8 +245,9 @@ cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 cluster.add_node(num_cpus=1)
 ray.init(address=cluster.address)
 from prx_data.pipelines.write_mds import run_export
+from prx_data.core.runtime import RunOptions
 from prx_data.export.unit import ExportConfig
-report = run_export(ExportConfig(table=sys.argv[1], out=sys.argv[2], rows_per_task=2, min_units=1), progress=False)
+report = run_export(ExportConfig(table=sys.argv[1], out=sys.argv[2], rows_per_task=2, min_units=1), RunOptions(progress=False))
 nodes = [n for n in ray.nodes() if n["Alive"]]
 print(json.dumps({"nodes": len(nodes), "written": report.samples_written, "rows": report.rows_read}))
 ray.shutdown()
@@ -264,7 +275,9 @@ def test_runs_on_two_node_ray_cluster(photo_table, tmp_path):
 @pytest.mark.remote
 def test_export_to_object_storage(photo_table, s3_bucket, tmp_path, ray_local):
     out = f"s3://{s3_bucket}/exports/run1"
-    report = run_export(ExportConfig(table=photo_table, out=out, rows_per_task=8), progress=False)
+    report = run_export(
+        ExportConfig(table=photo_table, out=out, rows_per_task=8), RunOptions(progress=False)
+    )
     assert is_complete(out)
     bucket = next(iter(report.buckets))
     ds = StreamingDataset(
@@ -279,7 +292,7 @@ def test_vips_codec_counts_the_same_drops(bad_table, tmp_path, ray_local):
     uri, cases = bad_table
     out = str(tmp_path / "vips")
     report = run_export(
-        ExportConfig(table=uri, out=out, rows_per_task=9, codec="vips"), progress=False
+        ExportConfig(table=uri, out=out, rows_per_task=9, codec="vips"), RunOptions(progress=False)
     )
     expected = {}
     for _, _, _, reason in cases:

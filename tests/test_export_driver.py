@@ -28,6 +28,7 @@ import pytest
 from PIL import Image
 
 from prx_data.core import runtime
+from prx_data.core.runtime import RunOptions
 from prx_data.export.idindex import index_uri
 from prx_data.export.spec import ExportConfig
 from tests.tablekit import make_table
@@ -82,12 +83,12 @@ def test_driver_threads_write_the_ray_paths_export_byte_for_byte(
 ):
     out, ray_tree = str(tmp_path / "out"), str(tmp_path / "ray")
     cfg = ExportConfig(table=table, out=out, tiers=(512,))  # the unit count is automatic
-    ray_report = pipeline.run_export(cfg, progress=False, engine="ray")
+    ray_report = pipeline.run_export(cfg, RunOptions(progress=False, engine="ray"))
     shutil.move(out, ray_tree)
     # Small work on driver threads, Ray up or not: 2 CPUs, like the session's Ray runtime.
     cpus = int(ray_local.cluster_resources()["CPU"])
     monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
-    report = pipeline.run_export(cfg, progress=False, num_cpus=cpus)
+    report = pipeline.run_export(cfg, RunOptions(progress=False, num_cpus=cpus))
     assert report.units == ray_report.units == len(SHAPES) + 1  # 8 per CPU, one row each
     assert report.samples_written == len(SHAPES) and report.dropped
     assert len(report.buckets) == 3
@@ -100,21 +101,23 @@ def test_driver_path_packs_on_threads_whatever_the_size(table, tmp_path, ray_loc
     monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
     monkeypatch.setattr(pipeline, "DRIVER_PACK_BYTES", 0)
     cfg = ExportConfig(table=table, out=str(tmp_path / "out"), tiers=(512,), min_units=2)
-    report = pipeline.run_export(cfg, progress=False, num_cpus=2)
+    report = pipeline.run_export(cfg, RunOptions(progress=False, num_cpus=2))
     assert report.samples_written == len(SHAPES)
 
 
 @pytest.mark.ray
 def test_driver_rows_and_table_size_pick_the_path(table, tmp_path, ray_local, monkeypatch):
-    cfg = ExportConfig(table=table, out=str(tmp_path / "o"))
-    rows = len(SHAPES) + 1
+    rows = len(SHAPES) + 1  # the table's rows
+    three = RunOptions(num_cpus=3)
+    cluster = RunOptions(num_cpus=3, ray_address="127.0.0.1:6379")
     with monkeypatch.context() as m:  # Ray is up in this process: size still decides
         m.delenv("RAY_ADDRESS", raising=False)
-        assert pipeline.placement(cfg, rows, None, 3).threads == 3
-        assert pipeline.placement(cfg, rows - 1, None, 3).on_ray  # a larger table: Ray
-        assert pipeline.placement(cfg, 0, None, 3).on_ray  # --driver-rows 0: always Ray
-        assert pipeline.placement(cfg, rows, "127.0.0.1:6379", 3).on_ray  # a named cluster
-        assert pipeline.placement(cfg, 0, None, 3, engine="local").threads == 3
+        assert pipeline.placement(rows, three, rows).threads == 3
+        assert pipeline.placement(rows, three, rows - 1).on_ray  # a larger table: Ray
+        assert pipeline.placement(rows, three, 0).on_ray  # --driver-rows 0: always Ray
+        assert pipeline.placement(rows, cluster, rows).on_ray  # a named cluster
+        local = RunOptions(num_cpus=3, engine="local")
+        assert pipeline.placement(rows, local, 0).threads == 3
     # the flag reaches the job: 0 runs the units on Ray
     seen = []
 
@@ -246,7 +249,7 @@ def test_driver_threads_export_to_object_storage(
     monkeypatch.setattr(runtime, "_on_ray", _no_ray_stage)
     out = f"s3://{s3_bucket}/exports/driver"
     cfg = ExportConfig(table=table, out=out, tiers=(512,), min_units=4)
-    report = pipeline.run_export(cfg, progress=False, num_cpus=2)
+    report = pipeline.run_export(cfg, RunOptions(progress=False, num_cpus=2))
     assert report.units >= 4 and report.samples_written == len(SHAPES)
     assert is_complete(out)
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
@@ -271,11 +274,11 @@ def test_a_ray_export_loads_the_pack_writer_here_while_its_units_run(
     monkeypatch.setattr(pipeline, "preload_pack_writer", spy_preload)
     monkeypatch.setattr(pipeline, "map_units", spy_map)
     cfg = ExportConfig(table=table, out=str(tmp_path / "ray"), tiers=(512,), min_units=2)
-    pipeline.run_export(cfg, progress=False, driver_rows=0)
+    pipeline.run_export(cfg, RunOptions(progress=False), driver_rows=0)
     assert events[:2] == ["preload", ("_ExportTask", True)]
     events.clear()  # on driver threads the writer is imported before the units, in the foreground
     cfg = ExportConfig(table=table, out=str(tmp_path / "here"), tiers=(512,), min_units=2)
-    pipeline.run_export(cfg, progress=False, num_cpus=2)
+    pipeline.run_export(cfg, RunOptions(progress=False, num_cpus=2))
     assert events[0] == ("_ExportTask", False) and "preload" not in events
 
 

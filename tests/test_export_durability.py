@@ -144,7 +144,7 @@ def test_rewrite_into_a_folder_holding_another_export_is_refused_untouched(tmp_p
 
 def test_unit_files_and_folders_are_fsynced_before_its_marker(tmp_path, table, monkeypatch):
     out = str(tmp_path / "o")
-    cfg = prepare_output(ExportConfig(table=table, out=out, rows_per_task=2, min_units=1))
+    cfg = prepare_output(ExportConfig(table=table, out=out, rows_per_task=2, min_units=1)).cfg
     synced: set[tuple[int, int]] = set()
     at_marker: dict[str, set[tuple[int, int]]] = {}
     real_fsync, real_write = os.fsync, storage.write_bytes_atomic

@@ -20,6 +20,7 @@ import pytest
 from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import verify as verify_cli
+from prx_data.core.runtime import RunOptions
 from prx_data.export import layout, naming
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.spec import ExportConfig
@@ -35,7 +36,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def photo_ref(photo_table, tmp_path_factory, ray_local):
     out = str(tmp_path_factory.mktemp("ref") / "ref")
     run_export(
-        ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1), progress=False
+        ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1),
+        RunOptions(progress=False),
     )
     return out
 
@@ -43,7 +45,9 @@ def photo_ref(photo_table, tmp_path_factory, ray_local):
 def test_dropped_rows_are_listed_with_reason_and_hashes_recorded(bad_table, tmp_path, ray_local):
     uri, cases = bad_table
     out = str(tmp_path / "o")
-    report = run_export(ExportConfig(table=uri, out=out, rows_per_task=5), progress=False)
+    report = run_export(
+        ExportConfig(table=uri, out=out, rows_per_task=5), RunOptions(progress=False)
+    )
     dropped = pq.read_table(os.path.join(out, naming.DROPPED_NAME)).to_pylist()
     assert sorted((r["id"], r["reason"]) for r in dropped) == sorted(
         (i, reason) for i, _, _, reason in cases if reason
@@ -68,7 +72,9 @@ def test_caption_problems_are_warned_and_reported(tmp_path, ray_local):
     uri = str(tmp_path / "nullcap.lance")
     lance.write_dataset(pa.table(rows), uri)
     with pytest.warns(UserWarning, match="null or empty in every exported sample"):
-        report = run_export(ExportConfig(table=uri, out=str(tmp_path / "o1")), progress=False)
+        report = run_export(
+            ExportConfig(table=uri, out=str(tmp_path / "o1")), RunOptions(progress=False)
+        )
     assert report.samples_written == 2
     on_disk = json.load(open(tmp_path / "o1" / "report.json"))
     assert any("'caption' is null or empty" in w for w in on_disk["warnings"])
@@ -76,7 +82,9 @@ def test_caption_problems_are_warned_and_reported(tmp_path, ray_local):
     uri2 = str(tmp_path / "nocap.lance")
     lance.write_dataset(pa.table(rows), uri2)
     with pytest.warns(UserWarning, match="has no caption column"):
-        report = run_export(ExportConfig(table=uri2, out=str(tmp_path / "o2")), progress=False)
+        report = run_export(
+            ExportConfig(table=uri2, out=str(tmp_path / "o2")), RunOptions(progress=False)
+        )
     assert any("no caption column" in w for w in report.warnings)
     assert "warnings:" in (tmp_path / "o2" / "report.txt").read_text()
 
@@ -84,7 +92,8 @@ def test_caption_problems_are_warned_and_reported(tmp_path, ray_local):
 def test_resume_removes_temp_files_and_finishes(photo_table, photo_ref, tmp_path, ray_local):
     out = str(tmp_path / "o")
     run_export(
-        ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1), progress=False
+        ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1),
+        RunOptions(progress=False),
     )
     # Make it look like a run killed at its end: no report, one unit unfinished, temp files.
     os.remove(os.path.join(out, "report.json"))
@@ -102,8 +111,8 @@ def test_resume_removes_temp_files_and_finishes(photo_table, photo_ref, tmp_path
         open(t, "wb").write(b"half")
     run_export(
         ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1),
+        RunOptions(progress=False),
         resume=True,
-        progress=False,
     )
     assert [t for t in temps if os.path.exists(t)] == []
     assert is_complete(out) and content_digest(out) == content_digest(photo_ref)
@@ -241,7 +250,8 @@ def test_object_storage_faults_are_absorbed_by_retries(
         monkeypatch.setenv("S3_READ_TIMEOUT_S", "4")  # the stalled request times out and is retried
         out = f"s3://{s3_bucket}/faulty"
         run_export(
-            ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1), progress=False
+            ExportConfig(table=photo_table, out=out, rows_per_task=2, min_units=1),
+            RunOptions(progress=False),
         )
     finally:
         proxy.shutdown()
@@ -278,7 +288,7 @@ def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
     table = str(tmp_path / "t.lance")
     sizes = [(600, 600), (1200, 600), (600, 600), (600, 1200)]
     make_table(table, [(f"s/{i}", _jpeg(s), f"cap {i}") for i, s in enumerate(sizes)])
-    ref = prepare_output(ExportConfig(table=table, out=str(tmp_path / "ref"), rows_per_task=2))
+    ref = prepare_output(ExportConfig(table=table, out=str(tmp_path / "ref"), rows_per_task=2)).cfg
     finalize_reference(ref, {u.part: export_unit(ref, u) for u in plan_units(ref)})  # undisturbed
     first, second = sorted(u.part for u in plan_units(ref))
     crashes = {first: "write_manifest", second: "marker_path"}
@@ -304,8 +314,7 @@ def test_unit_retried_after_its_worker_died_finishes_with_identical_bytes(
     out = str(tmp_path / "o")
     run_export(
         ExportConfig(table=table, out=out, rows_per_task=2, min_units=1),
-        progress=False,
-        engine="ray",
+        RunOptions(progress=False, engine="ray"),
     )
     assert sorted(os.listdir(flags)) == sorted(crashes)  # both workers did die
     assert is_complete(out) and content_digest(out) == content_digest(ref.out)

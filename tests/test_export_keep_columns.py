@@ -49,7 +49,7 @@ def _table(tmp_path) -> tuple[str, dict[str, dict]]:
 
 
 def _export(cfg: ExportConfig):
-    cfg = prepare_output(cfg)
+    cfg = prepare_output(cfg).cfg
     results = {}
     for unit in plan_units(cfg):
         r = export_unit(cfg, unit)
@@ -138,7 +138,7 @@ def test_keep_columns_refusals_and_resume(tmp_path):
     # An interrupted export resumes only with the same --keep-columns.
     cfg = prepare_output(
         ExportConfig(table=uri, out=out, tiers=(512,), keep_columns=("url", "similarity"))
-    )
+    ).cfg
     export_unit(cfg, plan_units(cfg)[0])
     with pytest.raises(ExportError, match="keep_columns"):
         prepare_output(
@@ -147,7 +147,7 @@ def test_keep_columns_refusals_and_resume(tmp_path):
     again = prepare_output(
         ExportConfig(table=uri, out=out, tiers=(512,), keep_columns=("url", "similarity")),
         resume=True,
-    )
+    ).cfg
     assert again.keep_columns == ("url", "similarity")
 
 

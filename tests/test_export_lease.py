@@ -12,6 +12,7 @@ import boto3
 import pytest
 
 from prx_data.core import storage
+from prx_data.core.runtime import RunOptions
 from prx_data.export import layout, naming
 from prx_data.export import lock as lock_mod
 from prx_data.export.lock import ExportLock, ExportLocked
@@ -201,10 +202,17 @@ def test_takeover_ignores_the_wall_clocks_of_other_hosts(s3_bucket, moto_server)
     )
 
 
-# --- finalize checks the lease before every write ------------------------------------------
+# --- the export's end checks the lease before every write ------------------------------------------
 
 B1, B2 = "512/1.000", "512/0.500"
 FINAL = {naming.INDEX_NAME, naming.DROPPED_NAME, "report.txt", layout.REPORT_NAME}
+
+
+class _Lease:
+    """A stand-in for the run's lease: ``check`` does what the test says."""
+
+    def __init__(self, check):
+        self.check = check
 
 
 def _unfinalized(tmp_path):
@@ -228,7 +236,7 @@ def test_finalize_checks_the_lease_right_before_every_write(tmp_path, monkeypatc
         write(path, data)
 
     monkeypatch.setattr(storage, "write_bytes_atomic", recording_write)
-    finalize(cfg, results, 0.0, check=lambda: events.append("check"))
+    finalize(cfg, results, 0.0, lease=_Lease(lambda: events.append("check")))
     written = [e for e in events if e != "check"]
     assert {os.path.basename(w) for w in written} == FINAL
     for i, e in enumerate(events):
@@ -243,7 +251,7 @@ def test_finalize_stops_on_a_lost_lease_before_it_writes(tmp_path):
         raise ExportLocked("lost the lease on s3://b/x/.prx-export.lease: test")
 
     with pytest.raises(ExportLocked, match="lost the lease"):
-        finalize(cfg, results, 0.0, check=lost)
+        finalize(cfg, results, 0.0, lease=_Lease(lost))
     for b in (B1, B2):
         assert not os.path.exists(os.path.join(root, b, naming.INDEX_NAME))
     for name in (layout.REPORT_NAME, "report.txt", naming.DROPPED_NAME):
@@ -266,13 +274,14 @@ def test_an_export_whose_lease_is_lost_after_its_units_writes_no_index_or_report
     out = str(tmp_path / "o")
 
     def check(self) -> None:  # the lease runs out once every unit has finished
-        if sys._getframe(1).f_code.co_name in ("finalize", "merge_bucket", "_merge_dropped"):
+        steps = ("on_write_complete", "merge", "merge_bucket", "merge_dropped")
+        if sys._getframe(1).f_code.co_name in steps:
             raise ExportLocked("lost the lease on s3://b/o/.prx-export.lease: test")
 
     monkeypatch.setattr(write_mds.ExportLock, "check", check)
     cfg = ExportConfig(table=uri, out=out, rows_per_task=2, min_units=1)
     with pytest.raises(ExportLocked, match="lost the lease"):
-        write_mds.run_export(cfg, progress=False)
+        write_mds.run_export(cfg, RunOptions(progress=False))
     assert len(layout.list_markers(out)) == 2  # the units finished ...
     assert layout.list_buckets(out) == []  # ... but no merged index
     for name in (layout.REPORT_NAME, "report.txt", naming.DROPPED_NAME):

@@ -20,6 +20,7 @@ import pytest
 from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import verify as verify_cli
+from prx_data.core.runtime import RunOptions
 from prx_data.export import layout, naming
 from prx_data.export import pack as packmod
 from prx_data.export.layout import content_digest, is_complete
@@ -55,7 +56,7 @@ def _cfg(table: str, out: str, **kw) -> ExportConfig:
 
 def _export(table: str, out: str, **kw):
     flags = {k: kw.pop(k) for k in ("overwrite", "resume") if k in kw}
-    return run_export(_cfg(table, out, **kw), progress=False, **flags)
+    return run_export(_cfg(table, out, **kw), RunOptions(progress=False), **flags)
 
 
 def _samples(root: str, bucket: str = B) -> dict[str, bytes]:

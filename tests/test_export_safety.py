@@ -16,6 +16,7 @@ import pytest
 from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import verify as verify_cli
+from prx_data.core.runtime import RunOptions
 from prx_data.export import durable, layout, naming, safety
 from prx_data.export.lock import ExportLock, ExportLocked
 from prx_data.export.merge import done_parts, finalize
@@ -70,7 +71,7 @@ def test_photo_folder_with_year_dirs_is_never_touched(tmp_path, table, flag):
     root = str(tmp_path / "photos")
     files = _photo_folder(root)
     with pytest.raises(ExportError, match="not provably an export") as e:
-        run_export(ExportConfig(table=table, out=root), **{flag: True}, progress=False)
+        run_export(ExportConfig(table=table, out=root), RunOptions(progress=False), **{flag: True})
     assert "2023/IMG_0000.jpg" in str(e.value) and "export.marker" in str(e.value)
     assert _unchanged(root, files)
     assert sorted(os.listdir(root)) == ["2023", "2024"]  # not even a lock file is left
@@ -134,9 +135,9 @@ def test_out_that_is_a_file_and_table_without_images_are_clean_errors(tmp_path, 
     f = tmp_path / "file.bin"
     f.write_bytes(b"x")
     with pytest.raises(ExportError, match="is a file"):
-        run_export(ExportConfig(table=table, out=str(f)), progress=False)
+        run_export(ExportConfig(table=table, out=str(f)), RunOptions(progress=False))
     with pytest.raises(ExportError, match="is a file"):
-        run_export(ExportConfig(table=table, out=str(f / "sub")), progress=False)
+        run_export(ExportConfig(table=table, out=str(f / "sub")), RunOptions(progress=False))
     import lance
     import pyarrow as pa
 
@@ -144,7 +145,7 @@ def test_out_that_is_a_file_and_table_without_images_are_clean_errors(tmp_path, 
     lance.write_dataset(pa.table({"id": ["a"], "caption": ["c"]}), uri)
     out = str(tmp_path / "o")
     with pytest.raises(ExportError, match="no 'image', 'width', 'height' column"):
-        run_export(ExportConfig(table=uri, out=out), progress=False)
+        run_export(ExportConfig(table=uri, out=out), RunOptions(progress=False))
     assert not os.path.exists(out)
 
 
@@ -179,7 +180,7 @@ def test_second_run_and_resume_are_refused_while_a_run_holds_the_lock(tmp_path, 
     try:
         for kw in ({}, {"resume": True}, {"overwrite": True}):
             with pytest.raises(ExportLocked, match=f"pid {holder.pid}"):
-                run_export(ExportConfig(table=table, out=out), progress=False, **kw)
+                run_export(ExportConfig(table=table, out=out), RunOptions(progress=False), **kw)
         assert os.listdir(out) == [naming.LOCK_NAME]
     finally:
         holder.stdin.close()

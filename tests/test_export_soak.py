@@ -24,6 +24,7 @@ from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import verify as verify_cli
 from prx_data.core import storage
+from prx_data.core.runtime import RunOptions
 from prx_data.export import naming
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.naming import ExportError
@@ -253,7 +254,7 @@ def test_fault_soak_ends_with_one_writer_and_identical_bytes(
     t0 = time.monotonic()
     pinned = {"rows_per_task": ROWS_PER_TASK, "min_units": 1}
     # The undisturbed run: every unit in this process, no Ray, no store.
-    ref = prepare_output(ExportConfig(table=soak_table, out=str(tmp_path / "ref"), **pinned))
+    ref = prepare_output(ExportConfig(table=soak_table, out=str(tmp_path / "ref"), **pinned)).cfg
     units = sorted(plan_units(ref), key=lambda u: u.part)
     finalize_reference(ref, {u.part: export_unit(ref, u) for u in units})
 
@@ -312,7 +313,7 @@ def test_fault_soak_ends_with_one_writer_and_identical_bytes(
         try:
             if wait is not None:
                 wait.wait(timeout=30)
-            outcomes[name] = run_export(cfg, progress=False, engine="ray")
+            outcomes[name] = run_export(cfg, RunOptions(progress=False, engine="ray"))
         except BaseException as e:  # noqa: BLE001 - the outcome is what the test checks
             outcomes[name] = e
 

@@ -15,6 +15,7 @@ from lance.fragment import FragmentMetadata
 from PIL import Image
 from prx_data.pipelines.write_mds import UNITS_PER_CPU, run_export
 
+from prx_data.core.runtime import RunOptions
 from prx_data.export.naming import ExportError
 from prx_data.export.prepare import plan_units, prepare_output
 from prx_data.export.spec import ExportConfig, WorkUnit
@@ -112,13 +113,13 @@ def test_export_uses_every_cpu_and_resume_keeps_the_plan(small_table, tmp_path, 
     the count is recorded, so a resume on another cluster size plans the same units."""
     cpus = int(ray_local.cluster_resources()["CPU"])
     out = str(tmp_path / "out")
-    report = run_export(ExportConfig(table=small_table, out=out), progress=False)
+    report = run_export(ExportConfig(table=small_table, out=out), RunOptions(progress=False))
     assert report.rows_read == 259
     assert report.units >= UNITS_PER_CPU * cpus
     with open(os.path.join(out, "_progress", "config")) as f:
         assert json.load(f)["min_units"] == UNITS_PER_CPU * cpus
     # resuming without --min-units takes the recorded count, not this cluster's
-    resumed = prepare_output(ExportConfig(table=small_table, out=out), resume=True)
+    resumed = prepare_output(ExportConfig(table=small_table, out=out), resume=True).cfg
     assert resumed.min_units == UNITS_PER_CPU * cpus
     # an explicit, different count is a different export: refused
     with pytest.raises(ExportError, match="min_units"):
@@ -129,11 +130,11 @@ def test_bad_codec_settings_fail_before_any_work(small_table, tmp_path):
     out = tmp_path / "o"
     cfg = ExportConfig(table=small_table, out=str(out), codec="vips", resample="box")
     with pytest.raises(ExportError, match="Lanczos3 only"):
-        run_export(cfg, progress=False)
+        run_export(cfg, RunOptions(progress=False))
     assert not out.exists()
     cfg = ExportConfig(table=small_table, out=str(out), draft_margin=0.5)
     with pytest.raises(ExportError, match="below 1.0"):
-        run_export(cfg, progress=False)
+        run_export(cfg, RunOptions(progress=False))
     assert not out.exists()
 
 
@@ -170,7 +171,7 @@ def test_draft_margin_reaches_the_export_and_its_resume_check(tmp_path):
         cfg = ExportConfig(
             table=table, out=str(tmp_path / f"m{margin}"), tiers=(512,), draft_margin=margin
         )
-        cfg = prepare_output(cfg)
+        cfg = prepare_output(cfg).cfg
         results = {u.part: export_unit(cfg, u) for u in plan_units(cfg)}
         assert finalize(cfg, results, 0.0).samples_written == 1
         (shard,) = glob.glob(os.path.join(cfg.out, "512", "*", "*", "shard.*.mds"))

@@ -21,6 +21,7 @@ from prx_data.pipelines.write_mds import run_export
 from prx_data.cli import optout as OC
 from prx_data.cli import skips as SC
 from prx_data.core.errors import Conflict
+from prx_data.core.runtime import RunOptions
 from prx_data.export import layout
 from prx_data.export.spec import ExportConfig
 from prx_data.skips import ledger as LG
@@ -54,7 +55,7 @@ def _table(path, extra: dict[str, bytes] | None = None) -> str:
 
 def _export(table: str, out, *, ledger: str | None = None, overwrite: bool = False):
     cfg = ExportConfig(table=table, out=str(out), tiers=(512,), ledger=ledger)
-    return run_export(cfg, overwrite=overwrite, progress=False)
+    return run_export(cfg, RunOptions(progress=False), overwrite=overwrite)
 
 
 def written_ids(root: str) -> set[str]:

@@ -21,6 +21,7 @@ from prx_data.cli import optout as optout_cli
 from prx_data.cli import skips as skips_cli
 from prx_data.cli import verify as verify_cli
 from prx_data.cli import write_mds as write_mds_cli
+from prx_data.core.runtime import RunOptions
 from prx_data.export import layout, naming, safety
 from prx_data.export.spec import ExportConfig
 from prx_data.skips import sidecar as SL
@@ -55,7 +56,7 @@ def table(tmp_path):
 def _export(table: str, out: str, **kw) -> object:
     flags = {k: kw.pop(k) for k in ("overwrite", "resume") if k in kw}
     cfg = ExportConfig(table=table, out=out, tiers=(512,), min_units=2, **kw)
-    return run_export(cfg, progress=False, **flags)
+    return run_export(cfg, RunOptions(progress=False), **flags)
 
 
 def _streamed(root: str) -> set[str]:

@@ -16,6 +16,7 @@ from prx_data.pipelines.write_mds import run_export
 
 from prx_data.cli import table as table_cli
 from prx_data.columns import runner as R
+from prx_data.core.runtime import RunOptions
 from prx_data.export.layout import content_digest, is_complete
 from prx_data.export.prepare import plan_units, prepare_output
 from prx_data.export.spec import ExportConfig
@@ -57,12 +58,12 @@ def _compact_cleanup(uri: str, capsys, *extra: str) -> tuple[dict, str]:
 def test_paused_export_survives_compact_cleanup_and_resumes(tmp_path, ray_local, capsys):
     table = _photos(str(tmp_path / "t.lance"))
     ref = str(tmp_path / "ref")
-    run_export(_cfg(table, ref), progress=False)
+    run_export(_cfg(table, ref), RunOptions(progress=False))
     assert _tags(table) == {}  # a finished export leaves no tag
 
     # An export stopped after its first unit: the version it read is tagged after its --out.
     out = str(tmp_path / "paused")
-    cfg = prepare_output(_cfg(table, out))
+    cfg = prepare_output(_cfg(table, out)).cfg
     export_unit(cfg, plan_units(cfg)[0])
     tag = pins.export_pin(out)
     assert _tags(table) == {tag: cfg.table_version}
@@ -74,7 +75,7 @@ def test_paused_export_survives_compact_cleanup_and_resumes(tmp_path, ray_local,
     assert tag in err and "untag" in err and out in err  # says which tags it kept, and why
     assert lance.dataset(table, version=cfg.table_version).count_rows() == 8
 
-    report = run_export(_cfg(table, out), resume=True, progress=False)
+    report = run_export(_cfg(table, out), RunOptions(progress=False), resume=True)
     assert report.table_version == cfg.table_version
     assert is_complete(out) and content_digest(out) == content_digest(ref)
     assert _tags(table) == {}  # the resumed export removed the tag it reused

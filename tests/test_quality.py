@@ -112,7 +112,9 @@ def test_column_job_stats_and_cli(quality_table, tmp_path, capsys):
 def test_export_counts_blank_samples_and_skips_build_a_blank_list(quality_table, tmp_path, capsys):
     compute_quality(quality_table, progress=False)
     out = str(tmp_path / "export")
-    cfg = prepare_output(ExportConfig(table=quality_table, out=out, tiers=(512,), rows_per_task=4))
+    cfg = prepare_output(
+        ExportConfig(table=quality_table, out=out, tiers=(512,), rows_per_task=4)
+    ).cfg
     results = {u.part: export_unit(cfg, u) for u in plan_units(cfg)}
     report = finalize(cfg, results, 0.0)
     assert report.samples_written == 6 and report.notes.get("blank") == 2

@@ -33,7 +33,7 @@ def test_exporter_output_streams_with_a_query_skip_list(tmp_path):
     make_table(table, folder_items(items), max_rows_per_file=4)
     cfg = prepare_output(
         ExportConfig(table=table, out=str(tmp_path / "out"), tiers=(512,), rows_per_task=4)
-    )
+    ).cfg
     results = {}
     for unit in plan_units(cfg):
         r = export_unit(cfg, unit)

@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
             "pre-filter (keywords/regex in prx_data/columns/prompts_txt/classify_rules.txt) labels clear "
             "cases first, or alone with --rules-only. Only rows with a caption and no label are "
             "processed, so reruns resume; failures keep their reason in COLUMN_error. Turn "
-            "labels into skip lists with `python -m prx_data.skips` and a query such as \"label IN ('text','nsfw')\"."
+            "labels into skip lists with `python -m prx_data.skips` and a query such as \"label IN ('text','nsfw')\". "
+            "Small work runs on threads of this process; larger work, or a run given a cluster, "
+            "on Ray."
         ),
         ClassifyConfig,
         max_tokens=8,

@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m prx_data.dedup",
         description="Find duplicate images in a Lance table by perceptual hash (pHash), keep the "
         "highest-resolution copy of each cluster, write a dup_of column and (with --export) a "
-        "skip list on an export so the loader leaves the copies out without rewriting shards.",
+        "skip list on an export so the loader leaves the copies out without rewriting shards. "
+        "Small work runs on threads of this process; larger work, or a run given a cluster, "
+        "on Ray.",
     )
     add_flags(p, DedupConfig)
     p.set_defaults(report=DEFAULT_REPORT)

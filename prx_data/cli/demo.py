@@ -2,7 +2,8 @@
 
 Makes a photo-like sample collection (several sizes, aspect ratios, formats
 and caption sidecars, plus a few broken files), ingests it into a local
-Lance table with Ray Data, exports bucketed MDS and prints the report.
+Lance table and exports bucketed MDS (on threads of this process at the default
+size: small work never starts Ray), then prints the report.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def check_table_is_the_demos(table: str) -> None:
 def run_demo(
     workdir: str, repeats: int = 2, num_cpus: int | None = None, force: bool = False
 ) -> dict:
+    from prx_data.core.runtime import RunOptions
     from prx_data.export.spec import ExportConfig
     from prx_data.pipelines.ingest import ingest
     from prx_data.pipelines.write_mds import run_export
@@ -135,8 +137,8 @@ def run_demo(
     print(ingest_report.format())
     report = run_export(
         ExportConfig(table=table, out=out, rows_per_task=8),
+        RunOptions(num_cpus=num_cpus),
         overwrite=os.path.exists(out),
-        num_cpus=num_cpus,
     )
     from prx_data.train.text_encoder import save_tiny_t5
     from prx_data.train.vae import save_tiny_autoencoder
@@ -183,8 +185,9 @@ def run_demo(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.demo",
-        description="Make a small sample collection, ingest it into Lance and export bucketed MDS "
-        "with local Ray; prints the export report.",
+        description="Make a small sample collection, ingest it into Lance and export bucketed MDS; "
+        "prints the export report. At the default size both run on threads of this process; a "
+        "larger --repeats can make a table large enough to start a local Ray.",
     )
     p.add_argument(
         "--workdir",
@@ -198,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="Copies of the 16-size sample grid to generate (default: 2, i.e. 32 images).",
     )
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all).")
+    p.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="CPUs for the work, on threads or a local Ray (default: all).",
+    )
     p.add_argument(
         "--force",
         action="store_true",

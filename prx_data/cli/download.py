@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fetches only rows without a status; each URL is fetched once per table. Private, "
         "loopback, link-local and metadata addresses are refused unless --allow-private "
         "names them; X-Robots-Tag noai/noimageai is honoured; bytes that do not match the "
-        "row's sha256/md5 column are not stored.",
+        "row's sha256/md5 column are not stored. Small work runs on threads of this process; "
+        "on Ray (larger work, or a cluster) the fetch tasks share one per-host budget through "
+        "a Ray actor it starts.",
     )
     add_flags(p, DownloadConfig)
     add_flags(p.add_argument_group("politeness, limits and safety"), F.FetchConfig)

@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
         "beside its shards (OUT/_latents/, one .npy per shard, and record.json), so a "
         "latent-space training run with vae.source: precomputed reads them instead of running "
         "the encoder every step. The shards are not rewritten; a rerun encodes only the shards "
-        "whose latents are missing or changed.",
+        "whose latents are missing or changed. Small work runs on threads of this process; on "
+        "Ray (larger work, or a cluster) it starts Ray first, to give each GPU one encoder.",
     )
     add_flags(p, LatentsConfig)
     add_run_args(p)

@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"the share of its most common colour), after flattening alpha on white as the export "
         f"does, into the struct column {quality.COLUMN!r}. Resumable: only rows without a "
         "value are measured. Blank images (such as transparent overlays that export as pure "
-        "white) then show in stats and the explorer and can go to a 'blank' skip list.",
+        "white) then show in stats and the explorer and can go to a 'blank' skip list. Small "
+        "work runs on threads of this process; larger work, or a run given a cluster, on Ray.",
     )
     add_flags(p, QualityConfig)
     add_run_args(p)

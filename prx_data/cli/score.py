@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         "image embedding, so run clip first; watermark, nsfw: an image-classification model, "
         "with <prefix>_label and one <prefix>_p_<class> probability column per class. Rows "
         "that cannot be scored get a reason in <prefix>_error and are retried next run. Use "
-        "the columns in `skips add --where` and `write_mds --filter`.",
+        "the columns in `skips add --where` and `write_mds --filter`. Small work runs on threads "
+        "of this process; larger work, or a run given a cluster, on Ray.",
     )
     add_flags(p, ScoreConfig)
     add_run_args(p)

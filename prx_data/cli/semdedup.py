@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
         "is a near duplicate (the same photo re-encoded, cropped, colour-shifted, or the same "
         "concept shot again). The largest member (width x height) is kept. Prints the share "
         "removed at several thresholds; with --export, writes the removed rows to a skip list "
-        "there (shards untouched; a rerun replaces the list).",
+        "there (shards untouched; a rerun replaces the list). Small work runs in this process; "
+        "larger work, or a run given a cluster, on Ray.",
     )
     add_flags(p, SemDedupConfig)
     add_run_args(p)

@@ -11,7 +11,7 @@ from prx_data.core.errors import PrxDataError
 from prx_data.core.flags import add_flags, from_args
 from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.export.spec import ExportConfig
-from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, run_export
+from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, ListChanges, run_export
 
 EPILOG = """\
 output layout:
@@ -121,11 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         check_tiers(cfg.tiers)  # the command line has no bucket spec of its own
         report = run_export(
             cfg,
+            opts,
             overwrite=args.overwrite,
             resume=args.resume,
-            **opts.job_fields(),
-            may_drop_lists=tuple(args.drop_lists),
-            unregister_lists=tuple(args.drop_list),
+            lists=ListChanges(may_drop_lists=args.drop_lists, unregister_lists=args.drop_list),
             driver_rows=args.driver_rows,
         )
     except PrxDataError as e:

@@ -1,8 +1,14 @@
-"""Merge and report: the units' parts (or packs) into each bucket's ``index.json``,
-the dropped rows into ``dropped.parquet``, then the id index and the report.
+"""The steps of the export's end: :func:`merge` (the units' parts, or packs, into each
+bucket's ``index.json``; the dropped rows into ``dropped.parquet``) and
+:func:`write_report` (``report.txt``, then ``report.json``).
 
-A bucket's merged index is written atomically only after every unit is done,
-and ``report.json`` last of all, so an export never looks complete before it is.
+:meth:`prx_data.pipelines.write_mds.ExportSink.on_write_complete` calls them in
+order, with the id index and the skip lists between, and checks the run's lease
+between steps; each step checks it again right before each of its writes (a
+:class:`~prx_data.core.lease.Lease`, never a callback). A bucket's merged index is
+written atomically only after every unit is done, and ``report.json`` last of all,
+so an export never looks complete before it is. :func:`finalize` runs the same
+steps for a tree with no skip lists (sample exports, tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ import json
 import os
 import posixpath
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from prx_data.core import storage
+from prx_data.core.lease import Lease
 from prx_data.core.reports import FailureCounts
 from prx_data.core.schema import REPORT_NAME
 from prx_data.export.bounded import imap_bounded, io_workers
@@ -46,14 +53,14 @@ def merge_bucket(
     bucket_dir: str,
     parts: list[str],
     expected: Mapping[str, int] | None = None,
-    check: Callable[[], None] = lambda: None,
+    lease: Lease | None = None,
 ) -> int:
     """Write the bucket's index.json from its parts' indexes, atomically.
 
     ``expected`` ({part: samples}, from the work units' results) is checked
     before anything is written: a part whose index disagrees (another run
-    rewrote it) fails the merge and leaves no index behind. ``check`` runs
-    right before the write (the export lease: reading the parts can take long).
+    rewrote it) fails the merge and leaves no index behind. ``lease`` (the
+    export's) is checked right before the write: reading the parts can take long.
     """
     shards = []
     ordered = sorted(parts)
@@ -77,7 +84,7 @@ def merge_bucket(
                     shard[key]["basename"] = posixpath.join(part, shard[key]["basename"])
             shards.append(shard)
     body = json.dumps({"version": 2, "shards": shards}, sort_keys=True)
-    check()
+    _check(lease)
     storage.write_bytes_atomic(storage.join(bucket_dir, "index.json"), body.encode())
     return sum(s["samples"] for s in shards)
 
@@ -97,7 +104,7 @@ class ExportReport(FailureCounts):
     seconds: float
     #: Problems worth a look that did not stop the export (e.g. no captions at all).
     warnings: list[str] = field(default_factory=list)
-    #: Skip lists applied from the table's registry: {list: {ids, samples, shards}}.
+    #: Skip lists applied from the table's ledger: {list: {ids, samples, shards}}.
     lists: dict[str, dict] = field(default_factory=dict)
 
     counted = "rows"
@@ -180,8 +187,57 @@ def done_parts(out: str) -> dict[str, UnitResult]:
     return results
 
 
-def _merge_dropped(
-    cfg: ExportConfig, results: dict[str, UnitResult], check: Callable[[], None]
+def _check(lease: Lease | None) -> None:
+    """Raise if the run lost its lease (see :meth:`prx_data.core.lease.Lease.check`)."""
+    if lease is not None:
+        lease.check()
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What :func:`merge` wrote: samples by bucket, and the parts ``dropped.parquet`` lacks."""
+
+    buckets: dict[str, int]
+    #: Parts whose dropped rows are missing (units finished by an older version).
+    unlisted: tuple[str, ...] = ()
+
+
+def merge(
+    cfg: ExportConfig,
+    results: Mapping[str, UnitResult],
+    packs: Mapping[str, Mapping[str, int]] | None = None,
+    lease: Lease | None = None,
+) -> Merged:
+    """Merge every bucket (checked against the units' counts), then the dropped rows.
+
+    ``packs`` ({bucket: {pack: samples}}, from :mod:`prx_data.export.pack`)
+    names the part directories the buckets hold once packed, in place of the
+    units' parts. Each merged index is durable (fsync, locally) before the
+    report can name it; the units' staging folder goes once every bucket is merged.
+    """
+    per_part: dict[str, dict[str, int]] = {}
+    counts: Counter = Counter()
+    for name, parts in published_parts(results).items():
+        per_part[name] = {part: r.buckets[name] for part, r in parts.items()}
+        counts[name] += sum(per_part[name].values())
+    if packs is not None:
+        per_part = {name: dict(packed) for name, packed in packs.items()}
+    for name, parts in sorted(per_part.items()):
+        merged = merge_bucket(storage.join(cfg.out, name), list(parts), expected=parts, lease=lease)
+        if merged != counts[name]:
+            raise ExportError(
+                f"bucket {name}: merged index has {merged} samples, expected {counts[name]}"
+            )
+        if not storage.is_remote(cfg.out):  # the index is durable before the report names it
+            fsync(storage.join(cfg.out, name))
+    if not storage.is_remote(cfg.out):
+        remove_tree(os.path.join(cfg.out, *WRITING_DIR.split("/")))
+    unlisted = merge_dropped(cfg, results, lease)
+    return Merged(dict(sorted(counts.items())), tuple(unlisted))
+
+
+def merge_dropped(
+    cfg: ExportConfig, results: Mapping[str, UnitResult], lease: Lease | None = None
 ) -> list[str]:
     """``dropped.parquet``: the units' dropped rows in part order (only units that dropped any).
 
@@ -218,32 +274,25 @@ def _merge_dropped(
                     f"{path}: {table.num_rows} rows, its work unit dropped {expected}"
                 )
             writer.write_table(table.cast(DROPPED_SCHEMA))
-    check()
+    _check(lease)
     storage.write_bytes_atomic(storage.join(cfg.out, DROPPED_NAME), buf.getvalue())
     return missing
 
 
-def finalize(
+def write_report(
     cfg: ExportConfig,
-    results: dict[str, UnitResult],
+    results: Mapping[str, UnitResult],
+    merged: Merged,
     seconds: float,
-    lists_hook: Callable[[], dict[str, dict[str, int]]] | None = None,
-    check: Callable[[], None] = lambda: None,
-    packs: Mapping[str, Mapping[str, int]] | None = None,
+    lists: Mapping[str, dict] | None = None,
+    lease: Lease | None = None,
 ) -> ExportReport:
-    """Merge every bucket (checked against the units' counts), then the dropped rows and report.
+    """The last step: ``report.txt``, then ``report.json`` (the export is complete).
 
-    The id index (:func:`prx_data.export.idindex.write_id_index`) is built
-    from the merged buckets' manifests. ``lists_hook`` runs after it and before the report is
-    written (the skip lists, which live a layer above, bind to the merged
-    indexes); what it returns goes into the report's ``lists``. ``check`` (the
-    run lock's) runs before every write: a lost lease stops the run there.
-    ``packs`` ({bucket: {pack: samples}}, from :mod:`prx_data.export.pack`) names
-    the part directories the buckets hold once packed, in place of the units' parts.
+    ``lists`` is what the skip lists' materialisation returned (the report's
+    ``lists``). Warnings worth a look (no captions, blank caption columns,
+    dropped rows an older version did not list) are issued and kept in the report.
     """
-    per_bucket: dict[str, list[str]] = {}
-    per_part: dict[str, dict[str, int]] = {}
-    counts: Counter = Counter()
     dropped: Counter = Counter()
     notes: Counter = Counter()
     rows = written = 0
@@ -252,64 +301,59 @@ def finalize(
         written += r.written
         dropped.update(r.dropped)
         notes.update(r.notes)
-    for name, parts in published_parts(results).items():
-        per_bucket[name] = list(parts)
-        per_part[name] = {part: r.buckets[name] for part, r in parts.items()}
-        counts[name] += sum(per_part[name].values())
-    if packs is not None:
-        per_part = {name: dict(packed) for name, packed in packs.items()}
-        per_bucket = {name: list(packed) for name, packed in per_part.items()}
-    for name, parts in sorted(per_bucket.items()):
-        merged = merge_bucket(
-            storage.join(cfg.out, name), parts, expected=per_part[name], check=check
-        )
-        if merged != counts[name]:
-            raise ExportError(
-                f"bucket {name}: merged index has {merged} samples, expected {counts[name]}"
-            )
-        if not storage.is_remote(cfg.out):  # the index is durable before the report names it
-            fsync(storage.join(cfg.out, name))
-    if not storage.is_remote(cfg.out):
-        remove_tree(os.path.join(cfg.out, *WRITING_DIR.split("/")))
-    # The id index, before the lists bind their ids through it and the report names it done.
-    from prx_data.export.idindex import write_id_index
-
-    write_id_index(cfg.out, sorted(per_bucket), check=check)
     tiers: Counter = Counter()
-    for name, n in counts.items():
+    for name, n in merged.buckets.items():
         tiers[name.split("/")[0]] += n
-    unlisted = _merge_dropped(cfg, results, check)
     found = caption_warnings(cfg.table, cfg.caption_columns)
-    if unlisted:
+    if merged.unlisted:
         found.append(
-            f"{DROPPED_NAME} lacks the dropped rows of {len(unlisted)} unit(s) finished by an "
-            f"older version (e.g. {unlisted[0]}); they are counted in the report"
+            f"{DROPPED_NAME} lacks the dropped rows of {len(merged.unlisted)} unit(s) finished "
+            f"by an older version (e.g. {merged.unlisted[0]}); they are counted in the report"
         )
     for c in cfg.caption_columns or ():
         blank = notes.get(f"{c}_missing", 0) + notes.get(f"{c}_empty", 0)
         if written and blank >= written:
             found.append(f"caption column {c!r} is null or empty in every exported sample")
     warn(found)
-    lists = lists_hook() if lists_hook is not None else {}
     report = ExportReport(
         table=cfg.table,
         out=cfg.out,
         table_version=cfg.table_version,
         rows_read=rows,
         samples_written=written,
-        buckets=dict(sorted(counts.items())),
+        buckets=dict(merged.buckets),
         tiers=dict(sorted(tiers.items(), key=lambda kv: int(kv[0]))),
         dropped=dict(sorted(dropped.items())),
         notes=dict(sorted(notes.items())),
         units=len(results),
         seconds=round(seconds, 3),
         warnings=found,
-        lists=lists,
+        lists=dict(lists or {}),
     )
-    check()
+    _check(lease)
     storage.write_bytes_atomic(storage.join(cfg.out, "report.txt"), report.table_text().encode())
-    check()
+    _check(lease)
     storage.write_bytes_atomic(
         storage.join(cfg.out, REPORT_NAME), json.dumps(report.to_dict(), indent=2).encode()
     )
     return report
+
+
+def finalize(
+    cfg: ExportConfig,
+    results: Mapping[str, UnitResult],
+    seconds: float,
+    packs: Mapping[str, Mapping[str, int]] | None = None,
+    lease: Lease | None = None,
+) -> ExportReport:
+    """The export's end for a tree without skip lists: merge, id index, report.
+
+    For sample exports, tests and benchmarks. The exporter's own end is
+    :meth:`prx_data.pipelines.write_mds.ExportSink.on_write_complete`, which
+    runs the same steps with the pack stage before and the skip lists between.
+    """
+    from prx_data.export.idindex import write_id_index
+
+    merged = merge(cfg, results, packs, lease)
+    write_id_index(cfg.out, sorted(merged.buckets), check=lease.check if lease else lambda: None)
+    return write_report(cfg, results, merged, seconds, lease=lease)

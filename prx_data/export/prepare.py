@@ -1,18 +1,26 @@
 """Output preparation: check ``--out`` and the table, pin the table version, record the
 config (or check it against the interrupted run's), and plan the work units.
+
+:func:`prepare_output` returns all of it as one :class:`Prepared`, with the table
+open at its pinned version: the driver opens the table once per run
+(:func:`open_source`) and hands that handle on, to the placement, the plan and
+the tag's release.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import pyarrow as pa
 
 from prx_data.core import storage
 from prx_data.core.errors import NotFound
 from prx_data.core.schema import REPORT_NAME, is_job_column
+from prx_data.export.merge import done_parts
 from prx_data.export.naming import CONFIG_NAME, LEASE_NAME, LOCK_NAME, PROGRESS_DIR, ExportError
 from prx_data.export.safety import (
     clear_export,
@@ -23,6 +31,7 @@ from prx_data.export.safety import (
 )
 from prx_data.export.spec import (
     ExportConfig,
+    UnitResult,
     WorkUnit,
     caption_warnings,
     normalise,
@@ -74,7 +83,7 @@ def resolve_caption_columns(schema: pa.Schema, wanted: tuple[str, ...] | None) -
     return wanted
 
 
-def plan_units(cfg: ExportConfig) -> list[WorkUnit]:
+def plan_units(cfg: ExportConfig, table: Any = None) -> list[WorkUnit]:
     """Cut every fragment into equal row ranges, from fragment metadata alone.
 
     A unit holds at most ``rows_per_task`` rows and at most ``ceil(rows /
@@ -83,9 +92,10 @@ def plan_units(cfg: ExportConfig) -> list[WorkUnit]:
     physical rows less its deletions): no data file, no image bytes, so a
     10^8-row table plans in the time it takes to list its fragments. The plan
     depends only on the pinned table version and the settings, so reruns and
-    resumes make the same units with the same part names.
+    resumes make the same units with the same part names. ``table``: the
+    table already open at ``cfg.table_version`` (else it is opened here).
     """
-    ds = open_table(cfg.table, cfg.table_version)
+    ds = _at_version(table, cfg.table, cfg.table_version)
     sizes = [(frag.fragment_id, frag.count_rows()) for frag in ds.get_fragments()]
     per_unit = max(1, cfg.rows_per_task)
     total = sum(n for _, n in sizes)
@@ -160,15 +170,58 @@ def _refuse_entries(out: str, entries: list[str], *, overwrite: bool, resume: bo
         raise ExportError(f"output {out} is not empty: {hint}")
 
 
-def prepare_output(
-    cfg: ExportConfig, *, overwrite: bool = False, resume: bool = False
-) -> ExportConfig:
-    """Check the output location, pin the table version, record the config.
+@dataclass(frozen=True)
+class Prepared:
+    """An output ready for its work units: what :func:`prepare_output` returns."""
 
-    Returns the config with ``table_version`` pinned. Never deletes anything
-    unless ``overwrite`` is set, and resumes nothing, unless the tree is
-    provably an export of ours (:func:`safety.foreign_entries`). The caller
-    holds the run lock (:class:`prx_data.export.lock.ExportLock`).
+    #: The recorded config: ``table_version`` pinned, caption columns resolved.
+    cfg: ExportConfig
+    #: The table, open at ``cfg.table_version`` (a ``lance.LanceDataset``).
+    table: Any = field(repr=False)
+    #: Every work unit of the export, in plan order.
+    units: tuple[WorkUnit, ...]
+    #: Results of the units an interrupted run finished (a resume's), by part.
+    finished: Mapping[str, UnitResult]
+
+    @property
+    def todo(self) -> list[WorkUnit]:
+        """The units still to run."""
+        return [u for u in self.units if u.part not in self.finished]
+
+
+def open_source(cfg: ExportConfig, *, resume: bool = False):
+    """The table at the version this run will read: a resume's recorded one, else
+    ``cfg.table_version``, else the latest. The one open of the table on the driver."""
+    config_path = storage.join(cfg.out, CONFIG_NAME)
+    if resume and storage.exists(config_path):
+        try:
+            version = json.loads(storage.read_bytes(config_path)).get("table_version")
+        except (ValueError, AttributeError):
+            version = None  # prepare_output refuses it, in its own words
+        if version is not None:
+            return _open_pinned(cfg, version)
+    return open_table(cfg.table, cfg.table_version)
+
+
+def _at_version(table: Any, uri: str, version: int | None):
+    """``table`` if it is open at ``version`` (None: any), else the table opened there."""
+    if table is not None and (version is None or table.version == version):
+        return table
+    return open_table(uri, version)
+
+
+def prepare_output(
+    cfg: ExportConfig, *, overwrite: bool = False, resume: bool = False, table: Any = None
+) -> Prepared:
+    """Check the output location, pin the table version, record the config, plan the units.
+
+    Returns the :class:`Prepared` output: the config with ``table_version``
+    pinned, the table open at it, the work units and, for a resume, the units
+    already finished. ``table``: the table as :func:`open_source` opened it
+    (else it is opened here). Never deletes anything unless ``overwrite`` is
+    set, and resumes nothing, unless the tree is provably an export of ours
+    (:func:`safety.foreign_entries`). The caller holds the run lock
+    (:class:`prx_data.export.lock.ExportLock`).
     """
     if overwrite and resume:
         raise ExportError("--overwrite and --resume are mutually exclusive")
@@ -177,44 +230,8 @@ def prepare_output(
     config_path = storage.join(cfg.out, CONFIG_NAME)
     _refuse_entries(cfg.out, entries, overwrite=overwrite, resume=resume)
     if entries and resume:
-        if not storage.exists(config_path):
-            raise ExportError(
-                f"{cfg.out} has no interrupted export to resume (no {CONFIG_NAME}: it was stopped "
-                "before it started, e.g. while --overwrite deleted the old tree); start it again "
-                "with --overwrite"
-            )
-        previous = normalise(
-            ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out})
-        )
-        ds = _open_pinned(cfg, previous.table_version)
-        pin_table_version(cfg, ds)
-        check_table_columns(cfg.table, ds.schema)
-        caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
-        sample_columns(replace(cfg, caption_columns=caps), ds.schema)
-        now = normalise(
-            ExportConfig(
-                **{
-                    **asdict(cfg),
-                    "table_version": previous.table_version,
-                    "caption_columns": caps,
-                    # an automatic unit count (None) stays the one the run started with
-                    "min_units": previous.min_units if cfg.min_units is None else cfg.min_units,
-                }
-            )
-        )
-        if now.fingerprint() != previous.fingerprint():
-            old = previous.fingerprint()
-            diff = {k: (old.get(k), v) for k, v in now.fingerprint().items() if old.get(k) != v}
-            flags = resume_flags({k: was for k, (was, _) in diff.items()})
-            raise ExportError(
-                f"cannot resume {cfg.out}: options differ from the interrupted run {diff} "
-                "(previous, now). Rerun with the same options"
-                + (f" (here: {flags})" if flags else "")
-                + ", or use --overwrite to start again."
-            )
-        warn(caption_warnings(cfg.table, caps))
-        return now
-    ds = open_table(cfg.table, cfg.table_version)
+        return _prepare_resume(cfg, config_path, table)
+    ds = _at_version(table, cfg.table, cfg.table_version)
     check_table_columns(cfg.table, ds.schema)
     caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
     sample_columns(replace(cfg, caption_columns=caps), ds.schema)
@@ -226,7 +243,51 @@ def prepare_output(
     write_export_marker(cfg.out)
     storage.write_bytes_atomic(config_path, json.dumps(asdict(pinned), sort_keys=True).encode())
     warn(caption_warnings(cfg.table, caps))
-    return pinned
+    return Prepared(pinned, ds, tuple(plan_units(pinned, ds)), {})
+
+
+def _prepare_resume(cfg: ExportConfig, config_path: str, table: Any) -> Prepared:
+    """:func:`prepare_output` for a resume: the recorded config, checked against ``cfg``."""
+    if not storage.exists(config_path):
+        raise ExportError(
+            f"{cfg.out} has no interrupted export to resume (no {CONFIG_NAME}: it was stopped "
+            "before it started, e.g. while --overwrite deleted the old tree); start it again "
+            "with --overwrite"
+        )
+    previous = normalise(
+        ExportConfig(**{**json.loads(storage.read_bytes(config_path)), "out": cfg.out})
+    )
+    if table is not None and table.version == previous.table_version:
+        ds = table
+    else:
+        ds = _open_pinned(cfg, previous.table_version)
+    pin_table_version(cfg, ds)
+    check_table_columns(cfg.table, ds.schema)
+    caps = resolve_caption_columns(ds.schema, cfg.caption_columns)
+    sample_columns(replace(cfg, caption_columns=caps), ds.schema)
+    now = normalise(
+        ExportConfig(
+            **{
+                **asdict(cfg),
+                "table_version": previous.table_version,
+                "caption_columns": caps,
+                # an automatic unit count (None) stays the one the run started with
+                "min_units": previous.min_units if cfg.min_units is None else cfg.min_units,
+            }
+        )
+    )
+    if now.fingerprint() != previous.fingerprint():
+        old = previous.fingerprint()
+        diff = {k: (old.get(k), v) for k, v in now.fingerprint().items() if old.get(k) != v}
+        flags = resume_flags({k: was for k, (was, _) in diff.items()})
+        raise ExportError(
+            f"cannot resume {cfg.out}: options differ from the interrupted run {diff} "
+            "(previous, now). Rerun with the same options"
+            + (f" (here: {flags})" if flags else "")
+            + ", or use --overwrite to start again."
+        )
+    warn(caption_warnings(cfg.table, caps))
+    return Prepared(now, ds, tuple(plan_units(now, ds)), done_parts(cfg.out))
 
 
 def _open_pinned(cfg: ExportConfig, version: int | None):
@@ -261,9 +322,12 @@ def pin_table_version(cfg: ExportConfig, ds) -> None:
         )
 
 
-def release_table_version(cfg: ExportConfig) -> None:
-    """Remove the export's tag (the export is complete; its version may be cleaned up)."""
+def release_table_version(cfg: ExportConfig, table: Any = None) -> None:
+    """Remove the export's tag (the export is complete; its version may be cleaned up).
+
+    ``table``: the table open at any version (tags belong to the whole table).
+    """
     try:
-        unpin(open_table(cfg.table), export_pin(cfg.out))
+        unpin(table if table is not None else open_table(cfg.table), export_pin(cfg.out))
     except (ExportError, OSError) as e:  # the export is done; a left tag only keeps old files
         warn([f"could not remove tag {export_pin(cfg.out)} from {cfg.table}: {e}"])
