@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 from prx_data.core import storage
+from prx_data.core.runtime import RunOptions
 from prx_data.export.spec import ExportConfig
 from prx_data.pipelines import write_mds as pipeline
 from prx_data.skips.log import Provenance
@@ -79,7 +80,7 @@ def test_a_whole_write_mds_run_on_gs(gs_bucket, tmp_path):
     out = f"gs://{gs_bucket}/exports/run1"
     cfg = ExportConfig(table=table, out=out, tiers=(512,), min_units=2)
     try:
-        pipeline.run_export(cfg, progress=False, num_cpus=2, engine="local")
+        pipeline.run_export(cfg, RunOptions(progress=False, num_cpus=2, engine="local"))
     except OSError as e:
         assert "list request" in str(e)  # the XML-API listing, nothing before it
         assert storage.list_files(out, suffix=".mds")  # units and packs were written
