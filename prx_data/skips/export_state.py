@@ -443,7 +443,7 @@ def require_export(root: str) -> None:
     like a request that was carried out."""
     from prx_data.export.safety import has_proof
 
-    if storage.exists(root) and (has_proof(root) or layout.list_buckets(root)):
+    if storage.exists(root) and (has_proof(root) or layout.list_buckets(layout.tree(root))):
         return
     what = "does not exist" if not storage.exists(root) else "holds no export"
     raise NotFound(
