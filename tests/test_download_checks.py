@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from prx_data.pipelines.download import DownloadConfig, run_download
 
+from prx_data.core.runtime import RunOptions
 from prx_data.download import fetch as F
 from tests.downloadkit import ImageServer, photo, url_table
 
@@ -21,7 +22,7 @@ FAST = dict(read_timeout=0.4, connect_timeout=1.0, total_timeout=3.0, retries=0,
 
 def cfg_for(uri: str, allow: tuple[str, ...], **kw) -> DownloadConfig:
     fetch = F.FetchConfig(allow=allow, **FAST)
-    return DownloadConfig(uri, fetch=fetch, engine="local", progress=False, **kw)
+    return DownloadConfig(uri, fetch=fetch, run=RunOptions(engine="local", progress=False), **kw)
 
 
 def test_check_hash_by_digest_length():

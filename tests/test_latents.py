@@ -14,6 +14,7 @@ import torch
 from prx_data.pipelines.latents import LatentsConfig, run_latents
 
 from prx_data.core.buckets import DEFAULT_SPEC, bucket_name
+from prx_data.core.runtime import RunOptions
 from prx_data.export import latents as L
 from prx_data.export.sample import make_sample_export
 from prx_data.train.config import ConfigError, load_config
@@ -38,7 +39,7 @@ def tiny_t5(tmp_path_factory) -> str:
 
 
 def _job(root: str, vae: str, **kw) -> LatentsConfig:
-    return LatentsConfig(out=root, vae=vae, progress=False, engine="local", **kw)
+    return LatentsConfig(out=root, vae=vae, run=RunOptions(progress=False, engine="local"), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import run_job
+from prx_data.cli.reporting import add_report_args, run_job
 from prx_data.core.flags import add_flags
-from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.latents import LatentsConfig, run_latents
 
 
@@ -21,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         "whose latents are missing or changed.",
     )
     add_flags(p, LatentsConfig)
-    add_run_args(p)
+    add_report_args(p)
     return p
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import run_job
+from prx_data.cli.reporting import add_report_args, run_job
 from prx_data.core import quality
 from prx_data.core.flags import add_flags
-from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.quality import QualityConfig
 
 
@@ -22,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         "white) then show in stats and the explorer and can go to a 'blank' skip list.",
     )
     add_flags(p, QualityConfig)
-    add_run_args(p)
+    add_report_args(p)
     return p
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish, finish_run
+from prx_data.cli.reporting import add_report_args, finish, finish_run, report_options_from_args
 from prx_data.core.errors import PrxDataError
 from prx_data.core.flags import add_flags, from_args
 from prx_data.core.runtime import add_run_args, run_options_from_args
@@ -102,13 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a latent-space run with vae.source: precomputed never runs the encoder.",
     )
     add_run_args(p)
+    add_report_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        opts = run_options_from_args(args)
+        opts = report_options_from_args(args)
+        run = run_options_from_args(args)
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg,
             overwrite=args.overwrite,
             resume=args.resume,
-            **opts.job_fields(),
+            **run.job_fields(),
             may_drop_lists=tuple(args.drop_lists),
             unregister_lists=tuple(args.drop_list),
             driver_rows=args.driver_rows,
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from prx_data.pipelines.latents import LatentsConfig, run_latents
 
     try:
-        latents = run_latents(LatentsConfig(out=cfg.out, vae=args.latents, **opts.job_fields()))
+        latents = run_latents(LatentsConfig(out=cfg.out, vae=args.latents, run=run))
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
