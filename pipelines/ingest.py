@@ -34,6 +34,7 @@ Everything skipped or noteworthy is counted by reason in the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -917,6 +918,12 @@ def ingest(sources: Sequence[str], table_uri: str, **options: Any) -> IngestRepo
         table_uri: the Lance table to write (created when missing).
         options: any other :class:`IngestConfig` field, e.g. ``mode="overwrite"``
             (``append``, the default, skips ids already in the table; ``create``
-            fails if the table exists), ``caption_column=``, ``keys=`` for twin tars.
+            fails if the table exists), ``caption_column=``, ``keys=`` for twin tars;
+            or a :class:`RunOptions` field (``engine=``, ``progress=``, ...), which
+            goes into ``run`` (defaults: RunOptions').
     """
+    run_names = {f.name for f in dataclasses.fields(RunOptions)}
+    moved = {k: options.pop(k) for k in list(options) if k in run_names}
+    if moved:
+        options["run"] = dataclasses.replace(options.get("run", RunOptions()), **moved)
     return run_ingest(IngestConfig(sources=list(sources), table_uri=table_uri, **options))

@@ -179,7 +179,9 @@ KILL = textwrap.dedent(
         if done == 2:
             os._exit(9)  # like SIGKILL: nothing committed, two fragments checkpointed
 
-    cfg = SJ.ScoreConfig({uri!r}, "clip", {model!r}, engine="local", progress=False,
+    from prx_data.core.runtime import RunOptions
+
+    cfg = SJ.ScoreConfig({uri!r}, "clip", {model!r}, run=RunOptions("local", progress=False),
                          commit_every=100)
     SJ.run_score(cfg, on_fragment=kill)
     """
