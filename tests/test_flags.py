@@ -254,3 +254,24 @@ def test_ingest_flags_set_the_ingest_config():
         keys="k",
     )
     assert cfg.reader_options["caption_column"] == "TEXT"
+
+
+def test_explore_flags_come_from_the_explore_config_fields():
+    from prx_data.cli import explore as explore_cli
+    from prx_data.explore.app import DEFAULT_PORT, ExploreConfig
+
+    assert option_name(ExploreConfig, "allowed_hosts") == "--allow-host"
+    argv = "--table t --host 0.0.0.0 --page-size 9 --descriptors no --build-indexes"
+    args = explore_cli.build_parser().parse_args(
+        shlex.split(argv + " --allow-host a --allow-host b")
+    )
+    cfg = from_args(ExploreConfig, args, port=DEFAULT_PORT)
+    assert cfg == ExploreConfig(
+        table="t",
+        host="0.0.0.0",
+        page_size=9,
+        descriptors="no",
+        build_indexes=True,
+        allowed_hosts=("a", "b"),
+    )
+    assert args.port is None  # not given: main picks DEFAULT_PORT, or any free one with --check
