@@ -265,7 +265,7 @@ def test_a_vae_mismatch_or_missing_latents_is_refused_in_one_line(tmp_path, vae,
         run_latents(_job(root, vae, dtype="bfloat16"))
     assert run_latents(_job(root, vae, dtype="bfloat16", replace=True)).encoded_shards == 1
     with pytest.raises(ConfigError, match="vae.source"):
-        load_config(SMOKE_CACHED, ["data.include_higher_tiers=true"])
+        load_config(SMOKE_CACHED, ["data.plan.include_higher_tiers=true"])
 
 
 def test_bfloat16_storage_round_trips_to_nearest():
