@@ -172,7 +172,7 @@ class ShardEncoder:
     def __init__(self, settings: dict[str, Any]) -> None:
         from prx_data.train.vae import LatentCodec
 
-        self.cfg = LatentsConfig(**settings)
+        self.cfg = LatentsConfig(**{**settings, "run": RunOptions(**settings["run"])})
         self.device = _device(self.cfg.device)
         self._pool = None
         self.codec = LatentCodec.from_pretrained(

@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -604,13 +604,21 @@ def _write_task(
 
 
 def _cfg_json(cfg: SemDedupConfig) -> dict:
-    """``cfg`` as JSON, to travel in each work unit."""
-    return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    """``cfg`` as JSON, to travel in each work unit (its run options as a mapping)."""
+    d = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    d["run"] = asdict(cfg.run)
+    return d
 
 
 def _cfg_of(unit: dict) -> SemDedupConfig:
     d = unit["cfg"]
-    return SemDedupConfig(**{**d, "report_thresholds": tuple(d["report_thresholds"])})
+    return SemDedupConfig(
+        **{
+            **d,
+            "report_thresholds": tuple(d["report_thresholds"]),
+            "run": RunOptions(**d["run"]),
+        }
+    )
 
 
 def _count_unit(unit: dict) -> dict:
