@@ -34,6 +34,8 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
+from prx_data.core.runtime import RunOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prx_data.columns import checks  # noqa: E402
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 backend="zero-cost",
                 model="none",
                 max_pixels=args.max_pixels,
-                progress=False,
+                run=RunOptions(progress=False),
             )
             report = run_caption(cfg, spec=spec)
             assert report.rows == args.rows and report.counts == {"ok": args.rows}, report.summary()
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 generation=GenerationConfig(max_tokens=args.tiny_tokens),
                 backend_options={"device": "cpu"},
                 batch_size=8,
-                progress=False,
+                run=RunOptions(progress=False),
             )
             rep = run_caption(cfg)
             results["tiny_transformers"] = {

@@ -44,6 +44,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from prx_data.core.runtime import RunOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prx_data.pipelines.ingest import ingest, update_id_index  # noqa: E402
@@ -123,10 +125,9 @@ def column_job(root: Path, rows: int, per_fragment: int, engine: str) -> dict:
         read_columns=["image"],
         steps=[R.Step(zero_cost, batch_size=8192)],
         where="zc_status IS NULL",
-        engine=engine,
+        run=RunOptions(engine=engine, progress=False),
         batch_size=8192,
         count_column="zc_status",
-        progress=False,
     )
     t0 = time.perf_counter()
     rep = R.run_column_job(job)

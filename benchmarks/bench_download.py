@@ -45,6 +45,8 @@ import sys
 import threading
 import time
 
+from prx_data.core.runtime import RunOptions
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -232,9 +234,7 @@ def run_prx(args, port: int, work: str, faults: dict[int, str]) -> dict:
             retries=args.retries,
             backoff=args.backoff,
         ),
-        engine="ray",
-        num_cpus=args.cpus,
-        progress=False,
+        run=RunOptions(engine="ray", num_cpus=args.cpus, progress=False),
     )
     t = time.perf_counter()
     report = run_download(cfg)

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from prx_data.core.runtime import RunOptions
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -35,11 +37,21 @@ sys.path.insert(0, str(REPO))
 def _job(root: str, vae: str) -> dict:
     from prx_data.pipelines.latents import LatentsConfig, run_latents
 
-    first = run_latents(LatentsConfig(out=root, vae=vae, progress=False, engine="local"))
+    first = run_latents(
+        LatentsConfig(
+            out=root,
+            vae=vae,
+            run=RunOptions(progress=False, engine="local"),
+        )
+    )
     t0 = time.perf_counter()
     again = run_latents(
         LatentsConfig(
-            out=root, vae=vae, progress=False, engine="local", replace=True, dtype="float32"
+            out=root,
+            vae=vae,
+            run=RunOptions(progress=False, engine="local"),
+            replace=True,
+            dtype="float32",
         )
     )
     wall = time.perf_counter() - t0

@@ -48,6 +48,8 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
+from prx_data.core.runtime import RunOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prx_data.columns import scores as SC  # noqa: E402
@@ -94,11 +96,9 @@ def bench_score_jobs(args, root: Path) -> dict:
             uri,
             scorer,
             model,
-            engine=args.engine,
+            run=RunOptions(engine=args.engine, progress=False, num_cpus=args.cpus),
             device="cpu",
             batch_size=256,
-            progress=False,
-            num_cpus=args.cpus,
             commit_every=64,
         )
         t0 = time.perf_counter()
@@ -168,7 +168,7 @@ def engine_run(uri: str, engine: str, cpus: int, iters: int, out: str) -> None:
         ensure_ray(num_cpus=cpus)
     tracemalloc.start()
     t0 = time.perf_counter()
-    rep = run_semdedup(SemDedupConfig(uri, engine=engine, iters=iters))
+    rep = run_semdedup(SemDedupConfig(uri, run=RunOptions(engine=engine), iters=iters))
     seconds = time.perf_counter() - t0
     _, peak = tracemalloc.get_traced_memory()
     t = lance.dataset(uri).to_table(columns=[S.ID, "semdedup_cosine"])

@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from prx_data.core.runtime import RunOptions
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: One process: run the job's main, time it, say whether Ray was started (JSON on the last line).
@@ -80,7 +82,10 @@ def _make_table(work: str, rows: int) -> str:
     make_sample_collection(folder, sizes=sizes, repeats=max(1, rows // len(sizes)))
     table = os.path.join(work, "base.lance")
     ingest([folder], table, mode="create", progress=False, engine="local")
-    descriptors.compute_descriptors(table, progress=False, engine="local")  # for semdedup
+    descriptors.compute_descriptors(
+        table,
+        run=RunOptions(progress=False, engine="local"),
+    )  # for semdedup
     return table
 
 

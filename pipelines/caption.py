@@ -314,10 +314,7 @@ def caption_job(
         count_column=st,
         reason_column=REASON,
         storage_options=cfg.storage_options,
-        engine=cfg.engine,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
-        progress=cfg.progress,
+        run=cfg.run,
         desc=f"caption {cfg.column}",
     )
 

@@ -239,10 +239,7 @@ def classify_job(cfg: ClassifyConfig, spec: BackendSpec | None, template: str | 
         count_column=cfg.column,
         reason_column=REASON,
         storage_options=cfg.storage_options,
-        engine=cfg.engine,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
-        progress=cfg.progress,
+        run=cfg.run,
         desc=f"classify {cfg.column}",
     )
 

@@ -32,7 +32,7 @@ from prx_data.core.clusters import MAX_RADIUS, export_skips, find_duplicates
 from prx_data.core.errors import UsageError
 from prx_data.core.flags import REQUIRED, comma_ints, flag
 from prx_data.core.reports import FailureCounts
-from prx_data.core.runtime import check_engine
+from prx_data.core.runtime import RunOptions, run_field
 from prx_data.skips.dedup import (
     DEFAULT_SKIP_NAME,
     DUP_OF,
@@ -99,7 +99,8 @@ class DedupConfig:
         negate=True,
         help="Use the phash column as it is; do not hash rows that lack it.",
     )
-    engine: str = "auto"
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
     exact: bool = flag(
         False,
         "--exact",
@@ -109,10 +110,7 @@ class DedupConfig:
     batch_size: int = flag(
         256, "--batch-size", type=int, help="Rows per hashing batch (default: %(default)s)."
     )
-    ray_address: str | None = None
-    num_cpus: int | None = None
     storage_options: dict | None = None
-    progress: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.radius <= MAX_RADIUS:
@@ -220,8 +218,8 @@ class PhashJobConfig:
     """Options of one hashing run."""
 
     table: str
-    #: :data:`prx_data.core.runtime.ENGINES`: ``auto`` hashes a small table in this process.
-    engine: str = "auto"
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
     #: Full Pillow decode, bit-identical to ``imagehash.phash`` (slower). Default: reduced JPEG decode.
     exact: bool = False
     batch_size: int = 256
@@ -229,13 +227,9 @@ class PhashJobConfig:
     commit_every: int = 16
     #: Hash again the rows that failed before (their ``phash_error`` is set).
     redo_errors: bool = False
-    ray_address: str | None = None
-    num_cpus: int | None = None
     storage_options: dict | None = None
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        check_engine(self.engine)
         if self.batch_size < 1 or self.commit_every < 1:
             raise UsageError("batch_size and commit_every must be >= 1")
 
@@ -321,14 +315,11 @@ def phash_job(cfg: PhashJobConfig) -> ColumnJob:
             )
         ],
         where=pending_filter(names, cfg.redo_errors),
-        engine=cfg.engine,
+        run=cfg.run,
         batch_size=cfg.batch_size,
         commit_every=cfg.commit_every,
         reason_column=PHASH_ERROR,
         storage_options=cfg.storage_options,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
-        progress=cfg.progress,
         desc="phash",
     )
 
@@ -355,13 +346,10 @@ def run_dedup(cfg: DedupConfig) -> DedupReport:
         job = compute_phash(
             PhashJobConfig(
                 table=cfg.table,
-                engine=cfg.engine,
+                run=cfg.run,
                 exact=cfg.exact,
                 batch_size=cfg.batch_size,
-                ray_address=cfg.ray_address,
-                num_cpus=cfg.num_cpus,
                 storage_options=cfg.storage_options,
-                progress=cfg.progress,
             )
         ).to_dict()
     ds = open_table(cfg.table, cfg.storage_options)

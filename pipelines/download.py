@@ -50,7 +50,7 @@ from prx_data.core.errors import Conflict, UsageError
 from prx_data.core.flags import REQUIRED, flag, mebibytes
 from prx_data.core.keys import sha256_hex
 from prx_data.core.reports import FailureCounts
-from prx_data.core.runtime import check_engine
+from prx_data.core.runtime import RunOptions, run_field
 from prx_data.download import fetch as F
 
 __all__ = [
@@ -120,9 +120,8 @@ class DownloadConfig:
     )
     limit: int | None = flag(None, "--limit", type=int, help="fetch at most this many rows")
     fetch: F.FetchConfig = field(default_factory=F.FetchConfig)
-    engine: str = "auto"
-    num_cpus: int | None = None
-    ray_address: str | None = None
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
     batch_size: int = flag(
         1024,
         "--batch-size",
@@ -154,12 +153,10 @@ class DownloadConfig:
     )
     commit_seconds: float = 60.0
     storage_options: dict | None = None
-    progress: bool = True
     #: Called with the number of commits so far after each commit (progress hooks; tests).
     on_commit: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_engine(self.engine)
         if self.limit is not None and self.limit < 0:
             raise UsageError("limit must be >= 0")
         for name in ("batch_size", "rows_per_unit", "commit_rows", "commit_bytes"):
@@ -867,7 +864,7 @@ def fill_duplicates(
     ``reasons``).
     """
     from prx_data.columns import runner as R
-    from prx_data.core.runtime import Resources, map_units, place
+    from prx_data.core.runtime import Resources, map_units
 
     filled: Counter = Counter()
     rows, sources = duplicate_sources(mover.ds, url)
@@ -881,12 +878,9 @@ def fill_duplicates(
         }
         for k in range(0, len(rows), FILL_ROWS_PER_UNIT)
     ]
-    where = place(
-        cfg.engine,
+    where = cfg.run.place(
         size=len(rows),
         small=R.SMALL_ROWS,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
     )
 
     def fill(unit: dict) -> pa.Table:
@@ -1071,14 +1065,11 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
         ],
         where=where,
         limit=cfg.limit,
-        engine=cfg.engine,
+        run=replace(cfg.run, progress=False),  # the download's own bar counts rows
         batch_size=cfg.batch_size,
         rows_per_unit=cfg.rows_per_unit,
         storage_options=cfg.storage_options,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
         read_cpus=cfg.task_cpus,
-        progress=False,
     )
     placement, units, expected = R.plan(job, R.pending_counts(ds, where))
     if placement.on_ray and units:  # fetch tasks in many processes: one per-host budget
@@ -1093,7 +1084,7 @@ def _run_pinned(cfg: DownloadConfig, ds, report: DownloadReport, url: str, start
     reasons: Counter = Counter()
     hosts: Counter = Counter()
     t0 = time.perf_counter()
-    bar = tqdm(total=report.pending, desc="download", unit="row", disable=not cfg.progress)
+    bar = tqdm(total=report.pending, desc="download", unit="row", disable=not cfg.run.progress)
     try:
         for batch in R.iter_results(job, units, ds.version, placement) if units else ():
             if not batch.num_rows:

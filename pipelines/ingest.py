@@ -34,6 +34,7 @@ Everything skipped or noteworthy is counted by reason in the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -53,7 +54,7 @@ from prx_data.core import schema as S
 from prx_data.core.errors import AlreadyExists, UsageError
 from prx_data.core.flags import REQUIRED, flag, mebibytes
 from prx_data.core.reports import FailureCounts
-from prx_data.core.runtime import check_engine, map_units, place
+from prx_data.core.runtime import RunOptions, check_engine, map_units, run_field
 from prx_data.ingest import (
     FORMATS,
     NOTES,
@@ -182,11 +183,9 @@ class IngestConfig:
         help="twin tars: parquet file listing the keys to load (index mode; missing and "
         "out-of-order keys are tolerated); default: positional zip of the tars",
     )
-    num_cpus: int | None = None  # this process or a private local Ray; None: all cores
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
     storage_options: dict | None = None
-    progress: bool = True
-    engine: str = "auto"
-    ray_address: str | None = None
     #: Build or update the BTREE index on ``id`` after the commit (large tables).
     id_index: bool = True
 
@@ -732,7 +731,7 @@ def _stage_on_ray(cfg, units, schema, check, rows_per_fragment, write_mode, wher
         where,
         Resources(num_cpus=STAGE_TASK_CPUS),
         desc="ingest",
-        progress=cfg.progress,
+        progress=cfg.run.progress,
         total=len(units),
         weight=lambda result: len(result["units"]),
         postfix=lambda: {"rows": rows[0]},
@@ -765,7 +764,7 @@ def _stage_on_threads(cfg, units, schema, check, rows_per_fragment, write_mode, 
         items,
         where,
         desc="ingest",
-        progress=cfg.progress,
+        progress=cfg.run.progress,
         postfix=lambda: {"rows": rows[0]},
     )
     for table, unit_counts, failure in loaded:
@@ -780,7 +779,7 @@ def _stage_on_threads(cfg, units, schema, check, rows_per_fragment, write_mode, 
 def run_ingest(cfg: IngestConfig) -> IngestReport:
     """Plan the sources, load and stage them (driver threads for up to ``SMALL_ROWS`` rows,
     else Ray), de-duplicate, commit once, report."""
-    check_engine(cfg.engine)
+    check_engine(cfg.run.engine)
     if cfg.mode not in MODES:
         raise UsageError(f"mode must be one of {MODES}, got {cfg.mode!r}")
     t0 = time.perf_counter()
@@ -844,12 +843,9 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
             pinned = T.open_table(cfg.table_uri, cfg.storage_options)
     read_version = pinned.version if pinned is not None else None
 
-    where = place(
-        cfg.engine,
+    where = cfg.run.place(
         size=sum(_unit_rows(u) or UNKNOWN_UNIT_ROWS for u in units),
         small=SMALL_ROWS,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
     )
     run = _stage_on_ray if where.on_ray else _stage_on_threads
     claims, counts, failures = run(cfg, units, schema, check, rows_per_fragment, write_mode, where)
@@ -926,6 +922,12 @@ def ingest(sources: Sequence[str], table_uri: str, **options: Any) -> IngestRepo
         table_uri: the Lance table to write (created when missing).
         options: any other :class:`IngestConfig` field, e.g. ``mode="overwrite"``
             (``append``, the default, skips ids already in the table; ``create``
-            fails if the table exists), ``caption_column=``, ``keys=`` for twin tars.
+            fails if the table exists), ``caption_column=``, ``keys=`` for twin tars;
+            or a :class:`RunOptions` field (``engine=``, ``progress=``, ...), which
+            goes into ``run`` (defaults: RunOptions').
     """
+    run_names = {f.name for f in dataclasses.fields(RunOptions)}
+    moved = {k: options.pop(k) for k in list(options) if k in run_names}
+    if moved:
+        options["run"] = dataclasses.replace(options.get("run", RunOptions()), **moved)
     return run_ingest(IngestConfig(sources=list(sources), table_uri=table_uri, **options))

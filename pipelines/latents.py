@@ -34,7 +34,7 @@ from prx_data.core.errors import PrxDataError, UsageError
 from prx_data.core.flags import REQUIRED, comma_ints, flag
 from prx_data.core.lease import Lease, LeaseHeld
 from prx_data.core.reports import JobReport
-from prx_data.core.runtime import Resources, check_engine, map_units, place
+from prx_data.core.runtime import Resources, RunOptions, map_units, run_field
 from prx_data.export import latents as L
 from prx_data.export.layout import check_export_complete, list_buckets, read_index_entries
 from prx_data.export.layout import read_report as read_export_report
@@ -103,13 +103,10 @@ class LatentsConfig:
         help="Comma-separated tiers to encode (default: all); a run at 512 needs only 512. "
         "Latents of the other tiers already made stay in the record.",
     )
-    engine: str = "auto"
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    progress: bool = True
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
 
     def __post_init__(self) -> None:
-        check_engine(self.engine)
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.dtype not in L.DTYPES:
@@ -175,7 +172,7 @@ class ShardEncoder:
     def __init__(self, settings: dict[str, Any]) -> None:
         from prx_data.train.vae import LatentCodec
 
-        self.cfg = LatentsConfig(**settings)
+        self.cfg = LatentsConfig(**{**settings, "run": RunOptions(**settings["run"])})
         self.device = _device(self.cfg.device)
         self._pool = None
         self.codec = LatentCodec.from_pretrained(
@@ -369,12 +366,9 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
             shards=len(units),
             samples=sum(int(u["entry"]["samples"]) for u in units),
         )
-        placement = place(
-            cfg.engine,
+        placement = cfg.run.place(
             size=report.samples,
             small=SMALL_SAMPLES,
-            ray_address=cfg.ray_address,
-            num_cpus=cfg.num_cpus,
         )
         resources = _resources(placement, cfg)
         last, since = time.monotonic(), 0
@@ -385,7 +379,7 @@ def run_latents(cfg: LatentsConfig) -> LatentsReport:
                 placement,
                 resources,
                 desc="latents",
-                progress=cfg.progress,
+                progress=cfg.run.progress,
                 unit_name="shard",
             ):
                 shards[r["key"]] = r["record"]

@@ -26,7 +26,7 @@ from prx_data.core import schema as S
 from prx_data.core.errors import UsageError
 from prx_data.core.flags import REQUIRED, flag
 from prx_data.core.reports import JobReport
-from prx_data.core.runtime import check_engine
+from prx_data.core.runtime import RunOptions, run_field
 from prx_data.table import lance_ops as T
 
 __all__ = [
@@ -47,16 +47,13 @@ class QualityConfig:
         type=int,
         help="rows measured per write to the table (default: %(default)s)",
     )
-    engine: str = "auto"
-    ray_address: str | None = None
-    num_cpus: int | None = None
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
     #: Fragments per commit (each finished fragment is checkpointed regardless).
     commit_every: int = 16
     storage_options: dict | None = None
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        check_engine(self.engine)
         if self.chunk_rows < 1:
             raise UsageError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if self.column in (S.ID, S.IMAGE, S.CAPTION):
@@ -131,15 +128,12 @@ def run_quality(cfg: QualityConfig) -> QualityReport:
         read_columns=[S.ID, S.IMAGE],
         steps=[Step(measure_batch, kwargs={"column": cfg.column}, batch_size=cfg.chunk_rows)],
         where=where,
-        engine=cfg.engine,
+        run=cfg.run,
         batch_size=cfg.chunk_rows,
         commit_every=cfg.commit_every,
         count_column=OUTCOME,
         null_as=None,
         storage_options=cfg.storage_options,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
-        progress=cfg.progress,
         desc=f"image quality -> {cfg.column}",
     )
     return QualityReport(cfg.table, cfg.column, run_column_job(job))
@@ -150,7 +144,7 @@ def compute_quality(
     *,
     column: str = quality.COLUMN,
     chunk_rows: int = 2048,
-    progress: bool = True,
+    run: RunOptions = RunOptions(),
     storage_options: dict | None = None,
 ) -> dict[str, int]:
     """:func:`run_quality` as counts: ``written`` (measured), ``unreadable``, ``low_information``."""
@@ -158,7 +152,7 @@ def compute_quality(
         table=uri,
         column=column,
         chunk_rows=chunk_rows,
-        progress=progress,
+        run=run,
         storage_options=storage_options,
     )
     return run_quality(cfg).counts()

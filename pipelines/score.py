@@ -34,7 +34,7 @@ from prx_data.columns.writeback import ColumnReport, pending_filter
 from prx_data.core.errors import UsageError
 from prx_data.core.flags import REQUIRED, flag
 from prx_data.core.reports import JobReport
-from prx_data.core.runtime import check_engine
+from prx_data.core.runtime import RunOptions, run_field
 from prx_data.table.search import CLIP_IMAGE_COLUMN
 
 __all__ = ["ScoreConfig", "ScoreReport", "build_job", "run_score", "score_outputs"]
@@ -66,7 +66,8 @@ class ScoreConfig:
         "--device",
         help="cpu, cuda or cuda:N; cuda gives each replica one GPU (default: auto)",
     )
-    engine: str = "auto"
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
     replicas: int = flag(1, "--replicas", type=int, help="model actors (default: %(default)s)")
     batch_size: int = flag(
         64, "--batch-size", type=int, help="rows per model call (default: %(default)s)"
@@ -75,13 +76,9 @@ class ScoreConfig:
     commit_every: int = flag(
         16, "--commit-every", type=int, help="fragments per commit (default: %(default)s)"
     )
-    ray_address: str | None = None
-    num_cpus: int | None = None
     storage_options: dict | None = field(default=None, hash=False)
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        check_engine(self.engine)
         if self.scorer not in SCORERS:
             raise UsageError(f"scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
         if self.replicas < 1 or self.batch_size < 1:
@@ -289,14 +286,11 @@ def build_job(cfg: ScoreConfig, **overrides: Any):
         where=where,
         name=f"score-{p}",
         limit=cfg.limit,
-        engine=cfg.engine,
+        run=cfg.run,
         batch_size=cfg.batch_size,
         commit_every=cfg.commit_every,
         reason_column=error_column(p),
         storage_options=cfg.storage_options,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
-        progress=cfg.progress,
         desc=f"score {cfg.scorer} -> {p}_*",
     )
     kwargs.update(overrides)

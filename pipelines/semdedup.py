@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -46,7 +46,7 @@ from prx_data.core import lance_compat
 from prx_data.core.errors import UsageError
 from prx_data.core.flags import REQUIRED, comma_floats, flag
 from prx_data.core.reports import FailureCounts
-from prx_data.core.runtime import check_engine, place
+from prx_data.core.runtime import RunOptions, run_field
 from prx_data.skips.semdedup import (
     DEFAULT_REPORT_THRESHOLDS,
     DEFAULT_SKIP_NAME,
@@ -125,7 +125,8 @@ class SemDedupConfig:
     #: Rows fetched per read while assigning clusters.
     batch_rows: int = 65_536
     storage_options: dict | None = field(default=None, hash=False)
-    engine: str = "auto"
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
     #: Store ``semdedup_cluster`` / ``semdedup_cosine`` in the table.
     store_columns: bool = flag(
         True,
@@ -142,12 +143,8 @@ class SemDedupConfig:
         help="where the ray engine spills assignments; must be shared by all nodes "
         "(default: a local temporary directory)",
     )
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        check_engine(self.engine)
         if self.rows_per_task < 1:
             raise UsageError("rows_per_task must be >= 1")
         for t in (self.threshold, *self.report_thresholds):
@@ -222,12 +219,9 @@ def run_semdedup(cfg: SemDedupConfig) -> SemDedupReport:
         )
     if cfg.store_columns:  # metadata only; every read below is pinned to this version
         ds = _open(cfg.table, cfg.storage_options, ensure_columns(cfg.table, OUTPUTS))
-    where = place(
-        cfg.engine,
+    where = cfg.run.place(
         size=ds.count_rows(),
         small=SMALL_ROWS,
-        ray_address=cfg.ray_address,
-        num_cpus=cfg.num_cpus,
     )
     rep, removed = _run_ray(cfg, ds, where) if where.on_ray else _run_local(cfg, ds)
     rep.table = cfg.table
@@ -610,13 +604,21 @@ def _write_task(
 
 
 def _cfg_json(cfg: SemDedupConfig) -> dict:
-    """``cfg`` as JSON, to travel in each work unit."""
-    return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    """``cfg`` as JSON, to travel in each work unit (its run options as a mapping)."""
+    d = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    d["run"] = asdict(cfg.run)
+    return d
 
 
 def _cfg_of(unit: dict) -> SemDedupConfig:
     d = unit["cfg"]
-    return SemDedupConfig(**{**d, "report_thresholds": tuple(d["report_thresholds"])})
+    return SemDedupConfig(
+        **{
+            **d,
+            "report_thresholds": tuple(d["report_thresholds"]),
+            "run": RunOptions(**d["run"]),
+        }
+    )
 
 
 def _count_unit(unit: dict) -> dict:
@@ -678,7 +680,7 @@ def _run_ray(cfg: SemDedupConfig, ds, where) -> tuple[SemDedupReport, pa.Array]:
 
     def run(fn, units: list[dict], desc: str) -> list:
         return list(
-            map_units(fn, units, where, Resources(num_cpus=1), desc=desc, progress=cfg.progress)
+            map_units(fn, units, where, Resources(num_cpus=1), desc=desc, progress=cfg.run.progress)
         )
 
     def by_unit(results: list[dict]) -> list[dict]:  # Ray hands results back as they finish

@@ -11,6 +11,7 @@ import pyarrow as pa
 from PIL import Image
 from prx_data.pipelines.quality import compute_quality
 
+from prx_data.core.runtime import RunOptions
 from prx_data.explore.app import ExploreConfig, serve
 from prx_data.table.lance_ops import update_column
 from tests.tablekit import make_table
@@ -82,7 +83,10 @@ def make_enriched_table(uri: str) -> str:
     labels = ["visual" if i.startswith("t/red") else "text" for i in ids]
     update_column(uri, "label", pa.table({"id": ids, "label": labels}))
     update_column(uri, "dup_of", pa.table({"id": ["t/red1", "t/red2"], "dup_of": ["t/red0"] * 2}))
-    compute_quality(uri, progress=False)
+    compute_quality(
+        uri,
+        run=RunOptions(progress=False),
+    )
     return uri
 
 
@@ -91,7 +95,10 @@ def make_scored_table(uri: str) -> dict[str, float | None]:
     duplicates (red0..red2 within cosine 0.95 of each other; red3 and the other colours
     not) and a ``clip_score``; returns the scores by id."""
     make_explore_table(uri)
-    compute_quality(uri, progress=False)
+    compute_quality(
+        uri,
+        run=RunOptions(progress=False),
+    )
     ids = [f"t/{c}{i}" for c in ("red", "green", "blue") for i in range(4)]
     axis = {"red": 0, "green": 1, "blue": 2}
     vecs = []

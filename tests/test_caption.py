@@ -33,6 +33,7 @@ from prx_data.columns.backends import (
 from prx_data.columns.images import fit_image, fit_size
 from prx_data.columns.prompts import load_classify_prompt, load_prompt
 from prx_data.core.imaging import ImageError
+from prx_data.core.runtime import RunOptions
 from tests.caption_doubles import ChatServer, describe_image
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -311,7 +312,7 @@ def test_caption_pipeline_openai_statuses_resume_and_redo(tmp_path, ray_local):
             max_pixels=100_000,
             generation=GenerationConfig(max_tokens=20),
             backend_options={"base_url": srv.base_url, "backoff": 0.01, "concurrency": 2},
-            progress=False,
+            run=RunOptions(progress=False),
         )
         report = run_caption(cfg)
         assert report.rows == 7
@@ -370,7 +371,7 @@ def test_caption_pipeline_transformers_tiny_vlm(tmp_path, ray_local, tiny_vlm):
         backend_options={"device": "cpu"},
         batch_size=2,
         limit=4,
-        progress=False,
+        run=RunOptions(progress=False),
     )
     report = run_caption(cfg)
     assert report.rows == 4 and sum(report.counts.values()) == 4
@@ -454,7 +455,7 @@ def test_caption_pipeline_stops_when_the_backend_is_down(tmp_path, ray_local):
         model="test-model",
         backend_options={"base_url": dead, "max_retries": 0, "concurrency": 1},
         batch_size=1,
-        progress=False,
+        run=RunOptions(progress=False),
     )
     with pytest.raises(Exception, match="failed on every row"):
         run_caption(cfg)

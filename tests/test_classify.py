@@ -17,6 +17,7 @@ import pytest
 
 from prx_data.columns.backends import GenerationConfig, Request
 from prx_data.columns.labels import RuleFilter, parse_label, quoted_words
+from prx_data.core.runtime import RunOptions
 from tests.caption_doubles import ChatServer, label_caption
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,7 +103,13 @@ def test_classify_rules_only(tmp_path, ray_local):
     from prx_data.pipelines.classify import ClassifyConfig, run_classify
 
     uri = make_table(tmp_path / "r.lance")
-    report = run_classify(ClassifyConfig(table=uri, rules_only=True, progress=False))
+    report = run_classify(
+        ClassifyConfig(
+            table=uri,
+            rules_only=True,
+            run=RunOptions(progress=False),
+        )
+    )
     assert report.rows == 5 and report.counts == {"visual": 4, "text": 1}
     assert labels_of(uri) == ["text", "visual", "visual", "visual", "visual", None]
 
@@ -119,7 +126,7 @@ def test_classify_openai_rules_then_model_resume_redo(tmp_path, ray_local):
             backend="openai",
             model="test-model",
             backend_options={"base_url": srv.base_url, "backoff": 0.01},
-            progress=False,
+            run=RunOptions(progress=False),
         )
         report = run_classify(cfg)
         assert report.counts == {"text": 2, "unknown": 1, "nsfw": 1, "visual": 1}
@@ -171,7 +178,7 @@ def test_classify_transformers_tiny_lm(tmp_path, ray_local, tiny_lm):
         use_rules=False,
         backend_options={"device": "cpu"},
         batch_size=4,
-        progress=False,
+        run=RunOptions(progress=False),
     )
     report = run_classify(cfg)
     assert report.rows == 5 and sum(report.counts.values()) == 5

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 
 from prx_data.columns.backends import GenerationConfig
+from prx_data.core.runtime import RunOptions
 from tests.caption_doubles import ChatServer, label_caption
 from tests.test_caption import jpeg, make_table, scripted
 
@@ -47,7 +48,7 @@ def test_caption_records_each_failure_reason_and_only_redoes_flagged_rows(tmp_pa
             model="test-model",
             generation=GenerationConfig(max_tokens=64),
             backend_options={"base_url": srv.base_url, "backoff": 0.01},
-            progress=False,
+            run=RunOptions(progress=False),
         )
         report = run_caption(cfg)
     assert report.rows == 7
@@ -137,7 +138,7 @@ def test_classify_records_failure_reasons_and_only_redoes_unknown(tmp_path):
             backend="openai",
             model="test-model",
             backend_options={"base_url": srv.base_url, "max_retries": 0, "concurrency": 1},
-            progress=False,
+            run=RunOptions(progress=False),
         )
         assert run_classify(cfg).rows == 3
     got = rows(uri, "label", "label_error")
@@ -172,7 +173,7 @@ def test_classify_backend_failure_keeps_its_reason_and_is_retried(tmp_path):
             backend="openai",
             model="test-model",
             backend_options={"base_url": srv.base_url, "max_retries": 0},
-            progress=False,
+            run=RunOptions(progress=False),
         )
         srv.fail_next(503)
         report = run_classify(cfg)

@@ -16,6 +16,7 @@ import pytest
 
 from prx_data.columns import runner as R
 from prx_data.core.errors import PrxDataError
+from prx_data.core.runtime import RunOptions
 
 ROWS, PER_FRAGMENT = 40, 8  # 5 fragments
 
@@ -64,11 +65,10 @@ def job(uri: str, **kw) -> R.ColumnJob:
         read_columns=["id", "image"],
         steps=[R.Step(measure)],
         where="size_status IS NULL",
-        engine="local",
+        run=RunOptions(engine="local", progress=False),
         batch_size=3,
         count_column="size_status",
         reason_column="size_error",
-        progress=False,
     )
     args.update(kw)
     return R.ColumnJob(**args)
@@ -253,7 +253,7 @@ def test_step_contract_and_type_checks(tmp_path):
     with pytest.raises(ValueError, match="this job writes"):
         R.run_column_job(job(uri, outputs=pa.schema([pa.field("other", pa.int64())])))
     with pytest.raises(ValueError, match="engine"):
-        job(uri, engine="spark")
+        job(uri, run=RunOptions(engine="spark"))
 
 
 @pytest.mark.ray
@@ -262,7 +262,9 @@ def test_ray_engine_matches_local(tmp_path):
     a = make_table(str(tmp_path / "a.lance"))
     b = make_table(str(tmp_path / "b.lance"))
     ra = R.run_column_job(job(a))
-    rb = R.run_column_job(job(b, engine="ray", rows_per_unit=5, commit_every=2))
+    rb = R.run_column_job(
+        job(b, run=RunOptions(engine="ray", progress=False), rows_per_unit=5, commit_every=2)
+    )
     assert ra.rows == rb.rows == ROWS and rb.units == 10
     assert ra.counts == rb.counts and ra.reasons == rb.reasons
     assert values(a) == values(b)

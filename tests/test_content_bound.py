@@ -99,7 +99,11 @@ def test_latents_and_a_resume_survive_a_compaction_and_a_re_export(tmp_path, vae
 
     table, out = _table(tmp_path), str(tmp_path / "out")
     _export(table, out, shard_size=4 << 10)  # a few packs
-    job = LatentsConfig(out=out, vae=vae, progress=False, engine="local")
+    job = LatentsConfig(
+        out=out,
+        vae=vae,
+        run=RunOptions(progress=False, engine="local"),
+    )
     first = run_latents(job)
     assert first.encoded_shards == first.shards > 1
 
@@ -157,7 +161,11 @@ def test_latents_follow_their_shards_content_to_new_folder_names(tmp_path, vae):
 
     table, out = _table(tmp_path), str(tmp_path / "out")
     _export(table, out, shard_size=0)
-    job = LatentsConfig(out=out, vae=vae, progress=False, engine="local")
+    job = LatentsConfig(
+        out=out,
+        vae=vae,
+        run=RunOptions(progress=False, engine="local"),
+    )
     first = run_latents(job)
     for bucket in layout.list_buckets(out):
         bdir = os.path.join(out, *bucket.split("/"))

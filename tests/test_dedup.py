@@ -14,6 +14,7 @@ from scipy.sparse.csgraph import connected_components
 from prx_data.cli import dedup as DC
 from prx_data.core import clusters as C
 from prx_data.core.phash import hamming
+from prx_data.core.runtime import RunOptions
 from prx_data.export import layout
 from prx_data.pipelines import dedup as PD
 from prx_data.skips import sidecar as SL
@@ -146,7 +147,10 @@ def test_job_writes_dup_of_and_is_resumable(dup_table, tmp_path):
     uri, expected = dup_table
     report_path = tmp_path / "r.json"
     cfg = PD.DedupConfig(
-        table=uri, engine="local", tiers=TIERS, report=str(report_path), progress=False
+        table=uri,
+        run=RunOptions(engine="local", progress=False),
+        tiers=TIERS,
+        report=str(report_path),
     )
     r = PD.run_dedup(cfg)
     got = {k: v for k, v in dup_of(uri).items() if v is not None}
@@ -187,12 +191,24 @@ def test_radius_catches_reencoded_copy(tmp_path):
     ]
     uri = str(tmp_path / "r.lance")
     make_table(uri, items)
-    r0 = PD.run_dedup(PD.DedupConfig(table=uri, engine="local", radius=0, progress=False))
+    r0 = PD.run_dedup(
+        PD.DedupConfig(
+            table=uri,
+            run=RunOptions(engine="local", progress=False),
+            radius=0,
+        )
+    )
     d = lance.dataset(uri).to_table(columns=["id", "phash"])
     h = dict(zip(d["id"].to_pylist(), d["phash"].to_pylist(), strict=True))
     assert int(hamming(h["a/orig"], h["a/q20"])) == 2
     assert r0.removed == 0 and dup_of(uri)["a/q20"] is None
-    r2 = PD.run_dedup(PD.DedupConfig(table=uri, engine="local", radius=2, progress=False))
+    r2 = PD.run_dedup(
+        PD.DedupConfig(
+            table=uri,
+            run=RunOptions(engine="local", progress=False),
+            radius=2,
+        )
+    )
     assert r2.removed == 1 and r2.phash_job["rows_pending"] == 0
     assert dup_of(uri)["a/q20"] == "a/orig" and dup_of(uri)["a/other"] is None
 
@@ -214,7 +230,12 @@ def test_export_gets_dedup_skip_list(dup_table, tmp_path):
     b, s, x = where[stale_id]
     update_list(out, "dedup", [stale_id], Provenance("test"), table=uri)
     assert x in SL.load_skips(out, b, layout.read_index(out, b), ["dedup"])[s]
-    cfg = PD.DedupConfig(table=uri, export=out, engine="local", report=None, progress=False)
+    cfg = PD.DedupConfig(
+        table=uri,
+        export=out,
+        run=RunOptions(engine="local", progress=False),
+        report=None,
+    )
     r = PD.run_dedup(cfg)
     assert r.grouped_by == "export"
     skipped = set()
@@ -287,8 +308,19 @@ def test_ray_engine_matches_local(dup_table, tmp_path, ray_local):
     local_uri = str(tmp_path / "local.lance")
     items, _ = dup_items()
     make_table(local_uri, items)
-    rep = compute_phash(PhashJobConfig(table=uri, engine="ray", batch_size=4, progress=False))
-    compute_phash(PhashJobConfig(table=local_uri, engine="local", progress=False))
+    rep = compute_phash(
+        PhashJobConfig(
+            table=uri,
+            run=RunOptions(engine="ray", progress=False),
+            batch_size=4,
+        )
+    )
+    compute_phash(
+        PhashJobConfig(
+            table=local_uri,
+            run=RunOptions(engine="local", progress=False),
+        )
+    )
     assert rep.rows_hashed == 12 and rep.errors == {"not_an_image": 1}
 
     def col(u):

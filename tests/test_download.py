@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 from prx_data.pipelines.download import DownloadConfig, run_download
 
+from prx_data.core.runtime import RunOptions
 from prx_data.download import fetch as F
 from tests.downloadkit import ImageServer, photo, url_table
 
@@ -24,7 +25,9 @@ FAST = dict(read_timeout=0.4, connect_timeout=1.0, total_timeout=3.0, retries=1,
 
 def cfg_for(uri: str, srv: ImageServer, **kw) -> DownloadConfig:
     fetch = F.FetchConfig(allow=srv.allow, **{**FAST, **kw.pop("fetch", {})})
-    return DownloadConfig(uri, fetch=fetch, engine=kw.pop("engine", "local"), progress=False, **kw)
+    return DownloadConfig(
+        uri, fetch=fetch, run=RunOptions(engine=kw.pop("engine", "local"), progress=False), **kw
+    )
 
 
 def rows_by_id(uri: str, columns=None) -> dict[str, dict]:
@@ -342,11 +345,12 @@ def test_killed_download_resumes_to_the_same_table_without_refetching(tmp_path):
             f"""
             import os
             from prx_data.download import fetch as F
+            from prx_data.core.runtime import RunOptions
             from prx_data.pipelines.download import DownloadConfig, run_download
             def kill(n):
                 if n == 2:
                     os.kill(os.getpid(), 9)
-            run_download(DownloadConfig({killed!r}, engine="local", progress=False,
+            run_download(DownloadConfig({killed!r}, run=RunOptions(engine="local", progress=False),
                 commit_rows=4, batch_size=4, on_commit=kill,
                 fetch=F.FetchConfig(allow={srv.allow!r}, threads=2)))
             """

@@ -22,7 +22,7 @@ FAST = dict(read_timeout=0.4, connect_timeout=1.0, total_timeout=3.0, retries=0,
 
 def cfg_for(uri: str, allow: tuple[str, ...], **kw) -> DownloadConfig:
     fetch = F.FetchConfig(allow=allow, **FAST)
-    return DownloadConfig(uri, fetch=fetch, engine="local", progress=False, **kw)
+    return DownloadConfig(uri, fetch=fetch, run=RunOptions(engine="local", progress=False), **kw)
 
 
 def test_check_hash_by_digest_length():

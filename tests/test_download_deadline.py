@@ -13,6 +13,7 @@ import lance
 import pytest
 from prx_data.pipelines.download import DownloadConfig, run_download
 
+from prx_data.core.runtime import RunOptions
 from prx_data.download import fetch as F
 from tests.downloadkit import ImageServer, photo, url_table
 
@@ -88,7 +89,13 @@ def test_download_job_records_timeout_and_moves_on(tmp_path):
             allow=srv.allow, total_timeout=3.0, read_timeout=20.0, retries=1, backoff=0.01
         )
         t0 = time.monotonic()
-        report = run_download(DownloadConfig(uri, fetch=fetch, engine="local", progress=False))
+        report = run_download(
+            DownloadConfig(
+                uri,
+                fetch=fetch,
+                run=RunOptions(engine="local", progress=False),
+            )
+        )
         took = time.monotonic() - t0
     rows = {
         r["id"]: r

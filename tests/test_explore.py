@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from prx_data.cli import explore as explore_cli
+from prx_data.core.runtime import RunOptions
 from prx_data.explore import app as explore
 from tests.explore_kit import (
     XSS_CAPTION,
@@ -654,7 +655,13 @@ def test_cluster_view_shows_the_stored_semdedup_cluster(tmp_path):
 
     uri = str(tmp_path / "t.lance")
     make_scored_table(uri)
-    run_semdedup(SemDedupConfig(uri, cluster_size=4, engine="local"))
+    run_semdedup(
+        SemDedupConfig(
+            uri,
+            cluster_size=4,
+            run=RunOptions(engine="local"),
+        )
+    )
     t = lance.dataset(uri).to_table(columns=["id", "semdedup_cluster"]).to_pydict()
     cluster = dict(zip(t["id"], t["semdedup_cluster"], strict=True))
     same = {i for i, c in cluster.items() if c is not None and c == cluster["t/red0"]}

@@ -168,7 +168,7 @@ def test_train_yaml_extra_columns_reach_the_batches(tmp_path):
             "extra_columns": ["similarity", "url"],
             "global_batch_size": 1,
             "num_workers": 0,
-            "shuffle": False,
+            "plan": {"shuffle": False},
         },
     }
     path = tmp_path / "train.yaml"

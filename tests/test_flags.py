@@ -19,8 +19,10 @@ from prx_data.core.flags import (
     flag,
     from_args,
     mebibytes,
+    option_name,
 )
 from prx_data.core.imaging import EncodeSpec, prepare_with
+from prx_data.core.runtime import RunOptions, run_field
 from prx_data.export.spec import ExportConfig, resume_flags
 
 
@@ -37,6 +39,57 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(exit_on_error=False)
     add_flags(p, _Toy)
     return p
+
+
+@dataclass(frozen=True)
+class _Job:
+    table: str = flag(REQUIRED, "--table", help="a job's own option")
+    run: RunOptions = run_field()
+
+
+@dataclass(frozen=True)
+class _OtherJob:
+    limit: int = flag(0, "--limit", type=int, help="another job's option")
+    run: RunOptions = run_field()
+
+
+def test_a_nested_run_options_field_adds_the_run_flags_once_and_builds_them_back():
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(p, _Job)
+    add_flags(p, _OtherJob)  # a second config nesting RunOptions shares the same flags
+    groups = {g.title: [a.dest for a in g._group_actions] for g in p._action_groups}
+    assert groups["run options"] == ["engine", "ray_address", "num_cpus", "progress"]
+    args = p.parse_args(["--table", "t", "--engine", "local", "--num-cpus", "2", "--no-progress"])
+    assert from_args(_Job, args) == _Job("t", RunOptions("local", None, 2, False))
+    assert from_args(_OtherJob, args) == _OtherJob(0, RunOptions("local", None, 2, False))
+    assert from_args(_Job, p.parse_args(["--table", "t"])) == _Job("t")
+    assert option_name(_Job, "ray_address") == "--ray-address"
+
+
+def test_every_job_config_spells_its_run_settings_once_in_run_options():
+    import dataclasses
+
+    from prx_data.columns.backends import ModelJobConfig
+    from prx_data.columns.runner import ColumnJob
+    from prx_data.pipelines import dedup, download, ingest, latents, quality, score, semdedup
+
+    configs = [
+        ColumnJob,
+        ModelJobConfig,
+        dedup.DedupConfig,
+        dedup.PhashJobConfig,
+        download.DownloadConfig,
+        ingest.IngestConfig,
+        latents.LatentsConfig,
+        quality.QualityConfig,
+        score.ScoreConfig,
+        semdedup.SemDedupConfig,
+    ]
+    run_names = {f.name for f in dataclasses.fields(RunOptions)}
+    for cls in configs:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        assert not run_names & set(fields), cls.__name__
+        assert fields["run"].default_factory is RunOptions, cls.__name__
 
 
 def test_flags_build_the_options_and_the_config_back():
@@ -132,7 +185,7 @@ def test_semdedup_flags_set_their_fields_and_bad_numbers_are_an_option_error(cap
         "--no-columns --engine local"
     )
     args = sd_cli.build_parser().parse_args(shlex.split(argv))
-    cfg = from_args(SemDedupConfig, args, engine=args.engine)
+    cfg = from_args(SemDedupConfig, args)
     assert cfg == SemDedupConfig(
         table="t",
         export="e",
@@ -146,7 +199,7 @@ def test_semdedup_flags_set_their_fields_and_bad_numbers_are_an_option_error(cap
         skip_name="sd",
         spill_dir="/s",
         store_columns=False,
-        engine="local",
+        run=RunOptions(engine="local"),
     )
     with pytest.raises(SystemExit):
         sd_cli.build_parser().parse_args(["--table", "t", "--report-thresholds", "0.9,x"])
@@ -201,3 +254,24 @@ def test_ingest_flags_set_the_ingest_config():
         keys="k",
     )
     assert cfg.reader_options["caption_column"] == "TEXT"
+
+
+def test_explore_flags_come_from_the_explore_config_fields():
+    from prx_data.cli import explore as explore_cli
+    from prx_data.explore.app import DEFAULT_PORT, ExploreConfig
+
+    assert option_name(ExploreConfig, "allowed_hosts") == "--allow-host"
+    argv = "--table t --host 0.0.0.0 --page-size 9 --descriptors no --build-indexes"
+    args = explore_cli.build_parser().parse_args(
+        shlex.split(argv + " --allow-host a --allow-host b")
+    )
+    cfg = from_args(ExploreConfig, args, port=DEFAULT_PORT)
+    assert cfg == ExploreConfig(
+        table="t",
+        host="0.0.0.0",
+        page_size=9,
+        descriptors="no",
+        build_indexes=True,
+        allowed_hosts=("a", "b"),
+    )
+    assert args.port is None  # not given: main picks DEFAULT_PORT, or any free one with --check

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from prx_data.core.runtime import RunOptions
 from tests.ingest_data import jpeg
 
 
@@ -139,7 +140,7 @@ def test_descriptor_failures_keep_their_reason(tmp_path):
     good = djpeg(make_image(3, 64, 64))
     make_table(uri, [("p/good", good, None), ("p/bad", b"\xff\xd8\xff broken", None)])
     failed = Counter()
-    assert compute_descriptors(uri, progress=False, errors=failed) == 2
+    assert compute_descriptors(uri, run=RunOptions(progress=False), errors=failed) == 2
     t = lance.dataset(uri).to_table(columns=["id", "pixel_descriptor", "pixel_descriptor_error"])
     rows = {r["id"]: r for r in t.to_pylist()}
     assert rows["p/good"]["pixel_descriptor"] is not None

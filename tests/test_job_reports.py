@@ -9,6 +9,7 @@ import pytest
 
 from prx_data.cli.reporting import finish
 from prx_data.core.errors import ErrorRateExceeded
+from prx_data.core.runtime import RunOptions
 
 
 def _export_report(**dropped: int):
@@ -89,10 +90,18 @@ def test_quality_job_has_the_shape_of_every_job(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         QualityConfig("t").table = "u"  # type: ignore[misc]
     with pytest.raises(ValueError, match="engine"):
-        QualityConfig("t", engine="spark")
+        QualityConfig(
+            "t",
+            run=RunOptions(engine="spark"),
+        )
     uri = str(tmp_path / "t.lance")
     make_table(uri, [("a/0", b"not an image", "x"), ("a/1", b"", "y")])
-    report = run_quality(QualityConfig(uri, progress=False))
+    report = run_quality(
+        QualityConfig(
+            uri,
+            run=RunOptions(progress=False),
+        )
+    )
     assert isinstance(report, QualityReport)
     assert (report.written, report.failed, report.total) == (0, 2, 2)
     assert report.status(0.5) == 1 and "2 unreadable" in report.text()

@@ -15,6 +15,7 @@ from prx_data.pipelines.latents import LatentsConfig, run_latents
 
 from prx_data.core.buckets import DEFAULT_SPEC, bucket_name
 from prx_data.core.errors import UsageError
+from prx_data.core.runtime import RunOptions
 from prx_data.export import latents as L
 from prx_data.export.sample import make_sample_export
 from prx_data.train.config import ConfigError, load_config
@@ -39,7 +40,7 @@ def tiny_t5(tmp_path_factory) -> str:
 
 
 def _job(root: str, vae: str, **kw) -> LatentsConfig:
-    return LatentsConfig(out=root, vae=vae, progress=False, engine="local", **kw)
+    return LatentsConfig(out=root, vae=vae, run=RunOptions(progress=False, engine="local"), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +266,7 @@ def test_a_vae_mismatch_or_missing_latents_is_refused_in_one_line(tmp_path, vae,
         run_latents(_job(root, vae, dtype="bfloat16"))
     assert run_latents(_job(root, vae, dtype="bfloat16", replace=True)).encoded_shards == 1
     with pytest.raises(ConfigError, match="vae.source"):
-        load_config(SMOKE_CACHED, ["data.include_higher_tiers=true"])
+        load_config(SMOKE_CACHED, ["data.plan.include_higher_tiers=true"])
 
 
 def test_bfloat16_storage_round_trips_to_nearest():

@@ -19,6 +19,7 @@ import pytest
 from prx_data.pipelines.latents import LatentsConfig, run_latents
 
 from prx_data.core.confined import UnsafeFileError
+from prx_data.core.runtime import RunOptions
 from prx_data.export import latents as L
 from prx_data.export.sample import make_sample_export
 
@@ -38,7 +39,7 @@ def vaes(tmp_path_factory) -> tuple[str, str]:
 
 
 def _job(root: str, vae: str, **kw) -> LatentsConfig:
-    return LatentsConfig(out=root, vae=vae, progress=False, engine="local", **kw)
+    return LatentsConfig(out=root, vae=vae, run=RunOptions(progress=False, engine="local"), **kw)
 
 
 @pytest.fixture()

@@ -35,31 +35,52 @@ def test_plan_buckets_takes_a_spec_or_its_fields_as_keywords():
     assert plan_buckets(counts, spec, num_workers=1).num_workers == 1
 
 
-def test_every_plan_setting_is_one_data_config_key():
-    """The YAML spells each PlanSpec field once, under the same name (batch and block aside)."""
-    from prx_data.train.config import DataConfig
+def test_every_plan_setting_is_one_data_plan_key_with_the_plan_default():
+    """``data.plan`` is PlanSpec's fields with PlanSpec's defaults (batch, workers, block aside)."""
+    import inspect
 
-    names = {f.name for f in dataclasses.fields(DataConfig)}
-    elsewhere = {"device_batch_size", "shuffle_block_size", "bucket_spec"}
-    fields = {f.name for f in dataclasses.fields(PlanSpec)}
-    assert fields - elsewhere <= names
+    from prx_data.stream.dataset import BucketedDataset
+    from prx_data.train.config import DataConfig, PlanConfig
+
+    elsewhere = {"device_batch_size", "num_workers", "shuffle_block_size", "bucket_spec"}
+    fields = {f.name: f.default for f in dataclasses.fields(PlanSpec) if f.name not in elsewhere}
+    assert {f.name: f.default for f in dataclasses.fields(PlanConfig)} == fields
+    assert not set(fields) & {f.name for f in dataclasses.fields(DataConfig)}
+    # The loader takes the spec, not a mirror of its fields with defaults of its own.
+    assert not set(fields) & set(inspect.signature(BucketedDataset.__init__).parameters)
     cfg = DataConfig(
-        tier=1024,
-        include_higher_tiers=True,
+        plan=PlanConfig(
+            tier=1024,
+            include_higher_tiers=True,
+            num_canonical_nodes=4,
+            replication=2,
+            epoch_size=64,
+            shuffle=False,
+            shuffle_seed=5,
+            batching_method="device_per_stream",
+            small_buckets="drop",
+        ),
         num_workers=3,
-        num_canonical_nodes=4,
-        replication=2,
-        epoch_size=64,
-        shuffle=False,
-        shuffle_seed=5,
-        batching_method="device_per_stream",
-        small_buckets="drop",
         streaming={"shuffle_block_size": 1000},
     )
     spec = cfg.plan_spec(8)
-    for name in fields - elsewhere:
-        assert getattr(spec, name) == getattr(cfg, name), name
+    for name in fields:
+        assert getattr(spec, name) == getattr(cfg.plan, name), name
     assert spec.device_batch_size == 8 and spec.shuffle_block_size == 1000
+    assert spec.num_workers == 3
+
+
+def test_old_flat_plan_keys_still_load_with_one_line_warning():
+    from prx_data.train.config import ConfigError, load_config
+
+    with pytest.warns(FutureWarning, match=r"data\.tier is now data\.plan\.tier"):
+        cfg = load_config(None, ["data.tier=1024"])
+    assert cfg.data.plan.tier == 1024
+    with pytest.warns(FutureWarning, match="data.shuffle_seed is now data.plan.shuffle_seed"):
+        cfg = load_config(None, data={"data": {"shuffle_seed": 5}})
+    assert cfg.data.plan.shuffle_seed == 5
+    with pytest.raises(ConfigError, match="both given"):
+        load_config(None, data={"data": {"shuffle": False, "plan": {"shuffle": True}}})
 
 
 def test_the_dataset_takes_one_spec_or_the_keywords_not_both(export):
@@ -82,7 +103,7 @@ def _overrides(root: str) -> list[str]:
     return [
         f"variables.data_root={root}",
         "data.global_batch_size=4",
-        "data.include_higher_tiers=true",
+        "data.plan.include_higher_tiers=true",
         "eval.enabled=true",
         "eval.holdout_fraction=0.25",
     ]
@@ -116,3 +137,18 @@ def test_the_planner_refuses_plan_flags_next_to_a_config(export, capsys):
     assert "--tier: with --config" in capsys.readouterr().err
     assert main(["--config", str(SMOKE), "data.bogus=1"]) == 2
     assert "data.bogus" in capsys.readouterr().out
+
+
+def test_a_yaml_dataset_is_the_notebook_dataset_spec():
+    """``data.datasets`` entries are ``DatasetSpec`` itself: every key a notebook passes."""
+    from prx_data.stream.spec import DatasetSpec
+    from prx_data.train.config import load_config
+
+    cfg = load_config(
+        None,
+        ["data.datasets.0.allow_incomplete=true"],
+        data={"data": {"datasets": [{"root": "/x", "proportion": 0.5, "name": "x"}]}},
+    )
+    (ds,) = cfg.data.datasets
+    assert ds == DatasetSpec(root="/x", proportion=0.5, name="x", allow_incomplete=True)
+    assert ds.label == "x"

@@ -15,6 +15,7 @@ from prx_data.pipelines.quality import compute_quality
 from prx_data.cli import quality as quality_cli
 from prx_data.cli import skips as skips_cli
 from prx_data.core import quality as Q
+from prx_data.core.runtime import RunOptions
 from prx_data.export.merge import finalize
 from prx_data.export.prepare import plan_units, prepare_output
 from prx_data.export.spec import ExportConfig
@@ -90,7 +91,10 @@ def test_column_job_stats_and_cli(quality_table, tmp_path, capsys):
     assert "measured 6 rows; 1 unreadable" in out and "2 low-information" in out
     assert Q.LOW_INFORMATION_SQL in out
     # Resumable: a second run measures nothing new (the unreadable row stays null and counted).
-    assert compute_quality(quality_table, progress=False) == {
+    assert compute_quality(
+        quality_table,
+        run=RunOptions(progress=False),
+    ) == {
         "written": 0,
         "unreadable": 1,
         "low_information": 0,
@@ -110,7 +114,10 @@ def test_column_job_stats_and_cli(quality_table, tmp_path, capsys):
 
 
 def test_export_counts_blank_samples_and_skips_build_a_blank_list(quality_table, tmp_path, capsys):
-    compute_quality(quality_table, progress=False)
+    compute_quality(
+        quality_table,
+        run=RunOptions(progress=False),
+    )
     out = str(tmp_path / "export")
     cfg = prepare_output(
         ExportConfig(table=quality_table, out=out, tiers=(512,), rows_per_task=4)

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from prx_data.cli.reporting import ReportOptions, add_report_args, report_options_from_args
 from prx_data.core import runtime
 from prx_data.core.errors import PrxDataError, UsageError
 from prx_data.core.runtime import Placement, Resources, RunOptions, map_units, place
@@ -18,20 +19,25 @@ from prx_data.core.runtime import Placement, Resources, RunOptions, map_units, p
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     runtime.add_run_args(p)
+    add_report_args(p)
     return p
 
 
 def test_run_flags_build_run_options_with_the_documented_defaults():
-    opts = runtime.run_options_from_args(_parser().parse_args([]))
+    args = _parser().parse_args([])
+    opts = runtime.run_options_from_args(args)
     assert opts == RunOptions()
-    assert opts.engine == "auto" and opts.progress and opts.max_error_rate == 0.2
+    assert opts.engine == "auto" and opts.progress
+    assert report_options_from_args(args) == ReportOptions(max_error_rate=0.2)
     args = _parser().parse_args(
         ["--engine", "local", "--ray-address", "h:1", "--num-cpus", "3", "--no-progress"]
         + ["--max-error-rate", "0.5", "--report-json", "r.json"]
     )
     opts = runtime.run_options_from_args(args)
     assert (opts.engine, opts.ray_address, opts.num_cpus) == ("local", "h:1", 3)
-    assert (opts.progress, opts.max_error_rate, opts.report_json) == (False, 0.5, "r.json")
+    assert not opts.progress
+    rep = report_options_from_args(args)
+    assert (rep.max_error_rate, rep.report_json) == (0.5, "r.json")
     assert opts.job_fields() == {
         "engine": "local",
         "ray_address": "h:1",

@@ -16,6 +16,7 @@ import pytest
 
 from prx_data.columns import scores as SC
 from prx_data.columns.runner import checkpoint_root
+from prx_data.core.runtime import RunOptions
 from prx_data.core.tinymodels import (
     build_tiny_aesthetic_head,
     build_tiny_clip,
@@ -67,7 +68,11 @@ def data_files(uri: str) -> dict[str, str]:
 
 def cfg(uri: str, scorer: str, models: dict, **kw) -> SJ.ScoreConfig:
     return SJ.ScoreConfig(
-        table=uri, scorer=scorer, model=models[scorer], engine="local", progress=False, **kw
+        table=uri,
+        scorer=scorer,
+        model=models[scorer],
+        run=RunOptions(engine="local", progress=False),
+        **kw,
     )
 
 
@@ -153,7 +158,14 @@ def test_ray_actors_give_the_same_scores_as_local(tmp_path, models, ray_local):
     a, b = table(tmp_path, "a.lance"), table(tmp_path, "b.lance")
     for scorer in ("clip", "watermark"):
         SJ.run_score(cfg(a, scorer, models))
-        SJ.run_score(SJ.ScoreConfig(b, scorer, models[scorer], engine="ray", progress=False))
+        SJ.run_score(
+            SJ.ScoreConfig(
+                b,
+                scorer,
+                models[scorer],
+                run=RunOptions(engine="ray", progress=False),
+            )
+        )
     same_scores(a, b)
 
 
@@ -167,7 +179,9 @@ KILL = textwrap.dedent(
         if done == 2:
             os._exit(9)  # like SIGKILL: nothing committed, two fragments checkpointed
 
-    cfg = SJ.ScoreConfig({uri!r}, "clip", {model!r}, engine="local", progress=False,
+    from prx_data.core.runtime import RunOptions
+
+    cfg = SJ.ScoreConfig({uri!r}, "clip", {model!r}, run=RunOptions("local", progress=False),
                          commit_every=100)
     SJ.run_score(cfg, on_fragment=kill)
     """

@@ -13,6 +13,7 @@ from prx_data.cli import search as search_cli
 from prx_data.columns import descriptors
 from prx_data.core import descriptor
 from prx_data.core.buckets import assign_bucket
+from prx_data.core.runtime import RunOptions
 from prx_data.table import lance_ops as T
 from prx_data.table import search
 from tests.ingest_data import jpeg
@@ -49,7 +50,11 @@ def table_uri(tmp_path_factory):
             )
     items.append(("t/broken", b"not an image", "a broken red file"))
     make_table(uri, items, max_rows_per_file=5)
-    assert descriptors.compute_descriptors(uri, chunk_rows=4, progress=False) == len(items)
+    assert descriptors.compute_descriptors(
+        uri,
+        chunk_rows=4,
+        run=RunOptions(progress=False),
+    ) == len(items)
     search.build_indexes(uri)
     return uri
 
@@ -71,7 +76,13 @@ def test_descriptors_are_resumable(table_uri):
     assert ds.count_rows(f"{descriptor.COLUMN} IS NULL") == 1  # only the broken image
     # A rerun only revisits the row still missing (and leaves the others alone).
     before = ds.to_table(columns=["id", descriptor.COLUMN]).to_pylist()
-    assert descriptors.compute_descriptors(table_uri, progress=False) == 1
+    assert (
+        descriptors.compute_descriptors(
+            table_uri,
+            run=RunOptions(progress=False),
+        )
+        == 1
+    )
     after = lance.dataset(table_uri).to_table(columns=["id", descriptor.COLUMN]).to_pylist()
     assert before == after
 
@@ -210,8 +221,21 @@ def test_descriptors_with_ray_match_the_local_path(tmp_path):
     a, b = str(tmp_path / "a.lance"), str(tmp_path / "b.lance")
     make_table(a, items, max_rows_per_file=3)
     make_table(b, items, max_rows_per_file=3)
-    assert descriptors.compute_descriptors(a, progress=False) == 7
-    assert descriptors.compute_descriptors(b, use_ray=True, chunk_rows=4, progress=False) == 7
+    assert (
+        descriptors.compute_descriptors(
+            a,
+            run=RunOptions(progress=False),
+        )
+        == 7
+    )
+    assert (
+        descriptors.compute_descriptors(
+            b,
+            run=RunOptions(engine="ray", progress=False),
+            chunk_rows=4,
+        )
+        == 7
+    )
     va = lance.dataset(a).to_table(columns=["id", descriptor.COLUMN]).sort_by("id")
     vb = lance.dataset(b).to_table(columns=["id", descriptor.COLUMN]).sort_by("id")
     assert va.equals(vb)

@@ -10,6 +10,7 @@ import pytest
 from PIL import ImageEnhance
 
 from prx_data.columns.descriptors import compute_descriptors
+from prx_data.core.runtime import RunOptions
 from prx_data.export import layout
 from prx_data.pipelines import semdedup as SJ
 from prx_data.skips import semdedup as SD
@@ -48,7 +49,10 @@ def planted_items() -> list[tuple[str, bytes, str | None]]:
 def planted(tmp_path):
     uri = str(tmp_path / "t.lance")
     make_table(uri, planted_items(), max_rows_per_file=5)
-    compute_descriptors(uri, progress=False)  # a deterministic, model-free embedding
+    compute_descriptors(
+        uri,
+        run=RunOptions(progress=False),
+    )  # a deterministic, model-free embedding
     return uri
 
 
@@ -59,7 +63,11 @@ def test_planted_near_duplicates_found_and_the_largest_kept(planted, tmp_path, e
     out = str(tmp_path / "export")
     export_in_process(planted, out)
     cfg = SJ.SemDedupConfig(
-        planted, export=out, embedding_column="pixel_descriptor", cluster_size=4, engine=engine
+        planted,
+        export=out,
+        embedding_column="pixel_descriptor",
+        cluster_size=4,
+        run=RunOptions(engine=engine),
     )
     rep = SJ.run_semdedup(cfg)
     assert rep.rows == 22 and rep.clusters > 1 and rep.threshold == SD.DEFAULT_THRESHOLD
@@ -152,7 +160,9 @@ def test_ray_and_local_engines_agree_and_store_cluster_columns(planted, tmp_path
     for engine in ("local", "ray"):
         out = str(tmp_path / f"export-{engine}")
         export_in_process(planted, out)
-        rep = SJ.run_semdedup(SJ.SemDedupConfig(planted, export=out, engine=engine, **common))
+        rep = SJ.run_semdedup(
+            SJ.SemDedupConfig(planted, export=out, run=RunOptions(engine=engine), **common)
+        )
         d = rep.to_dict()
         d.pop("seconds")
         reps[engine] = (d, set(_list_ids(out)))

@@ -103,7 +103,7 @@ def test_eval_slice_on_a_remote_root_starts_next_to_training(moto_server, tmp_pa
         [
             f"variables.data_root={root}",
             f"data.datasets.0.local={tmp_path / 'cache'}",
-            "data.include_higher_tiers=false",
+            "data.plan.include_higher_tiers=false",
             "data.global_batch_size=1",
             "eval.holdout_fraction=0.25",
         ],

@@ -40,7 +40,8 @@ data:
       proportion: 0.7
     - root: /data/b
       proportion: 0.3
-  tier: 512
+  plan:
+    tier: 512
   caption_columns:
     - {name: caption_vlm, weight: 3}
     - {name: caption, weight: 1}
@@ -63,8 +64,8 @@ def test_yaml_and_overrides(tmp_path):
         [
             "variables.root=/data/z",
             "data.datasets.1.proportion=0.5",
-            "data.tier=1024",
-            "data.include_higher_tiers=true",
+            "data.plan.tier=1024",
+            "data.plan.include_higher_tiers=true",
             "optimizer.betas=[0.8,0.99]",
             "trainer.ema.enabled=true",
             "data.streaming.cache_limit=10gb",
@@ -73,7 +74,7 @@ def test_yaml_and_overrides(tmp_path):
     )
     assert cfg.data.datasets[0].root == "/data/z"  # interpolation sees the override
     assert [d.proportion for d in cfg.data.datasets] == [0.7, 0.5]
-    assert cfg.data.tier == 1024 and cfg.data.include_higher_tiers is True
+    assert cfg.data.plan.tier == 1024 and cfg.data.plan.include_higher_tiers is True
     assert cfg.optimizer.betas == [0.8, 0.99]
     assert cfg.trainer.ema.enabled is True
     assert cfg.data.streaming == {"predownload": 8, "cache_limit": "10gb"}
@@ -91,7 +92,7 @@ def test_yaml_and_overrides(tmp_path):
     ("yaml_text", "overrides", "key"),
     [
         ("data:\n  tierr: 512\n", [], "data.tierr"),
-        ("", ["data.tier=abc"], "data.tier"),
+        ("", ["data.plan.tier=abc"], "data.plan.tier"),
         ("", ["trainer.max_durationn=3ba"], "trainer.max_durationn"),
         ("data:\n  datasets:\n    - root: /x\n      weight: 2\n", [], "weight"),
         ("", ["model.hidden_size=100", "model.num_heads=3"], "model.hidden_size"),
@@ -104,7 +105,7 @@ def test_yaml_and_overrides(tmp_path):
             [],
             "data.datasets.0",
         ),
-        ("", ["data.batching_method=random"], "data.batching_method"),
+        ("", ["data.plan.batching_method=random"], "data.plan.batching_method"),
         ("", ["nonsense"], "nonsense"),
         ("", ["trainer.max_duration=10 steps"], "trainer.max_duration"),
     ],

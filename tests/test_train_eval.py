@@ -81,7 +81,7 @@ def _smoke_cfg(tmp_path: Path, export, t5: str, run: str, extra=()):
             *tiny_overrides(t5),
             f"variables.data_root={export.root}",
             f"variables.run_name={run}",
-            "data.include_higher_tiers=false",
+            "data.plan.include_higher_tiers=false",
             f"trainer.save_folder={tmp_path / '{run_name}' / 'checkpoints'}",
             f"sampling.folder={tmp_path / '{run_name}' / 'samples'}",
             "trainer.max_duration=4ba",
@@ -207,7 +207,7 @@ def test_rerunning_a_finished_run_says_so(tmp_path, export, tiny_t5, capsys):
         *tiny_overrides(tiny_t5),
         f"variables.data_root={export.root}",
         "variables.run_name=done",
-        "data.include_higher_tiers=false",
+        "data.plan.include_higher_tiers=false",
         f"trainer.save_folder={tmp_path / '{run_name}' / 'checkpoints'}",
         f"sampling.folder={tmp_path / '{run_name}' / 'samples'}",
         "trainer.max_duration=4ba",
@@ -290,11 +290,11 @@ def test_sampler_matches_diffusers_prx_pipeline(tiny_t5):
 
 
 def test_replication_with_fsdp_is_refused():
-    with pytest.raises(ConfigError, match="data.replication"):
-        load_config(None, ["parallelism.fsdp.enabled=true", "data.replication=2"])
+    with pytest.raises(ConfigError, match="data.plan.replication"):
+        load_config(None, ["parallelism.fsdp.enabled=true", "data.plan.replication=2"])
     # replication=1 is the default behaviour and allowed; without FSDP replication stays valid.
-    load_config(None, ["parallelism.fsdp.enabled=true", "data.replication=1"])
-    load_config(None, ["data.replication=2"])
+    load_config(None, ["parallelism.fsdp.enabled=true", "data.plan.replication=1"])
+    load_config(None, ["data.plan.replication=2"])
 
 
 @pytest.mark.parametrize(
@@ -366,7 +366,7 @@ def test_shipped_fsdp_configs_state_their_sharding():
         cfg = load_config(REPO / "configs" / "train" / name)
         f = cfg.parallelism.fsdp
         assert f.enabled and f.sharding_strategy == strategy and f.activation_checkpointing
-        assert cfg.data.replication is None
+        assert cfg.data.plan.replication is None
 
 
 def test_smoke_config_documents_run_name_and_autoresume():
@@ -541,7 +541,7 @@ def test_fsdp2_trains_on_two_gloo_ranks(tmp_path, export, tiny_t5):
         *tiny_overrides(tiny_t5),
         f"variables.data_root={export.root}",
         "variables.run_name=fsdp2",
-        "data.include_higher_tiers=false",
+        "data.plan.include_higher_tiers=false",
         "data.global_batch_size=4",
         f"trainer.save_folder={tmp_path / 'ckpt'}",
         "trainer.max_duration=2ba",

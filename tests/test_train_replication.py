@@ -28,7 +28,7 @@ class _Stub(torch.utils.data.IterableDataset):
 def test_dataspec_counts_unique_samples_and_tokens(replication, samples, tokens):
     over = ["data.global_batch_size=8", "data.num_workers=0"]
     if replication:
-        over.append(f"data.replication={replication}")
+        over.append(f"data.plan.replication={replication}")
     cfg = load_config(None, over)
     spec = build_dataspec(cfg.data, world_size=2, patch_size=16, dataset=_Stub())
     batch = {"image": torch.zeros(4, 3, 64, 64, dtype=torch.uint8)}
@@ -40,7 +40,7 @@ def test_dataspec_counts_unique_samples_and_tokens(replication, samples, tokens)
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["data.global_batch_size=8", "data.replication=3"], "data.replication"),
+        (["data.global_batch_size=8", "data.plan.replication=3"], "data.plan.replication"),
         (["data.on_change=continue"], "data.on_change"),
     ],
 )

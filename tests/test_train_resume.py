@@ -47,8 +47,8 @@ def _command(
     overrides = [
         *tiny_overrides(encoder),
         f"variables.data_root={export}",
-        "data.include_higher_tiers=false",
-        "data.small_buckets=error",
+        "data.plan.include_higher_tiers=false",
+        "data.plan.small_buckets=error",
         f"data.global_batch_size={GLOBAL_BATCH}",
         "data.num_workers=1",
         "data.persistent_workers=false",
@@ -208,7 +208,7 @@ def test_replicated_run_counts_unique_samples_and_resumes_exactly_once(tmp_path)
     expected = sorted(export.all_ids())
     unique_per_step = GLOBAL_BATCH // 2
     steps = len(expected) // unique_per_step  # 24
-    extra = ("data.replication=2", "trainer.save_interval=4ba")
+    extra = ("data.plan.replication=2", "trainer.save_interval=4ba")
     first = tmp_path / "first"
     done = _kill_after(_command(2, first, encoder, str(tmp_path / "export"), extra), first, 9)
     assert max(done) < steps - 1, done

@@ -7,10 +7,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from prx_data.cli.reporting import run_job
+from prx_data.cli.reporting import add_report_args, run_job
 from prx_data.columns.backends import GenerationConfig, ModelJobConfig
 from prx_data.core.flags import add_flags, from_args
-from prx_data.core.runtime import add_run_args
 
 
 def column_job_parser(
@@ -75,7 +74,7 @@ def column_job_parser(
         action="store_true",
         help="allow checkpoints that ship their own modelling code",
     )
-    add_run_args(p)
+    add_report_args(p)
     return p
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import run_job
+from prx_data.cli.reporting import add_report_args, run_job
 from prx_data.core.flags import add_flags
-from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.dedup import DedupConfig, run_dedup
 from prx_data.skips.dedup import (
     DEFAULT_REPORT,
@@ -25,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(p, DedupConfig)
     p.set_defaults(report=DEFAULT_REPORT)
-    add_run_args(p)
+    add_report_args(p)
     return p
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish_run
+from prx_data.cli.reporting import add_report_args, finish_run, report_options_from_args
 from prx_data.core.errors import Conflict, NotFound, PrxDataError
 from prx_data.core.flags import add_flags, from_args
-from prx_data.core.runtime import add_run_args, run_options_from_args
 from prx_data.download import fetch as F
 from prx_data.pipelines.download import DEFAULT_MAX_ERROR_RATE, DownloadConfig, run_download
 
@@ -30,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(p, DownloadConfig)
     add_flags(p.add_argument_group("politeness, limits and safety"), F.FetchConfig)
-    add_run_args(p)
+    add_report_args(p)
     p.set_defaults(max_error_rate=DEFAULT_MAX_ERROR_RATE)
     return p
 
@@ -38,10 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        opts = run_options_from_args(args)
-        cfg = from_args(
-            DownloadConfig, args, fetch=from_args(F.FetchConfig, args), **opts.job_fields()
-        )
+        opts = report_options_from_args(args)
+        cfg = from_args(DownloadConfig, args, fetch=from_args(F.FetchConfig, args))
         from prx_data.table.lance_ops import table_exists
 
         if not table_exists(args.table):

@@ -6,14 +6,8 @@ import argparse
 import sys
 
 from prx_data.core.errors import PrxDataError
-from prx_data.explore.app import (
-    AUTO_DESCRIPTOR_ROWS,
-    DEFAULT_HOST,
-    DEFAULT_PORT,
-    MAX_PAGE,
-    ExploreConfig,
-    serve,
-)
+from prx_data.core.flags import add_flags, from_args
+from prx_data.explore.app import DEFAULT_PORT, ExploreConfig, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,51 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and sort on any score (numeric column). The table is left unchanged unless "
         "--build-indexes is given; without it the explorer lists what it would build.",
     )
-    p.add_argument("--table", required=True, help="Lance table URI")
-    p.add_argument(
-        "--host",
-        default=DEFAULT_HOST,
-        help="address to bind (default: %(default)s, this machine only; use 0.0.0.0 only "
-        "on a trusted network: there is no authentication)",
-    )
-    p.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help=f"port (default: {DEFAULT_PORT}; with --check any free one; 0: any free)",
-    )
-    p.add_argument(
-        "--allow-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="also serve requests whose Host header is NAME (with any port), e.g. this "
-        "machine's name when binding 0.0.0.0; repeatable. Loopback names (127.0.0.1, "
-        "localhost, [::1]) and --host are always served; any other Host gets 421, so a "
-        "DNS-rebinding page cannot read the table",
-    )
-    p.add_argument(
-        "--page-size",
-        type=int,
-        default=48,
-        help=f"thumbnails per query, 1 to {MAX_PAGE} (default: %(default)s)",
-    )
-    p.add_argument(
-        "--build-indexes",
-        action="store_true",
-        help="change the table at start if it lacks them: build the full-text (captions), "
-        "BTREE (id) and vector indexes, and compute pixel descriptors (see --descriptors). "
-        "Each adds a table version; without this flag the table is unchanged and each "
-        "missing piece is printed as a 'would ...' line",
-    )
-    p.add_argument(
-        "--descriptors",
-        choices=("auto", "yes", "no"),
-        default="auto",
-        help="pixel descriptors for similar-image search when the table has no vector "
-        f"column: auto = with --build-indexes, if at most {AUTO_DESCRIPTOR_ROWS:,} rows "
-        "(default); yes = compute them now (changes the table); no = never",
-    )
+    add_flags(p, ExploreConfig)
+    p.set_defaults(port=None)  # not given: DEFAULT_PORT, or any free port with --check
     p.add_argument(
         "--check",
         action="store_true",
@@ -93,15 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.build_indexes:
             p.error("--no-index and --build-indexes contradict each other; drop --no-index")
     try:
-        cfg = ExploreConfig(
-            table=args.table,
-            host=args.host,
-            port=args.port if args.port is not None else (0 if args.check else DEFAULT_PORT),
-            page_size=args.page_size,
-            descriptors=args.descriptors,
-            build_indexes=args.build_indexes,
-            allowed_hosts=tuple(args.allow_host),
-        )
+        port = args.port if args.port is not None else (0 if args.check else DEFAULT_PORT)
+        cfg = from_args(ExploreConfig, args, port=port)
     except PrxDataError as e:
         p.error(str(e))
     try:

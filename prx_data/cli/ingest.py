@@ -13,9 +13,8 @@ import argparse
 import json
 import sys
 
-from prx_data.cli.reporting import run_job
+from prx_data.cli.reporting import add_report_args, run_job
 from prx_data.core.flags import add_flags
-from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.ingest import IngestConfig, IngestReport, ingest, run_ingest
 
 __all__ = ["IngestReport", "ingest", "main"]
@@ -33,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(p, IngestConfig)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    add_run_args(p)
+    add_report_args(p)
     return p
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import run_job
+from prx_data.cli.reporting import add_report_args, run_job
 from prx_data.core.flags import add_flags
-from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.latents import LatentsConfig, run_latents
 
 
@@ -22,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Ray (larger work, or a cluster) it starts Ray first, to give each GPU one encoder.",
     )
     add_flags(p, LatentsConfig)
-    add_run_args(p)
+    add_report_args(p)
     return p
 
 

@@ -5,10 +5,64 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from prx_data.core.errors import DEFAULT_MAX_ERROR_RATE, UsageError, error_rate_arg
+from prx_data.core.flags import add_flags, flag, from_args
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """How a CLI reports a job: when it fails, where its JSON report goes, how loud it is.
+
+    Not a job setting (a notebook reads the report it gets back), so no job
+    config holds it: each CLI adds these flags with :func:`add_report_args`.
+    """
+
+    max_error_rate: float = flag(
+        DEFAULT_MAX_ERROR_RATE,
+        "--max-error-rate",
+        help="fail (exit status 1) when more than this share of the job's items (rows, work "
+        "units) failed (default: %(default)s; 1 never fails)",
+        type=error_rate_arg,
+    )
+    report_json: str | None = flag(
+        None, "--report-json", help="also write the final report to this JSON file"
+    )
+    verbose: bool = flag(
+        False,
+        "-v",
+        "--verbose",
+        help="show Ray's and Lance's full logs (by default known warnings are shown once)",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_error_rate <= 1.0:
+            raise UsageError(f"max_error_rate must be between 0 and 1, got {self.max_error_rate}")
+
+
+def add_report_args(p, *, title: str = "reporting") -> None:
+    """Add the :class:`ReportOptions` flags to ``p`` (a parser), in one group."""
+    add_flags(p.add_argument_group(title), ReportOptions)
+
+
+def report_options_from_args(args: Any) -> ReportOptions:
+    """The :class:`ReportOptions` that ``args`` spell; ``-v`` also turns the known warnings
+    back on for this process (:func:`prx_data.core.runtime.quiet_logs`)."""
+    from prx_data.core.runtime import quiet_logs
+
+    opts = from_args(ReportOptions, args)
+    quiet_logs(verbose=opts.verbose)
+    return opts
+
+
 __all__ = [
+    "ReportOptions",
+    "add_report_args",
     "finish",
+    "finish_run",
+    "report_options_from_args",
 ]
 
 
@@ -64,17 +118,15 @@ def run_job(
     **overrides: Any,
 ) -> int:
     """A thin CLI's ``main`` after parsing: ``config`` from its flags
-    (:func:`prx_data.core.flags.from_args`, with the run options and ``overrides``),
+    (:func:`prx_data.core.flags.from_args`, its run options nested, and ``overrides``),
     ``run(cfg)``, then :func:`finish_run` (``footer(cfg)`` and ``text(report)`` when
     given). A configuration or job error is one line, exit status 2.
     """
     from prx_data.core.errors import PrxDataError
-    from prx_data.core.flags import from_args
-    from prx_data.core.runtime import run_options_from_args
 
     try:
-        opts = run_options_from_args(args)
-        cfg = from_args(config, args, **opts.job_fields(), **overrides)
+        opts = report_options_from_args(args)
+        cfg = from_args(config, args, **overrides)
         report = run(cfg)
     except PrxDataError as e:
         print_error(e)
@@ -89,7 +141,7 @@ def run_job(
 
 def finish_run(report: Any, opts: Any, **kwargs: Any) -> int:
     """:func:`finish` with the report JSON path and error rate of ``opts``
-    (:class:`prx_data.core.runtime.RunOptions`)."""
+    (:class:`ReportOptions`)."""
     return finish(
         report, report_json=opts.report_json, max_error_rate=opts.max_error_rate, **kwargs
     )

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import run_job
+from prx_data.cli.reporting import add_report_args, run_job
 from prx_data.core.flags import add_flags
-from prx_data.core.runtime import add_run_args
 from prx_data.pipelines.score import ScoreConfig
 
 
@@ -26,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of this process; larger work, or a run given a cluster, on Ray.",
     )
     add_flags(p, ScoreConfig)
-    add_run_args(p)
+    add_report_args(p)
     return p
 
 

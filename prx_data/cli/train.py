@@ -22,7 +22,7 @@ from prx_data.core.errors import PrxDataError
 EPILOG = """\
 overrides:
   Dotted keys into the YAML, values parsed as YAML, list items by index:
-    trainer.max_duration=200ba  optimizer.lr=3e-4  data.tier=1024
+    trainer.max_duration=200ba  optimizer.lr=3e-4  data.plan.tier=1024
     data.datasets.0.proportion=0.7  data.datasets.1.skip_lists=[dedup,nsfw]
     model.axes_dim=null  trainer.ema.enabled=true
   An unknown key or a value of the wrong type stops before training, naming the key.

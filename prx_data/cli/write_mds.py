@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import finish, finish_run
+from prx_data.cli.reporting import add_report_args, finish, finish_run, report_options_from_args
 from prx_data.core.buckets import check_tiers
 from prx_data.core.errors import PrxDataError
 from prx_data.core.flags import add_flags, from_args
@@ -106,13 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a latent-space run with vae.source: precomputed never runs the encoder.",
     )
     add_run_args(p)
+    add_report_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        opts = run_options_from_args(args)
+        opts = report_options_from_args(args)
+        run = run_options_from_args(args)
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         check_tiers(cfg.tiers)  # the command line has no bucket spec of its own
         report = run_export(
             cfg,
-            opts,
+            run,
             overwrite=args.overwrite,
             resume=args.resume,
             lists=ListChanges(may_drop_lists=args.drop_lists, unregister_lists=args.drop_list),
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from prx_data.pipelines.latents import LatentsConfig, run_latents
 
     try:
-        latents = run_latents(LatentsConfig(out=cfg.out, vae=args.latents, **opts.job_fields()))
+        latents = run_latents(LatentsConfig(out=cfg.out, vae=args.latents, run=run))
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

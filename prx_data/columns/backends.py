@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 from prx_data.core.errors import PrxDataError, UsageError
 from prx_data.core.flags import REQUIRED, comma_list, flag
-from prx_data.core.runtime import check_engine
+from prx_data.core.runtime import RunOptions, run_field
 
 log = logging.getLogger(__name__)
 
@@ -865,10 +865,8 @@ class ModelJobConfig:
         "so a killed run never recomputes it (default: %(default)s)",
     )
     storage_options: dict | None = None
-    engine: str = "auto"
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    progress: bool = True
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
 
     @property
     def redone(self) -> tuple[str, ...]:
@@ -877,7 +875,6 @@ class ModelJobConfig:
 
     def check(self, known: Sequence[str], what: str) -> None:
         """The shared checks: ``redone`` values among ``known`` (statuses or labels)."""
-        check_engine(self.engine)
         if self.redo and self.only:
             raise UsageError("give redo or only, not both")
         bad = set(self.redone) - set(known)

@@ -11,6 +11,7 @@ from collections import Counter
 import pyarrow as pa
 
 from prx_data.core.descriptor import COLUMN, VECTOR_TYPE, describe_many
+from prx_data.core.runtime import RunOptions
 from prx_data.core.schema import error_column
 
 
@@ -46,10 +47,7 @@ def compute_descriptors(
     *,
     column: str = COLUMN,
     chunk_rows: int = 4096,
-    use_ray: bool = False,
-    engine: str = "auto",
-    num_cpus: int | None = None,
-    progress: bool = True,
+    run: RunOptions = RunOptions(),
     storage_options: dict | None = None,
     errors: Counter | None = None,
 ) -> int:
@@ -60,10 +58,9 @@ def compute_descriptors(
     written once (image files untouched), so an interrupted run continues
     where it stopped. A row whose image cannot be described keeps a null
     vector, with the reason in ``<column>_error``; it is tried again on the
-    next run. ``engine`` (:data:`prx_data.core.runtime.ENGINES`; ``use_ray``:
-    ``"ray"``) says where the decoding runs: ``auto`` keeps a small table in
-    this process and spreads a large one over Ray; ``chunk_rows`` is the rows
-    per batch.
+    next run. ``run`` says where the decoding runs (``engine="auto"`` keeps a
+    small table in this process and spreads a large one over Ray);
+    ``chunk_rows`` is the rows per batch.
     ``errors``, when given, counts the rows without a descriptor by reason.
     """
     from prx_data.columns.runner import ColumnJob, Step, run_column_job
@@ -81,12 +78,10 @@ def compute_descriptors(
             read_columns=["id", "image"],
             steps=[Step(describe_batch, kwargs={"column": column}, batch_size=256)],
             where=where,
-            engine="ray" if use_ray else engine,
+            run=run,
             batch_size=chunk_rows,
             reason_column=error_column(column),
             storage_options=storage_options,
-            num_cpus=num_cpus,
-            progress=progress,
             desc=f"descriptors -> {column}",
         )
     )

@@ -64,6 +64,7 @@ import pyarrow.compute as pc
 from prx_data.columns.writeback import ColumnReport, count_into
 from prx_data.core import lance_compat, runtime, storage
 from prx_data.core.errors import Conflict, UsageError
+from prx_data.core.runtime import RunOptions, run_field
 from prx_data.table.pins import column_pin, pinned
 
 __all__ = [
@@ -125,7 +126,8 @@ class ColumnJob:
     #: Checkpoint namespace (default: the first output column).
     name: str | None = None
     limit: int | None = None
-    engine: str = "auto"
+    #: engine, Ray cluster, CPUs, progress bar: the same for every job (``--engine``, ...).
+    run: RunOptions = run_field()
     #: ``engine="auto"``: jobs of at most this many pending rows stay on driver threads.
     small_rows: int = SMALL_ROWS
     #: Rows per read batch.
@@ -142,18 +144,14 @@ class ColumnJob:
     #: ... and of this one (a reason column; it need not be written).
     reason_column: str | None = None
     storage_options: dict | None = None
-    ray_address: str | None = None
-    num_cpus: int | None = None
     #: CPUs each read task asks Ray for.
     read_cpus: float = 0.5
-    progress: bool = True
     desc: str | None = None
     #: Called with (fragment id, fragments checkpointed so far) after each
     #: checkpoint: progress hooks, and tests that simulate a kill.
     on_fragment: Callable[[int, int], None] | None = None
 
     def __post_init__(self) -> None:
-        runtime.check_engine(self.engine)
         if not len(self.outputs):
             raise UsageError("a column job needs at least one output column")
         if ROWADDR in self.outputs.names:
@@ -278,11 +276,11 @@ def plan(
     if job.limit is not None:
         pending = min(pending, job.limit)
     where = runtime.place(
-        job.engine,
+        job.run.engine,
         size=pending,
         small=job.small_rows,
-        ray_address=job.ray_address,
-        num_cpus=job.num_cpus,
+        ray_address=job.run.ray_address,
+        num_cpus=job.run.num_cpus,
     )
     rows_per_unit = job.rows_per_unit
     if where.on_ray and pending:
@@ -662,11 +660,11 @@ def iter_results(
     """
     if where is None:
         where = runtime.place(
-            job.engine,
+            job.run.engine,
             size=sum(u.count for u in units),
             small=job.small_rows,
-            ray_address=job.ray_address,
-            num_cpus=job.num_cpus,
+            ray_address=job.run.ray_address,
+            num_cpus=job.run.num_cpus,
         )
     return _results(job, units, version, where)
 
@@ -716,7 +714,7 @@ def _run_pinned(job: ColumnJob, ds, report: ColumnReport, start: float) -> Colum
         ds.version,
         where,
         desc=job.desc or f"column job {name}",
-        progress=job.progress,
+        progress=job.run.progress,
         total=total,
         weight=lambda b: b.num_rows,
         postfix=lambda: dict(counts.most_common(4)),

@@ -4,7 +4,9 @@ A frozen config dataclass declares each setting once, with :func:`flag` as its
 default; :func:`add_flags` adds the options to an ``argparse`` parser (names,
 defaults and help from the fields) and :func:`from_args` builds the config back
 from the parsed namespace. Every job that takes the config then takes the same
-flags, spelled the same way.
+flags, spelled the same way. A field declared with :func:`nested` holds another
+such config (every job's ``run: RunOptions``): its flags join the parser in their
+own group, under their own names, and :func:`from_args` builds it back.
 """
 
 from __future__ import annotations
@@ -77,12 +79,48 @@ def flag(
     return dataclasses.field(default=default, metadata={"cli": meta})
 
 
+def nested(cls: type, title: str) -> Any:
+    """A field holding a ``cls`` (a config of :func:`flag` fields, built with its defaults
+    when not given) whose options :func:`add_flags` adds in a group titled ``title``.
+
+    Settings that every job shares (:class:`prx_data.core.runtime.RunOptions`) are
+    declared once in their own type; each job config nests it, so the flags, their
+    defaults and their checks stay in one place.
+    """
+    return dataclasses.field(default_factory=cls, metadata={"cli_nested": (cls, title)})
+
+
 def _cli_fields(cls) -> list[tuple[dataclasses.Field, dict]]:
     return [(f, f.metadata["cli"]) for f in dataclasses.fields(cls) if "cli" in f.metadata]
 
 
+def _nested_fields(cls) -> list[tuple[dataclasses.Field, type, str]]:
+    return [
+        (f, *f.metadata["cli_nested"])
+        for f in dataclasses.fields(cls)
+        if "cli_nested" in f.metadata
+    ]
+
+
+def _has_option(p: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> bool:
+    return name in p._option_string_actions
+
+
 def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls) -> None:
-    """Add an option per :func:`flag` field of ``cls`` to ``p``; each stores into the field's name."""
+    """Add an option per :func:`flag` field of ``cls`` to ``p``; each stores into the field's name.
+
+    A :func:`nested` field's options go in their own group (once per parser: a second
+    config nesting the same type shares them)."""
+    _add_own_flags(p, cls)
+    for _f, sub, title in _nested_fields(cls):
+        first = next((n for _, m in _cli_fields(sub) for n in m["flags"]), None)
+        if first is not None and _has_option(p, first):
+            continue
+        group = p.add_argument_group(title) if isinstance(p, argparse.ArgumentParser) else p
+        add_flags(group, sub)
+
+
+def _add_own_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls) -> None:
     for f, meta in _cli_fields(cls):
         positional = not meta["flags"][0].startswith("-")  # named as the field: no dest
         kw: dict[str, Any] = {"help": meta["help"]}
@@ -106,17 +144,24 @@ def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls) -> None
 
 
 def option_name(cls, name: str) -> str | None:
-    """The long option that sets field ``name`` of ``cls`` (None: no flag sets it)."""
+    """The long option that sets field ``name`` of ``cls`` or of a config it nests
+    (None: no flag sets it)."""
     for f, meta in _cli_fields(cls):
         if f.name == name:
             return next((n for n in meta["flags"] if n.startswith("--")), None)
+    for _f, sub, _title in _nested_fields(cls):
+        found = option_name(sub, name)
+        if found:
+            return found
     return None
 
 
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
     """``cls`` from the options :func:`add_flags` added (fields the parser lacks keep their
-    defaults); ``overrides`` win."""
-    values = {}
+    defaults; a :func:`nested` config is built from its own options); ``overrides`` win."""
+    values: dict[str, Any] = {
+        f.name: from_args(sub, args) for f, sub, _title in _nested_fields(cls)
+    }
     for f, meta in _cli_fields(cls):
         value = getattr(args, f.name, f)
         if meta["append"]:  # given: the values in order; not given (None): the default

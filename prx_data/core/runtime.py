@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prx_data.core.errors import DEFAULT_MAX_ERROR_RATE, PrxDataError, UsageError, error_rate_arg
-from prx_data.core.flags import add_flags, flag, from_args
+from prx_data.core.errors import PrxDataError, UsageError
+from prx_data.core.flags import add_flags, flag, from_args, nested
 
 __all__ = [
     "ENGINES",
@@ -361,10 +361,11 @@ def _positive_int(value: str) -> int:
 class RunOptions:
     """How a job runs, the same for every job; each field carries its command-line flag.
 
-    Built from the command line by :func:`run_options_from_args` after
-    :func:`add_run_args`; a notebook builds one directly. A job's own config
-    takes :meth:`job_fields`; ``max_error_rate`` and ``report_json`` are read
-    by the CLI's :func:`prx_data.cli.reporting.finish`.
+    Every job config holds one (``run: RunOptions = run_field()``), so these
+    settings, their flags and their checks are declared here only; a notebook
+    passes ``run=RunOptions(engine="local")``. How a CLI reports (the error rate
+    that fails it, the JSON report, ``-v``) is not the job's:
+    :class:`prx_data.cli.reporting.ReportOptions`.
     """
 
     engine: str = flag(
@@ -390,32 +391,24 @@ class RunOptions:
         type=_positive_int,
     )
     progress: bool = flag(True, "--no-progress", help="hide the progress bar", negate=True)
-    max_error_rate: float = flag(
-        DEFAULT_MAX_ERROR_RATE,
-        "--max-error-rate",
-        help="fail (exit status 1) when more than this share of the job's items (rows, work "
-        "units) failed (default: %(default)s; 1 never fails)",
-        type=error_rate_arg,
-    )
-    report_json: str | None = flag(
-        None, "--report-json", help="also write the final report to this JSON file"
-    )
-    verbose: bool = flag(
-        False,
-        "-v",
-        "--verbose",
-        help="show Ray's and Lance's full logs (by default known warnings are shown once)",
-    )
 
     def __post_init__(self) -> None:
         check_engine(self.engine)
         if self.num_cpus is not None and self.num_cpus < 1:
             raise UsageError(f"num_cpus must be at least 1, got {self.num_cpus}")
-        if not 0.0 <= self.max_error_rate <= 1.0:
-            raise UsageError(f"max_error_rate must be between 0 and 1, got {self.max_error_rate}")
+
+    def place(self, *, size: int, small: int) -> Placement:
+        """Where a job of ``size`` runs under these options (:func:`place`)."""
+        return place(
+            self.engine,
+            size=size,
+            small=small,
+            ray_address=self.ray_address,
+            num_cpus=self.num_cpus,
+        )
 
     def job_fields(self) -> dict:
-        """The fields every job config takes: engine, ray_address, num_cpus, progress."""
+        """These options as keywords, for a function that still takes them one by one."""
         return {
             "engine": self.engine,
             "ray_address": self.ray_address,
@@ -424,19 +417,19 @@ class RunOptions:
         }
 
 
+def run_field() -> Any:
+    """``run: RunOptions = run_field()``: a job config's run options, with their flags."""
+    return nested(RunOptions, "run options")
+
+
 def add_run_args(p, *, title: str = "run options") -> None:
     """Add the run flags of :class:`RunOptions` to ``p`` (a parser), in one group."""
     add_flags(p.add_argument_group(title), RunOptions)
 
 
 def run_options_from_args(args, **overrides) -> RunOptions:
-    """The :class:`RunOptions` that ``args`` (parsed after :func:`add_run_args`) spell.
-
-    ``-v`` also turns the known warnings back on for this process (:func:`quiet_logs`).
-    """
-    opts = from_args(RunOptions, args, **overrides)
-    quiet_logs(verbose=opts.verbose)
-    return opts
+    """The :class:`RunOptions` that ``args`` (parsed after :func:`add_run_args`) spell."""
+    return from_args(RunOptions, args, **overrides)
 
 
 # --- where a job runs -----------------------------------------------------------------------

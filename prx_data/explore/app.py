@@ -66,6 +66,7 @@ from prx_data.core import quality as Q
 from prx_data.core import schema as S
 from prx_data.core.buckets import DEFAULT_SPEC
 from prx_data.core.errors import PrxDataError, UsageError
+from prx_data.core.flags import REQUIRED, flag
 from prx_data.core.imaging import ImageError, decode, open_image
 from prx_data.table import lance_ops as T
 from prx_data.table import search
@@ -133,16 +134,54 @@ class ExploreConfig:
     """What to serve and how. The table is only changed when ``build_indexes`` or
     ``descriptors="yes"`` asks for it."""
 
-    table: str
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    page_size: int = 48
+    table: str = flag(REQUIRED, "--table", help="Lance table URI")
+    host: str = flag(
+        DEFAULT_HOST,
+        "--host",
+        help="address to bind (default: %(default)s, this machine only; use 0.0.0.0 only "
+        "on a trusted network: there is no authentication)",
+    )
+    port: int = flag(
+        DEFAULT_PORT,
+        "--port",
+        type=int,
+        help=f"port (default: {DEFAULT_PORT}; with --check any free one; 0: any free)",
+    )
+    page_size: int = flag(
+        48,
+        "--page-size",
+        type=int,
+        help=f"thumbnails per query, 1 to {MAX_PAGE} (default: %(default)s)",
+    )
     #: auto: compute with ``build_indexes`` on tables up to AUTO_DESCRIPTOR_ROWS | yes | no
-    descriptors: str = "auto"
-    build_indexes: bool = False
+    descriptors: str = flag(
+        "auto",
+        "--descriptors",
+        choices=("auto", "yes", "no"),
+        help="pixel descriptors for similar-image search when the table has no vector "
+        f"column: auto = with --build-indexes, if at most {AUTO_DESCRIPTOR_ROWS:,} rows "
+        "(default); yes = compute them now (changes the table); no = never",
+    )
+    build_indexes: bool = flag(
+        False,
+        "--build-indexes",
+        help="change the table at start if it lacks them: build the full-text (captions), "
+        "BTREE (id) and vector indexes, and compute pixel descriptors (see --descriptors). "
+        "Each adds a table version; without this flag the table is unchanged and each "
+        "missing piece is printed as a 'would ...' line",
+    )
     storage_options: dict | None = None
     #: Host header names served besides the loopback names and ``host``.
-    allowed_hosts: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = flag(
+        (),
+        "--allow-host",
+        append=True,
+        metavar="NAME",
+        help="also serve requests whose Host header is NAME (with any port), e.g. this "
+        "machine's name when binding 0.0.0.0; repeatable. Loopback names (127.0.0.1, "
+        "localhost, [::1]) and --host are always served; any other Host gets 421, so a "
+        "DNS-rebinding page cannot read the table",
+    )
     workers: int = HTTP_WORKERS
     queue: int = HTTP_QUEUE
     thumb_queue: int = THUMB_QUEUE

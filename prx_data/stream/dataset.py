@@ -91,25 +91,30 @@ def _specs(datasets: DatasetSpec | str | Sequence[DatasetSpec | str]) -> list[Da
     return out
 
 
-_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(planner.PlanSpec)}
+#: The plan keywords ``BucketedDataset`` takes as a shorthand for ``spec=PlanSpec(...)``:
+#: PlanSpec's own fields (``batch_size`` is its ``device_batch_size``), so their defaults
+#: are PlanSpec's and nowhere else. ``shuffle_block_size`` is also streaming's own keyword.
+_PLAN_KEYS = frozenset(f.name for f in dataclasses.fields(planner.PlanSpec)) - {
+    "shuffle_block_size",
+    "device_batch_size",
+}
 
 
-def _plan_spec(
-    spec: planner.PlanSpec | None, given: dict[str, Any], streaming_kwargs: dict[str, Any]
-) -> planner.PlanSpec:
-    """``spec``, or one built from ``BucketedDataset``'s plan keywords (never both)."""
-    block = streaming_kwargs.get("shuffle_block_size")
+def _plan_spec(spec: planner.PlanSpec | None, kwargs: dict[str, Any]) -> planner.PlanSpec:
+    """``spec``, or one built from the plan keywords among ``kwargs`` (never both); the plan
+    keywords are taken out of ``kwargs``, which leaves streaming's."""
+    given = {k: kwargs.pop(k) for k in list(kwargs) if k in _PLAN_KEYS or k == "batch_size"}
+    if "batch_size" in given:
+        given["device_batch_size"] = given.pop("batch_size")
+    if not given.get("num_workers", 1):  # the DataLoader's 0: one (this process)
+        given["num_workers"] = 1
+    block = kwargs.get("shuffle_block_size")
     if spec is None:
-        if given["tier"] is None or given["device_batch_size"] is None:
+        if given.get("tier") is None or given.get("device_batch_size") is None:
             raise TypeError("BucketedDataset needs tier= and batch_size= (or spec=PlanSpec(...))")
         return planner.PlanSpec(**given, shuffle_block_size=block)
-    changed = sorted(
-        k
-        for k, v in given.items()
-        if v != (_SPEC_DEFAULTS[k] if k not in ("tier", "device_batch_size") else None)
-    )
-    if changed:
-        raise UsageError(f"give spec= or the plan keywords, not both (also given: {changed})")
+    if given:
+        raise UsageError(f"give spec= or the plan keywords, not both (also given: {sorted(given)})")
     if block is not None and spec.shuffle_block_size not in (None, block):
         raise UsageError(
             f"shuffle_block_size={block} differs from the spec's {spec.shuffle_block_size}"
@@ -147,7 +152,7 @@ def _stream_latents(
     if (b.width, b.height) != tuple(shape):
         raise latents_store.LatentsError(
             f"{root}/{source.bucket}: precomputed latents are at each shard's own shape, and "
-            f"this run trains it at {shape[0]}x{shape[1]}; set data.include_higher_tiers: false "
+            f"this run trains it at {shape[0]}x{shape[1]}; set data.plan.include_higher_tiers: false "
             "(or vae.source: encode)"
         )
     if root not in records:
@@ -192,13 +197,15 @@ class BucketedDataset(StreamingDataset):
     stored for the sample; local exports of ours at their own tier only). Every
     device batch comes from one bucket.
 
-    Extra keyword arguments go to ``StreamingDataset`` (e.g. ``predownload``,
-    ``cache_limit``, ``download_retry``, ``shuffle_block_size``), except
+    The plan settings are one :class:`prx_data.stream.planner.PlanSpec`
+    (``spec``; the trainer's ``data.plan`` builds the same type), so every plan
+    default is PlanSpec's. As a shorthand its fields may be given as keywords
+    instead (``tier=512, batch_size=8``: ``batch_size`` is ``device_batch_size``),
+    not both. ``self.spec`` is the spec in force. The other keywords are the
+    loader's own (captions, extra columns, ``on_change``, latents); anything
+    else goes to ``StreamingDataset`` (e.g. ``predownload``, ``cache_limit``,
+    ``download_retry``, ``shuffle_block_size``), except
     ``allow_unsafe_types=True``, which is refused.
-    The plan settings (``tier``, ``batch_size``, ``num_workers``, ...) are the
-    fields of :class:`prx_data.stream.planner.PlanSpec`; give them as keywords
-    or as one ``spec=`` (``DataConfig.plan_spec`` builds it from a train YAML),
-    not both. ``self.spec`` is the spec in force.
     ``num_workers`` must equal the DataLoader's: the epoch is sized for it.
     ``small_buckets="drop"`` leaves out buckets too small for one planning unit
     (with a warning) instead of failing. The preflight plan is ``self.plan``
@@ -213,23 +220,11 @@ class BucketedDataset(StreamingDataset):
     def __init__(
         self,
         datasets: DatasetSpec | str | Sequence[DatasetSpec | str],
+        spec: planner.PlanSpec | None = None,
         *,
-        tier: int | None = None,
-        batch_size: int | None = None,
-        include_higher_tiers: bool = False,
         caption_columns: Sequence[str] = ("caption",),
         extra_columns: Sequence[str] = (),
-        batching_method: str = "per_stream",
-        shuffle: bool = True,
-        shuffle_seed: int = 9176,
-        num_canonical_nodes: int | None = None,
-        replication: int | None = None,
-        epoch_size: int | None = None,
-        num_workers: int | None = None,
-        small_buckets: str = "error",
-        bucket_spec: BucketSpec = DEFAULT_SPEC,
         on_change: str = "error",
-        spec: planner.PlanSpec | None = None,
         plan_label: str = "bucket",
         latents: bool = False,
         **streaming_kwargs: Any,
@@ -242,21 +237,7 @@ class BucketedDataset(StreamingDataset):
                 "encodings (no pickle, which runs code from the data); re-export the data with a "
                 "safe encoding"
             )
-        given = {
-            "tier": tier,
-            "device_batch_size": batch_size,
-            "include_higher_tiers": include_higher_tiers,
-            "batching_method": batching_method,
-            "shuffle": shuffle,
-            "shuffle_seed": shuffle_seed,
-            "num_canonical_nodes": num_canonical_nodes,
-            "replication": replication,
-            "epoch_size": epoch_size,
-            "num_workers": num_workers or 1,
-            "small_buckets": small_buckets,
-            "bucket_spec": bucket_spec,
-        }
-        spec = _plan_spec(spec, given, streaming_kwargs)
+        spec = _plan_spec(spec, streaming_kwargs)
         if spec.shuffle_block_size is not None:
             streaming_kwargs["shuffle_block_size"] = spec.shuffle_block_size
         self.spec = spec

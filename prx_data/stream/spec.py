@@ -15,14 +15,18 @@ import numpy as np
 
 from prx_data.export import layout
 
+# At run time, not only for type checkers: the trainer's YAML schema is this class
+# (``data.datasets``), and its loader resolves every field's type.
+from prx_data.stream.holdout import Holdout
+
 if TYPE_CHECKING:
     from prx_data.stream.foreign import ForeignColumns
-    from prx_data.stream.holdout import Holdout
 
 
 @dataclass
 class DatasetSpec:
-    """One export tree and how much of it to use.
+    """One export tree and how much of it to use: the one dataset type, from a notebook's
+    ``BucketedDataset`` to the trainer's ``data.datasets`` YAML list.
 
     ``skip_lists``: None applies every list found; ``[]`` applies none; a list
     of names applies those (an unknown name is an error, to catch typos).

@@ -9,8 +9,11 @@ interpolation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import typing
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from prx_data.core.errors import PrxDataError, read_user_text
+from prx_data.stream.spec import DatasetSpec
 
 
 class ConfigError(PrxDataError, ValueError):
@@ -111,34 +115,47 @@ class CaptionColumn:
     weight: float = 1.0
 
 
-@dataclass
-class DatasetConfig:
-    """One export tree to stream; mirrors ``prx_data.stream.spec.DatasetSpec``."""
+#: ``data.datasets`` and ``eval.datasets`` entries: the stream's own dataset type, so a
+#: YAML entry takes exactly the keys ``DatasetSpec(...)`` takes in a notebook.
+DatasetConfig = DatasetSpec
 
-    root: str = "???"
-    #: Local cache directory for a remote root (None: streaming picks a temp dir).
-    local: str | None = None
-    #: Mixing: give either proportion (relative weight), repeat, or choose.
-    proportion: float | None = None
-    repeat: float | None = None
-    choose: int | None = None
-    #: Skip lists to apply by name; None applies all that exist, [] applies none.
-    skip_lists: list[str] | None = None
-    #: The tier of an MDS tree with one folder per aspect ratio (another writer's; STREAMING.md).
-    tier: int | None = None
-    #: Item key -> column of another writer's MDS tree, e.g. {caption: prompt}.
-    columns: dict[str, str] | None = None
-    #: Name in plans and in each item's ``dataset`` (None: the root's last two path parts).
-    name: str | None = None
+
+def _plan_config() -> type:
+    """``data.plan``'s schema: the fields of ``PlanSpec`` a YAML sets, with PlanSpec's own
+    types and defaults (generated, so a plan default is written once, in PlanSpec).
+
+    A mutable copy because the YAML loader fills it in place; ``device_batch_size``,
+    ``num_workers`` and ``shuffle_block_size`` are other keys of ``data:``, and the bucket
+    grid is the code's.
+    """
+    from prx_data.stream.planner import PlanSpec
+
+    hints = typing.get_type_hints(PlanSpec)
+    cls = dataclasses.make_dataclass(
+        "PlanConfig",
+        [
+            (f.name, hints[f.name], field(default=f.default))
+            for f in dataclasses.fields(PlanSpec)
+            if f.name not in _NOT_IN_PLAN_YAML
+        ],
+    )
+    cls.__module__ = __name__
+    return cls
+
+
+#: PlanSpec fields that ``data.plan`` does not hold (see :func:`_plan_config`).
+_NOT_IN_PLAN_YAML = ("device_batch_size", "num_workers", "shuffle_block_size", "bucket_spec")
+PlanConfig = _plan_config()
+#: ``data.<key>`` spellings of before ``data.plan`` (still read, with a warning).
+PLAN_KEYS = tuple(f.name for f in dataclasses.fields(PlanConfig))
 
 
 @dataclass
 class DataConfig:
-    datasets: list[DatasetConfig] = field(default_factory=list)
-    #: Training resolution tier (512, 1024, ...).
-    tier: int = 512
-    #: Also stream higher tiers, downsized to the same-ratio shape of `tier`.
-    include_higher_tiers: bool = False
+    datasets: list[DatasetSpec] = field(default_factory=list)
+    #: The bucket plan (tier, shuffle, batching, ...): ``prx_data.stream.planner.PlanSpec``'s
+    #: fields, with its defaults (the per-rank batch and the workers are the keys below).
+    plan: PlanConfig = field(default_factory=lambda: PlanConfig())
     caption_columns: list[CaptionColumn] = field(default_factory=lambda: [CaptionColumn()])
     #: Table columns exported with ``write_mds --keep-columns`` that each batch carries
     #: (as lists, one value per sample), e.g. [similarity, aesthetic] for conditioning or logs.
@@ -153,22 +170,9 @@ class DataConfig:
     prefetch_factor: int | None = None
     persistent_workers: bool = True
     pin_memory: bool = True
-    shuffle: bool = True
-    shuffle_seed: int = 9176
-    #: "per_stream" (each global batch from one bucket; the epoch does not depend on the
-    #: world size, so elastic resumes are exact) or "device_per_stream" (each device batch
-    #: from one bucket).
-    batching_method: str = "per_stream"
-    #: Buckets too small for one planning unit: "error" (default) or "drop" them.
-    small_buckets: str = "error"
     #: Where images decode: "loader" (CPU workers; higher tiers via JPEG draft) or
     #: "device" (the loader passes bytes; the step decodes the batch on the GPU, nvJPEG).
     decode: str = "loader"
-    num_canonical_nodes: int | None = None
-    #: Consecutive ranks that see the same samples (tensor/context parallel groups); only
-    #: global_batch_size / replication samples per step are unique, and that is what is counted.
-    replication: int | None = None
-    epoch_size: int | None = None
     #: Resuming onto a changed sample space (a skip list added, other weights): "error"
     #: (default) or "restart_epoch" (start the epoch over with the current lists).
     on_change: str = "error"
@@ -181,24 +185,16 @@ class DataConfig:
     def plan_spec(self, device_batch_size: int):
         """The run's ``prx_data.stream.planner.PlanSpec``: what the loader and the planner plan.
 
-        The YAML keys stay flat here; the spec is their one typed meaning
-        (``shuffle_block_size`` comes from ``streaming:``).
+        ``plan:`` holds its fields; the per-rank batch is derived here, the workers are
+        the DataLoader's, and ``shuffle_block_size`` comes from ``streaming:``.
         """
         from prx_data.stream.planner import PlanSpec
 
         return PlanSpec(
-            tier=self.tier,
+            **dataclasses.asdict(self.plan),
             device_batch_size=device_batch_size,
-            include_higher_tiers=self.include_higher_tiers,
-            batching_method=self.batching_method,
             num_workers=self.num_workers or 1,
-            num_canonical_nodes=self.num_canonical_nodes,
-            replication=self.replication,
-            epoch_size=self.epoch_size,
-            shuffle=self.shuffle,
-            shuffle_seed=self.shuffle_seed,
             shuffle_block_size=self.streaming.get("shuffle_block_size"),
-            small_buckets=self.small_buckets,
         )
 
 
@@ -289,7 +285,7 @@ class EvalConfig:
     #: Changing the salt draws a different hold-out slice.
     holdout_salt: str = "eval"
     #: Export trees to evaluate on when source is "export".
-    datasets: list[DatasetConfig] = field(default_factory=list)
+    datasets: list[DatasetSpec] = field(default_factory=list)
     #: How often to evaluate (Composer eval_interval: 500ba, 1ep, ...).
     interval: str = "1000ba"
     #: Batches per evaluation over all ranks (None: the whole eval set).
@@ -454,6 +450,35 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _moved_plan_keys(tree: Any, where: str) -> Any:
+    """``tree`` with ``data.<plan key>`` moved to ``data.plan.<plan key>`` (the spelling of
+    before ``data.plan``), each with a one-line warning; both spellings is an error."""
+    if not isinstance(tree, dict) or not isinstance(tree.get("data"), dict):
+        return tree
+    data = dict(tree["data"])
+    old = [k for k in PLAN_KEYS if k in data]
+    if not old:
+        return tree
+    plan = dict(data.get("plan") or {})
+    for key in old:
+        if key in plan:
+            raise ConfigError(
+                f"{where}: data.{key} and data.plan.{key} both given; keep the second"
+            )
+        plan[key] = data.pop(key)
+        _warn_moved(where, key)
+    data["plan"] = plan
+    return {**tree, "data": data}
+
+
+def _warn_moved(where: str, key: str) -> None:
+    warnings.warn(
+        f"{where}: data.{key} is now data.plan.{key} (the old key still works for now)",
+        FutureWarning,
+        stacklevel=4,
+    )
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
@@ -480,17 +505,23 @@ def load_config(
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
+        loaded = _moved_plan_keys(loaded, str(path))
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.create(loaded))
         except OmegaConfBaseException as exc:
             raise _omegaconf_error(exc, str(path)) from None
     if data:
+        data = _moved_plan_keys(data, "dict")
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
         except OmegaConfBaseException as exc:
             raise _omegaconf_error(exc, "dict") from None
     for item in overrides:
         key, value = _parse_override(item)
+        head, _, rest = key.partition(".")
+        if head == "data" and rest.split(".")[0] in PLAN_KEYS:
+            _warn_moved(f"override {item!r}", rest.split(".")[0])
+            key = f"data.plan.{rest}"
         try:
             OmegaConf.update(cfg, key, value, merge=True)
         except OmegaConfBaseException as exc:
@@ -537,11 +568,11 @@ def validate(cfg: TrainConfig) -> None:
         _fail("vae.source", f"{v.source!r} is not one of encode, precomputed")
     if v.source == "precomputed" and v.name_or_path is None:
         _fail("vae.source", "precomputed latents need vae.name_or_path (the VAE that made them)")
-    if v.source == "precomputed" and cfg.data.include_higher_tiers:
+    if v.source == "precomputed" and cfg.data.plan.include_higher_tiers:
         _fail(
             "vae.source",
             "precomputed latents are at each shard's own shape; set "
-            "data.include_higher_tiers: false (or vae.source: encode)",
+            "data.plan.include_higher_tiers: false (or vae.source: encode)",
         )
     if v.name_or_path is None and m.in_channels not in (None, 3):
         _fail("model.in_channels", f"{m.in_channels}: pixel space (no vae.name_or_path) has 3")
@@ -572,18 +603,22 @@ def validate(cfg: TrainConfig) -> None:
         _fail("data.device_batch_size", "must be positive")
     if d.num_workers < 0:
         _fail("data.num_workers", "must be >= 0")
-    if d.batching_method not in _BATCHING:
-        _fail("data.batching_method", f"{d.batching_method!r} is not one of {sorted(_BATCHING)}")
+    if d.plan.batching_method not in _BATCHING:
+        _fail(
+            "data.plan.batching_method",
+            f"{d.plan.batching_method!r} is not one of {sorted(_BATCHING)}",
+        )
     if d.decode not in ("loader", "device"):
         _fail("data.decode", f"{d.decode!r} is not one of loader, device")
-    if d.small_buckets not in ("error", "drop"):
-        _fail("data.small_buckets", f"{d.small_buckets!r} is not one of error, drop")
+    if d.plan.small_buckets not in ("error", "drop"):
+        _fail("data.plan.small_buckets", f"{d.plan.small_buckets!r} is not one of error, drop")
     if d.on_change not in ("error", "restart_epoch"):
         _fail("data.on_change", f"{d.on_change!r} is not one of error, restart_epoch")
-    if d.replication is not None and (d.replication < 1 or d.global_batch_size % d.replication):
+    rep = d.plan.replication
+    if rep is not None and (rep < 1 or d.global_batch_size % rep):
         _fail(
-            "data.replication",
-            f"{d.replication} must be >= 1 and divide global_batch_size {d.global_batch_size}",
+            "data.plan.replication",
+            f"{rep} must be >= 1 and divide global_batch_size {d.global_batch_size}",
         )
     if d.factory is not None and ":" not in d.factory:
         _fail("data.factory", f"{d.factory!r} must look like 'package.module:function'")
@@ -718,11 +753,11 @@ def _validate_parallelism(cfg: TrainConfig) -> None:
         # when those ranks split one model (tensor/context parallel). FSDP is data-parallel:
         # replicated ranks would compute the same gradients and the effective batch would
         # shrink by N. Refuse rather than silently waste the compute.
-        if cfg.data.replication is not None and cfg.data.replication > 1:
+        if cfg.data.plan.replication is not None and cfg.data.plan.replication > 1:
             _fail(
-                "data.replication",
-                f"{cfg.data.replication} with parallelism.fsdp: FSDP is data-parallel, so "
-                "replicated ranks would train on identical samples; drop data.replication "
+                "data.plan.replication",
+                f"{cfg.data.plan.replication} with parallelism.fsdp: FSDP is data-parallel, so "
+                "replicated ranks would train on identical samples; drop data.plan.replication "
                 "(it is for tensor/context-parallel groups, which this trainer does not set up)",
             )
     elif f.activation_checkpointing or f.activation_cpu_offload:

@@ -9,6 +9,7 @@ continues mid-epoch without reading the skipped data.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -137,20 +138,12 @@ def dataset_specs(cfg: DataConfig, holdout: Any = None) -> list:
     """The ``DatasetSpec`` of each of ``cfg.datasets`` (what the loader and the planner read)."""
     if not cfg.datasets:
         raise UsageError("data.datasets: at least one dataset (export root) is required")
-    from prx_data.stream.spec import DatasetSpec
-
     return [
-        DatasetSpec(
-            root=d.root,
-            local=d.local,
-            proportion=d.proportion,
-            repeat=d.repeat,
-            choose=d.choose,
+        dataclasses.replace(
+            d,
             skip_lists=list(d.skip_lists) if d.skip_lists is not None else None,
-            holdout=holdout,
-            tier=d.tier,
             columns=dict(d.columns) if d.columns is not None else None,
-            name=d.name,
+            holdout=holdout if holdout is not None else d.holdout,
         )
         for d in cfg.datasets
     ]
@@ -199,7 +192,7 @@ def build_dataspec(
         else build_dataset(cfg, batch, holdout=holdout, latents=latents)
     )
     loader = build_dataloader(ds, cfg, batch)
-    rep = cfg.replication or 1
+    rep = cfg.plan.replication or 1
     return DataSpec(
         loader,
         get_num_samples_in_batch=lambda b: unique_share(num_samples_in_batch(b), rep),

@@ -24,8 +24,9 @@ from torchmetrics import Metric
 
 from prx_data.core.errors import UsageError
 from prx_data.stream.planner import PlanError
+from prx_data.stream.spec import DatasetSpec
 from prx_data.train.captions import CaptionPolicy
-from prx_data.train.config import DataConfig, DatasetConfig, TrainConfig
+from prx_data.train.config import DataConfig, TrainConfig
 
 #: Metric name of the loss over all bands.
 TOTAL = "FlowLoss"
@@ -149,7 +150,7 @@ def _one_line(exc: Exception) -> str:
 EVAL_CACHE = "eval"
 
 
-def eval_datasets(cfg: TrainConfig) -> list[DatasetConfig]:
+def eval_datasets(cfg: TrainConfig) -> list[DatasetSpec]:
     """Export trees the eval stream reads: the training ones (slice) or ``eval.datasets``.
 
     Each cache moves to ``<local>/eval``: streaming refuses a second dataset on
@@ -185,8 +186,15 @@ def eval_data_config(cfg: TrainConfig, world_size: int) -> DataConfig:
     streaming["sampling_method"] = "fixed"
     return DataConfig(
         datasets=eval_datasets(cfg),
-        tier=d.tier,
-        include_higher_tiers=d.include_higher_tiers,
+        plan=dataclasses.replace(
+            d.plan,
+            shuffle=False,
+            batching_method="per_stream",
+            # A hold-out too small for one whole eval batch per bucket (a small export, many
+            # ranks) is evaluated with a few samples repeated rather than not at all.
+            small_buckets="fill",
+            epoch_size=None,
+        ),
         caption_columns=list(d.caption_columns),
         extra_columns=list(d.extra_columns),
         caption_dropout=0.0,
@@ -195,16 +203,7 @@ def eval_data_config(cfg: TrainConfig, world_size: int) -> DataConfig:
         num_workers=e.num_workers,
         persistent_workers=False,
         pin_memory=d.pin_memory,
-        shuffle=False,
-        shuffle_seed=d.shuffle_seed,
-        batching_method="per_stream",
-        # A hold-out too small for one whole eval batch per bucket (a small export, many
-        # ranks) is evaluated with a few samples repeated rather than not at all.
-        small_buckets="fill",
         decode=d.decode,
-        num_canonical_nodes=d.num_canonical_nodes,
-        replication=d.replication,
-        epoch_size=None,
         streaming=streaming,
         factory=None,
     )

@@ -395,7 +395,7 @@ def build_trainer(
             )
         )
     microbatch = t.device_train_microbatch_size or batch
-    rep = cfg.data.replication or 1
+    rep = cfg.data.plan.replication or 1
     log.info(
         "world size %d, device batch %d, global batch %d (%d unique per step, replication %d), "
         "%s/%s",
