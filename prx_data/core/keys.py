@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 #: Key kinds, in the order they are stored.
 KINDS = ("id", "sha256", "phash")
@@ -169,24 +168,11 @@ class KeySet:
         parts = [np.unique(key[kind == i]) for i in range(len(KINDS))]
         return cls(*parts)
 
-    def union(self, other: KeySet) -> KeySet:
-        return KeySet(
-            *(np.union1d(getattr(self, k), getattr(other, k)).astype(np.uint64) for k in KINDS)
-        )
 
-
-def table_digests(ids: pa.Array, images: pa.Array, have: pa.Array | None = None) -> pa.Array:
-    """Each row's sha256: ``have`` where it is set, else computed from the image bytes."""
-    have_list = have.to_pylist() if have is not None else [None] * len(ids)
-    out = []
-    for h, data in zip(have_list, images.to_pylist(), strict=True):
-        out.append(h if h else (sha256_hex(data) if data else None))
-    return pa.array(out, pa.string())
-
-
-def nonempty(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """The non-null, non-empty values of a string column."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    arr = pc.drop_null(arr)
-    return arr.filter(pc.not_equal(arr, "")) if pa.types.is_string(arr.type) else arr
+__all__ = [
+    "DEGENERATE_PHASHES",
+    "KINDS",
+    "KeySet",
+    "fingerprints",
+    "sha256_hex",
+]

@@ -90,3 +90,14 @@ def removed(keys: KeySet, batch: pa.RecordBatch) -> list[bool]:
             digests.append(d)
     phashes = batch.column(names.index(PHASH)).to_pylist() if PHASH in names else None
     return keys.matches(ids, digests, phashes).tolist()
+
+
+__all__ = [
+    "KEYS_NAME",
+    "OPTED_OUT",
+    "keys_path",
+    "load_keys",
+    "read_columns",
+    "removed",
+    "write_keys",
+]

@@ -169,3 +169,13 @@ def expand(tables: Sequence[str], ids: Sequence[str]) -> Expansion:
         seen |= set(new)
         out[rule] = new
     return Expansion(keys=keys, added=out)
+
+
+__all__ = [
+    "DUP_OF",
+    "Expansion",
+    "RULES",
+    "corpus_tables",
+    "expand",
+    "keys_of",
+]

@@ -484,3 +484,18 @@ def names_filter(names: Iterable[str] | None) -> str | None:
         return None
     names = sorted(set(names))
     return "list IN (" + ", ".join(f"'{SL.validate_name(n)}'" for n in names) + ")"
+
+
+__all__ = [
+    "LEDGER_ENV",
+    "LEDGER_NAME",
+    "Ledger",
+    "TABLE_ID_NAME",
+    "canonical",
+    "default_ledger_uri",
+    "identity_at",
+    "ledger_uri",
+    "read_table_id",
+    "registry_uri",
+    "table_identity",
+]

@@ -261,6 +261,7 @@ __all__ = [
     "STORE_SCHEMA",
     "TS",
     "concat_entries",
+    "conform_entries",
     "latest",
     "log_rows",
     "merge_store",

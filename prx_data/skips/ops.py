@@ -327,6 +327,7 @@ __all__ = [
     "list_ids",
     "lists_of",
     "lists_text",
+    "optouts_present",
     "remove_list",
     "share_warning",
     "snapshot_local",
