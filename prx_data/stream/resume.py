@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 
 #: What ``BucketedDataset.load_state_dict`` may do when the sample space changed since the
-#: checkpoint: refuse (default), or start the checkpoint's epoch over with the current lists.
-ON_CHANGE = ("error", "restart_epoch")
+#: checkpoint: refuse (default), start the checkpoint's epoch over with the current lists, or
+#: continue it leaving out what lists added or grown since remove (:mod:`.midepoch`).
+ON_CHANGE = ("error", "restart_epoch", "continue")
 FINGERPRINT_KEY = "prx_fingerprint"
 FINGERPRINT_VERSION = 2
 
@@ -73,7 +74,6 @@ def fingerprint(
                 "shards": _shards_entry(src),
             }
         )
-    buckets = json.dumps([[b.dataset, b.bucket, b.choose] for b in plan.buckets])
     return {
         # 2: skip lists and the hold-out keyed by shard content, and the shards' digest.
         "version": FINGERPRINT_VERSION,
@@ -87,8 +87,14 @@ def fingerprint(
         "unit": plan.unit,
         "epoch_size": plan.epoch_size,
         "datasets": datasets,
-        "plan": hashlib.sha1(buckets.encode()).hexdigest()[:16],
+        "plan": plan_digest(plan),
     }
+
+
+def plan_digest(plan: planner.Plan) -> str:
+    """Digest of the per-bucket plan (each bucket's dataset, name and epoch count)."""
+    buckets = json.dumps([[b.dataset, b.bucket, b.choose] for b in plan.buckets])
+    return hashlib.sha1(buckets.encode()).hexdigest()[:16]
 
 
 def _holdout_entry(spec: DatasetSpec, src: Sequence[BucketSource]) -> dict[str, Any] | None:
@@ -327,6 +333,8 @@ def resume_state(
             "The epoch's sample order is fixed by its sample space, so continuing would "
             "repeat some samples and skip others, and could train on newly skipped ones. "
             "Choices (docs/STREAMING.md, 'Resuming after a change'):\n"
+            "  - on_change='continue' (data.on_change): when only skip lists were added, "
+            "finish the epoch in its order without the samples they remove;\n"
             f"  - on_change='restart_epoch' (data.on_change): start epoch "
             f"{obj.get('epoch')} over with the current lists and weights; the {done} "
             "samples already trained this epoch are seen again, newly skipped ones never;\n"
