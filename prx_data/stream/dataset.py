@@ -292,6 +292,9 @@ class BucketedDataset(StreamingDataset):
             self.plan = plan.check()
             # What a continued epoch rebuilds its base space from (main process only).
             self._space = (specs, sources)
+            #: Per dataset: where its lists stand in their log, recorded in every checkpoint so
+            #: a list changed in place later can be rebuilt as it was (:mod:`.midepoch`).
+            self.lists_at = [midepoch.lists_at(s.root) for s in specs]
             if world.rank == 0:
                 if self.plan_label == "bucket":
                     log.info("bucket plan:\n%s", self.plan.report(warnings=False))
@@ -480,11 +483,13 @@ class BucketedDataset(StreamingDataset):
         """
         obj = super().state_dict(num_samples, from_beginning)
         obj[FINGERPRINT_KEY] = self.fingerprint
+        obj[midepoch.LISTS_AT_KEY] = self.lists_at
         cont = self._continued
         if cont is not None and obj["epoch"] == cont.epoch:
             obj[midepoch.CONTINUE_KEY] = {
                 "epoch": cont.epoch,
                 "base": cont.base,
+                "base_at": cont.base_at,
                 "positions": cont.positions_after(int(obj["sample_in_epoch"])),
             }
             obj["sample_in_epoch"] = 0
@@ -502,6 +507,7 @@ class BucketedDataset(StreamingDataset):
         """
         obj = dict(obj)
         cont = obj.pop(midepoch.CONTINUE_KEY, None)
+        at = obj.pop(midepoch.LISTS_AT_KEY, None)
         old = obj.get(FINGERPRINT_KEY)
         if cont is not None and cont.get("epoch") != obj.get("epoch"):
             cont = None  # written as the continued epoch ended: the next one is planned as usual
@@ -536,6 +542,7 @@ class BucketedDataset(StreamingDataset):
             base=cont["base"] if cont is not None else old,
             positions=cont["positions"] if cont is not None else None,
             sample_in_epoch=done,
+            base_at=cont.get("base_at") if cont is not None else at,
         )
         self.continued_epoch = self._continued.report
         if changed:

@@ -48,6 +48,8 @@ from prx_data.stream.spec import BucketSource, DatasetSpec
 
 #: The loader state's key for a continued epoch: base fingerprint, epoch and positions.
 CONTINUE_KEY = "prx_continue"
+#: The loader state's key for where each dataset's lists stood in their log (:func:`lists_at`).
+LISTS_AT_KEY = "prx_lists_at"
 
 
 def _without_lists(fp: dict[str, Any]) -> dict[str, Any]:
@@ -58,14 +60,16 @@ def _without_lists(fp: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def refusals(base: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """What keeps ``now`` from continuing an epoch planned on ``base`` (empty: it can).
+def refusals(base: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], dict[str, set[str]]]:
+    """What keeps ``now`` from continuing an epoch planned on ``base`` (empty: it can), and per
+    dataset root the base's lists whose content changed since (their earlier content must be
+    rebuilt from the lists' log: :func:`list_at`).
 
-    Only skip lists added, or grown, since the base may differ. A list in force
-    in the base must still be in force with the same content: its earlier
-    content is what orders the rest of the epoch.
+    Only skip lists added, or changed in place, since the base may differ; a list in force in
+    the base must still be in force.
     """
     out = describe_changes(_without_lists(base), _without_lists(now))
+    changed: dict[str, set[str]] = {}
     new = {d["root"]: d for d in now.get("datasets", [])}
     for d in base.get("datasets", []):
         lists = (new.get(d["root"]) or {}).get("skip_lists", {})
@@ -76,12 +80,55 @@ def refusals(base: dict[str, Any], now: dict[str, Any]) -> list[str]:
                     "samples would come back)"
                 )
             elif lists[name] != entry:
-                out.append(
-                    f"{d['root']}: skip list {name!r} changed in place ({entry['samples']} -> "
-                    f"{lists[name]['samples']} samples): the epoch's order needs its earlier "
-                    "content; add a new list for new removals (e.g. 'optout-2026-12')"
-                )
-    return out
+                changed.setdefault(d["root"], set()).add(name)
+    return out, changed
+
+
+def lists_at(root: str) -> dict[str, Any] | None:
+    """Where an export's lists are materialised in their log (``_lists/registry``): enough to
+    rebuild any of them as it was (:func:`list_at`). None: no log state (a foreign tree, a
+    tree with sidecars no log knows)."""
+    from prx_data.skips.export_state import STATE_FORMAT, read_state
+
+    try:
+        st = read_state(root)
+    except Exception:  # an unreadable state: the resume refuses to rebuild from it
+        return None
+    if st is None or st.format != STATE_FORMAT or st.dirty:
+        return None
+    return {"position": int(st.position), "local": int(st.local), "log_id": st.log_id}
+
+
+def list_at(
+    root: str, name: str, at: dict[str, Any], src: Sequence[BucketSource]
+) -> tuple[dict[str, dict[str, np.ndarray]], tuple[int, str]]:
+    """List ``name`` as the log held it at ``at`` (:func:`lists_at`), bound to ``src``'s
+    shards: per bucket its indices per shard, and (samples, digest) as the fingerprint
+    records a list, so the caller checks it against the checkpoint's."""
+    from prx_data.skips import export_state as es
+    from prx_data.skips.bind import bind
+    from prx_data.skips.log import REGISTRY, state
+    from prx_data.stream.resume import per_bucket_digest
+    from prx_data.stream.spec import shard_digest
+
+    reg = es.resolve(root, strict=False)  # whatever log it is, the digest decides
+    entries, _ = es.export_entries(root, reg, [name], upto=at["position"] if reg else None)
+    if len(entries):
+        keep = np.asarray(entries["kind"].to_numpy(zero_copy_only=False)) == REGISTRY
+        keep |= np.asarray(entries["seq"].to_numpy(zero_copy_only=False)) <= at["local"]
+        entries = entries.filter(keep)
+    ids = state(entries).get(name)
+    positions = bind(root, {name: ids["id"].combine_chunks()})[name].positions if ids else {}
+    per: dict[str, dict[str, np.ndarray]] = {}
+    for (bucket, shard), idx in positions.items():
+        per.setdefault(bucket, {})[shard] = np.asarray(idx, np.uint32)
+    digests = []
+    for b in src:
+        one = per.get(b.bucket, {})
+        n, digest = shard_digest(one, b.shards)
+        if n:
+            digests.append((b.bucket, (n, digest)))
+    return per, per_bucket_digest(digests)
 
 
 @dataclasses.dataclass
@@ -90,6 +137,8 @@ class Continued:
 
     epoch: int
     base: dict[str, Any]
+    #: Per dataset: where its lists stood in their log at the base (:func:`lists_at`).
+    base_at: list[dict[str, Any] | None] | None
     global_batch: int
     #: (m, global batch) current sample ids, and per batch its base stream and the end of
     #: its samples in that stream's base sequence.
@@ -133,14 +182,35 @@ def build(
     base: dict[str, Any],
     positions: list[int] | None,
     sample_in_epoch: int,
+    base_at: Sequence[dict[str, Any] | None] | None = None,
 ) -> Continued:
     """The rest of ``epoch`` as planned on ``base``, less what the current lists skip.
 
     ``positions``: each base stream's trained prefix (a checkpoint of a
     continued epoch); None: the first ``sample_in_epoch`` samples of the base
-    order were trained.
+    order were trained. ``base_at``: per dataset, where its lists stood in their
+    log at the base (:func:`lists_at`), to rebuild a list changed in place since.
     """
-    why = refusals(base, ds.fingerprint)
+    why, changed = refusals(base, ds.fingerprint)
+    earlier: dict[str, dict[str, dict[str, dict[str, np.ndarray]]]] = {}
+    recorded = {d["root"]: d.get("skip_lists") or {} for d in base.get("datasets", [])}
+    for di, spec in enumerate(specs):
+        for name in sorted(changed.get(spec.root, ())):
+            at = base_at[di] if base_at is not None and di < len(base_at) else None
+            got = None
+            if at is not None:
+                per, (n, digest) = list_at(spec.root, name, at, sources[di])
+                want = recorded[spec.root][name]
+                if (n, digest) == (want["samples"], want["digest"]):
+                    got = per
+            if got is None:
+                why.append(
+                    f"{spec.root}: skip list {name!r} changed in place and its content at the "
+                    "checkpoint cannot be rebuilt from its log (no log position recorded, or "
+                    "the log no longer holds it)"
+                )
+            else:
+                earlier.setdefault(spec.root, {})[name] = got
     if plan.batching_method != "per_stream" or plan.replication not in (None, 1):
         why.append(
             f"continuing after a change needs batching_method='per_stream' and no replication "
@@ -160,8 +230,10 @@ def build(
         per_bucket = []
         for b in src:
             sk: dict[str, np.ndarray] = dict(b.held_side)
-            for name in sorted(keep & set(b.per_list)):
-                sk = merge_skips(sk, b.per_list[name])
+            then = earlier.get(spec.root, {})
+            for name in sorted(keep):
+                one = then[name].get(b.bucket, {}) if name in then else b.per_list.get(name, {})
+                sk = merge_skips(sk, one)
             per_bucket.append(sk)
         base_skips.append(per_bucket)
         counts.append(
@@ -316,4 +388,5 @@ def build(
         "remaining": remaining,
         "deferred": deferred,
     }
-    return Continued(epoch, base, g, batches, stream_of, end_of, list(positions), report)
+    at = list(base_at) if base_at is not None else None
+    return Continued(epoch, base, at, g, batches, stream_of, end_of, list(positions), report)

@@ -60,7 +60,7 @@ def fingerprint(
     for spec, src in zip(specs, sources, strict=True):
         per_list: dict[str, dict[str, Any]] = {}
         for name in sorted({n for b in src for n in b.lists}):
-            n, digest = _per_bucket((b.bucket, b.lists[name]) for b in src if name in b.lists)
+            n, digest = per_bucket_digest((b.bucket, b.lists[name]) for b in src if name in b.lists)
             per_list[name] = {"samples": n, "digest": digest}
         datasets.append(
             {
@@ -102,7 +102,7 @@ def _holdout_entry(spec: DatasetSpec, src: Sequence[BucketSource]) -> dict[str, 
     hold = spec.holdout
     if hold is None:
         return None
-    n, digest = _per_bucket((b.bucket, b.held) for b in src if b.held is not None)
+    n, digest = per_bucket_digest((b.bucket, b.held) for b in src if b.held is not None)
     return {
         "fraction": hold.fraction,
         "salt": hold.salt,
@@ -132,7 +132,7 @@ def _without_digests(fp: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _per_bucket(entries: Iterable[tuple[str, tuple[int, str]]]) -> tuple[int, str]:
+def per_bucket_digest(entries: Iterable[tuple[str, tuple[int, str]]]) -> tuple[int, str]:
     """(samples, digest) of one dataset from each bucket's ``shard_digest``, in bucket order."""
     h = hashlib.sha1()
     n = 0
