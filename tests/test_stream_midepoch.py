@@ -119,6 +119,9 @@ def test_continue_through_two_changes_on_2_4_1_ranks(export, grown):
     assert [sorted(b) for b in four] == model(planned, 2, gone1)[:3]
     seen4 = [i for b in four for i in b]
     assert not set(seen4) & (gone1 | trained)
+    # With no further change, a continued epoch's checkpoint resumes exactly (default on_change).
+    again, _ = run(export.root, 1, state=state, stop_after=2)
+    assert [sorted(b) for b in again] == model(planned, 2, gone1)[3:5]
     later = [i for b in planned for i in b if i not in trained | set(seen4)]
     gone2 = set(random.Random(2).sample(later, 5)) | {seen4[0]}
     optout(export.root, "optout-2", gone2, grown)
