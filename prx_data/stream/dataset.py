@@ -503,7 +503,12 @@ class BucketedDataset(StreamingDataset):
         weights, another tier or bucket spec, another epoch size), raises
         :class:`ResumeMismatch` naming every change, unless ``on_change`` is
         ``"restart_epoch"``: then the checkpoint's epoch starts over on the
-        current sample space and the samples it had already trained repeat.
+        current sample space and the samples it had already trained repeat;
+        or ``"continue"`` when only skip lists were added or grown: the epoch
+        goes on in its planned order without what they remove
+        (:mod:`prx_data.stream.midepoch`; ``continued_epoch`` says what was left
+        out and what remains). A checkpoint written during a continued epoch
+        resumes from its per-bucket positions.
         """
         obj = dict(obj)
         cont = obj.pop(midepoch.CONTINUE_KEY, None)
