@@ -150,3 +150,14 @@ def test_continue_refuses_a_list_changed_in_place_and_other_changes(export):
     with pytest.raises(ResumeMismatch, match="plan cannot be made again"):
         skip_samples(export.root, "dedup", ids=sorted(export.all_ids())[:3], replace=True)
         run(export.root, 1, state=state, on_change="continue", epoch_size=64)
+
+
+def test_continue_with_dataloader_workers(export):
+    """The continued epoch is served by the DataLoader's worker processes as planned."""
+    planned, _ = run(export.root, 1, num_workers=2)
+    first, state = run(export.root, 1, stop_after=3, num_workers=2)
+    rest = [i for b in planned[3:] for i in b]
+    gone = set(planned[3][:2]) | set(random.Random(7).sample(rest, 3))
+    skip_samples(export.root, "optout", ids=gone)
+    after, _ = run(export.root, 2, state=state, on_change="continue", num_workers=2)
+    assert [sorted(b) for b in after] == model(planned, 3, gone)
