@@ -37,9 +37,8 @@ from typing import Any
 
 import numpy as np
 from streaming import StreamingDataset
-from streaming.base.batching import generate_work
 
-from prx_data.core.streaming_compat import World
+from prx_data.core.streaming_compat import World, generate_work
 from prx_data.stream import planner
 from prx_data.stream.holdout import merge_skips
 from prx_data.stream.resume import ResumeMismatch, describe_changes, plan_digest
