@@ -41,7 +41,7 @@ def test_dataspec_counts_unique_samples_and_tokens(replication, samples, tokens)
     ("overrides", "key"),
     [
         (["data.global_batch_size=8", "data.plan.replication=3"], "data.plan.replication"),
-        (["data.on_change=continue"], "data.on_change"),
+        (["data.on_change=resume"], "data.on_change"),
     ],
 )
 def test_bad_replication_and_on_change_name_the_key(overrides, key):

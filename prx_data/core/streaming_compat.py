@@ -92,7 +92,7 @@ if not _streaming_version.startswith(SUPPORTED):
         f"found {_streaming_version}. Check that MDSReader's constructor and get_item, "
         "Stream.get_shards, Stream.prepare_shard, Reader.evict/set_up_local/get_max_size "
         "(pinned local shards), World.detect, maybe_init_dist, decompress, reader_from_json, "
-        "get_partitions, get_hash, is_safe_mds_encoding and get_sampling (looked up as a "
+        "get_partitions, generate_work (on_change='continue'), get_hash, is_safe_mds_encoding and get_sampling (looked up as a "
         "global of streaming.base.dataset), MDSWriter at streaming.base.format.mds.writer and "
         "the package's __init__ run on first use (defer_package_init) "
         "behave as before (tests/test_streaming_compat.py), then add the version to "
@@ -122,6 +122,7 @@ __all__ = [
     "MDSReader",
     "World",
     "decompress",
+    "generate_work",
     "get_hash",
     "get_partitions",
     "is_safe_mds_encoding",
@@ -183,6 +184,14 @@ def _install_gcs_emulator_hooks() -> None:
 
 
 _install_gcs_emulator_hooks()
+
+
+def generate_work(method: str, dataset: Any, world: World, epoch: int, sample_in_epoch: int):
+    """Streaming's epoch partition (``streaming.base.batching.generate_work``) for any object
+    with the dataset attributes it reads (a mid-epoch resume's base space); imported on use."""
+    from streaming.base.batching import generate_work as upstream
+
+    return upstream(method, dataset, world, epoch, sample_in_epoch)
 
 
 def mds_writer() -> type:

@@ -47,7 +47,7 @@ from prx_data.export import latents as latents_store
 from prx_data.skips.reader import SkipMDSReader
 from prx_data.stream import cache as shard_cache
 from prx_data.stream import foreign as foreign_tree
-from prx_data.stream import planner
+from prx_data.stream import midepoch, planner
 from prx_data.stream.catalog import fetch_catalog
 from prx_data.stream.decode import decode_chw
 from prx_data.stream.reader import SkipStream
@@ -58,6 +58,7 @@ from prx_data.stream.resume import (
     ResumeMismatch,
     check_ranks_agree,
     check_workers,
+    describe_changes,
     describe_rank_mismatch,
     fingerprint,
     resume_state,
@@ -246,6 +247,10 @@ class BucketedDataset(StreamingDataset):
         self.on_change = on_change
         #: Set by a resume that restarted its epoch: what changed and how many samples repeat.
         self.restarted_epoch: dict[str, Any] | None = None
+        #: Set by a resume that continued its epoch (``on_change="continue"``, or a checkpoint
+        #: of a continued epoch): what it left out, what remains (:mod:`.midepoch`).
+        self.continued_epoch: dict[str, Any] | None = None
+        self._continued: midepoch.Continued | None = None
         specs = _specs(datasets)
         #: Each dataset's name (``DatasetSpec.label``), carried in every item as ``dataset``.
         self.dataset_names = [s.label for s in specs]
@@ -268,6 +273,11 @@ class BucketedDataset(StreamingDataset):
             world = World.detect()
             sources, plan = plan_sources(specs, spec, world, caption_columns=self.caption_columns)
             self.plan = plan.check()
+            # What a continued epoch rebuilds its base space from (main process only).
+            self._space = (specs, sources)
+            #: Per dataset: where its lists stand in their log, recorded in every checkpoint so
+            #: a list changed in place later can be rebuilt as it was (:mod:`.midepoch`).
+            self.lists_at = [midepoch.lists_at(s.root) for s in specs]
             if world.rank == 0:
                 if self.plan_label == "bucket":
                     log.info("bucket plan:\n%s", self.plan.report(warnings=False))
@@ -434,10 +444,38 @@ class BucketedDataset(StreamingDataset):
         check_workers(self.plan, info.num_workers if info is not None else 1)
         return super().__iter__()
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_space"] = None  # workers serve the plan; only the main process resumes
+        return state
+
+    def _get_work(self, epoch: int, sample_in_epoch: int) -> np.ndarray:
+        """Streaming's partition of the epoch, or the rest of a continued epoch (:mod:`.midepoch`)."""
+        cont = self._continued
+        if cont is None or epoch != cont.epoch:
+            return super()._get_work(epoch, sample_in_epoch)
+        w = self._parallel_worker_world
+        work = cont.work(w, self.batch_size)
+        return work[w.node, w.rank_of_node, w.worker_of_rank].flatten()
+
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
-        """Streaming's resume position plus the fingerprint of this epoch's sample space."""
+        """Streaming's resume position plus the fingerprint of this epoch's sample space.
+
+        In a continued epoch: the position is the base order's, per stream
+        (:data:`midepoch.CONTINUE_KEY`), and streaming's own count restarts at 0.
+        """
         obj = super().state_dict(num_samples, from_beginning)
         obj[FINGERPRINT_KEY] = self.fingerprint
+        obj[midepoch.LISTS_AT_KEY] = self.lists_at
+        cont = self._continued
+        if cont is not None and obj["epoch"] == cont.epoch:
+            obj[midepoch.CONTINUE_KEY] = {
+                "epoch": cont.epoch,
+                "base": cont.base,
+                "base_at": cont.base_at,
+                "positions": cont.positions_after(int(obj["sample_in_epoch"])),
+            }
+            obj["sample_in_epoch"] = 0
         return obj
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
@@ -448,9 +486,61 @@ class BucketedDataset(StreamingDataset):
         weights, another tier or bucket spec, another epoch size), raises
         :class:`ResumeMismatch` naming every change, unless ``on_change`` is
         ``"restart_epoch"``: then the checkpoint's epoch starts over on the
-        current sample space and the samples it had already trained repeat.
+        current sample space and the samples it had already trained repeat;
+        or ``"continue"`` when only skip lists were added or grown: the epoch
+        goes on in its planned order without what they remove
+        (:mod:`prx_data.stream.midepoch`; ``continued_epoch`` says what was left
+        out and what remains). A checkpoint written during a continued epoch
+        resumes from its per-bucket positions.
         """
-        obj, self.restarted_epoch = resume_state(
-            obj, self.fingerprint, self.plan, self.on_change, log
+        obj = dict(obj)
+        cont = obj.pop(midepoch.CONTINUE_KEY, None)
+        at = obj.pop(midepoch.LISTS_AT_KEY, None)
+        old = obj.get(FINGERPRINT_KEY)
+        if cont is not None and cont.get("epoch") != obj.get("epoch"):
+            cont = None  # written as the continued epoch ended: the next one is planned as usual
+        changed = old is not None and bool(describe_changes(old, self.fingerprint))
+        if cont is None and not (changed and self.on_change == "continue"):
+            obj, self.restarted_epoch = resume_state(
+                obj, self.fingerprint, self.plan, self.on_change, log
+            )
+            super().load_state_dict(obj)
+            return
+        if changed and self.on_change != "continue":
+            # A continued epoch's checkpoint, and the lists changed again: error or restart.
+            obj, self.restarted_epoch = resume_state(
+                obj, self.fingerprint, self.plan, self.on_change, log
+            )
+            super().load_state_dict(obj)
+            return
+        obj[FINGERPRINT_KEY] = self.fingerprint  # checked above: only the node count is left
+        done = int(obj.get("sample_in_epoch", 0))
+        obj["sample_in_epoch"] = 0
+        super().load_state_dict(resume_state(obj, self.fingerprint, self.plan, "error", log)[0])
+        if self._space is None:
+            raise RuntimeError("load_state_dict runs in the main process, before iterating")
+        specs, sources = self._space
+        self._continued = midepoch.build(
+            self,
+            specs,
+            sources,
+            self.spec,
+            self.plan,
+            epoch=int(obj["epoch"]),
+            base=cont["base"] if cont is not None else old,
+            positions=cont["positions"] if cont is not None else None,
+            sample_in_epoch=done,
+            base_at=cont.get("base_at") if cont is not None else at,
         )
-        super().load_state_dict(obj)
+        self.continued_epoch = self._continued.report
+        if changed:
+            log.warning(
+                "the data changed since the checkpoint:\n  - %s\ncontinuing epoch %s in its "
+                "order: %d samples left out (now skipped), %d remain, %d (a bucket's last "
+                "partial batch) wait for the next epoch",
+                "\n  - ".join(describe_changes(old, self.fingerprint)),
+                obj["epoch"],
+                self.continued_epoch["left_out"],
+                self.continued_epoch["remaining"],
+                self.continued_epoch["deferred"],
+            )

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 
 #: What ``BucketedDataset.load_state_dict`` may do when the sample space changed since the
-#: checkpoint: refuse (default), or start the checkpoint's epoch over with the current lists.
-ON_CHANGE = ("error", "restart_epoch")
+#: checkpoint: refuse (default), start the checkpoint's epoch over with the current lists, or
+#: continue it leaving out what lists added or grown since remove (:mod:`.midepoch`).
+ON_CHANGE = ("error", "restart_epoch", "continue")
 FINGERPRINT_KEY = "prx_fingerprint"
 FINGERPRINT_VERSION = 2
 
@@ -60,7 +61,7 @@ def fingerprint(
     for spec, src in zip(specs, sources, strict=True):
         per_list: dict[str, dict[str, Any]] = {}
         for name in sorted({n for b in src for n in b.lists}):
-            n, digest = _per_bucket((b.bucket, b.lists[name]) for b in src if name in b.lists)
+            n, digest = per_bucket_digest((b.bucket, b.lists[name]) for b in src if name in b.lists)
             per_list[name] = {"samples": n, "digest": digest}
         datasets.append(
             {
@@ -74,7 +75,6 @@ def fingerprint(
                 "shards": _shards_entry(src),
             }
         )
-    buckets = json.dumps([[b.dataset, b.bucket, b.choose] for b in plan.buckets])
     return {
         # 2: skip lists and the hold-out keyed by shard content, and the shards' digest.
         "version": FINGERPRINT_VERSION,
@@ -88,8 +88,14 @@ def fingerprint(
         "unit": plan.unit,
         "epoch_size": plan.epoch_size,
         "datasets": datasets,
-        "plan": hashlib.sha1(buckets.encode()).hexdigest()[:16],
+        "plan": plan_digest(plan),
     }
+
+
+def plan_digest(plan: planner.Plan) -> str:
+    """Digest of the per-bucket plan (each bucket's dataset, name and epoch count)."""
+    buckets = json.dumps([[b.dataset, b.bucket, b.choose] for b in plan.buckets])
+    return hashlib.sha1(buckets.encode()).hexdigest()[:16]
 
 
 def _holdout_entry(spec: DatasetSpec, src: Sequence[BucketSource]) -> dict[str, Any] | None:
@@ -97,7 +103,7 @@ def _holdout_entry(spec: DatasetSpec, src: Sequence[BucketSource]) -> dict[str, 
     hold = spec.holdout
     if hold is None:
         return None
-    n, digest = _per_bucket((b.bucket, b.held) for b in src if b.held is not None)
+    n, digest = per_bucket_digest((b.bucket, b.held) for b in src if b.held is not None)
     return {
         "fraction": hold.fraction,
         "salt": hold.salt,
@@ -127,7 +133,7 @@ def _without_digests(fp: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _per_bucket(entries: Iterable[tuple[str, tuple[int, str]]]) -> tuple[int, str]:
+def per_bucket_digest(entries: Iterable[tuple[str, tuple[int, str]]]) -> tuple[int, str]:
     """(samples, digest) of one dataset from each bucket's ``shard_digest``, in bucket order."""
     h = hashlib.sha1()
     n = 0
@@ -328,6 +334,8 @@ def resume_state(
             "The epoch's sample order is fixed by its sample space, so continuing would "
             "repeat some samples and skip others, and could train on newly skipped ones. "
             "Choices (docs/STREAMING.md, 'Resuming after a change'):\n"
+            "  - on_change='continue' (data.on_change): when only skip lists were added, "
+            "finish the epoch in its order without the samples they remove;\n"
             f"  - on_change='restart_epoch' (data.on_change): start epoch "
             f"{obj.get('epoch')} over with the current lists and weights; the {done} "
             "samples already trained this epoch are seen again, newly skipped ones never;\n"

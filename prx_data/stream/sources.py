@@ -90,11 +90,12 @@ def load_sources(
             layout.check_bucket_complete(spec.root, bucket, shards, report)
         skips: dict[str, np.ndarray] = {}
         lists: dict[str, tuple[int, str]] = {}
+        per_list: dict[str, dict[str, np.ndarray]] = {}
         if spec.skip_lists != []:
             listing, stray = skiplist.scan_sidecars(base, bucket, shards)
             orphans += stray
             found |= set(listing)
-            skips, lists = _load_lists(base, bucket, shards, spec.skip_lists, listing)
+            skips, lists, per_list = _load_lists(base, bucket, shards, spec.skip_lists, listing)
         remote = layout.rel_join(spec.root, bucket) if storage.is_remote(spec.root) else None
         local_b = os.path.join(base, *bucket.split("/"))
         if not storage.is_remote(spec.root):
@@ -104,7 +105,11 @@ def load_sources(
                 if decompress is None:
                     decompress = shard_cache.DecompressCache(spec.root, spec.local)
                 remote, local_b = local_b, decompress.bucket(bucket, entries)
-        out.append(BucketSource(bucket, remote, local_b, shards, skips, lists, foreign=cols))
+        out.append(
+            BucketSource(
+                bucket, remote, local_b, shards, skips, lists, foreign=cols, per_list=per_list
+            )
+        )
     if decompress is not None:
         decompress.finish()
     check_orphan_lists(spec.root, orphans, spec.skip_lists)
@@ -121,6 +126,7 @@ def load_sources(
         for b in out:
             held, side = sets[b.bucket]
             b.skips = merge_skips(b.skips, side)
+            b.held_side = dict(side)
             b.held = shard_digest(held, b.shards)
     return out
 
@@ -131,8 +137,9 @@ def _load_lists(
     shards: list[layout.ShardInfo],
     names: Sequence[str] | None,
     listing: dict[str, list[str]],
-) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, str]]]:
-    """The union of the chosen lists per shard, and per list its size and content digest.
+) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, str]], dict[str, dict[str, np.ndarray]]]:
+    """The union of the chosen lists per shard, per list its size and content digest, and
+    per list its indices per shard.
 
     Each sidecar is read once; the digests let a resume tell that a list was
     added, removed or changed since its checkpoint.
@@ -140,6 +147,7 @@ def _load_lists(
     chosen = sorted(listing) if names is None else list(names)
     merged: dict[str, list[np.ndarray]] = {}
     lists: dict[str, tuple[int, str]] = {}
+    per_list: dict[str, dict[str, np.ndarray]] = {}
     for name in chosen:
         one = skiplist.load_skips(base, bucket, shards, [name], listing=listing)
         n, digest = shard_digest(one, shards)
@@ -147,11 +155,12 @@ def _load_lists(
             merged.setdefault(shard, []).append(np.asarray(idx, dtype=np.uint32))
         if n:
             lists[name] = (n, digest)
+            per_list[name] = {k: np.asarray(v, np.uint32) for k, v in one.items() if len(v)}
     skips = {
         b: (a[0] if len(a) == 1 else np.unique(np.concatenate(a))).astype(np.uint32)
         for b, a in merged.items()
     }
-    return skips, lists
+    return skips, lists, per_list
 
 
 def plan_sources(

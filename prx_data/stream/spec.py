@@ -81,6 +81,11 @@ class BucketSource:
     held: tuple[int, str] | None = None
     #: The columns of a tree another writer made (None: an export of ours).
     foreign: ForeignColumns | None = None
+    #: Per skip list in force: its indices per shard (``skips`` is their union with the
+    #: hold-out's side); a mid-epoch resume rebuilds the checkpoint's space from them.
+    per_list: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    #: The hold-out's side per shard (empty without a hold-out).
+    held_side: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def samples(self) -> int:

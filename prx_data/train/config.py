@@ -174,7 +174,8 @@ class DataConfig:
     #: "device" (the loader passes bytes; the step decodes the batch on the GPU, nvJPEG).
     decode: str = "loader"
     #: Resuming onto a changed sample space (a skip list added, other weights): "error"
-    #: (default) or "restart_epoch" (start the epoch over with the current lists).
+    #: (default), "restart_epoch" (start the epoch over with the current lists) or "continue"
+    #: (skip lists added only: finish the epoch in its order without what they remove).
     on_change: str = "error"
     #: Extra StreamingDataset keyword arguments (cache_limit, predownload, ...).
     streaming: dict[str, Any] = field(default_factory=dict)
@@ -612,8 +613,8 @@ def validate(cfg: TrainConfig) -> None:
         _fail("data.decode", f"{d.decode!r} is not one of loader, device")
     if d.plan.small_buckets not in ("error", "drop"):
         _fail("data.plan.small_buckets", f"{d.plan.small_buckets!r} is not one of error, drop")
-    if d.on_change not in ("error", "restart_epoch"):
-        _fail("data.on_change", f"{d.on_change!r} is not one of error, restart_epoch")
+    if d.on_change not in ("error", "restart_epoch", "continue"):
+        _fail("data.on_change", f"{d.on_change!r} is not one of error, restart_epoch, continue")
     rep = d.plan.replication
     if rep is not None and (rep < 1 or d.global_batch_size % rep):
         _fail(
