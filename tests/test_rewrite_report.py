@@ -59,20 +59,20 @@ def test_report_json_like_the_export(export, tmp_path, capsys):
 def test_streaming_log_warnings_stay_off_the_terminal(export, tmp_path, monkeypatch, capfd):
     """Streaming warns per writer in some set-ups; a rewrite opens one writer per part.
 
-    A test double stands in for that warning: MDSWriter is wrapped to log one on
-    streaming's own logger, as streaming's writer does.
+    A test double stands in for that warning: MDSWriter's constructor is wrapped to log
+    one on streaming's own logger, as streaming's writer does.
     """
-    import streaming
+    from prx_data.core.streaming_compat import mds_writer
 
-    real = streaming.MDSWriter
+    writer = mds_writer()  # what the pack writer builds on
+    real = writer.__init__
     log = logging.getLogger("streaming.base.format.base.writer")
 
-    class LoudMDSWriter(real):  # test double: the real writer plus one streaming log line
-        def __init__(self, *a, **kw):
-            log.warning("Directory %s exists and is not empty", kw.get("out"))
-            super().__init__(*a, **kw)
+    def loud_init(self, *a, **kw):  # test double: the real writer plus one streaming log line
+        log.warning("Directory %s exists and is not empty", kw.get("out"))
+        real(self, *a, **kw)
 
-    monkeypatch.setattr(streaming, "MDSWriter", LoudMDSWriter)
+    monkeypatch.setattr(writer, "__init__", loud_init)
     # Other tests may have quietened streaming's loggers; this one needs the record created.
     monkeypatch.setattr(log, "level", log.level)  # restored on undo
     log.setLevel(logging.WARNING)  # setLevel also clears the logging cache

@@ -82,7 +82,7 @@ def test_rewrite_threshold_and_verified_output(export, tmp_path):
     run = run_rank(out, rank=0, world_size=1, batch_size=1, tier=512, shuffle=False)
     assert {i for b in run.batches for i in b} == kept
     # The verification is real: against the unfiltered source the new export differs.
-    from prx_data.skips import rewrite as R
+    from prx_data.skips import repack
 
     class Unfiltered:  # test double: a "skip-aware" view that skips nothing
         @staticmethod
@@ -90,7 +90,7 @@ def test_rewrite_threshold_and_verified_output(export, tmp_path):
             return reader
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(R, "SkipMDSReader", Unfiltered)
+        mp.setattr(repack, "SkipMDSReader", Unfiltered)
         with pytest.raises(AssertionError, match="differs from the filtered source"):
             rewrite_export(root, str(tmp_path / "o2"))
     # And the CLI refuses to write over it.

@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
+from prx_data.core.runtime import ENGINES
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.bind import ids_at
@@ -146,7 +147,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-local-bytes",
         metavar="SIZE",
         help="local disk the rewrite may stage at once, e.g. 8G or 500M (default: "
-        "$PRX_REWRITE_DISK, else 8G); buckets stream shard by shard within it",
+        "$PRX_REWRITE_DISK, else 8G); each pack stages a shard at a time within it",
+    )
+    rw.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish an interrupted rewrite into OUT (same source, lists and options): packs "
+        "already written are kept",
+    )
+    rw.add_argument(
+        "--engine",
+        default="auto",
+        choices=ENGINES,
+        help="where the packs run: auto = threads of this process for a small export and no "
+        "cluster named, else Ray; local = threads; ray = Ray (default: %(default)s)",
+    )
+    rw.add_argument(
+        "--ray-address", metavar="HOST:PORT", help="Ray cluster to join (default: $RAY_ADDRESS)"
+    )
+    rw.add_argument(
+        "--num-cpus", type=int, help="CPUs of the threads or of a private local Ray (default: all)"
     )
     rw.add_argument(
         "--work-dir", metavar="DIR", help="where to stage shards (default: the temp directory)"
@@ -386,6 +406,10 @@ def _rewrite(args: argparse.Namespace) -> int | list:
             ledger=args.ledger,
             max_local=args.max_local_bytes,
             work_dir=args.work_dir,
+            resume=args.resume,
+            engine=args.engine,
+            ray_address=args.ray_address,
+            num_cpus=args.num_cpus,
         )
     except RewriteRefused as e:
         print(f"error: {e}", file=sys.stderr)

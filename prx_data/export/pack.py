@@ -189,12 +189,38 @@ def _encoded_writer() -> type:
     from prx_data.core.streaming_compat import mds_writer
 
     class EncodedMDSWriter(mds_writer()):
+        #: Called with (shard entry, samples) once each shard is on disk (``open_writer``).
+        on_shard = None
+
         def encode_sample(self, sample) -> bytes:
             if not isinstance(sample, _Encoded):
                 raise TypeError("the pack writer takes encoded samples only")
             return bytes(sample)
 
+        def flush_shard(self) -> None:
+            n = len(self.new_samples)
+            super().flush_shard()
+            if self.on_shard is not None:
+                self.on_shard(self.shards[-1], n)
+
     return EncodedMDSWriter
+
+
+def open_writer(dest: str, entry: Mapping, *, on_shard=None):
+    """The pack writer at local ``dest`` with ``entry``'s columns, compression, hashes and size limit.
+
+    ``on_shard(entry, samples)`` sees each shard as soon as it is closed (a
+    rewrite checks it, then moves it to object storage, one shard on disk at a time).
+    """
+    writer = _encoded_writer()(
+        out=dest,
+        columns=dict(zip(entry["column_names"], entry["column_encodings"], strict=True)),
+        compression=entry.get("compression"),
+        hashes=list((entry["raw_data"].get("hashes") or {}).keys()) or None,
+        size_limit=entry.get("size_limit") or (1 << 26),
+    )
+    writer.on_shard = on_shard
+    return writer
 
 
 def preload_writer() -> threading.Thread:
@@ -216,13 +242,17 @@ def preload_writer() -> threading.Thread:
     return thread
 
 
-def _shard_samples(part_dir: str, entry: dict) -> list[_Encoded]:
-    """The encoded samples of one part shard, its bytes checked against the part's index."""
+def shard_raw(part_dir: str, entry: Mapping, read=None) -> bytes:
+    """One part shard's uncompressed bytes, checked against the part's index (size, hashes, count).
+
+    ``read(path, max_bytes)`` fetches the file (default: :func:`storage.read_bytes`;
+    a rewrite reads confined to the export it was handed).
+    """
     from prx_data.core.streaming_compat import decompress, get_hash
 
     info = entry.get("zip_data") or entry["raw_data"]
     path = storage.join(part_dir, info["basename"])
-    data = storage.read_bytes(path)
+    data = storage.read_bytes(path) if read is None else read(path, int(info["bytes"]))
     bad = len(data) != int(info["bytes"]) or any(
         get_hash(algo, data) != want for algo, want in sorted((info.get("hashes") or {}).items())
     )
@@ -236,16 +266,38 @@ def _shard_samples(part_dir: str, entry: dict) -> list[_Encoded]:
     n = int(np.frombuffer(data, np.uint32, 1, 0)[0]) if len(data) >= 4 else -1
     if n != int(entry["samples"]) or len(data) < 4 * (n + 2):
         raise ExportError(f"{path}: holds {n} samples, its index records {entry['samples']}")
+    return data
+
+
+def split_samples(data: bytes, skip: Sequence[int] = ()) -> list[_Encoded]:
+    """The encoded samples of an uncompressed shard (:func:`shard_raw`), in order, but ``skip``."""
+    n = int(np.frombuffer(data, np.uint32, 1, 0)[0])
     offsets = np.frombuffer(data, np.uint32, n + 1, 4).tolist()
-    return [_Encoded(data[offsets[i] : offsets[i + 1]]) for i in range(n)]
+    dead = set(int(i) for i in skip)
+    return [_Encoded(data[offsets[i] : offsets[i + 1]]) for i in range(n) if i not in dead]
 
 
-def _part_ids(part_dir: str, part: str, entries: Sequence[dict]) -> list[str]:
-    """The part's row ids in sample order, its manifest checked against its index."""
+def _shard_samples(part_dir: str, entry: dict) -> list[_Encoded]:
+    """The encoded samples of one part shard, its bytes checked against the part's index."""
+    return split_samples(shard_raw(part_dir, entry))
+
+
+def part_ids(part_dir: str, part: str, entries: Sequence[dict], read=None) -> list[str]:
+    """:func:`_part_ids` (the rewrite's stage takes a part's ids as the pack stage does)."""
+    return _part_ids(part_dir, part, entries, read)
+
+
+def _part_ids(part_dir: str, part: str, entries: Sequence[dict], read=None) -> list[str]:
+    """The part's row ids in sample order, its manifest checked against its index.
+
+    ``read(path, max_bytes)``: as for :func:`shard_raw` (the cap is generous: 4 KiB an id).
+    """
     import pyarrow.parquet as pq
 
     path = storage.join(part_dir, MANIFEST_NAME)
-    t = pq.read_table(io.BytesIO(storage.read_bytes(path)), columns=["shard", "index", "id"])
+    cap = (1 << 20) + 4096 * sum(int(e["samples"]) for e in entries)
+    data = storage.read_bytes(path) if read is None else read(path, cap)
+    t = pq.read_table(io.BytesIO(data), columns=["shard", "index", "id"])
     check_manifest_shards(path, part, t["shard"])
     want_shards, want_index = [], []
     for e in entries:
