@@ -584,6 +584,8 @@ class Corpus(RuleBasedStateMachine):
         led = self._ledger()
         self.gen += 1
         tag = f"paused/{self.gen}"
+        if not led.exists():  # the intruder appends to a ledger that is there
+            led.append(lambda seq: log_rows_for("writers", ["paused/first"], seq))
         calls = []
 
         def make(seq):
