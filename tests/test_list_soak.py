@@ -1,7 +1,9 @@
 """Multi-process soak of the skip-list log: 4 processes add, remove and sync at once on two
-exports of one table, on local disk and on the S3 test server (moto, on loopback). Every acknowledged change is in the registry at the commit it was
-given, the registry's state is the replay of those changes in commit order (nothing lost,
-nothing resurrected), every export materialises it, and no process fails."""
+exports of one table, on local disk and on the S3 test server (moto, on loopback), all
+recording into the table's corpus ledger. Every acknowledged change is in the ledger at the
+commit it was given, once (nothing doubled), the ledger's state is the replay of those
+changes in commit order (nothing lost, nothing resurrected), its opt-out key set is the replay's opt-outs with their content keys,
+every export materialises it, and no process fails."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import sys
 
 import pytest
 
+from prx_data.core.keys import KeySet
 from prx_data.skips.ledger import Ledger
 from prx_data.skips.ops import sync
 from tests.exportkit import make_export, upload_tree
+from tests.listsoak import content_keys
 from tests.tablekit import make_table
 from tests.test_list_model import skipped
 
@@ -71,8 +75,17 @@ def _soak(tmp_path, procs: int, ops: int, bucket: str | None = None) -> int:
         ids = want.setdefault(a["list"], set())
         ids.update(a["ids"]) if a["op"] == "add" else ids.difference_update(a["ids"])
     want = {n: v for n, v in want.items() if v}
+    # Nothing doubled: every entry is one acknowledged change's, once.
+    assert sorted(by_seq) == sorted({a["seq"] for a in acked})
+    assert len(entries) == sum(len(a["ids"]) for a in acked)
     # Nothing resurrected: the state is the replay in commit order.
     assert {n: set(t["id"].to_pylist()) for n, t in reg.state().items()} == want
+    # The opt-outs every later export leaves out are the replay's, with their content keys.
+    out = sorted(want.get("optout", set()))
+    keys = reg.optout_keys()
+    expect = KeySet.of(out, content_keys(out)["sha256"])
+    assert keys.id.tolist() == expect.id.tolist()
+    assert keys.sha256.tolist() == expect.sha256.tolist()
     for ex in exports:
         sync(ex.root)
         held = ex.all_ids()

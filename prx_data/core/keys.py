@@ -40,17 +40,42 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _id_fingerprints(ids: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:
-    out = np.zeros(len(ids), np.uint64)
-    valid = np.zeros(len(ids), bool)
-    for i, v in enumerate(ids):
-        if v:
-            out[i] = int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "big")
-            valid[i] = True
+Values = Sequence | pa.Array | pa.ChunkedArray
+#: Hex digit -> nibble (255: not a hex digit), for the digests' fixed-width view.
+_NIBBLE = np.full(256, 255, np.uint8)
+for _k, _c in enumerate(b"0123456789abcdef"):
+    _NIBBLE[_c] = _NIBBLE[b"0123456789ABCDEF"[_k]] = _k
+
+
+def _arrow(values: Values, type_: pa.DataType) -> pa.Array | None:
+    """``values`` as one Arrow array of ``type_`` (None: they are not of that type)."""
+    try:
+        arr = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(values, type_)
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks()
+        return arr.cast(type_)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        return None
+
+
+def _pylist(values: Values) -> list:
+    return values.to_pylist() if isinstance(values, (pa.Array, pa.ChunkedArray)) else list(values)
+
+
+def _id_fingerprints(ids: Values) -> tuple[np.ndarray, np.ndarray]:
+    """The first 8 bytes of each id's BLAKE2b digest, big-endian (joined, then one view)."""
+    vals = _pylist(ids)
+    b2, zero = hashlib.blake2b, bytes(8)
+    raw = b"".join([b2(v.encode(), digest_size=8).digest() if v else zero for v in vals])
+    out = np.frombuffer(raw, ">u8").astype(np.uint64)
+    if isinstance(ids, (pa.Array, pa.ChunkedArray)) and pa.types.is_string(ids.type):
+        valid = pc.fill_null(pc.greater(pc.binary_length(ids), 0), False)
+        return out, valid.to_numpy(zero_copy_only=False)
+    valid = np.fromiter((bool(v) for v in vals), bool, len(vals))
     return out, valid
 
 
-def _digest_fingerprints(digests: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:
+def _digest_fingerprints_loop(digests: Sequence) -> tuple[np.ndarray, np.ndarray]:
     out = np.zeros(len(digests), np.uint64)
     valid = np.zeros(len(digests), bool)
     for i, v in enumerate(digests):
@@ -63,16 +88,51 @@ def _digest_fingerprints(digests: Sequence[str | None]) -> tuple[np.ndarray, np.
     return out, valid
 
 
-def _phash_fingerprints(phashes: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray]:
-    out = np.zeros(len(phashes), np.uint64)
-    valid = np.zeros(len(phashes), bool)
-    for i, v in enumerate(phashes):
-        if v is None:
-            continue
-        u = int(v) & ((1 << 64) - 1)  # stored as int64 in tables: the same 64 bits
-        if u in DEGENERATE_PHASHES:
-            continue
-        out[i], valid[i] = u, True
+def _digest_fingerprints(digests: Values) -> tuple[np.ndarray, np.ndarray]:
+    """A 64-character digest's first 16 hex digits as a number, decoded from the column's
+    bytes in place; the rare row that is not 64 bytes of plain hex takes Python's ``int``
+    (which also reads ``0x``, ``_`` and other spellings), so results equal the per-row rule."""
+    arr = _arrow(digests, pa.string())
+    if arr is None:
+        return _digest_fingerprints_loop(_pylist(digests))
+    n = len(arr)
+    out, valid = np.zeros(n, np.uint64), np.zeros(n, bool)
+    if not n:
+        return out, valid
+    blen = pc.fill_null(pc.binary_length(arr), 0).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(blen == 64)
+    offsets = np.frombuffer(arr.buffers()[1], np.int32)[arr.offset : arr.offset + n]
+    data = np.frombuffer(arr.buffers()[2], np.uint8) if arr.buffers()[2] else np.zeros(0, np.uint8)
+    if len(rows) == n and offsets[-1] + 64 - offsets[0] == 64 * n:  # all 64 bytes: one view
+        heads = data[offsets[0] : offsets[0] + 64 * n].reshape(n, 64)[:, :16]
+    else:
+        heads = data[offsets[rows, None] + np.arange(16, dtype=np.int64)]
+    nib = _NIBBLE[heads]
+    hexed = nib.max(axis=1, initial=0) < 16
+    # Two hex digits to a byte, eight bytes to a big-endian number.
+    fp = np.ascontiguousarray((nib[:, 0::2] << 4) | (nib[:, 1::2] & 15)).view(">u8")[:, 0]
+    fp = fp.astype(np.uint64)
+    out[rows[hexed]], valid[rows[hexed]] = fp[hexed], True
+    # 64 characters in more bytes than 64, or not plain hex: the per-row rule decides.
+    odd = np.concatenate([rows[~hexed], np.flatnonzero(blen > 64)])
+    if len(odd):
+        ofp, ok = _digest_fingerprints_loop(arr.take(pa.array(odd)).to_pylist())
+        out[odd], valid[odd] = ofp, ok
+    return out, valid
+
+
+def _phash_fingerprints(phashes: Values) -> tuple[np.ndarray, np.ndarray]:
+    """The pHash's 64 bits (stored as int64 in tables), degenerate hashes left out."""
+    arr = _arrow(phashes, pa.int64())
+    if arr is None:  # Python ints beyond int64 (unsigned spellings): the same 64 bits
+        vals = [None if v is None else int(v) & ((1 << 64) - 1) for v in _pylist(phashes)]
+        arr = pa.array([None if v is None else v - (1 << 64) if v >> 63 else v for v in vals])
+        arr = arr.cast(pa.int64())
+    out = pc.fill_null(arr, 0).to_numpy(zero_copy_only=False).view(np.uint64).copy()
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    for d in DEGENERATE_PHASHES:
+        valid &= out != np.uint64(d)
+    out[~valid] = 0
     return out, valid
 
 
@@ -85,15 +145,15 @@ _FINGERPRINT = {
 
 def fingerprints(kind: str, values: Sequence) -> np.ndarray:
     """The sorted unique fingerprints of ``values`` of one key kind (nulls and junk left out)."""
-    fp, valid = _FINGERPRINT[kind](list(values))
+    fp, valid = _FINGERPRINT[kind](values)
     return np.unique(fp[valid])
 
 
-def _column(values: pa.Array | pa.ChunkedArray | Iterable | None) -> list:
+def _column(values: pa.Array | pa.ChunkedArray | Iterable | None) -> Values:
     if values is None:
         return []
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
-        return values.to_pylist()
+        return values
     return list(values)
 
 
@@ -144,7 +204,7 @@ class KeySet:
             keys = getattr(self, kind)
             if values is None or not len(keys):
                 continue
-            fp, valid = _FINGERPRINT[kind](list(values))
+            fp, valid = _FINGERPRINT[kind](_column(values))
             pos = np.searchsorted(keys, fp)
             pos[pos >= len(keys)] = 0
             hit |= valid & (keys[pos] == fp)

@@ -17,6 +17,7 @@ import functools
 import io
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from prx_data.core import storage
@@ -77,18 +78,22 @@ def removed(keys: KeySet, batch: pa.RecordBatch) -> list[bool]:
     if not len(keys):
         return [False] * batch.num_rows
     names = batch.schema.names
-    ids = batch.column(names.index(ID)).to_pylist()
+    ids = batch.column(names.index(ID))  # whole columns: fingerprinted without per-row numpy
     digests = None
     if keys.needs_digests:
-        have = batch.column(names.index(SHA256)).to_pylist() if SHA256 in names else None
-        images = batch.column(names.index(IMAGE)).to_pylist() if IMAGE in names else None
-        digests = []
-        for i in range(batch.num_rows):
-            d = have[i] if have is not None else None
-            if not d and images is not None and images[i]:
-                d = sha256_hex(images[i])
-            digests.append(d)
-    phashes = batch.column(names.index(PHASH)).to_pylist() if PHASH in names else None
+        have = batch.column(names.index(SHA256)) if SHA256 in names else None
+        if have is not None and not pc.any(pc.fill_null(pc.equal(have, ""), True)).as_py():
+            digests = have
+        else:  # rows without a recorded digest are hashed from their bytes
+            have = have.to_pylist() if have is not None else None
+            images = batch.column(names.index(IMAGE)).to_pylist() if IMAGE in names else None
+            digests = []
+            for i in range(batch.num_rows):
+                d = have[i] if have is not None else None
+                if not d and images is not None and images[i]:
+                    d = sha256_hex(images[i])
+                digests.append(d)
+    phashes = batch.column(names.index(PHASH)) if PHASH in names else None
     return keys.matches(ids, digests, phashes).tolist()
 
 
