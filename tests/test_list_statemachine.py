@@ -397,11 +397,12 @@ class Corpus(RuleBasedStateMachine):
     def _export(self, table: str, ledger: str | None = None, keep: bool = True) -> str:
         from prx_data.pipelines.write_mds import run_export
 
+        from prx_data.core.runtime import RunOptions
         from prx_data.export.spec import ExportConfig
 
         root = self._new("ex")
         cfg = ExportConfig(table=table, out=root, tiers=(TIER,), ledger=ledger)
-        report = run_export(cfg, progress=False)
+        report = run_export(cfg, RunOptions(progress=False))
         rows = self.rows[table]
         want = {i: img for i, (img, _) in rows.items() if img not in self.out}
         # A fresh export writes every row of its table but the opted-out images' rows.

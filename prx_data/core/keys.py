@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 #: Key kinds, in the order they are stored.
 KINDS = ("id", "sha256", "phash")

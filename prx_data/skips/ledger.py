@@ -47,6 +47,7 @@ from prx_data.skips.log import (
     LOCK_TIMEOUT_S,
     LOG_SCHEMA,
     REGISTRY,
+    concat_entries,
     conform_entries,
     latest,
     log_rows,
@@ -265,21 +266,39 @@ class Ledger:
         return state(self.entries(names))
 
     def optout_entries(self) -> pa.Table:
-        """The latest entry of every opted-out (list, id) whose latest op is ``add``."""
+        """The opt-out entries whose (list, id) the log still holds: an opt-out is undone
+        only by a later ``remove`` of the same (list, id).
+
+        Only what decides reaches memory: the opt-out adds (the key columns), and the full
+        history of the few (list, id) pairs that some ``remove`` names. Opt-outs are seldom
+        undone, so no sort over the whole ledger is needed.
+        """
         ds = self._open()
         if ds is None or "optout" not in ds.schema.names:
             return LOG_SCHEMA.empty_table()
-        cand = conform_entries(ds.to_table(filter="optout = true"))
-        if not len(cand):
-            return cand
-        # An opt-out is undone only by a later entry of the same (list, id).
-        # Whole columns (no per-entry Python objects): 10^7 entries take seconds, not minutes.
-        want = pc.unique(pc.binary_join_element_wise(cand["list"], cand["id"], "\x00"))
-        lists = sorted(pc.unique(cand["list"]).to_pylist())
-        every = self.entries(lists)
-        key = pc.binary_join_element_wise(every["list"], every["id"], "\x00")
-        last = latest(every.filter(pc.is_in(key, value_set=want)))
-        return last.filter(pc.and_(pc.equal(last["op"], ADD), pc.fill_null(last["optout"], False)))
+        adds = conform_entries(ds.to_table(filter="optout = true AND op = 'add'"))
+        if not len(adds):
+            return adds
+        removed = ds.to_table(columns=["list", "id"], filter="op = 'remove'")
+        if not len(removed):
+            return adds
+        contested = pc.unique(pc.binary_join_element_wise(removed["list"], removed["id"], "\x00"))
+        hit = pc.is_in(
+            pc.binary_join_element_wise(adds["list"], adds["id"], "\x00"), value_set=contested
+        )
+        clean = adds.filter(pc.invert(hit))
+        ids = pc.unique(adds.filter(hit)["id"]).to_pylist()
+        if not ids:
+            return clean
+        parts = [
+            conform_entries(ds.to_table(filter=pc.field("id").isin(ids[i : i + 4096])))
+            for i in range(0, len(ids), 4096)
+        ]
+        history = concat_entries(parts)
+        key = pc.binary_join_element_wise(history["list"], history["id"], "\x00")
+        last = latest(history.filter(pc.is_in(key, value_set=contested)))
+        kept = last.filter(pc.and_(pc.equal(last["op"], ADD), pc.fill_null(last["optout"], False)))
+        return concat_entries([clean, kept])
 
     def optout_keys(self) -> KeySet:
         """Every opted-out row's keys: what an export leaves out while it writes."""
