@@ -39,17 +39,20 @@ def test_user_error_classes_keep_their_standard_bases():
 def _user_errors(tmp_path):
     missing = str(tmp_path / "nothing-here")
     table = str(tmp_path / "t.lance")
+    ex = str(tmp_path / "ex")  # an export (made by the test)
     return {
-        "skips-ids-file": (
-            "skips",
-            ["add", str(tmp_path), "dedup", "--ids", missing],
-            "ids file",
-        ),
-        "skips-bad-name": ("skips", ["add", str(tmp_path), "Dedup", "--ids", "IDS"], "Dedup"),
+        "skips-ids-file": ("skips", ["add", ex, "dedup", "--ids", missing], "ids file"),
+        "skips-bad-name": ("skips", ["add", ex, "Dedup", "--ids", "IDS"], "Dedup"),
         "skips-bad-where": (
             "skips",
-            ["add", str(tmp_path), "dedup", "--table", table, "--where", "no_such_col > 1"],
+            ["add", ex, "dedup", "--table", table, "--where", "no_such_col > 1"],
             "no_such_col",
+        ),
+        "skips-no-export": ("skips", ["add", missing, "dedup", "--ids", "IDS"], "does not exist"),
+        "optout-no-export": (
+            "optout",
+            ["--export", missing, "--name", "o", "--ids", "IDS"],
+            "does not exist",
         ),
         "table-missing": ("table", ["stats", missing], "no Lance table at"),
         "download-missing": ("download", ["--table", missing], "ingest the URL list first"),
@@ -69,6 +72,8 @@ def _user_errors(tmp_path):
         "skips-ids-file",
         "skips-bad-name",
         "skips-bad-where",
+        "skips-no-export",
+        "optout-no-export",
         "table-missing",
         "download-missing",
         "train-config-missing",
@@ -76,10 +81,12 @@ def _user_errors(tmp_path):
     ],
 )
 def test_a_user_error_is_one_line_and_a_non_zero_exit(case, tmp_path, capsys):
+    from tests.exportkit import make_export
     from tests.ingest_data import jpeg
     from tests.tablekit import make_table
 
     make_table(str(tmp_path / "t.lance"), [("t/a", jpeg(32, 32), "a")])
+    make_export(str(tmp_path / "ex"), {"512/1.000": 2})
     (tmp_path / "IDS").write_text("t/a\n")
     job, argv, says = _user_errors(tmp_path)[case]
     argv = [str(tmp_path / "IDS") if a == "IDS" else a for a in argv]
@@ -124,11 +131,18 @@ def _boom(exc: type[BaseException]):
     ],
 )
 def test_an_injected_bug_keeps_its_traceback(job, argv, target, exc, tmp_path, monkeypatch):
+    from tests.exportkit import make_export
+
     (tmp_path / "IDX").write_text("512/1.000 p0/shard.00000.mds 0\n")
+    make_export(str(tmp_path / "ex"), {"512/1.000": 2})
     module, name = target.rsplit(".", 1)
     monkeypatch.setattr(importlib.import_module(module), name, _boom(exc))
     monkeypatch.setattr("prx_data.table.lance_ops.table_exists", lambda *a, **k: True)
-    subs = {"ROOT": str(tmp_path), "IDX": str(tmp_path / "IDX"), "T": str(tmp_path / "t.lance")}
+    subs = {
+        "ROOT": str(tmp_path / "ex"),
+        "IDX": str(tmp_path / "IDX"),
+        "T": str(tmp_path / "t.lance"),
+    }
     with pytest.raises(exc, match="an injected bug"):
         _cli(job)([subs.get(a, a) for a in argv])
 

@@ -93,15 +93,14 @@ def demo_columns() -> set[str]:
 def check_table_is_the_demos(table: str) -> None:
     """Refuse to replace a table holding columns the demo did not write: the README's job rows
     add them (captions, labels, scores, downloads), and a rerun would re-ingest over them."""
-    from prx_data.core.errors import UsageError
+    from prx_data.core.errors import NotFound, UsageError
+    from prx_data.table.lance_ops import open_table
 
     if not os.path.exists(table):
         return
-    import lance
-
     try:
-        names = lance.dataset(table).schema.names
-    except (OSError, ValueError):
+        names = open_table(table).schema.names
+    except NotFound:
         raise UsageError(
             f"{table} exists and is not a Lance table the demo wrote; pass --force to replace "
             "it, or --workdir elsewhere"

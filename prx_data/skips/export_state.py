@@ -441,10 +441,13 @@ def resolve(
 def require_export(root: str) -> None:
     """Refuse, before anything is created, a path that holds no export: a typo must not look
     like a request that was carried out."""
+    from prx_data.export.adopt import is_plain_tree
     from prx_data.export.safety import has_proof
 
-    if storage.exists(root) and (has_proof(root) or layout.list_buckets(layout.tree(root))):
-        return
+    if storage.exists(root) and (
+        has_proof(root) or is_plain_tree(root) or layout.list_buckets(layout.tree(root))
+    ):
+        return  # a plain MDS tree is told how to adopt it by the command itself
     what = "does not exist" if not storage.exists(root) else "holds no export"
     raise NotFound(
         f"{root} {what}: give the root of an export (python -m prx_data.write_mds --out); "
