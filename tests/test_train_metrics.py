@@ -394,7 +394,10 @@ def test_smoke_configs_hold_out_enough_of_the_demo_after_the_readme_opt_out(name
         i
         for i in ids
         if i not in opted_out
-        and (buckets[i].tier == d.tier or (d.include_higher_tiers and buckets[i].tier > d.tier))
+        and (
+            buckets[i].tier == d.plan.tier
+            or (d.plan.include_higher_tiers and buckets[i].tier > d.plan.tier)
+        )
     }
     evaluated = [i for i, h in zip(ids, held, strict=True) if h and i in streamed]
     assert len(evaluated) >= max(2, cfg.metrics.num_samples), evaluated
