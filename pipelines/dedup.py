@@ -80,12 +80,12 @@ class DedupConfig:
         help="Comma-separated tiers used, without --export, to name the bucket each row would "
         "get in the report (default: %(default)s, the exporter's default).",
     )
-    #: JSON report path (None: do not write one; the CLI defaults to DEFAULT_REPORT).
+    #: JSON report path (None: do not write one; the CLI defaults to the one beside the table).
     report: str | None = flag(
         None,
         "--report",
-        help="Where to write the JSON report (default: %(default)s; '' for none). Keep it "
-        "outside the export tree.",
+        help="Where to write the JSON report (default: beside the table, "
+        "<table>.dedup-report.json; '' for none). Keep it outside the export tree.",
     )
     write_column: bool = flag(
         True,

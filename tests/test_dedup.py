@@ -328,3 +328,18 @@ def test_ray_engine_matches_local(dup_table, tmp_path, ray_local):
         return t.to_pylist()
 
     assert col(uri) == col(local_uri)
+
+
+def test_the_report_goes_beside_the_table_not_into_the_working_folder(tmp_path, monkeypatch):
+    from prx_data.cli import dedup as DC
+    from tests.ingest_data import jpeg
+    from tests.tablekit import make_table
+
+    table = str(tmp_path / "data" / "photos.lance")
+    make_table(table, [(f"t/{i}", jpeg(64 + i, 64), None) for i in range(3)])
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert DC.main(["--table", table, "--engine", "local", "--no-progress"]) == 0
+    assert (tmp_path / "data" / "photos.dedup-report.json").is_file()
+    assert not list(cwd.iterdir())

@@ -8,9 +8,7 @@ import sys
 from prx_data.cli.reporting import add_report_args, run_job
 from prx_data.core.flags import add_flags
 from prx_data.pipelines.dedup import DedupConfig, run_dedup
-from prx_data.skips.dedup import (
-    DEFAULT_REPORT,
-)
+from prx_data.skips.dedup import default_report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +21,6 @@ def build_parser() -> argparse.ArgumentParser:
         "on Ray.",
     )
     add_flags(p, DedupConfig)
-    p.set_defaults(report=DEFAULT_REPORT)
     add_report_args(p)
     return p
 
@@ -37,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         DedupConfig,
         run_dedup,
         footer=lambda cfg: f"report: {cfg.report}" if cfg.report else None,
-        report=args.report or None,
+        report=default_report(args.table) if args.report is None else (args.report or None),
         storage_options=lance_storage_options(args.table),
     )
 

@@ -39,6 +39,16 @@ PHASH = S.PHASH
 PHASH_ERROR = "phash_error"
 DEFAULT_SKIP_NAME = "dedup"
 DEFAULT_REPORT = "dedup-report.json"
+
+
+def default_report(table: str) -> str:
+    """Where a dedup run's JSON report goes unless told: beside the table it describes
+    (``data/photos.lance`` -> ``data/photos.dedup-report.json``), never the working folder."""
+    base = table.rstrip("/")
+    stem = base[: -len(".lance")] if base.endswith(".lance") else base
+    return f"{stem}.{DEFAULT_REPORT}"
+
+
 #: Past this skipped share the report suggests rewriting the export (the PRX recipe).
 REWRITE_HINT_SHARE = 0.10
 
