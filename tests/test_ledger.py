@@ -321,3 +321,19 @@ def test_an_export_only_change_made_out_of_reach_of_the_ledger_survives_the_next
     shutil.move(ledger + ".away", ledger)
     assert SC.main(["sync", out]) == 0
     assert "test/img3" not in streamed_ids(out)  # the later, export-only add stands
+
+
+def test_an_export_bound_to_a_ledger_that_held_nothing_yet_keeps_following_it(corpus, tmp_path):
+    table, out = corpus
+    other = tmp_path / "moved"
+    other.mkdir()
+    moved = str(other / "photos.lance")
+    shutil.copytree(table, moved)
+    ledger = LG.default_ledger_uri(table)
+    assert not os.path.exists(ledger)  # no opt-out yet: the ledger is made by the first
+    moved_out = str(tmp_path / "exp-moved")
+    _export(moved, moved_out, ledger=ledger)
+    assert _optout(out, ["test/img1"], tmp_path) == 0
+    assert SC.main(["sync", moved_out]) == 0
+    # It follows the ledger it was exported with, not a new one beside the moved table.
+    assert streamed_ids(moved_out) == set(IMAGES) - {"test/img1"}

@@ -416,6 +416,11 @@ def resolve(
         return check_recorded(root, st, led)
     if st is not None and st.ledger_id:
         return _recorded_ledger(root, st)
+    if st is not None and st.ledger:
+        # Bound to a ledger that held nothing yet (so no identity to record): it follows
+        # that ledger, never the one beside its table (a --ledger export would lose every
+        # opt-out recorded after it).
+        return Ledger(st.ledger, table=_found_table(root, st), table_id=recorded)
     names = _candidates(root, st)
     if recorded:
         for c in names:
