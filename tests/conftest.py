@@ -190,6 +190,25 @@ def _clean_streaming_shm():
         pass
 
 
+@pytest.fixture(autouse=True)
+def _process_logging_as_found():
+    """A CLI run in-process (the trainer's) sets up logging for a whole process: a
+    once-per-message filter on the root handlers (pytest's capture handlers among them,
+    which outlive the test) and warnings routed through logging. Undo both after each test,
+    so a later test's ``caplog`` sees its own records."""
+    import logging
+
+    yield
+    if "prx_data.train.logs" not in sys.modules:
+        return
+    from prx_data.train.logs import QuietFilter
+
+    for handler in logging.getLogger().handlers:
+        for flt in [f for f in handler.filters if isinstance(f, QuietFilter)]:
+            handler.removeFilter(flt)
+    logging.captureWarnings(False)
+
+
 def _free_port() -> int:
     import socket
 

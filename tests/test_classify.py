@@ -229,7 +229,7 @@ def test_a_run_with_nothing_to_classify_says_why(tmp_path):
         ),
         uri,
     )
-    cfg = ClassifyConfig(table=uri, rules_only=True, progress=False, engine="local")
+    cfg = ClassifyConfig(table=uri, rules_only=True, run=RunOptions(progress=False, engine="local"))
     report = run_classify(cfg)
     assert report.rows == 0
     text = report.summary()
@@ -238,12 +238,18 @@ def test_a_run_with_nothing_to_classify_says_why(tmp_path):
     # Once labelled, a rerun says so instead.
     run_classify(
         ClassifyConfig(
-            table=uri, rules_only=True, progress=False, engine="local", source_column="caption"
+            table=uri,
+            rules_only=True,
+            run=RunOptions(progress=False, engine="local"),
+            source_column="caption",
         )
     )
     again = run_classify(
         ClassifyConfig(
-            table=uri, rules_only=True, progress=False, engine="local", source_column="caption"
+            table=uri,
+            rules_only=True,
+            run=RunOptions(progress=False, engine="local"),
+            source_column="caption",
         )
     )
     assert (

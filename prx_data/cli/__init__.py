@@ -89,7 +89,11 @@ JOBS: dict[str, Job] = {
             "verify",
             "check an export: report, indexes, shards (--deep: hashes), manifests, sidecars",
         ),
-        Job("skips", "manage sidecar skip lists of an export (add, list, stats, remove, rewrite)"),
+        Job(
+            "skips",
+            "manage skip lists of an export and the corpus ledger (add, list, stats, remove, "
+            "sync, index, rewrite, ledger)",
+        ),
         Job("planner", "preflight: batches per bucket, tail drops, fatal configurations"),
         Job("jpeg_fidelity", "measure JPEG re-encode fidelity; estimate JPEG quality"),
         Job("train", "Composer training run from a YAML config"),

@@ -29,7 +29,10 @@ DEFAULT_THRESHOLD = 0.10
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prx_data.skips",
-        description="Named skip lists stored as sidecars next to MDS shards (local or s3:// exports).",
+        description="Named skip lists stored as sidecars next to MDS shards (local, s3:// or "
+        "gs:// exports), recorded in the corpus ledger. List commands run in this process; "
+        "rewrite copies its packs on threads of this process when small, else on Ray (a "
+        "private local Ray, or --ray-address).",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
 
