@@ -87,7 +87,7 @@ def fabricate(work: str, n: int, entries: int) -> dict:
     from prx_data.core.schema import TABLE_SCHEMA
     from prx_data.export.merge import done_parts
     from prx_data.export.spec import ExportConfig
-    from prx_data.skips import ledger as LG
+    from prx_data.skips import place as PL
     from prx_data.skips.export_state import ExportState, write_state
     from prx_data.skips.log import LOG_SCHEMA
     from prx_data.skips.ops import sync
@@ -132,12 +132,12 @@ def fabricate(work: str, n: int, entries: int) -> dict:
     res["fabricate_table_s"] = round(time.perf_counter() - t0, 1)
 
     t0 = time.perf_counter()
-    uri = LG.default_ledger_uri(table)
+    uri = PL.default_ledger_uri(table)
     schema = LOG_SCHEMA.with_metadata(
         {
-            LG.LEDGER_ID_KEY.decode(): "bench" + "0" * 27,
-            LG.LOG_ID_KEY.decode(): "benchlog" + "0" * 24,
-            LG.HOME_KEY.decode(): LG.canonical(uri),
+            PL.LEDGER_ID_KEY.decode(): "bench" + "0" * 27,
+            PL.LOG_ID_KEY.decode(): "benchlog" + "0" * 24,
+            PL.HOME_KEY.decode(): PL.canonical(uri),
         }
     )
 
@@ -185,13 +185,14 @@ def measure(what: str, work: str, n: int) -> dict:
     from prx_data.core.keys import KeySet
     from prx_data.export.removals import removed
     from prx_data.skips import ledger as LG
+    from prx_data.skips import place as PL
     from prx_data.skips.content import expand
 
     table = os.path.join(work, "data", "photos.lance")
     root = os.path.join(work, "export")
     rng = np.random.default_rng(1)
     pick = [BS._sid(int(i)) for i in rng.choice(n, OPTOUT, replace=False)]
-    led = LG.Ledger(LG.default_ledger_uri(table))
+    led = LG.Ledger(PL.default_ledger_uri(table))
     out: dict = {}
     if what == "filter":
         keys = led.optout_keys()

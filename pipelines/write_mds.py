@@ -267,10 +267,11 @@ class ExportSink:
     def on_write_start(self, lock: ExportLock) -> list[WorkUnit]:
         """Carry and drop lists, place the work, prepare the output; returns the units to run."""
         from prx_data.skips.errors import ListError
-        from prx_data.skips.export_state import check_recorded, read_state
+        from prx_data.skips.export_state import read_state
         from prx_data.skips.ledger import Ledger
         from prx_data.skips.log import Provenance
         from prx_data.skips.ops import carry, remove_list
+        from prx_data.skips.which import check_recorded
 
         cfg = self.cfg
         self.t0, self.lock = time.perf_counter(), lock

@@ -25,6 +25,7 @@ from prx_data.core.runtime import RunOptions
 from prx_data.export import layout
 from prx_data.export.spec import ExportConfig
 from prx_data.skips import ledger as LG
+from prx_data.skips import place as PL
 from prx_data.skips.errors import ListError
 from prx_data.skips.log import Provenance, conform_entries, log_rows
 from prx_data.stream.dataset import DatasetSpec
@@ -132,7 +133,7 @@ def test_a_dedup_group_leaves_with_its_opted_out_member(tmp_path):
 def test_a_lost_ledger_is_an_error_naming_it_never_an_empty_list(corpus, tmp_path, capsys):
     table, out = corpus
     assert _optout(out, ["test/img1"], tmp_path) == 0
-    ledger = LG.default_ledger_uri(table)
+    ledger = PL.default_ledger_uri(table)
     shutil.rmtree(ledger)
     capsys.readouterr()
     assert SC.main(["sync", out]) != 0
@@ -150,11 +151,11 @@ def test_a_copied_ledger_is_refused_until_one_is_chosen(corpus, tmp_path, capsys
         LG.Ledger.for_table(copy_table).head()
     # The original still works, and the copy works once it has its own identity.
     assert LG.Ledger.for_table(table).head() > 0
-    LG.Ledger(str(tmp_path / "copy" / LG.LEDGER_NAME)).fork()
+    LG.Ledger(str(tmp_path / "copy" / PL.LEDGER_NAME)).fork()
     assert LG.Ledger.for_table(copy_table).optout_keys()  # the opt-outs came along
     # An export bound to the original refuses the forked copy.
     capsys.readouterr()
-    assert SC.main(["sync", out, "--ledger", str(tmp_path / "copy" / LG.LEDGER_NAME)]) != 0
+    assert SC.main(["sync", out, "--ledger", str(tmp_path / "copy" / PL.LEDGER_NAME)]) != 0
     assert "ledger" in capsys.readouterr().err
 
 
@@ -168,7 +169,7 @@ def test_overwrite_from_a_copied_table_keeps_the_opt_outs(corpus, tmp_path):
     with pytest.raises(Exception, match="ledger"):
         _export(moved, out, overwrite=True)
     assert "test/img1" not in streamed_ids(out)
-    _export(moved, out, overwrite=True, ledger=LG.default_ledger_uri(table))
+    _export(moved, out, overwrite=True, ledger=PL.default_ledger_uri(table))
     assert "test/img1" not in written_ids(out)
     assert streamed_ids(out) == set(IMAGES) - {"test/img1"}
 
@@ -177,7 +178,7 @@ def test_an_old_registry_is_adopted_once_and_loses_nothing(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     table = _table(data / "t.lance")
-    reg = LG.registry_uri(table)
+    reg = PL.registry_uri(table)
     rows = conform_entries(
         log_rows(
             "optout-old",
@@ -308,7 +309,7 @@ def test_an_export_only_change_made_out_of_reach_of_the_ledger_survives_the_next
     corpus, tmp_path
 ):
     table, out = corpus
-    ledger = LG.default_ledger_uri(table)
+    ledger = PL.default_ledger_uri(table)
     f = tmp_path / "one.txt"
     f.write_text("test/img3\n")
     assert SC.main(["add", out, "nsfw", "--ids", str(f)]) == 0
@@ -329,7 +330,7 @@ def test_an_export_bound_to_a_ledger_that_held_nothing_yet_keeps_following_it(co
     other.mkdir()
     moved = str(other / "photos.lance")
     shutil.copytree(table, moved)
-    ledger = LG.default_ledger_uri(table)
+    ledger = PL.default_ledger_uri(table)
     assert not os.path.exists(ledger)  # no opt-out yet: the ledger is made by the first
     moved_out = str(tmp_path / "exp-moved")
     _export(moved, moved_out, ledger=ledger)

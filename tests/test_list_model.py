@@ -33,14 +33,15 @@ from prx_data.skips.export_state import (
     read_state,
     read_store,
     read_store_file,
-    resolve,
     store_names,
     write_state,
     write_store_list,
 )
-from prx_data.skips.ledger import Ledger, default_ledger_uri, registry_uri
+from prx_data.skips.ledger import Ledger
 from prx_data.skips.log import Provenance, log_rows, store_table
 from prx_data.skips.ops import carry, sync, update_list
+from prx_data.skips.place import default_ledger_uri, registry_uri
+from prx_data.skips.which import resolve
 from tests.exportkit import make_export, skip_samples
 from tests.tablekit import make_table
 

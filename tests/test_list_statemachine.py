@@ -38,10 +38,11 @@ from prx_data.export import layout  # noqa: E402
 from prx_data.skips import sidecar as SL  # noqa: E402
 from prx_data.skips.bind import ids_at  # noqa: E402
 from prx_data.skips.export_state import export_lease  # noqa: E402
-from prx_data.skips.ledger import Ledger, read_table_id, registry_uri  # noqa: E402
+from prx_data.skips.ledger import Ledger  # noqa: E402
 from prx_data.skips.log import Provenance  # noqa: E402
 from prx_data.skips.materialise import materialise  # noqa: E402
 from prx_data.skips.ops import carry, sync, update_list  # noqa: E402
+from prx_data.skips.place import read_table_id, registry_uri  # noqa: E402
 from tests.exportkit import make_export  # noqa: E402
 from tests.tablekit import make_table  # noqa: E402
 
@@ -471,7 +472,7 @@ class Corpus(RuleBasedStateMachine):
     @rule()
     def copy_table_alone(self):
         """The table moved without its folder (``--table`` advice): exported naming the ledger."""
-        from prx_data.skips.ledger import default_ledger_uri
+        from prx_data.skips.place import default_ledger_uri
 
         dest = os.path.join(self._new("moved"), "photos.lance")
         shutil.copytree(self.main, dest)
@@ -482,7 +483,8 @@ class Corpus(RuleBasedStateMachine):
     def copy_folder_with_ledger(self):
         """The folder copied with its ledger: refused until forked; the fork keeps the opt-outs."""
         from prx_data.skips.errors import ListError
-        from prx_data.skips.ledger import LEDGER_NAME, Ledger
+        from prx_data.skips.ledger import Ledger
+        from prx_data.skips.place import LEDGER_NAME
 
         folder = self._new("copy")
         shutil.copytree(self.data, folder)
@@ -502,8 +504,9 @@ class Corpus(RuleBasedStateMachine):
     def lose_ledger(self, replace):
         """The ledger deleted (or replaced by another): an error naming it, never "no opt-outs"."""
         from prx_data.skips.errors import ListError
-        from prx_data.skips.ledger import Ledger, default_ledger_uri
+        from prx_data.skips.ledger import Ledger
         from prx_data.skips.ops import sync
+        from prx_data.skips.place import default_ledger_uri
 
         uri = default_ledger_uri(self.main)
         if not os.path.exists(uri) or not self.exports:

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from prx_data.core.errors import PrxDataError
     from prx_data.export import layout
     from prx_data.export.adopt import refuse_plain_tree
-    from prx_data.skips.export_state import require_export
+    from prx_data.skips.which import require_export
 
     try:
         require_export(args.export)  # a typo creates nothing and says so

@@ -15,10 +15,11 @@ from prx_data.core.runtime import ENGINES
 from prx_data.export import layout
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.bind import ids_at
-from prx_data.skips.export_state import read_state, read_store, require_export
+from prx_data.skips.export_state import read_state, read_store
 from prx_data.skips.log import Provenance
 from prx_data.skips.ops import lists_text, sync, update_list
 from prx_data.skips.sidecar import read_ids_file, read_indices_file
+from prx_data.skips.which import require_export
 from prx_data.table.lance_ops import query_ids
 
 #: ``prx_data.skips.rewrite.DEFAULT_THRESHOLD``, repeated here so that list commands do not
@@ -386,7 +387,7 @@ def _rewrite(args: argparse.Namespace) -> int | list:
 
     names, force = args.name, args.force
     if args.purge_optouts:
-        from prx_data.skips.export_state import resolve
+        from prx_data.skips.which import resolve
 
         led = resolve(args.root, args.table, ledger=args.ledger)
         t = led.optout_entries() if led is not None else None
@@ -435,7 +436,8 @@ def _rewrite(args: argparse.Namespace) -> int | list:
 
 
 def _ledger(args: argparse.Namespace) -> int | list:
-    from prx_data.skips.ledger import Ledger, ledger_uri
+    from prx_data.skips.ledger import Ledger
+    from prx_data.skips.place import ledger_uri
 
     if args.action == "fork":
         new = Ledger(args.uri).fork()

@@ -10,10 +10,14 @@ first (each imports only those above it in this list)::
     sidecar       the .skip sidecar format and its readers (what the loader applies)
     log           the entries (LOG_SCHEMA), their order, their content keys, and the
                   state they decide
-    ledger        the corpus ledger: place, identity, copies, fenced appends, adoption
-                  of the per-table registries of earlier versions; table identity
+    place         where a ledger lives and who it is: the default beside the tables,
+                  --ledger / PRX_LEDGER, table identity, the metadata's names
+    ledger        the corpus ledger: the log, copies, fenced appends, adoption of the
+                  per-table registries of earlier versions
     export_state  one export's store files, its _lists/registry state, its own log,
-                  its lease, and which ledger it follows
+                  its lease
+    which         which ledger an export follows (resolve), and the refusal of a path
+                  that holds no export
     bind          row ids <-> sample positions in an export's shards
     recover       lists the log does not hold yet (sidecars only, pre-log stores)
     materialise   an export's lists made the log's state, store and sidecars; the

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from collections.abc import Callable, Iterable
 
@@ -44,7 +43,6 @@ from prx_data.skips import sidecar as SL
 from prx_data.skips.errors import ListError
 from prx_data.skips.log import (
     ADD,
-    LOCK_TIMEOUT_S,
     LOG_SCHEMA,
     REGISTRY,
     concat_entries,
@@ -53,107 +51,24 @@ from prx_data.skips.log import (
     log_rows,
     state,
 )
+from prx_data.skips.place import (
+    ADOPTED_KEY,
+    COMMIT_ATTEMPTS,
+    HOME_KEY,
+    LEDGER_ID_KEY,
+    LOG_ID_KEY,
+    canonical,
+    default_ledger_uri,
+    identity_at,
+    lease_at,
+    lease_path,
+    ledger_uri,
+    registry_uri,
+    schema_meta,
+    table_identity,
+)
 
 log = logging.getLogger(__name__)
-
-#: The ledger's folder name beside the corpus's tables.
-LEDGER_NAME = "_prx_ledger.lance"
-#: Names a ledger for every job that does not get ``--ledger``.
-LEDGER_ENV = "PRX_LEDGER"
-#: The file in a table folder that holds the table's identity.
-TABLE_ID_NAME = "_prx_table_id"
-#: Schema metadata keys: the log's identity (a position is only comparable within one
-#: log), the ledger's identity and home, and the registries it adopted.
-LOG_ID_KEY = b"prx.log_id"
-LEDGER_ID_KEY = b"prx.ledger_id"
-HOME_KEY = b"prx.ledger_home"
-ADOPTED_KEY = b"prx.adopted"
-#: Commits tried when the ledger's lease is held but a commit still meets a conflict.
-COMMIT_ATTEMPTS = 3
-
-
-def canonical(uri: str) -> str:
-    """A URI with symlinks resolved (local), so every spelling finds one ledger."""
-    base = uri.rstrip("/").removeprefix("file://")
-    if storage.is_remote(base):
-        return base
-    return os.path.realpath(base)
-
-
-def registry_uri(table: str) -> str:
-    """The per-table registry of earlier versions: ``photos.lance`` -> ``photos.lists.lance``."""
-    base = canonical(table)
-    stem = base[: -len(".lance")] if base.endswith(".lance") else base
-    return f"{stem}.lists.lance"
-
-
-def default_ledger_uri(table: str) -> str:
-    """The corpus ledger beside ``table``: one per folder of tables."""
-    base = canonical(table)
-    parent = base.rsplit("/", 1)[0] if "/" in base else "."
-    return storage.join(parent, LEDGER_NAME)
-
-
-def ledger_uri(table: str | None, ledger: str | None = None) -> str:
-    """``ledger``, else ``$PRX_LEDGER``, else the ledger beside ``table``."""
-    chosen = ledger or os.environ.get(LEDGER_ENV) or None
-    if chosen:
-        return canonical(chosen)
-    if not table:
-        raise ListError("no ledger named: pass --ledger URI (or --table, or set PRX_LEDGER)")
-    return default_ledger_uri(table)
-
-
-def _lease_path(uri: str) -> str:
-    return f"{uri}.lock" if not storage.is_remote(uri) else f"{uri}.lease"
-
-
-def _lease(path: str, what: str) -> Lease:
-    return Lease(path, what=what, wait_s=LOCK_TIMEOUT_S)
-
-
-def read_table_id(table: str) -> str | None:
-    """The identity recorded in the table folder, or None (no table there, or none recorded)."""
-    try:
-        text = storage.read_bytes(storage.join(canonical(table), TABLE_ID_NAME)).decode().strip()
-    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
-        return None
-    return text if text and len(text) <= 64 and text.isalnum() else None
-
-
-def table_identity(table: str) -> str:
-    """The table's identity, recorded in its folder on first use (under its own lease)."""
-    tid = read_table_id(table)
-    if tid is not None:
-        return tid
-    uri = canonical(table)
-    from prx_data.table.lance_ops import open_table
-
-    try:
-        open_table(uri)
-    except NotFound:
-        raise ListError(f"{table}: no Lance table there") from None
-    with _lease(_lease_path(registry_uri(uri)), "table identity writer"):
-        tid = read_table_id(uri)
-        if tid is None:
-            tid = uuid.uuid4().hex
-            storage.write_bytes_atomic(storage.join(uri, TABLE_ID_NAME), tid.encode())
-    return tid
-
-
-def _meta(ds) -> dict[bytes, bytes]:
-    return dict(ds.schema.metadata or {}) if ds is not None else {}
-
-
-def identity_at(uri: str) -> str | None:
-    """The identity of the ledger at ``uri`` (None: no ledger there)."""
-    from prx_data.table.lance_ops import lance_storage_options, open_table
-
-    try:
-        ds = open_table(uri, lance_storage_options(uri))
-    except NotFound:
-        return None
-    return _meta(ds).get(LEDGER_ID_KEY, b"").decode() or None
 
 
 class Ledger:
@@ -188,7 +103,7 @@ class Ledger:
             ds = open_table(self.uri, self.options, version=version)
         except NotFound:
             return None
-        meta = _meta(ds)
+        meta = schema_meta(ds)
         if LEDGER_ID_KEY not in meta or "seq" not in ds.schema.names:
             raise ListError(
                 f"{self.uri} is not a prx-data ledger (no ledger identity); move it away or "
@@ -210,7 +125,7 @@ class Ledger:
 
     @staticmethod
     def identity_of(ds) -> str | None:
-        return _meta(ds).get(LEDGER_ID_KEY, b"").decode() or None
+        return schema_meta(ds).get(LEDGER_ID_KEY, b"").decode() or None
 
     @property
     def identity(self) -> str | None:
@@ -229,11 +144,11 @@ class Ledger:
         ds = self._open()
         if ds is None:
             return 0, None
-        return ds.version, _meta(ds).get(LOG_ID_KEY, b"").decode() or None
+        return ds.version, schema_meta(ds).get(LOG_ID_KEY, b"").decode() or None
 
     def adopted(self) -> dict[str, int]:
         """{registry log identity or URI: the seq its state was imported at}."""
-        raw = _meta(self._open()).get(ADOPTED_KEY)
+        raw = schema_meta(self._open()).get(ADOPTED_KEY)
         try:
             got = json.loads(raw) if raw else {}
         except ValueError:
@@ -310,7 +225,7 @@ class Ledger:
     # --- writing -----------------------------------------------------------------------
 
     def lease(self) -> Lease:
-        return _lease(_lease_path(self.uri), "ledger writer")
+        return lease_at(lease_path(self.uri), "ledger writer")
 
     def append(
         self,
@@ -336,7 +251,7 @@ class Ledger:
                 if rows is None or not len(rows):
                     return 0
                 rows = conform_entries(rows.replace_schema_metadata(None))
-                meta = metadata(_meta(ds), v + 1) if metadata is not None else None
+                meta = metadata(schema_meta(ds), v + 1) if metadata is not None else None
                 lease.check()
                 try:
                     got = append_at_version(
@@ -395,7 +310,7 @@ class Ledger:
     def rehome(self) -> None:
         """Record the ledger's current URI as its home (after a move; see :meth:`_open`)."""
         ds = self._open()
-        if ds is None or _meta(ds).get(HOME_KEY, b"").decode() == self.uri:
+        if ds is None or schema_meta(ds).get(HOME_KEY, b"").decode() == self.uri:
             return
         with self.lease() as lease:
             lease.check()
@@ -434,7 +349,7 @@ class Ledger:
             reg = open_table(registry, self.options)
         except NotFound:
             return None
-        key = _meta(reg).get(LOG_ID_KEY, b"").decode() or canonical(registry)
+        key = schema_meta(reg).get(LOG_ID_KEY, b"").decode() or canonical(registry)
         if key in self.adopted():
             return None
         old = _registry_state(reg)
@@ -463,7 +378,7 @@ class Ledger:
             with self.lease() as lease:
                 ds = self._open()
                 lease.check()
-                ds.update_schema_metadata(meta(_meta(ds), ds.version))
+                ds.update_schema_metadata(meta(schema_meta(ds), ds.version))
         else:
             return 0
         log.warning("%s: adopted the skip-list registry %s (%d ids)", self.uri, registry, n)
@@ -505,16 +420,4 @@ def names_filter(names: Iterable[str] | None) -> str | None:
     return "list IN (" + ", ".join(f"'{SL.validate_name(n)}'" for n in names) + ")"
 
 
-__all__ = [
-    "LEDGER_ENV",
-    "LEDGER_NAME",
-    "Ledger",
-    "TABLE_ID_NAME",
-    "canonical",
-    "default_ledger_uri",
-    "identity_at",
-    "ledger_uri",
-    "read_table_id",
-    "registry_uri",
-    "table_identity",
-]
+__all__ = ["Ledger"]

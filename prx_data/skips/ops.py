@@ -32,7 +32,6 @@ from prx_data.skips.export_state import (
     read_local,
     read_state,
     read_store_list,
-    resolve,
     samples_total,
     store_names,
 )
@@ -53,6 +52,7 @@ from prx_data.skips.log import (
 )
 from prx_data.skips.materialise import materialise
 from prx_data.skips.recover import import_rows, import_unlogged, unlogged
+from prx_data.skips.which import resolve
 
 #: A list that leaves out more than this share of an export is reported with a warning.
 WARN_SHARE = 0.10

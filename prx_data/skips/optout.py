@@ -211,9 +211,9 @@ def add_optout(
     from prx_data.skips import sidecar as SL
     from prx_data.skips.bind import bind
     from prx_data.skips.content import corpus_tables, expand, keys_of
-    from prx_data.skips.export_state import require_export, resolve, table_of
     from prx_data.skips.log import Provenance
     from prx_data.skips.ops import update_list
+    from prx_data.skips.which import require_export, resolve, table_of
 
     SL.validate_name(name)
     require_export(export)

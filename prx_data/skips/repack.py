@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import posixpath
 import re
 import shutil
 import tempfile
@@ -38,10 +37,10 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from prx_data.core import confined, storage
-from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
-from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
+from prx_data.core.errors import PrxDataError, UsageError
+from prx_data.core.schema import MANIFEST_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
-from prx_data.export import durable, layout, naming
+from prx_data.export import durable, naming
 from prx_data.export.naming import PROGRESS_DIR
 from prx_data.export.pack import PACKED_DIR, open_writer, part_ids, shard_raw, split_samples
 from prx_data.export.safety import load_index, remove_tree
@@ -54,7 +53,7 @@ DISK_ENV = "PRX_REWRITE_DISK"
 #: The plan a rewrite writes before its first pack; ``resume`` continues only the same plan.
 PLAN_NAME = f"{PROGRESS_DIR}/rewrite.json"
 #: Staged bytes reserved per pack for its index and manifest (plus per shard and per id).
-_META_BYTES = (8 << 10, 1 << 10, 64)
+META_BYTES = (8 << 10, 1 << 10, 64)
 
 
 class RewriteDiskError(PrxDataError, ValueError):
@@ -189,110 +188,6 @@ class RewriteJob:
     verify: bool
     limit: int
     work_dir: str | None = None
-
-
-def check_destination(out: str) -> None:
-    """Refuse any ``out`` with something in it: a rewrite never deletes, and a report or
-    index left there would make a rewrite killed part-way look like a complete export."""
-    import pyarrow.fs as pafs
-
-    fs, p = storage.filesystem(out)
-    kind = fs.get_file_info(p).type
-    if kind == pafs.FileType.NotFound:
-        return
-    if kind != pafs.FileType.Directory:
-        raise AlreadyExists(f"{out} is a file; choose an empty destination directory")
-    found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
-    if found:
-        names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
-        what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
-        raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
-
-
-def plan_packs(root: str, out: str, skips_of: dict[str, dict], verify: bool):
-    """One :class:`RewritePack` per source part that keeps a sample, in bucket and part order.
-
-    Returns (packs, samples in, samples skipped, shard bytes of the packs). A
-    pack's ``stage`` is the local disk it holds: a source shard to check when the
-    source is remote or compressed, and for a remote ``out`` one output shard
-    (never larger than its source part nor than the size limit; twice when it
-    is compressed, as it is checked decompressed) plus the part's index and manifest.
-    """
-    remote_in, remote_out = storage.is_remote(root), storage.is_remote(out)
-    packs, total, skipped, nbytes = [], 0, 0, 0
-    for bucket, skips in skips_of.items():
-        parts: dict[str, list] = {}
-        for e in layout.read_index_entries(root, bucket, export_columns=True):
-            part, _, base = e["raw_data"]["basename"].rpartition("/")
-            if not part or "/" in part:
-                raise UsageError(
-                    f"{root}/{bucket}: shard {e['raw_data']['basename']!r} is not inside a part "
-                    "directory; not an export written by prx_data.write_mds"
-                )
-            skip = skips.get(e["raw_data"]["basename"])
-            parts.setdefault(part, []).append((base, e, () if skip is None else skip.tolist()))
-        for part, items in parts.items():
-            n = sum(int(e["samples"]) for _, e, _ in items)
-            dead = sum(len(s) for _, _, s in items)
-            total, skipped = total + n, skipped + dead
-            if n == dead:  # no empty part: its shard-less index would only add noise
-                continue
-            raw = [int(e["raw_data"]["bytes"]) for _, e, _ in items]
-            first = items[0][1]
-            zipped = bool(first.get("zip_data"))
-            stage = max(raw) if verify and (remote_in or zipped) else 0
-            one = min(sum(raw), int(first.get("size_limit") or sum(raw)))
-            if remote_out:
-                meta = _META_BYTES[0] + _META_BYTES[1] * len(items) + _META_BYTES[2] * n
-                stage += (2 if zipped else 1) * one + meta
-            elif zipped and verify:
-                stage += one
-            nbytes += sum(raw)
-            packs.append(
-                RewritePack(
-                    bucket,
-                    part,
-                    tuple((base, int(e["samples"])) for base, e, _ in items),
-                    tuple(tuple(int(i) for i in s) for _, _, s in items),
-                    n - dead,
-                    stage,
-                )
-            )
-    return packs, total, skipped, nbytes
-
-
-def check_room(root: str, packs: list[RewritePack], limit: int) -> None:
-    """Refuse, before anything is written, a bound that one pack's staging does not fit in."""
-    for p in packs:
-        if p.stage > limit:
-            raise RewriteDiskError(
-                f"{root}/{p.bucket}/{p.part}: one shard needs {p.stage:,} bytes of local disk (a "
-                f"source shard and its output) but the rewrite may stage {limit:,}; raise "
-                f"--max-local-bytes (or {DISK_ENV})"
-            )
-
-
-def record_plan(root: str, out: str, packs: list[RewritePack], resume: bool) -> None:
-    """Record the plan in ``out`` before the first pack; a resume continues only that plan."""
-    path = storage.join(out, *PLAN_NAME.split("/"))
-    digest = hashlib.sha256("".join(p.digest for p in packs).encode()).hexdigest()
-    record = json.dumps({"source": root, "plan": digest}, sort_keys=True).encode()
-    if resume:
-        if layout.is_complete(out):
-            raise AlreadyExists(f"{out} is a finished rewrite; there is nothing to resume")
-        try:
-            have = storage.read_bytes(path)
-        except FileNotFoundError:
-            raise UsageError(
-                f"{out} holds no unfinished rewrite to resume; rewrite into an empty destination"
-            ) from None
-        if have != record:
-            raise UsageError(
-                f"{out} is an unfinished rewrite of another plan (the source, its lists or the "
-                "options changed since); rewrite into an empty destination instead"
-            )
-        return
-    storage.write_bytes_atomic(path, record)
 
 
 def marker_path(out: str, pack: RewritePack) -> str:
