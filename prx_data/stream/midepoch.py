@@ -107,10 +107,11 @@ def list_at(
     from prx_data.skips import export_state as es
     from prx_data.skips.bind import bind
     from prx_data.skips.log import REGISTRY, state
+    from prx_data.skips.which import resolve
     from prx_data.stream.resume import per_bucket_digest
     from prx_data.stream.spec import shard_digest
 
-    reg = es.resolve(root, strict=False)  # whatever log it is, the digest decides
+    reg = resolve(root, strict=False)  # whatever log it is, the digest decides
     entries, _ = es.export_entries(root, reg, [name], upto=at["position"] if reg else None)
     if len(entries):
         keep = np.asarray(entries["kind"].to_numpy(zero_copy_only=False)) == REGISTRY
