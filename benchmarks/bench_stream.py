@@ -127,17 +127,17 @@ def big_export(work: str, shards: int, per_shard: int) -> str:
     """One real shard hard-linked ``shards`` times under one merged index."""
     seed_root = os.path.join(work, "seed")
     make_export(seed_root, {BUCKET: per_shard}, samples_per_part=per_shard, hashes=())
-    src_dir = os.path.join(seed_root, BUCKET, "f0-0")
-    entry = json.load(open(os.path.join(src_dir, "index.json")))["shards"][0]
+    # The seed's one part, whatever the export named it (parts are named by content).
+    seed_index = json.load(open(os.path.join(seed_root, BUCKET, "index.json")))
+    entry = seed_index["shards"][0]
+    seed_shard = os.path.join(seed_root, BUCKET, entry["raw_data"]["basename"])
     root = os.path.join(work, "big")
     bdir = os.path.join(root, BUCKET)
     entries = []
     for i in range(shards):
         part = f"f0-{i * per_shard}"
         os.makedirs(os.path.join(bdir, part))
-        os.link(
-            os.path.join(src_dir, "shard.00000.mds"), os.path.join(bdir, part, "shard.00000.mds")
-        )
+        os.link(seed_shard, os.path.join(bdir, part, "shard.00000.mds"))
         e = json.loads(json.dumps(entry))
         e["raw_data"]["basename"] = f"{part}/shard.00000.mds"
         entries.append(e)
