@@ -338,3 +338,34 @@ def test_an_export_bound_to_a_ledger_that_held_nothing_yet_keeps_following_it(co
     assert SC.main(["sync", moved_out]) == 0
     # It follows the ledger it was exported with, not a new one beside the moved table.
     assert streamed_ids(moved_out) == set(IMAGES) - {"test/img1"}
+
+
+def test_a_table_from_before_sha256_is_backfilled_and_its_copies_leave(tmp_path, capsys):
+    """A table ingested before ``sha256`` was recorded: ``optout`` says its byte-identical
+    copies were not looked for, and finds them once ``python -m prx_data.table sha256``
+    has filled the column (only the new column is written; no image is rewritten)."""
+    from prx_data.cli import table as TC
+
+    data = tmp_path / "data"
+    data.mkdir()
+    table = _table(data / "old.lance", extra={"other/copy-of-2": IMAGES["test/img2"]})
+    lance.dataset(table).drop_columns(["sha256"])
+    out = str(tmp_path / "exp")
+    _export(table, out)
+    assert _optout(out, ["test/img2"], tmp_path) == 0
+    assert f"{table} has no sha256 column" in capsys.readouterr().out
+    assert "other/copy-of-2" in streamed_ids(out)
+    image_files = {f.path for f in lance.dataset(table).get_fragments()[0].data_files()}
+    assert TC.main(["sha256", table]) == 0
+    assert "7 of 7 pending rows hashed" in capsys.readouterr().out
+    ds = lance.dataset(table)
+    got = dict(zip(*ds.to_table(columns=["id", "sha256"]).to_pydict().values(), strict=True))
+    assert got["other/copy-of-2"] == got["test/img2"] is not None
+    assert image_files <= {f.path for f in ds.get_fragments()[0].data_files()}  # images kept
+    f = tmp_path / "again.txt"
+    f.write_text("test/img2\n")
+    assert OC.main(["--export", out, "--name", "optout-2", "--ids", str(f)]) == 0
+    assert "has no sha256 column" not in capsys.readouterr().out
+    assert streamed_ids(out) == set(IMAGES) - {"test/img2"}
+    assert TC.main(["sha256", table]) == 0  # a second run has nothing to do
+    assert "nothing to do" in capsys.readouterr().out

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pu.add_argument("uri", help="Lance table URI (local path or s3://...)")
     pu.add_argument("names", nargs="+", metavar="NAME", help="tag names, as `tags` lists them")
+    ph = sub.add_parser(
+        "sha256",
+        help="fill the sha256 column of rows ingested before it was recorded, so opt-outs find "
+        "byte-identical copies in this table (resumable; only the new column is written)",
+    )
+    ph.add_argument("uri", help="Lance table URI (local path or s3://...)")
     return p
 
 
@@ -75,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             result = compact(args.uri, args.target_rows, cleanup=args.cleanup, storage_options=opts)
             print(json.dumps(result, indent=2))
             _note_kept(args.uri, result.get("kept_tags") or {}, opts)
+        elif args.cmd == "sha256":
+            from prx_data.pipelines.content_keys import Sha256Config, run_sha256
+
+            rep = run_sha256(Sha256Config(args.uri, storage_options=opts))
+            print(
+                f"sha256: {rep.rows:,} of {rep.pending:,} pending rows hashed "
+                f"(table version {rep.table_version} -> {rep.final_version})"
+                if rep.pending
+                else f"sha256: every stored image of {args.uri} already has one; nothing to do"
+            )
         elif args.cmd == "tags":
             tags = list_tags(open_table(args.uri, opts))
             if args.json:

@@ -48,6 +48,9 @@ class Expansion:
     keys: pa.Table
     #: {rule: ids it added beyond the requested ones}.
     added: dict[str, list[str]] = field(default_factory=dict)
+    #: Tables of the corpus with no ``sha256`` column: their byte-identical copies were not
+    #: looked for (``python -m prx_data.table sha256 T`` fills it).
+    unhashed: list[str] = field(default_factory=list)
 
     def ids(self) -> list[str]:
         return sorted({i for v in self.added.values() for i in v})
@@ -148,6 +151,7 @@ def expand(tables: Sequence[str], ids: Sequence[str]) -> Expansion:
     )
     added: dict[str, set[str]] = {r: set() for r in RULES[1:]}
     seen = set(requested)
+    unhashed = []
     for table in tables:
         ds = _open(table)
         if ds is None:
@@ -155,6 +159,8 @@ def expand(tables: Sequence[str], ids: Sequence[str]) -> Expansion:
         names = ds.schema.names
         if digests and S.SHA256 in names:
             added["sha256"] |= set(_scan(ds, [S.ID], S.SHA256, digests)[S.ID].to_pylist())
+        elif digests:
+            unhashed.append(table)
         if phashes and S.PHASH in names:
             added["phash"] |= set(_scan(ds, [S.ID], S.PHASH, phashes)[S.ID].to_pylist())
         if DUP_OF in names:
@@ -168,7 +174,7 @@ def expand(tables: Sequence[str], ids: Sequence[str]) -> Expansion:
         new = sorted(added[rule] - seen)
         seen |= set(new)
         out[rule] = new
-    return Expansion(keys=keys, added=out)
+    return Expansion(keys=keys, added=out, unhashed=unhashed)
 
 
 __all__ = [

@@ -134,6 +134,9 @@ class OptOutReport:
     #: content keys (byte-identical copies, equal pHash) and dedup groups in every table
     #: of the corpus (:mod:`prx_data.skips.content`).
     by_rule: dict[str, int] = field(default_factory=dict)
+    #: Tables of the corpus with no ``sha256`` column (ingested before it was recorded):
+    #: byte-identical copies there were not looked for.
+    tables_without_sha256: list[str] = field(default_factory=list)
     #: Ids the list holds, in this export and not (later exports of the table skip them all).
     ids_in_list: int = 0
     #: Share of the export this list leaves out, and the warning when it is above 10 %.
@@ -163,6 +166,11 @@ class OptOutReport:
             lines.append(
                 "the same images under other ids, also left out: "
                 + ", ".join(f"{n:,} by {r}" for r, n in extended.items())
+            )
+        for t in self.tables_without_sha256:
+            lines.append(
+                f"note: {t} has no sha256 column, so byte-identical copies there were not looked "
+                f"for; fill it with `python -m prx_data.table sha256 {t}`, then opt out again"
             )
         if self.registry:
             lines.append(
@@ -274,6 +282,7 @@ def add_optout(
         share=res.share,
         warning=res.warning,
         by_rule={"id": len(wanted), **found.counts()},
+        tables_without_sha256=found.unhashed,
     )
 
 
