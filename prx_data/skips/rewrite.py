@@ -5,7 +5,8 @@ skipped, shards carry dead bytes, and ``python -m prx_data.skips rewrite out/
 out-clean/`` writes only the kept samples, checked sample by sample. This
 module plans and reports; the copying is the re-shard stage of
 :mod:`prx_data.skips.repack` (one pack per source part, encoded samples copied
-by the export's pack code, on driver threads or Ray like the export).
+by the export's pack code, on driver threads or Ray like the export); which
+samples leave and how the other lists follow is :mod:`prx_data.skips.applied`.
 
 A rewrite carries every list it does not apply to the new export, bound by
 row id to the new shards (:mod:`prx_data.skips.ops`), together with every
@@ -15,43 +16,33 @@ one of their ids (also ids the registry holds and the sidecars do not yet).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 from prx_data.core import storage
 from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
-from prx_data.core.runtime import Placement, Resources, UnitError, map_units, place
+from prx_data.core.runtime import place
 from prx_data.core.schema import REPORT_NAME
-from prx_data.export import idindex, layout, merge
+from prx_data.export import layout
 from prx_data.export.naming import PROGRESS_DIR
 from prx_data.skips import repack
-from prx_data.skips import sidecar as skiplist
-from prx_data.skips.bind import bind
-from prx_data.skips.errors import ListError
-from prx_data.skips.export_state import export_lease
-from prx_data.skips.materialise import materialise
-from prx_data.skips.ops import carry, lists_of, lists_text, snapshot_local
-from prx_data.skips.repack import (  # noqa: F401 (the CLI's and tests' names)
+from prx_data.skips.applied import carry_lists, resolve_applied
+from prx_data.skips.ops import lists_text
+from prx_data.skips.repack import RewritePack, RewriteVerifyError  # noqa: F401 (re-exported)
+from prx_data.skips.sidecar import read_ids_file, read_indices_file  # noqa: F401 (re-exported)
+from prx_data.skips.staging import (  # noqa: F401 (the CLI's and tests' names)
     DEFAULT_MAX_LOCAL_BYTES,
     DISK_ENV,
     META_BYTES,
-    PLAN_NAME,
     RewriteDiskError,
-    RewritePack,
-    RewriteVerifyError,
     Staging,
+    check_room,
     max_local_bytes,
 )
-from prx_data.skips.sidecar import read_ids_file, read_indices_file  # noqa: F401 (re-exported)
-from prx_data.skips.which import resolve, table_of
+from prx_data.skips.which import table_of
 
 DEFAULT_THRESHOLD = 0.10
 #: Rewrites whose kept shards total at most this many bytes run on driver threads under
@@ -202,40 +193,6 @@ def plan_packs(root: str, out: str, skips_of: dict[str, dict], verify: bool):
     return packs, total, skipped, nbytes
 
 
-def check_room(root: str, packs: list[RewritePack], limit: int) -> None:
-    """Refuse, before anything is written, a bound that one pack's staging does not fit in."""
-    for p in packs:
-        if p.stage > limit:
-            raise RewriteDiskError(
-                f"{root}/{p.bucket}/{p.part}: one shard needs {p.stage:,} bytes of local disk (a "
-                f"source shard and its output) but the rewrite may stage {limit:,}; raise "
-                f"--max-local-bytes (or {DISK_ENV})"
-            )
-
-
-def record_plan(root: str, out: str, packs: list[RewritePack], resume: bool) -> None:
-    """Record the plan in ``out`` before the first pack; a resume continues only that plan."""
-    path = storage.join(out, *PLAN_NAME.split("/"))
-    digest = hashlib.sha256("".join(p.digest for p in packs).encode()).hexdigest()
-    record = json.dumps({"source": root, "plan": digest}, sort_keys=True).encode()
-    if resume:
-        if layout.is_complete(out):
-            raise AlreadyExists(f"{out} is a finished rewrite; there is nothing to resume")
-        try:
-            have = storage.read_bytes(path)
-        except FileNotFoundError:
-            raise UsageError(
-                f"{out} holds no unfinished rewrite to resume; rewrite into an empty destination"
-            ) from None
-        if have != record:
-            raise UsageError(
-                f"{out} is an unfinished rewrite of another plan (the source, its lists or the "
-                "options changed since); rewrite into an empty destination instead"
-            )
-        return
-    storage.write_bytes_atomic(path, record)
-
-
 def rewrite_export(
     root: str,
     out: str,
@@ -276,44 +233,12 @@ def rewrite_export(
         check_destination(out)
     t0 = time.monotonic()
     buckets = layout.list_buckets(root)
-    # Every list as ids, before anything is written: one that cannot be recovered refuses.
     source_table = table_of(root)
-    # Only the user's --table/--ledger lets what a (possibly received) export holds be written
-    # into a ledger; otherwise the ledger is read, and the old export's own entries stay the
-    # new export's own.
-    trusted = bool(table or ledger)
-    try:
-        reg = resolve(root, table, ledger=ledger) if trusted else resolve(root)
-    except ListError:
-        if trusted:
-            raise
-        reg = None  # the ledger is not found from here: the new export's lists are its own
-    # Every list as the log's state, before anything is written: one that cannot be recovered
-    # (a corrupt sidecar of a list the log does not hold) refuses.
-    carried = lists_of(root, reg, drop=drop_lists)
-    known = set(carried)
-    skips_of: dict[str, dict] = {}
-    applied: set[str] = set()
-    for bucket in buckets:
-        shards = layout.read_index(root, bucket, export_columns=True)
-        listing = skiplist.list_sidecars(root, bucket, shards)
-        known |= set(listing)
-        applied |= set(listing) if names is None else set(names) & set(listing)
-        skips_of[bucket] = skiplist.load_skips(root, bucket, shards, names, listing=listing)
-    applied |= known if names is None else set(names) & known
-    # An applied list leaves with all its ids, also those its sidecars do not hold yet.
-    extra = bind(
-        root,
-        {n: carried[n]["id"].combine_chunks() for n in sorted(applied) if n in carried},
-    )
-    for b in extra.values():
-        for (bk, shard), idx in b.positions.items():
-            skips = skips_of.get(bk)
-            if skips is not None:
-                old = skips.get(shard)
-                skips[shard] = idx if old is None else np.union1d(old, idx)
+    # Every list as ids, before anything is written: one that cannot be recovered refuses.
+    applied = resolve_applied(root, buckets, names, table, ledger, drop_lists)
+    reg = applied.reg
     limit = max_local_bytes(max_local)
-    packs, total, skipped, nbytes = plan_packs(root, out, skips_of, verify)
+    packs, total, skipped, nbytes = plan_packs(root, out, applied.skips_of, verify)
     share = skipped / total if total else 0.0
     if share < threshold and not force:
         raise RewriteRefused(
@@ -321,45 +246,15 @@ def rewrite_export(
             "cost nothing at load time. Pass --force to rewrite anyway."
         )
     check_room(root, packs, limit)
-    record_plan(root, out, packs, resume)
+    repack.record_plan(root, out, packs, resume)
     placement = place(
         engine, size=nbytes, small=DRIVER_BYTES, ray_address=ray_address, num_cpus=num_cpus
     )
-    per_bucket: dict[str, dict[str, int]] = {}
-    warnings: dict[str, int] = {}
-    quiet = repack.QuietStreaming()
-    work = None if placement.on_ray else tempfile.mkdtemp(prefix="prx-rewrite-", dir=work_dir)
-    try:
-        task = repack.RewriteTask(
-            repack.RewriteJob(root, out, verify, limit, work_dir),
-            None if work is None else Staging(work, limit),
-        )
-        for r in _run(task, packs, placement, progress):
-            per_bucket.setdefault(r["bucket"], {})[r["part"]] = r["samples"]
-            for m, n in r.get("warnings", {}).items():
-                warnings[m] = warnings.get(m, 0) + n
-        dropped = [b for b in buckets if b not in per_bucket]  # every sample skipped
-        for bucket in buckets:
-            if bucket in per_bucket:  # the parts' indexes read back from ``out``: the same bytes
-                merge.merge_bucket(
-                    storage.join(out, *bucket.split("/")), sorted(per_bucket[bucket])
-                )
-        idindex.write_id_index(out)  # before the lists, which bind their ids through it
-        # The lists, re-bound by row id to the new shards (after every bucket): the source's
-        # export-only entries go to the registry where newer, then the log is materialised.
-        with export_lease(out) as lease:
-            if reg is not None and trusted:
-                carry(root, reg, drop=drop_lists)
-            else:
-                snapshot_local(root, out, lease, drop=drop_lists)
-            done = materialise(out, reg, lease, full=True)
-        lists_carried = {n: v for n, v in done.items() if n not in applied}
-    finally:
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
-        quiet.close()
-    for m, n in quiet.seen.items():
-        warnings[m] = warnings.get(m, 0) + n
+    job = repack.RewriteJob(root, out, verify, limit, work_dir)
+    per_bucket, warnings = repack.write_packs(job, packs, placement, progress)
+    dropped = [b for b in buckets if b not in per_bucket]  # every sample skipped
+    # The lists, re-bound by row id to the new shards (after every bucket).
+    lists_carried = carry_lists(root, out, applied, drop_lists)
     counts = {b: sum(v.values()) for b, v in sorted(per_bucket.items())}
     result = RewriteResult(
         out,
@@ -369,7 +264,7 @@ def rewrite_export(
         len(counts),
         verify,
         source=root,
-        lists=sorted(applied),
+        lists=sorted(applied.names),
         bucket_samples=counts,
         buckets_dropped=dropped,
         warnings=dict(sorted(warnings.items(), key=lambda kv: -kv[1])),
@@ -385,23 +280,3 @@ def rewrite_export(
     )
     storage.delete(storage.join(out, PROGRESS_DIR))  # the plan and pack markers: done with
     return result
-
-
-def _run(task: repack.RewriteTask, packs: list, placement: Placement, progress: bool):
-    """The packs' results as they finish; a pack's own error comes back as itself on threads."""
-    try:
-        yield from map_units(
-            task,
-            [p.to_dict() for p in packs],
-            placement,
-            Resources(num_cpus=1, env=storage.storage_env() or None),
-            desc="rewrite",
-            progress=progress,
-            total=sum(p.samples for p in packs),
-            weight=lambda r: r["samples"],
-            unit_name="sample",
-        )
-    except UnitError as e:
-        if isinstance(e.__cause__, PrxDataError):
-            raise e.__cause__ from None
-        raise
