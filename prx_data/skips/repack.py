@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import os
+import posixpath
 import shutil
 import tempfile
 import uuid
@@ -38,7 +40,7 @@ from dataclasses import asdict, dataclass
 from prx_data.core import confined, storage
 from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
 from prx_data.core.runtime import Placement, Resources, UnitError, map_units
-from prx_data.core.schema import MANIFEST_NAME
+from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
 from prx_data.export import durable, idindex, layout, merge, naming
 from prx_data.export.naming import PROGRESS_DIR
@@ -61,12 +63,13 @@ class RewritePlanError(PrxDataError, RuntimeError):
 
 @dataclass(frozen=True)
 class RewritePack:
-    """One source part of ``bucket``, written to ``out`` as the part of the same name without
-    the ``skips`` (per shard entry, sorted indices); ``stage``: local bytes it may stage."""
+    """Consecutive source parts of ``bucket`` (one, unless the rewrite compacts), written to
+    ``out`` as the part ``part`` without the ``skips`` (per shard entry, sorted indices);
+    ``stage``: local bytes it may stage."""
 
     bucket: str
     part: str
-    #: (basename in the part, samples) of each shard, as the bucket's merged index says.
+    #: (source part, basename in it, samples) of each shard, as the bucket's merged index says.
     shards: tuple
     skips: tuple
     samples: int
@@ -92,6 +95,24 @@ class RewritePack:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+def shard_format(entry: dict) -> tuple:
+    """What one writer must share with every shard it copies: columns, compression, hashes, limit."""
+    hashes = sorted((entry["raw_data"].get("hashes") or {}).keys())
+    names, encodings = entry["column_names"], entry["column_encodings"]
+    return (tuple(names), tuple(encodings), entry.get("compression"), tuple(hashes)) + (
+        entry.get("size_limit"),
+    )
+
+
+def pack_part(parts: list[str]) -> str:
+    """The part a pack writes: its one source part's name; for several, the content name of
+    their union as the export's pack stage names it (else the first part's name)."""
+    digests = [naming.name_digest(p) for p in parts]
+    if len(parts) == 1 or None in digests:
+        return parts[0]
+    return naming.content_pack_name(naming.combine_digests(digests))
+
+
 @dataclass(frozen=True)
 class RewriteJob:
     """What every pack of one rewrite shares (travels to Ray workers with the task)."""
@@ -105,6 +126,24 @@ class RewriteJob:
 
 def marker_path(out: str, pack: RewritePack) -> str:
     return storage.join(out, *PACKED_DIR.split("/"), *pack.bucket.split("/"), pack.part)
+
+
+def check_destination(out: str) -> None:
+    """Refuse any ``out`` with something in it: a rewrite never deletes, and a report or
+    index left there would make a rewrite killed part-way look like a complete export."""
+    import pyarrow.fs as pafs
+
+    fs, p = storage.filesystem(out)
+    kind = fs.get_file_info(p).type
+    if kind == pafs.FileType.NotFound:
+        return
+    if kind != pafs.FileType.Directory:
+        raise AlreadyExists(f"{out} is a file; choose an empty destination directory")
+    found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
+    if found:
+        names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
+        what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
+        raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
 
 
 def record_plan(root: str, out: str, packs: list[RewritePack], resume: bool) -> None:
@@ -251,40 +290,35 @@ def _write(job: RewriteJob, pack: RewritePack, staging: Staging) -> None:
         stage = durable.stage_dir(job.out, f"{tier}-{ar}-{pack.part}")
     local_bucket = os.path.join(stage, tier, ar)
     pdir = os.path.join(local_bucket, pack.part)
-    src = storage.join(job.root, tier, ar, pack.part)
+    sources = _sources(job, pack)
 
     def read(path: str, max_bytes: int) -> bytes:
         return confined.read(job.root, path, max_bytes)
 
-    # The part's own index, checked (the exporter's columns only) and held to the merged index
-    # the skips were bound through.
-    index = storage.join(src, naming.INDEX_NAME)
-    entries = load_index(index, in_part=True, export_columns=True, root=job.root)
-    if tuple((e["raw_data"]["basename"], int(e["samples"])) for e in entries) != pack.shards:
-        raise RewritePlanError(
-            f"{index}: the part's shards differ from the bucket's merged index; the source "
-            "changed while it was read, or is not an export written by prx_data.write_mds"
-        )
     check = _ShardCheck(job, pack, pdir, staging, remote_out)
-    writer = open_writer(pdir, entries[0], on_shard=check)
+    writer = open_writer(pdir, sources[0][2][0], on_shard=check)
     try:
         with writer:
-            for entry, skip in zip(entries, pack.skips, strict=True):
-                raw = shard_raw(src, entry, read)
-                if job.verify:
-                    check.expect(src, entry, skip, raw)
-                for sample in split_samples(raw, skip):
-                    writer.write(sample)
-                del raw
-        dead = {
-            (name, i) for (name, _), skip in zip(pack.shards, pack.skips, strict=True) for i in skip
-        }
-        keys = ((name, i) for name, n in pack.shards for i in range(n))
-        ids = [
-            i
-            for i, key in zip(part_ids(src, pack.part, entries, read), keys, strict=True)
-            if key not in dead
-        ]
+            for _, src, entries, skips in sources:
+                for entry, skip in zip(entries, skips, strict=True):
+                    raw = shard_raw(src, entry, read)
+                    if job.verify:
+                        check.expect(src, entry, skip, raw)
+                    for sample in split_samples(raw, skip):
+                        writer.write(sample)
+                    del raw
+        ids = []
+        for part, src, entries, skips in sources:
+            dead = {
+                (e["raw_data"]["basename"], i)
+                for e, skip in zip(entries, skips, strict=True)
+                for i in skip
+            }
+            keys = (
+                (e["raw_data"]["basename"], i) for e in entries for i in range(int(e["samples"]))
+            )
+            got = part_ids(src, part, entries, read)
+            ids += [i for i, key in zip(got, keys, strict=True) if key not in dead]
         check.done(ids)
         durable.write_manifest(local_bucket, pack.part, ids)
         if remote_out:
@@ -302,6 +336,34 @@ def _write(job: RewriteJob, pack: RewritePack, staging: Staging) -> None:
             shutil.rmtree(stage, ignore_errors=True)
         else:
             remove_tree(stage)
+
+
+def _sources(job: RewriteJob, pack: RewritePack) -> list[tuple[str, str, list, list]]:
+    """(part, its directory, its index entries, their skips) of each source part of ``pack``.
+
+    Each part's own index is checked (the exporter's columns only), held to the
+    merged index the skips were bound through, and to the first part's format.
+    """
+    tier, ar = pack.bucket.split("/")
+    out, fmt = [], None
+    for part, group in itertools.groupby(
+        zip(pack.shards, pack.skips, strict=True), key=lambda x: x[0][0]
+    ):
+        group = list(group)
+        src = storage.join(job.root, tier, ar, part)
+        index = storage.join(src, naming.INDEX_NAME)
+        entries = load_index(index, in_part=True, export_columns=True, root=job.root)
+        want = [(base, n) for (_, base, n), _ in group]
+        fmt = fmt or shard_format(entries[0])
+        if [(e["raw_data"]["basename"], int(e["samples"])) for e in entries] != want or any(
+            shard_format(e) != fmt for e in entries
+        ):
+            raise RewritePlanError(
+                f"{index}: the part's shards differ from the bucket's merged index; the source "
+                "changed while it was read, or is not an export written by prx_data.write_mds"
+            )
+        out.append((part, src, entries, [skip for _, skip in group]))
+    return out
 
 
 class _ShardCheck:

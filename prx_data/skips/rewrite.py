@@ -17,13 +17,12 @@ one of their ids (also ids the registry holds and the sidecars do not yet).
 from __future__ import annotations
 
 import json
-import posixpath
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from prx_data.core import storage
-from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
+from prx_data.core.errors import PrxDataError, UsageError
 from prx_data.core.runtime import place
 from prx_data.core.schema import REPORT_NAME
 from prx_data.export import layout
@@ -41,6 +40,7 @@ from prx_data.skips.staging import (  # noqa: F401 (the CLI's and tests' names)
     Staging,
     check_room,
     max_local_bytes,
+    parse_bytes,
 )
 from prx_data.skips.which import table_of
 
@@ -82,6 +82,8 @@ class RewriteResult:
     #: The table the source was exported from, and its list registry (None: none found).
     table: str | None = None
     registry: str | None = None
+    #: [source parts that keep a sample, parts written]: fewer with ``compact``.
+    parts: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         # ``buckets`` and ``samples_written`` are what the loader checks an export against
@@ -98,9 +100,10 @@ class RewriteResult:
             f"samples in       {self.samples_in:>10,}",
             f"samples written  {self.samples_out:>10,}",
             f"skipped          {self.skipped:>10,}  (lists: {', '.join(self.lists) or 'none'})",
-            "",
-            f"{'bucket':<14}{'samples':>10}",
         ]
+        if self.parts and self.parts[0] != self.parts[1]:
+            lines.append(f"parts packed     {self.parts[0]:>10,} -> {self.parts[1]:,}")
+        lines += ["", f"{'bucket':<14}{'samples':>10}"]
         lines += [f"{b:<14}{n:>10,}" for b, n in self.bucket_samples.items()]
         for b in self.buckets_dropped:
             lines.append(f"{b:<14}{'dropped':>10}  (every sample was skipped)")
@@ -123,35 +126,45 @@ class RewriteResult:
         return "\n".join(lines) + "\n"
 
 
-def check_destination(out: str) -> None:
-    """Refuse any ``out`` with something in it: a rewrite never deletes, and a report or
-    index left there would make a rewrite killed part-way look like a complete export."""
-    import pyarrow.fs as pafs
+def plan_packs(
+    root: str, out: str, skips_of: dict[str, dict], verify: bool, shard_size: int | None = None
+):
+    """The :class:`RewritePack` s of the kept samples, in bucket and part order.
 
-    fs, p = storage.filesystem(out)
-    kind = fs.get_file_info(p).type
-    if kind == pafs.FileType.NotFound:
-        return
-    if kind != pafs.FileType.Directory:
-        raise AlreadyExists(f"{out} is a file; choose an empty destination directory")
-    found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
-    if found:
-        names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
-        what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
-        raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
-
-
-def plan_packs(root: str, out: str, skips_of: dict[str, dict], verify: bool):
-    """One :class:`RewritePack` per source part that keeps a sample, in bucket and part order.
-
+    One per source part that keeps a sample; with ``shard_size`` (``--compact``),
+    a bucket's consecutive parts of one format are packed up to that many kept
+    bytes (small appended parts become shards of the recommended size).
     Returns (packs, samples in, samples skipped, shard bytes of the packs). A
-    pack's ``stage`` is the local disk it holds: a source shard to check when the
-    source is remote or compressed, and for a remote ``out`` one output shard
-    (never larger than its source part nor than the size limit; twice when it
-    is compressed, as it is checked decompressed) plus the part's index and manifest.
+    pack's ``stage`` is the local disk it holds: a source shard to check when
+    the source is remote or compressed, and for a remote ``out`` one output
+    shard (at most its sources and the size limit; twice when compressed, as it
+    is checked decompressed) plus its index and manifest.
     """
     remote_in, remote_out = storage.is_remote(root), storage.is_remote(out)
     packs, total, skipped, nbytes = [], 0, 0, 0
+
+    def pack(bucket: str, group: list) -> RewritePack:
+        items = [(part, *item) for part, its in group for item in its]
+        raw = [int(e["raw_data"]["bytes"]) for _, _, e, _ in items]
+        first, n = items[0][2], sum(int(e["samples"]) for _, _, e, _ in items)
+        zipped = bool(first.get("zip_data"))
+        stage = max(raw) if verify and (remote_in or zipped) else 0
+        one = min(sum(raw), int(first.get("size_limit") or sum(raw)))
+        if remote_out:
+            stage += (2 if zipped else 1) * one
+            stage += META_BYTES[0] + META_BYTES[1] * len(items) + META_BYTES[2] * n
+        elif zipped and verify:
+            stage += one
+        skips = tuple(tuple(int(i) for i in s) for *_, s in items)
+        return RewritePack(
+            bucket,
+            repack.pack_part([part for part, _ in group]),
+            tuple((part, base, int(e["samples"])) for part, base, e, _ in items),
+            skips,
+            n - sum(len(s) for s in skips),
+            stage,
+        )
+
     for bucket, skips in skips_of.items():
         parts: dict[str, list] = {}
         for e in layout.read_index_entries(root, bucket, export_columns=True):
@@ -163,33 +176,31 @@ def plan_packs(root: str, out: str, skips_of: dict[str, dict], verify: bool):
                 )
             skip = skips.get(e["raw_data"]["basename"])
             parts.setdefault(part, []).append((base, e, () if skip is None else skip.tolist()))
+        group: list = []
+        size = 0
         for part, items in parts.items():
             n = sum(int(e["samples"]) for _, e, _ in items)
             dead = sum(len(s) for _, _, s in items)
             total, skipped = total + n, skipped + dead
             if n == dead:  # no empty part: its shard-less index would only add noise
                 continue
-            raw = [int(e["raw_data"]["bytes"]) for _, e, _ in items]
-            first = items[0][1]
-            zipped = bool(first.get("zip_data"))
-            stage = max(raw) if verify and (remote_in or zipped) else 0
-            one = min(sum(raw), int(first.get("size_limit") or sum(raw)))
-            if remote_out:
-                meta = META_BYTES[0] + META_BYTES[1] * len(items) + META_BYTES[2] * n
-                stage += (2 if zipped else 1) * one + meta
-            elif zipped and verify:
-                stage += one
-            nbytes += sum(raw)
-            packs.append(
-                RewritePack(
-                    bucket,
-                    part,
-                    tuple((base, int(e["samples"])) for base, e, _ in items),
-                    tuple(tuple(int(i) for i in s) for _, _, s in items),
-                    n - dead,
-                    stage,
-                )
-            )
+            part_bytes = sum(int(e["raw_data"]["bytes"]) for _, e, _ in items)
+            nbytes += part_bytes
+            kept = part_bytes * (n - dead) // n
+            fmt = repack.shard_format(items[0][1])
+            if (
+                group
+                and shard_size
+                and size + kept <= shard_size
+                and fmt == repack.shard_format(group[0][1][0][1])
+            ):
+                group.append((part, items))
+                size += kept
+                continue
+            packs += [pack(bucket, group)] if group else []
+            group, size = [(part, items)], kept
+        if group:
+            packs.append(pack(bucket, group))
     return packs, total, skipped, nbytes
 
 
@@ -211,6 +222,7 @@ def rewrite_export(
     ray_address: str | None = None,
     num_cpus: int | None = None,
     progress: bool = True,
+    compact: int | str | None = None,
 ) -> RewriteResult:
     """Write ``out``: the export at ``root`` without the samples of the lists it applies.
 
@@ -228,9 +240,13 @@ def rewrite_export(
     (:func:`max_local_bytes`) are staged in ``work_dir`` at once. Anything in
     ``out`` before ``report.json`` (written last) is an unfinished rewrite,
     which ``resume`` finishes (same source, lists and options).
+
+    ``compact`` (bytes, or ``64M``; ``--compact``) packs consecutive parts of a
+    bucket together up to that size (:func:`plan_packs`), whatever is skipped:
+    the threshold does not apply.
     """
     if not resume:
-        check_destination(out)
+        repack.check_destination(out)
     t0 = time.monotonic()
     buckets = layout.list_buckets(root)
     source_table = table_of(root)
@@ -238,9 +254,10 @@ def rewrite_export(
     applied = resolve_applied(root, buckets, names, table, ledger, drop_lists)
     reg = applied.reg
     limit = max_local_bytes(max_local)
-    packs, total, skipped, nbytes = plan_packs(root, out, applied.skips_of, verify)
+    size = None if compact is None else parse_bytes(str(compact), "--compact")
+    packs, total, skipped, nbytes = plan_packs(root, out, applied.skips_of, verify, size)
     share = skipped / total if total else 0.0
-    if share < threshold and not force:
+    if share < threshold and not force and size is None:
         raise RewriteRefused(
             f"only {share:.1%} of {total} samples are skipped (threshold {threshold:.0%}); skip lists "
             "cost nothing at load time. Pass --force to rewrite anyway."
@@ -265,6 +282,7 @@ def rewrite_export(
         verify,
         source=root,
         lists=sorted(applied.names),
+        parts=[len({(p.bucket, s[0]) for p in packs for s in p.shards}), len(packs)],
         bucket_samples=counts,
         buckets_dropped=dropped,
         warnings=dict(sorted(warnings.items(), key=lambda kv: -kv[1])),
