@@ -113,3 +113,50 @@ def test_without_compact_each_part_stays_a_part(small_parts, tmp_path):
     r = R.rewrite_export(small_parts.root, str(tmp_path / "out"), force=True, progress=False)
     assert r.parts == [32, 32] and "parts packed" not in r.text()
     assert len(parts(r.out, B2)) == 12
+
+
+def test_compacting_a_shard_size_0_export_writes_the_export_pack_stages_packs(tmp_path):
+    """The repack of small parts is the export's pack stage, run later: same names, same bytes."""
+    import io
+
+    from PIL import Image
+    from prx_data.pipelines.write_mds import run_export
+
+    from prx_data.core.runtime import RunOptions
+    from prx_data.export.spec import ExportConfig
+    from tests.tablekit import make_table
+
+    def jpeg(i: int) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (600, 600), (20 * i % 255, 200 - 10 * i, 7)).save(buf, "JPEG")
+        return buf.getvalue()
+
+    table = str(tmp_path / "t.lance")
+    make_table(table, [(f"s/{i:02d}", jpeg(i), f"cap {i}") for i in range(12)], 7)
+
+    def export(out: str, shard_size: int) -> str:
+        cfg = ExportConfig(
+            table=table, out=out, tiers=(512,), rows_per_task=2, min_units=1, shard_size=shard_size
+        )
+        run_export(cfg, RunOptions(progress=False, num_cpus=1, engine="local"))
+        return out
+
+    plain = export(str(tmp_path / "plain"), 0)
+    part_bytes = [
+        sum(
+            e["raw_data"]["bytes"]
+            for e in layout.read_index_entries(plain, B1)
+            if p in e["raw_data"]["basename"]
+        )
+        for p in parts(plain, B1)
+    ]
+    target = 3 * max(part_bytes)  # a few packs of about three unit parts
+    packed = export(str(tmp_path / "packed"), target)
+    n_units = len(parts(plain, B1))  # 7: two fragments of 7 and 5 rows, 2 rows a unit
+    assert n_units == 7 and 1 < len(parts(packed, B1)) < n_units
+    out = str(tmp_path / "compacted")
+    r = R.rewrite_export(plain, out, compact=target, progress=False)
+    assert r.samples_out == r.samples_in == 12 and r.parts == [n_units, len(parts(packed, B1))]
+    assert parts(out, B1) == parts(packed, B1)  # named by content, as the export names packs
+    assert layout.content_digest(out) == layout.content_digest(packed)
+    assert encoded_samples(out) == encoded_samples(plain)

@@ -104,11 +104,11 @@ def shard_format(entry: dict) -> tuple:
     )
 
 
-def pack_part(parts: list[str]) -> str:
-    """The part a pack writes: its one source part's name; for several, the content name of
-    their union as the export's pack stage names it (else the first part's name)."""
+def pack_part(parts: list[str], compact: bool = False) -> str:
+    """The part a pack writes: its source part's name; compacting, the content name of the
+    parts' union as the export's pack stage names a pack (else the first part's name)."""
     digests = [naming.name_digest(p) for p in parts]
-    if len(parts) == 1 or None in digests:
+    if not compact or None in digests:
         return parts[0]
     return naming.content_pack_name(naming.combine_digests(digests))
 

@@ -158,7 +158,7 @@ def plan_packs(
         skips = tuple(tuple(int(i) for i in s) for *_, s in items)
         return RewritePack(
             bucket,
-            repack.pack_part([part for part, _ in group]),
+            repack.pack_part([part for part, _ in group], bool(shard_size)),
             tuple((part, base, int(e["samples"])) for part, base, e, _ in items),
             skips,
             n - sum(len(s) for s in skips),
