@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tier), so skip lists, opt-outs and verify work on it. Shards and index.json files "
         "are not touched; everything goes to ROOT/_prx/.",
     )
-    p.add_argument("root", help="the tree's root (local or s3://)")
+    p.add_argument("root", help="the tree's root (local, s3:// or gs://)")
     p.add_argument(
         "--tier",
         type=int,

@@ -148,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rw.add_argument("--no-verify", action="store_true", help="skip the sample-by-sample comparison")
     rw.add_argument(
+        "--compact",
+        metavar="SIZE",
+        nargs="?",
+        const="64M",
+        help="also pack each bucket's consecutive small parts (e.g. of appends) into parts of "
+        "about SIZE (default 64M, Mosaic's recommended shard size), copying encoded samples; "
+        "no threshold applies",
+    )
+    rw.add_argument(
         "--max-local-bytes",
         metavar="SIZE",
         help="local disk the rewrite may stage at once, e.g. 8G or 500M (default: "
@@ -414,6 +423,7 @@ def _rewrite(args: argparse.Namespace) -> int | list:
             engine=args.engine,
             ray_address=args.ray_address,
             num_cpus=args.num_cpus,
+            compact=args.compact,
         )
     except RewriteRefused as e:
         print(f"error: {e}", file=sys.stderr)
@@ -424,6 +434,8 @@ def _rewrite(args: argparse.Namespace) -> int | list:
     )
     for line in lists_text(r.lists_carried):
         print(line.replace("  ", "  carried ", 1))
+    if r.parts and r.parts[0] != r.parts[1]:
+        print(f"packed {r.parts[0]} parts into {r.parts[1]}")
     if r.buckets_dropped:
         print(f"left out (every sample skipped): {', '.join(r.buckets_dropped)}")
     if r.warnings:

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from prx_data.export import adopt
 
     try:
+        storage.check_store(args.export)  # before any read names another cause
         if adopt.read_record(args.export) is not None:  # an MDS tree another writer made
             return _verify_adopted(args.export, args.deep)
         if storage.exists(args.export) and adopt.is_plain_tree(args.export):

@@ -13,9 +13,11 @@ Durability is the export's: a local ``out`` gets the pack staged under
 ``_progress/writing`` and renamed in; on object storage each closed shard is
 uploaded and deleted at once (an earlier attempt's objects are cleared first),
 then the index and manifest. The marker ``_progress/packed/<tier>/<ar>/<part>``
-comes last and names the plan it wrote, so ``--resume`` keeps marked packs.
+comes last and names the plan it wrote, so ``--resume`` keeps marked packs
+(:func:`record_plan` keeps a resume to the plan it started). :func:`write_packs`
+runs them and merges each bucket's index and the id index from what they wrote.
 
-Local disk stays under a bound (:class:`Staging`): a pack reserves what it
+Local disk stays under a bound (:class:`~prx_data.skips.staging.Staging`): a pack reserves what it
 stages (a source shard for the check when the source is remote or compressed,
 one output shard and its metadata when ``out`` is remote) before it starts, so
 driver threads wait for room instead of filling the disk; on Ray each task
@@ -26,38 +28,29 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
-import logging
 import os
-import re
+import posixpath
 import shutil
 import tempfile
-import threading
 import uuid
 from dataclasses import asdict, dataclass
 
 from prx_data.core import confined, storage
-from prx_data.core.errors import PrxDataError, UsageError
-from prx_data.core.schema import MANIFEST_NAME
+from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
+from prx_data.core.runtime import Placement, Resources, UnitError, map_units
+from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.core.streaming_compat import decompress, reader_from_json
-from prx_data.export import durable, naming
+from prx_data.export import durable, idindex, layout, merge, naming
 from prx_data.export.naming import PROGRESS_DIR
 from prx_data.export.pack import PACKED_DIR, open_writer, part_ids, shard_raw, split_samples
 from prx_data.export.safety import load_index, remove_tree
 from prx_data.skips.reader import SkipMDSReader
+from prx_data.skips.staging import QuietStreaming, Staging
 
-#: Default bound on the bytes a rewrite stages on local disk (``--max-local-bytes``).
-DEFAULT_MAX_LOCAL_BYTES = 8 << 30
-#: Environment setting for the bound when the flag is not given (``8G``, ``500M``, bytes).
-DISK_ENV = "PRX_REWRITE_DISK"
 #: The plan a rewrite writes before its first pack; ``resume`` continues only the same plan.
 PLAN_NAME = f"{PROGRESS_DIR}/rewrite.json"
-#: Staged bytes reserved per pack for its index and manifest (plus per shard and per id).
-META_BYTES = (8 << 10, 1 << 10, 64)
-
-
-class RewriteDiskError(PrxDataError, ValueError):
-    """One shard needs more local disk than the rewrite may stage."""
 
 
 class RewriteVerifyError(PrxDataError, AssertionError):
@@ -68,92 +61,15 @@ class RewritePlanError(PrxDataError, RuntimeError):
     """A pack's marker names another plan: the source or its lists changed since it was written."""
 
 
-def parse_bytes(text: str, what: str = "size") -> int:
-    """``8G``, ``500M``, ``64k`` (binary units) or a plain byte count; positive."""
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmgt]?)(?:i?b)?", text.strip().lower())
-    value = int(float(m.group(1)) * units[m.group(2)]) if m else 0
-    if value <= 0:
-        raise UsageError(f"{what} {text!r} is not a positive size (e.g. 8G, 500M, 1048576)")
-    return value
-
-
-def max_local_bytes(value: int | str | None = None) -> int:
-    """The staging bound: ``value``, else ``PRX_REWRITE_DISK``, else 8 GiB."""
-    if value is None:
-        raw = os.environ.get(DISK_ENV)
-        return parse_bytes(raw, DISK_ENV) if raw else DEFAULT_MAX_LOCAL_BYTES
-    return value if isinstance(value, int) and value > 0 else parse_bytes(str(value))
-
-
-class Staging:
-    """The local directory a rewrite stages files in, holding at most ``limit`` bytes.
-
-    A pack reserves its room before it starts and releases it at its end, so
-    concurrent packs wait for room instead of filling the disk. Each staged
-    write is reported to :meth:`written` (a test hook: it can measure the disk).
-    """
-
-    def __init__(self, directory: str, limit: int) -> None:
-        self.directory = directory
-        self.limit = limit
-        self.used = 0
-        self._cond = threading.Condition()
-
-    def reserve(self, n: int) -> None:
-        if n > self.limit:  # would wait forever (the plan checks first, with the shard named)
-            raise RewriteDiskError(f"{n:,} bytes do not fit in {self.limit:,} of local disk")
-        with self._cond:
-            while self.used + n > self.limit:
-                self._cond.wait()
-            self.used += n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-    def written(self, path: str) -> None:
-        """Called after each file written under :attr:`directory`."""
-
-
-class QuietStreaming(logging.Handler):
-    """Keeps streaming's log warnings off the terminal for a run and counts them for the report.
-
-    Streaming logs per writer (e.g. about existing directories); a rewrite
-    opens one writer per part, so the lines would bury the output. The driver
-    holds one for the run; a pack on a Ray worker holds its own and reports its counts.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.seen: dict[str, int] = {}
-        self._logger = logging.getLogger("streaming")
-        self._saved = (self._logger.propagate, list(self._logger.handlers))
-        self._logger.propagate = False
-        self._logger.handlers = [self]
-
-    @staticmethod
-    def active() -> bool:
-        return any(isinstance(h, QuietStreaming) for h in logging.getLogger("streaming").handlers)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        self.seen[msg] = self.seen.get(msg, 0) + 1
-
-    def close(self) -> None:
-        self._logger.propagate, self._logger.handlers = self._saved
-        super().close()
-
-
 @dataclass(frozen=True)
 class RewritePack:
-    """One source part of ``bucket``, written to ``out`` as the part of the same name without
-    the ``skips`` (per shard entry, sorted indices); ``stage``: local bytes it may stage."""
+    """Consecutive source parts of ``bucket`` (one, unless the rewrite compacts), written to
+    ``out`` as the part ``part`` without the ``skips`` (per shard entry, sorted indices);
+    ``stage``: local bytes it may stage."""
 
     bucket: str
     part: str
-    #: (basename in the part, samples) of each shard, as the bucket's merged index says.
+    #: (source part, basename in it, samples) of each shard, as the bucket's merged index says.
     shards: tuple
     skips: tuple
     samples: int
@@ -179,6 +95,24 @@ class RewritePack:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+def shard_format(entry: dict) -> tuple:
+    """What one writer must share with every shard it copies: columns, compression, hashes, limit."""
+    hashes = sorted((entry["raw_data"].get("hashes") or {}).keys())
+    names, encodings = entry["column_names"], entry["column_encodings"]
+    return (tuple(names), tuple(encodings), entry.get("compression"), tuple(hashes)) + (
+        entry.get("size_limit"),
+    )
+
+
+def pack_part(parts: list[str], compact: bool = False) -> str:
+    """The part a pack writes: its source part's name; compacting, the content name of the
+    parts' union as the export's pack stage names a pack (else the first part's name)."""
+    digests = [naming.name_digest(p) for p in parts]
+    if not compact or None in digests:
+        return parts[0]
+    return naming.content_pack_name(naming.combine_digests(digests))
+
+
 @dataclass(frozen=True)
 class RewriteJob:
     """What every pack of one rewrite shares (travels to Ray workers with the task)."""
@@ -192,6 +126,100 @@ class RewriteJob:
 
 def marker_path(out: str, pack: RewritePack) -> str:
     return storage.join(out, *PACKED_DIR.split("/"), *pack.bucket.split("/"), pack.part)
+
+
+def check_destination(out: str) -> None:
+    """Refuse any ``out`` with something in it: a rewrite never deletes, and a report or
+    index left there would make a rewrite killed part-way look like a complete export."""
+    import pyarrow.fs as pafs
+
+    fs, p = storage.filesystem(out)
+    kind = fs.get_file_info(p).type
+    if kind == pafs.FileType.NotFound:
+        return
+    if kind != pafs.FileType.Directory:
+        raise AlreadyExists(f"{out} is a file; choose an empty destination directory")
+    found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
+    if found:
+        names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
+        what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
+        raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
+
+
+def record_plan(root: str, out: str, packs: list[RewritePack], resume: bool) -> None:
+    """Record the plan in ``out`` before the first pack; a resume continues only that plan."""
+    path = storage.join(out, *PLAN_NAME.split("/"))
+    digest = hashlib.sha256("".join(p.digest for p in packs).encode()).hexdigest()
+    record = json.dumps({"source": root, "plan": digest}, sort_keys=True).encode()
+    if resume:
+        if layout.is_complete(out):
+            raise AlreadyExists(f"{out} is a finished rewrite; there is nothing to resume")
+        try:
+            have = storage.read_bytes(path)
+        except FileNotFoundError:
+            raise UsageError(
+                f"{out} holds no unfinished rewrite to resume; rewrite into an empty destination"
+            ) from None
+        if have != record:
+            raise UsageError(
+                f"{out} is an unfinished rewrite of another plan (the source, its lists or the "
+                "options changed since); rewrite into an empty destination instead"
+            )
+        return
+    storage.write_bytes_atomic(path, record)
+
+
+def write_packs(
+    job: RewriteJob, packs: list[RewritePack], placement: Placement, progress: bool = True
+) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """Write every pack where ``placement`` says, then each bucket's merged index and the id index.
+
+    Returns ``{bucket: {part: samples}}`` and streaming's warnings ``{message: count}``.
+    Driver threads stage in one temporary directory under the run's bound; a Ray
+    task stages in its own.
+    """
+    per_bucket: dict[str, dict[str, int]] = {}
+    warnings: dict[str, int] = {}
+    quiet = QuietStreaming()
+    work = None if placement.on_ray else tempfile.mkdtemp(prefix="prx-rewrite-", dir=job.work_dir)
+    try:
+        task = RewriteTask(job, None if work is None else Staging(work, job.limit))
+        for r in _run(task, packs, placement, progress):
+            per_bucket.setdefault(r["bucket"], {})[r["part"]] = r["samples"]
+            for m, n in r.get("warnings", {}).items():
+                warnings[m] = warnings.get(m, 0) + n
+        for bucket in sorted(per_bucket):  # the parts' indexes read back from ``out``
+            merge.merge_bucket(
+                storage.join(job.out, *bucket.split("/")), sorted(per_bucket[bucket])
+            )
+        idindex.write_id_index(job.out)  # before the lists, which bind their ids through it
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        quiet.close()
+    for m, n in quiet.seen.items():
+        warnings[m] = warnings.get(m, 0) + n
+    return per_bucket, warnings
+
+
+def _run(task: RewriteTask, packs: list, placement: Placement, progress: bool):
+    """The packs' results as they finish; a pack's own error comes back as itself on threads."""
+    try:
+        yield from map_units(
+            task,
+            [p.to_dict() for p in packs],
+            placement,
+            Resources(num_cpus=1, env=storage.storage_env() or None),
+            desc="rewrite",
+            progress=progress,
+            total=sum(p.samples for p in packs),
+            weight=lambda r: r["samples"],
+            unit_name="sample",
+        )
+    except UnitError as e:
+        if isinstance(e.__cause__, PrxDataError):
+            raise e.__cause__ from None
+        raise
 
 
 class RewriteTask:
@@ -262,40 +290,35 @@ def _write(job: RewriteJob, pack: RewritePack, staging: Staging) -> None:
         stage = durable.stage_dir(job.out, f"{tier}-{ar}-{pack.part}")
     local_bucket = os.path.join(stage, tier, ar)
     pdir = os.path.join(local_bucket, pack.part)
-    src = storage.join(job.root, tier, ar, pack.part)
+    sources = _sources(job, pack)
 
     def read(path: str, max_bytes: int) -> bytes:
         return confined.read(job.root, path, max_bytes)
 
-    # The part's own index, checked (the exporter's columns only) and held to the merged index
-    # the skips were bound through.
-    index = storage.join(src, naming.INDEX_NAME)
-    entries = load_index(index, in_part=True, export_columns=True, root=job.root)
-    if tuple((e["raw_data"]["basename"], int(e["samples"])) for e in entries) != pack.shards:
-        raise RewritePlanError(
-            f"{index}: the part's shards differ from the bucket's merged index; the source "
-            "changed while it was read, or is not an export written by prx_data.write_mds"
-        )
     check = _ShardCheck(job, pack, pdir, staging, remote_out)
-    writer = open_writer(pdir, entries[0], on_shard=check)
+    writer = open_writer(pdir, sources[0][2][0], on_shard=check)
     try:
         with writer:
-            for entry, skip in zip(entries, pack.skips, strict=True):
-                raw = shard_raw(src, entry, read)
-                if job.verify:
-                    check.expect(src, entry, skip, raw)
-                for sample in split_samples(raw, skip):
-                    writer.write(sample)
-                del raw
-        dead = {
-            (name, i) for (name, _), skip in zip(pack.shards, pack.skips, strict=True) for i in skip
-        }
-        keys = ((name, i) for name, n in pack.shards for i in range(n))
-        ids = [
-            i
-            for i, key in zip(part_ids(src, pack.part, entries, read), keys, strict=True)
-            if key not in dead
-        ]
+            for _, src, entries, skips in sources:
+                for entry, skip in zip(entries, skips, strict=True):
+                    raw = shard_raw(src, entry, read)
+                    if job.verify:
+                        check.expect(src, entry, skip, raw)
+                    for sample in split_samples(raw, skip):
+                        writer.write(sample)
+                    del raw
+        ids = []
+        for part, src, entries, skips in sources:
+            dead = {
+                (e["raw_data"]["basename"], i)
+                for e, skip in zip(entries, skips, strict=True)
+                for i in skip
+            }
+            keys = (
+                (e["raw_data"]["basename"], i) for e in entries for i in range(int(e["samples"]))
+            )
+            got = part_ids(src, part, entries, read)
+            ids += [i for i, key in zip(got, keys, strict=True) if key not in dead]
         check.done(ids)
         durable.write_manifest(local_bucket, pack.part, ids)
         if remote_out:
@@ -313,6 +336,34 @@ def _write(job: RewriteJob, pack: RewritePack, staging: Staging) -> None:
             shutil.rmtree(stage, ignore_errors=True)
         else:
             remove_tree(stage)
+
+
+def _sources(job: RewriteJob, pack: RewritePack) -> list[tuple[str, str, list, list]]:
+    """(part, its directory, its index entries, their skips) of each source part of ``pack``.
+
+    Each part's own index is checked (the exporter's columns only), held to the
+    merged index the skips were bound through, and to the first part's format.
+    """
+    tier, ar = pack.bucket.split("/")
+    out, fmt = [], None
+    for part, group in itertools.groupby(
+        zip(pack.shards, pack.skips, strict=True), key=lambda x: x[0][0]
+    ):
+        group = list(group)
+        src = storage.join(job.root, tier, ar, part)
+        index = storage.join(src, naming.INDEX_NAME)
+        entries = load_index(index, in_part=True, export_columns=True, root=job.root)
+        want = [(base, n) for (_, base, n), _ in group]
+        fmt = fmt or shard_format(entries[0])
+        if [(e["raw_data"]["basename"], int(e["samples"])) for e in entries] != want or any(
+            shard_format(e) != fmt for e in entries
+        ):
+            raise RewritePlanError(
+                f"{index}: the part's shards differ from the bucket's merged index; the source "
+                "changed while it was read, or is not an export written by prx_data.write_mds"
+            )
+        out.append((part, src, entries, [skip for _, skip in group]))
+    return out
 
 
 class _ShardCheck:

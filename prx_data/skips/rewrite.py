@@ -5,7 +5,8 @@ skipped, shards carry dead bytes, and ``python -m prx_data.skips rewrite out/
 out-clean/`` writes only the kept samples, checked sample by sample. This
 module plans and reports; the copying is the re-shard stage of
 :mod:`prx_data.skips.repack` (one pack per source part, encoded samples copied
-by the export's pack code, on driver threads or Ray like the export).
+by the export's pack code, on driver threads or Ray like the export); which
+samples leave and how the other lists follow is :mod:`prx_data.skips.applied`.
 
 A rewrite carries every list it does not apply to the new export, bound by
 row id to the new shards (:mod:`prx_data.skips.ops`), together with every
@@ -15,43 +16,33 @@ one of their ids (also ids the registry holds and the sidecars do not yet).
 
 from __future__ import annotations
 
-import hashlib
 import json
-import posixpath
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 from prx_data.core import storage
-from prx_data.core.errors import AlreadyExists, PrxDataError, UsageError
-from prx_data.core.runtime import Placement, Resources, UnitError, map_units, place
+from prx_data.core.errors import PrxDataError, UsageError
+from prx_data.core.runtime import place
 from prx_data.core.schema import REPORT_NAME
-from prx_data.export import idindex, layout, merge
+from prx_data.export import layout
 from prx_data.export.naming import PROGRESS_DIR
 from prx_data.skips import repack
-from prx_data.skips import sidecar as skiplist
-from prx_data.skips.bind import bind
-from prx_data.skips.errors import ListError
-from prx_data.skips.export_state import export_lease
-from prx_data.skips.materialise import materialise
-from prx_data.skips.ops import carry, lists_of, lists_text, snapshot_local
-from prx_data.skips.repack import (  # noqa: F401 (the CLI's and tests' names)
+from prx_data.skips.applied import carry_lists, resolve_applied
+from prx_data.skips.ops import lists_text
+from prx_data.skips.repack import RewritePack, RewriteVerifyError  # noqa: F401 (re-exported)
+from prx_data.skips.sidecar import read_ids_file, read_indices_file  # noqa: F401 (re-exported)
+from prx_data.skips.staging import (  # noqa: F401 (the CLI's and tests' names)
     DEFAULT_MAX_LOCAL_BYTES,
     DISK_ENV,
     META_BYTES,
-    PLAN_NAME,
     RewriteDiskError,
-    RewritePack,
-    RewriteVerifyError,
     Staging,
+    check_room,
     max_local_bytes,
+    parse_bytes,
 )
-from prx_data.skips.sidecar import read_ids_file, read_indices_file  # noqa: F401 (re-exported)
-from prx_data.skips.which import resolve, table_of
+from prx_data.skips.which import table_of
 
 DEFAULT_THRESHOLD = 0.10
 #: Rewrites whose kept shards total at most this many bytes run on driver threads under
@@ -91,6 +82,8 @@ class RewriteResult:
     #: The table the source was exported from, and its list registry (None: none found).
     table: str | None = None
     registry: str | None = None
+    #: [source parts that keep a sample, parts written]: fewer with ``compact``.
+    parts: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         # ``buckets`` and ``samples_written`` are what the loader checks an export against
@@ -107,9 +100,10 @@ class RewriteResult:
             f"samples in       {self.samples_in:>10,}",
             f"samples written  {self.samples_out:>10,}",
             f"skipped          {self.skipped:>10,}  (lists: {', '.join(self.lists) or 'none'})",
-            "",
-            f"{'bucket':<14}{'samples':>10}",
         ]
+        if self.parts and self.parts[0] != self.parts[1]:
+            lines.append(f"parts packed     {self.parts[0]:>10,} -> {self.parts[1]:,}")
+        lines += ["", f"{'bucket':<14}{'samples':>10}"]
         lines += [f"{b:<14}{n:>10,}" for b, n in self.bucket_samples.items()]
         for b in self.buckets_dropped:
             lines.append(f"{b:<14}{'dropped':>10}  (every sample was skipped)")
@@ -132,35 +126,45 @@ class RewriteResult:
         return "\n".join(lines) + "\n"
 
 
-def check_destination(out: str) -> None:
-    """Refuse any ``out`` with something in it: a rewrite never deletes, and a report or
-    index left there would make a rewrite killed part-way look like a complete export."""
-    import pyarrow.fs as pafs
+def plan_packs(
+    root: str, out: str, skips_of: dict[str, dict], verify: bool, shard_size: int | None = None
+):
+    """The :class:`RewritePack` s of the kept samples, in bucket and part order.
 
-    fs, p = storage.filesystem(out)
-    kind = fs.get_file_info(p).type
-    if kind == pafs.FileType.NotFound:
-        return
-    if kind != pafs.FileType.Directory:
-        raise AlreadyExists(f"{out} is a file; choose an empty destination directory")
-    found = fs.get_file_info(pafs.FileSelector(p, recursive=False, allow_not_found=True))
-    if found:
-        names = sorted(posixpath.basename(i.path.rstrip("/")) for i in found)
-        what = "an export" if REPORT_NAME in names else ", ".join(names[:5])
-        raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
-
-
-def plan_packs(root: str, out: str, skips_of: dict[str, dict], verify: bool):
-    """One :class:`RewritePack` per source part that keeps a sample, in bucket and part order.
-
+    One per source part that keeps a sample; with ``shard_size`` (``--compact``),
+    a bucket's consecutive parts of one format are packed up to that many kept
+    bytes (small appended parts become shards of the recommended size).
     Returns (packs, samples in, samples skipped, shard bytes of the packs). A
-    pack's ``stage`` is the local disk it holds: a source shard to check when the
-    source is remote or compressed, and for a remote ``out`` one output shard
-    (never larger than its source part nor than the size limit; twice when it
-    is compressed, as it is checked decompressed) plus the part's index and manifest.
+    pack's ``stage`` is the local disk it holds: a source shard to check when
+    the source is remote or compressed, and for a remote ``out`` one output
+    shard (at most its sources and the size limit; twice when compressed, as it
+    is checked decompressed) plus its index and manifest.
     """
     remote_in, remote_out = storage.is_remote(root), storage.is_remote(out)
     packs, total, skipped, nbytes = [], 0, 0, 0
+
+    def pack(bucket: str, group: list) -> RewritePack:
+        items = [(part, *item) for part, its in group for item in its]
+        raw = [int(e["raw_data"]["bytes"]) for _, _, e, _ in items]
+        first, n = items[0][2], sum(int(e["samples"]) for _, _, e, _ in items)
+        zipped = bool(first.get("zip_data"))
+        stage = max(raw) if verify and (remote_in or zipped) else 0
+        one = min(sum(raw), int(first.get("size_limit") or sum(raw)))
+        if remote_out:
+            stage += (2 if zipped else 1) * one
+            stage += META_BYTES[0] + META_BYTES[1] * len(items) + META_BYTES[2] * n
+        elif zipped and verify:
+            stage += one
+        skips = tuple(tuple(int(i) for i in s) for *_, s in items)
+        return RewritePack(
+            bucket,
+            repack.pack_part([part for part, _ in group], bool(shard_size)),
+            tuple((part, base, int(e["samples"])) for part, base, e, _ in items),
+            skips,
+            n - sum(len(s) for s in skips),
+            stage,
+        )
+
     for bucket, skips in skips_of.items():
         parts: dict[str, list] = {}
         for e in layout.read_index_entries(root, bucket, export_columns=True):
@@ -172,68 +176,32 @@ def plan_packs(root: str, out: str, skips_of: dict[str, dict], verify: bool):
                 )
             skip = skips.get(e["raw_data"]["basename"])
             parts.setdefault(part, []).append((base, e, () if skip is None else skip.tolist()))
+        group: list = []
+        size = 0
         for part, items in parts.items():
             n = sum(int(e["samples"]) for _, e, _ in items)
             dead = sum(len(s) for _, _, s in items)
             total, skipped = total + n, skipped + dead
             if n == dead:  # no empty part: its shard-less index would only add noise
                 continue
-            raw = [int(e["raw_data"]["bytes"]) for _, e, _ in items]
-            first = items[0][1]
-            zipped = bool(first.get("zip_data"))
-            stage = max(raw) if verify and (remote_in or zipped) else 0
-            one = min(sum(raw), int(first.get("size_limit") or sum(raw)))
-            if remote_out:
-                meta = META_BYTES[0] + META_BYTES[1] * len(items) + META_BYTES[2] * n
-                stage += (2 if zipped else 1) * one + meta
-            elif zipped and verify:
-                stage += one
-            nbytes += sum(raw)
-            packs.append(
-                RewritePack(
-                    bucket,
-                    part,
-                    tuple((base, int(e["samples"])) for base, e, _ in items),
-                    tuple(tuple(int(i) for i in s) for _, _, s in items),
-                    n - dead,
-                    stage,
-                )
-            )
+            part_bytes = sum(int(e["raw_data"]["bytes"]) for _, e, _ in items)
+            nbytes += part_bytes
+            kept = part_bytes * (n - dead) // n
+            fmt = repack.shard_format(items[0][1])
+            if (
+                group
+                and shard_size
+                and size + kept <= shard_size
+                and fmt == repack.shard_format(group[0][1][0][1])
+            ):
+                group.append((part, items))
+                size += kept
+                continue
+            packs += [pack(bucket, group)] if group else []
+            group, size = [(part, items)], kept
+        if group:
+            packs.append(pack(bucket, group))
     return packs, total, skipped, nbytes
-
-
-def check_room(root: str, packs: list[RewritePack], limit: int) -> None:
-    """Refuse, before anything is written, a bound that one pack's staging does not fit in."""
-    for p in packs:
-        if p.stage > limit:
-            raise RewriteDiskError(
-                f"{root}/{p.bucket}/{p.part}: one shard needs {p.stage:,} bytes of local disk (a "
-                f"source shard and its output) but the rewrite may stage {limit:,}; raise "
-                f"--max-local-bytes (or {DISK_ENV})"
-            )
-
-
-def record_plan(root: str, out: str, packs: list[RewritePack], resume: bool) -> None:
-    """Record the plan in ``out`` before the first pack; a resume continues only that plan."""
-    path = storage.join(out, *PLAN_NAME.split("/"))
-    digest = hashlib.sha256("".join(p.digest for p in packs).encode()).hexdigest()
-    record = json.dumps({"source": root, "plan": digest}, sort_keys=True).encode()
-    if resume:
-        if layout.is_complete(out):
-            raise AlreadyExists(f"{out} is a finished rewrite; there is nothing to resume")
-        try:
-            have = storage.read_bytes(path)
-        except FileNotFoundError:
-            raise UsageError(
-                f"{out} holds no unfinished rewrite to resume; rewrite into an empty destination"
-            ) from None
-        if have != record:
-            raise UsageError(
-                f"{out} is an unfinished rewrite of another plan (the source, its lists or the "
-                "options changed since); rewrite into an empty destination instead"
-            )
-        return
-    storage.write_bytes_atomic(path, record)
 
 
 def rewrite_export(
@@ -254,6 +222,7 @@ def rewrite_export(
     ray_address: str | None = None,
     num_cpus: int | None = None,
     progress: bool = True,
+    compact: int | str | None = None,
 ) -> RewriteResult:
     """Write ``out``: the export at ``root`` without the samples of the lists it applies.
 
@@ -271,95 +240,38 @@ def rewrite_export(
     (:func:`max_local_bytes`) are staged in ``work_dir`` at once. Anything in
     ``out`` before ``report.json`` (written last) is an unfinished rewrite,
     which ``resume`` finishes (same source, lists and options).
+
+    ``compact`` (bytes, or ``64M``; ``--compact``) packs consecutive parts of a
+    bucket together up to that size (:func:`plan_packs`), whatever is skipped:
+    the threshold does not apply.
     """
     if not resume:
-        check_destination(out)
+        repack.check_destination(out)
     t0 = time.monotonic()
     buckets = layout.list_buckets(root)
-    # Every list as ids, before anything is written: one that cannot be recovered refuses.
     source_table = table_of(root)
-    # Only the user's --table/--ledger lets what a (possibly received) export holds be written
-    # into a ledger; otherwise the ledger is read, and the old export's own entries stay the
-    # new export's own.
-    trusted = bool(table or ledger)
-    try:
-        reg = resolve(root, table, ledger=ledger) if trusted else resolve(root)
-    except ListError:
-        if trusted:
-            raise
-        reg = None  # the ledger is not found from here: the new export's lists are its own
-    # Every list as the log's state, before anything is written: one that cannot be recovered
-    # (a corrupt sidecar of a list the log does not hold) refuses.
-    carried = lists_of(root, reg, drop=drop_lists)
-    known = set(carried)
-    skips_of: dict[str, dict] = {}
-    applied: set[str] = set()
-    for bucket in buckets:
-        shards = layout.read_index(root, bucket, export_columns=True)
-        listing = skiplist.list_sidecars(root, bucket, shards)
-        known |= set(listing)
-        applied |= set(listing) if names is None else set(names) & set(listing)
-        skips_of[bucket] = skiplist.load_skips(root, bucket, shards, names, listing=listing)
-    applied |= known if names is None else set(names) & known
-    # An applied list leaves with all its ids, also those its sidecars do not hold yet.
-    extra = bind(
-        root,
-        {n: carried[n]["id"].combine_chunks() for n in sorted(applied) if n in carried},
-    )
-    for b in extra.values():
-        for (bk, shard), idx in b.positions.items():
-            skips = skips_of.get(bk)
-            if skips is not None:
-                old = skips.get(shard)
-                skips[shard] = idx if old is None else np.union1d(old, idx)
+    # Every list as ids, before anything is written: one that cannot be recovered refuses.
+    applied = resolve_applied(root, buckets, names, table, ledger, drop_lists)
+    reg = applied.reg
     limit = max_local_bytes(max_local)
-    packs, total, skipped, nbytes = plan_packs(root, out, skips_of, verify)
+    size = None if compact is None else parse_bytes(str(compact), "--compact")
+    packs, total, skipped, nbytes = plan_packs(root, out, applied.skips_of, verify, size)
     share = skipped / total if total else 0.0
-    if share < threshold and not force:
+    if share < threshold and not force and size is None:
         raise RewriteRefused(
             f"only {share:.1%} of {total} samples are skipped (threshold {threshold:.0%}); skip lists "
             "cost nothing at load time. Pass --force to rewrite anyway."
         )
     check_room(root, packs, limit)
-    record_plan(root, out, packs, resume)
+    repack.record_plan(root, out, packs, resume)
     placement = place(
         engine, size=nbytes, small=DRIVER_BYTES, ray_address=ray_address, num_cpus=num_cpus
     )
-    per_bucket: dict[str, dict[str, int]] = {}
-    warnings: dict[str, int] = {}
-    quiet = repack.QuietStreaming()
-    work = None if placement.on_ray else tempfile.mkdtemp(prefix="prx-rewrite-", dir=work_dir)
-    try:
-        task = repack.RewriteTask(
-            repack.RewriteJob(root, out, verify, limit, work_dir),
-            None if work is None else Staging(work, limit),
-        )
-        for r in _run(task, packs, placement, progress):
-            per_bucket.setdefault(r["bucket"], {})[r["part"]] = r["samples"]
-            for m, n in r.get("warnings", {}).items():
-                warnings[m] = warnings.get(m, 0) + n
-        dropped = [b for b in buckets if b not in per_bucket]  # every sample skipped
-        for bucket in buckets:
-            if bucket in per_bucket:  # the parts' indexes read back from ``out``: the same bytes
-                merge.merge_bucket(
-                    storage.join(out, *bucket.split("/")), sorted(per_bucket[bucket])
-                )
-        idindex.write_id_index(out)  # before the lists, which bind their ids through it
-        # The lists, re-bound by row id to the new shards (after every bucket): the source's
-        # export-only entries go to the registry where newer, then the log is materialised.
-        with export_lease(out) as lease:
-            if reg is not None and trusted:
-                carry(root, reg, drop=drop_lists)
-            else:
-                snapshot_local(root, out, lease, drop=drop_lists)
-            done = materialise(out, reg, lease, full=True)
-        lists_carried = {n: v for n, v in done.items() if n not in applied}
-    finally:
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
-        quiet.close()
-    for m, n in quiet.seen.items():
-        warnings[m] = warnings.get(m, 0) + n
+    job = repack.RewriteJob(root, out, verify, limit, work_dir)
+    per_bucket, warnings = repack.write_packs(job, packs, placement, progress)
+    dropped = [b for b in buckets if b not in per_bucket]  # every sample skipped
+    # The lists, re-bound by row id to the new shards (after every bucket).
+    lists_carried = carry_lists(root, out, applied, drop_lists)
     counts = {b: sum(v.values()) for b, v in sorted(per_bucket.items())}
     result = RewriteResult(
         out,
@@ -369,7 +281,8 @@ def rewrite_export(
         len(counts),
         verify,
         source=root,
-        lists=sorted(applied),
+        lists=sorted(applied.names),
+        parts=[len({(p.bucket, s[0]) for p in packs for s in p.shards}), len(packs)],
         bucket_samples=counts,
         buckets_dropped=dropped,
         warnings=dict(sorted(warnings.items(), key=lambda kv: -kv[1])),
@@ -385,23 +298,3 @@ def rewrite_export(
     )
     storage.delete(storage.join(out, PROGRESS_DIR))  # the plan and pack markers: done with
     return result
-
-
-def _run(task: repack.RewriteTask, packs: list, placement: Placement, progress: bool):
-    """The packs' results as they finish; a pack's own error comes back as itself on threads."""
-    try:
-        yield from map_units(
-            task,
-            [p.to_dict() for p in packs],
-            placement,
-            Resources(num_cpus=1, env=storage.storage_env() or None),
-            desc="rewrite",
-            progress=progress,
-            total=sum(p.samples for p in packs),
-            weight=lambda r: r["samples"],
-            unit_name="sample",
-        )
-    except UnitError as e:
-        if isinstance(e.__cause__, PrxDataError):
-            raise e.__cause__ from None
-        raise

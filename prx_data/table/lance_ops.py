@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_data.core import schema as S
+from prx_data.core import storage
 from prx_data.core.errors import NotFound, UsageError
 from prx_data.table.pins import list_tags
 
@@ -57,6 +58,7 @@ def open_table(
     reaches every job, worker and version it opens. ``options`` go to
     ``lance.dataset`` (cache sizes, for example).
     """
+    storage.check_store(uri)  # az://, hf://, ...: one line naming the supported stores
     opts = lance_storage_options(uri) if storage_options is None else storage_options
     try:
         return lance.dataset(uri, version=version, storage_options=opts, **options)
@@ -324,6 +326,7 @@ def lance_storage_options(uri: str) -> dict[str, str] | None:
     ``google_base_url``, unsigned over http). Lance lists a table's versions through GCS's
     XML API, which neither fake-gcs-server nor gcp-storage-emulator implements: a Lance table
     on ``gs://`` is exercised against real GCS only (README, "Stores")."""
+    storage.check_store(uri)  # a table on another store is refused like any other URI
     if uri.startswith("gs://"):
         from prx_data.core.storage import gcs_emulator
 
