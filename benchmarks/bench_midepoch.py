@@ -12,8 +12,10 @@ index, as bench_stream's resume figure), a checkpoint at 60 % of the epoch, then
                   during the continued epoch
   trained_twice   samples trained before the checkpoint and again after it, under
                   restart_epoch and under continue (counted from the orders, not run)
+  not_trained     samples of the interrupted epoch still in the space that continue
+                  trains neither before nor after the checkpoint (its carried tail)
 
-Run:  python benchmarks/bench_midepoch.py [--sizes 100000,1000000]
+Run:  python benchmarks/bench_midepoch.py [--sizes 100000,1000000] [--per-shard 100]
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from prx_data.stream import midepoch  # noqa: E402
 from prx_data.stream.dataset import BucketedDataset, DatasetSpec  # noqa: E402
 
 BATCH = 32
+#: Samples per fabricated shard (``--per-shard``): 10^7 samples in 100-sample shards would be
+#: 10^5 shard folders and skip sidecars to fabricate.
 PER_SHARD = 100
 
 
@@ -126,6 +130,7 @@ def one_size(work: str, n: int) -> dict:
     state = {**base.state_dict(at, True), "epoch": 0}  # as written during epoch 0
     order = planned(base)
     trained = keys(base, order[: at // g].reshape(-1))
+    whole = keys(base, order.reshape(-1))
     del base
     gc.collect()
     skip_fraction(root, "optout", 0.01)
@@ -134,6 +139,7 @@ def one_size(work: str, n: int) -> dict:
     plain = make(root)
     plain_state = {**plain.state_dict(at, True), "epoch": 0}
     new_epoch = keys(plain, planned(plain).reshape(-1))
+    space = keys(plain, np.arange(int(plain.samples_per_shard.sum()), dtype=np.int64))
     del plain
     runs = {"continue": [], "plain": [], "load": []}
     for r in range(3):
@@ -150,8 +156,8 @@ def one_size(work: str, n: int) -> dict:
                 cont = ds._continued
                 after = keys(ds, cont.batches.reshape(-1))
                 out["state_bytes_continued"] = len(json.dumps(ds.state_dict(g * 10, False)))
-                out["left_out"] = cont.report["left_out"]
-                out["deferred"] = cont.report["deferred"]
+                for k in ("left_out", "remaining", "filled", "carried"):
+                    out[k] = cont.report[k]
             del ds
             gc.collect()
     out["resume_s_continue"] = min(runs["continue"])
@@ -161,20 +167,25 @@ def one_size(work: str, n: int) -> dict:
     out["state_bytes_plain"] = len(json.dumps(state))
     out["trained_twice_restart_epoch"] = int(np.isin(new_epoch, trained).sum())
     out["trained_twice_continue"] = int(np.isin(after, trained).sum())
+    rest = np.setdiff1d(np.intersect1d(whole, space), trained)
+    out["not_trained_continue"] = int(len(np.setdiff1d(rest, after)))
     shutil.rmtree(root)
     shutil.rmtree(os.path.join(work, "seed"), ignore_errors=True)
     return out
 
 
 def main() -> None:
+    global PER_SHARD
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="100000,1000000")
     ap.add_argument("--work", default=None)
+    ap.add_argument("--per-shard", type=int, default=PER_SHARD)
     args = ap.parse_args()
+    PER_SHARD = args.per_shard
     for n in map(int, args.sizes.split(",")):
         work = tempfile.mkdtemp(prefix="prx-midepoch-", dir=args.work)
         try:
-            print(json.dumps(one_size(work, n)), flush=True)
+            print(json.dumps({**one_size(work, n), "per_shard": PER_SHARD}), flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -536,11 +536,12 @@ class BucketedDataset(StreamingDataset):
         if changed:
             log.warning(
                 "the data changed since the checkpoint:\n  - %s\ncontinuing epoch %s in its "
-                "order: %d samples left out (now skipped), %d remain, %d (a bucket's last "
-                "partial batch) wait for the next epoch",
+                "order: %d samples left out (now skipped), %d remain (%d of them completing "
+                "a bucket's last batch), %d carried to the next epoch",
                 "\n  - ".join(describe_changes(old, self.fingerprint)),
                 obj["epoch"],
                 self.continued_epoch["left_out"],
                 self.continued_epoch["remaining"],
-                self.continued_epoch["deferred"],
+                self.continued_epoch["filled"],
+                self.continued_epoch["carried"],
             )

@@ -18,8 +18,14 @@ space) and leaves out what the lists now remove:
    one int per stream: O(streams), nothing per sample). The rest of each
    stream, less the samples now skipped, is cut into full global batches in
    base order; each keeps the place in the epoch of the base batch its first
-   sample came from. A stream's last partial batch (under one global batch)
-   waits for the next epoch: batches stay full and of one shape.
+   sample came from. A stream's last partial batch (under one global batch) is
+   completed with samples of the same stream that this epoch never planned (a
+   bucket whose epoch takes fewer samples than it holds; :func:`unplanned`), so
+   every remaining sample is trained once and batches stay full and of one
+   shape. When the stream has too few of those (its epoch takes every sample it
+   holds), no batch of only its samples can hold that tail without training one
+   of them twice: the tail is *carried*, i.e. trained in the next epoch, which
+   holds every sample of such a bucket.
 4. A checkpoint during the continued epoch records the base fingerprint and
    the positions reached, so a later resume (with or without a further change,
    on any world size an elastic resume allows) continues from there.
@@ -129,6 +135,27 @@ def list_at(
         if n:
             digests.append((b.bucket, (n, digest)))
     return per, per_bucket_digest(digests)
+
+
+def unplanned(
+    new_id: np.ndarray, seq: np.ndarray, first: int, count: int, k: int, key: tuple[int, ...]
+) -> np.ndarray:
+    """``k`` current ids of one stream's samples that its epoch never planned, or none.
+
+    ``seq``: the stream's whole base sequence (base ids ``first .. first + count``);
+    ``new_id``: each base id's current id (-1: skipped now). A bucket whose epoch
+    takes fewer samples than it holds leaves some out each epoch; those (still in the
+    space) are drawn in an order fixed by ``key`` (seed, epoch, stream), so every
+    resume of the epoch, on any world size, draws the same ones. Empty when fewer
+    than ``k`` exist: the short batch cannot be completed within the epoch.
+    """
+    planned = np.zeros(count, bool)
+    planned[seq - first] = True
+    free = np.flatnonzero(~planned & (new_id[first : first + count] >= 0))
+    if len(free) < k:
+        return np.zeros(0, np.int64)
+    pick = np.random.default_rng(list(key)).permutation(len(free))[:k]
+    return new_id[first + free[np.sort(pick)]]
 
 
 @dataclasses.dataclass
@@ -352,9 +379,11 @@ def build(
             "on_change='continue': the checkpoint's positions do not match its plan "
             f"({len(positions)} streams, {len(chooses)} planned); use on_change='restart_epoch'"
         )
-    # 3. The rest of each stream, less what is skipped now, in full global batches.
+    # 3. The rest of each stream, less what is skipped now, in full global batches; a short
+    # last batch is completed with the stream's samples this epoch never planned (fill).
+    seed = int(ds.shuffle_seed) if ds.shuffle_seed is not None else 0
     out_b, out_key, out_s, out_end = [], [], [], []
-    left_out = deferred = remaining = 0
+    left_out = carried = remaining = filled = 0
     for s in range(len(chooses)):
         mine = np.flatnonzero(stream_of_row == s)
         seq = rows[mine].reshape(-1)
@@ -363,15 +392,28 @@ def build(
         live = ids >= 0
         left_out += int(np.count_nonzero(~live))
         ids, pos = ids[live], pos[live]
-        n = len(ids) // g
+        n, short = divmod(len(ids), g)
+        extra = np.zeros(0, np.int64)
+        if short:
+            first = int(sample_off[shard_off[s]]) if shards_per_stream[s] else 0
+            count = int(sps[shard_off[s] : shard_off[s] + shards_per_stream[s]].sum())
+            extra = unplanned(new_id, seq, first, count, g - short, (seed, epoch, s))
+        if len(extra):
+            ids = np.concatenate([ids, extra])
+            filled += len(extra)
+            n += 1
+        else:
+            carried += short
         remaining += n * g
-        deferred += len(ids) - n * g
         if not n:
             continue
         out_b.append(ids[: n * g].reshape(n, g))
         out_key.append(mine[pos[: n * g : g] // g])
         out_s.append(np.full(n, s, np.int64))
-        out_end.append(pos[g - 1 : n * g : g] + 1)
+        end = pos[g - 1 : n * g : g] + 1
+        if len(extra):  # the completed batch ends the stream
+            end = np.concatenate([pos[g - 1 :: g][: n - 1] + 1, [len(seq)]])
+        out_end.append(end)
     if out_b:
         order = np.argsort(np.concatenate(out_key), kind="stable")
         batches = np.concatenate(out_b)[order]
@@ -386,7 +428,8 @@ def build(
         "trained": int(trained),
         "left_out": left_out,
         "remaining": remaining,
-        "deferred": deferred,
+        "filled": filled,
+        "carried": carried,
     }
     at = list(base_at) if base_at is not None else None
     return Continued(epoch, base, at, g, batches, stream_of, end_of, list(positions), report)
