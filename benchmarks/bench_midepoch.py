@@ -116,7 +116,7 @@ def planned(ds: BucketedDataset) -> np.ndarray:
     specs, sources = ds._space
     c = midepoch.build(
         ds, specs, sources, ds.spec, ds.plan,
-        epoch=0, base=ds.fingerprint, positions=None, sample_in_epoch=0, base_at=ds.lists_at,
+        epoch=0, base=ds.fingerprint, state=None, sample_in_epoch=0, base_at=ds.lists_at,
     )  # fmt: skip
     return c.batches
 

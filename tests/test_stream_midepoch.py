@@ -14,7 +14,7 @@ import pytest
 
 from prx_data.skips.log import Provenance
 from prx_data.skips.ops import update_list
-from prx_data.stream.dataset import ResumeMismatch
+from prx_data.stream.dataset import DatasetSpec, ResumeMismatch
 from tests.exportkit import make_export, run_rank, skip_samples
 
 logging.getLogger("streaming").setLevel(logging.ERROR)
@@ -187,6 +187,16 @@ def test_a_short_tail_is_carried_when_the_epoch_planned_its_whole_bucket(tmp_pat
     assert f"0 of them completing a bucket's last batch), {len(carried)} carried" in caplog.text
 
 
+def test_continue_with_no_change_is_an_ordinary_resume(export):
+    """With the mechanism on and nothing changed, a resume is streaming's own, exactly."""
+    full, _ = run(export.root, 2)
+    first, state = run(export.root, 2, stop_after=3, on_change="continue")
+    again, _ = run(export.root, 2, state=state, on_change="continue")
+    assert first + again == full  # same world: the same batches, in the same rank order
+    one, _ = run(export.root, 1, state=state, on_change="continue")
+    assert [sorted(b) for b in one] == [sorted(b) for b in full[3:]]
+
+
 def test_continue_refuses_a_list_changed_in_place_and_other_changes(export):
     skip_samples(export.root, "dedup", ids=sorted(export.all_ids())[:3])
     _, state = run(export.root, 2, stop_after=2)
@@ -208,3 +218,105 @@ def test_continue_with_dataloader_workers(export):
     after, _ = run(export.root, 2, state=state, on_change="continue", num_workers=2)
     free = export.all_ids() - {i for b in planned for i in b} - gone
     check(after, model(planned, 3, gone), free)
+
+
+# Proportions: two datasets of 110 samples, an epoch of 160 (each leaves samples out).
+MIX_A = {"512/1.000": 63, "512/0.500": 47}
+MIX_B = {"512/1.000": 71, "512/0.778": 39}
+MIX_KW = dict(epoch_size=160)
+
+
+def mix(two, pa, pb):
+    a, b = two
+    return [DatasetSpec(a.root, proportion=pa), DatasetSpec(b.root, proportion=pb)]
+
+
+def stream(i: str) -> str:
+    return i.rsplit("/", 1)[0]  # dataset and bucket
+
+
+def check_mix_rest(after, planned, done, gone, before, unplanned):
+    """Brute force, per bucket of each dataset: what the continued run trained is its
+    planned rest (less ``gone`` and what ``before`` trained) in planned order, then, once
+    that is used up, samples the epoch never planned; batches full and of one bucket."""
+    rest = collections.defaultdict(list)
+    for b in planned[done:]:
+        for i in sorted(b, key=lambda i: int(i.rsplit("/", 1)[1])):
+            if i not in gone and i not in before:
+                rest[stream(i)].append(i)
+    got = collections.defaultdict(list)
+    for b in after:
+        assert len({stream(i) for i in b}) == 1, "a batch mixed buckets"
+        got[stream(b[0])] += sorted(b, key=lambda i: (i not in rest[stream(i)], i))
+    for key, ids in got.items():
+        n = len([i for i in ids if i in set(rest[key])])
+        assert sorted(ids[:n]) == sorted(rest[key][:n]), key  # a prefix of the planned rest
+        if len(ids) > n:
+            assert n == len(rest[key]), "unplanned samples before the planned rest was used"
+            assert set(ids[n:]) <= unplanned - gone, key
+
+
+def shares(ids):
+    return collections.Counter(i.split("/", 1)[0] for i in ids)
+
+
+@pytest.fixture()
+def two(tmp_path):
+    a = make_export(str(tmp_path / "a"), MIX_A, name="a", samples_per_shard=7)
+    b = make_export(str(tmp_path / "b"), MIX_B, name="b", samples_per_shard=7)
+    return a, b
+
+
+def test_new_proportions_apply_to_the_rest_counting_what_was_trained(two, caplog):
+    planned, _ = run(mix(two, 0.5, 0.5), 1, **MIX_KW)
+    assert len(planned) * G == 160
+    planned_ids = {i for b in planned for i in b}
+    unplanned = (two[0].all_ids() | two[1].all_ids()) - planned_ids
+    first, state = run(mix(two, 0.5, 0.5), 2, stop_after=4, **MIX_KW)
+    trained = [i for b in first for i in b]
+    with pytest.raises(ResumeMismatch, match="proportion 0.5 -> 0.6"):
+        run(mix(two, 0.6, 0.4), 2, state=state, **MIX_KW)
+    with caplog.at_level(logging.WARNING, logger="prx_data"):
+        after, _ = run(mix(two, 0.6, 0.4), 2, state=state, on_change="continue", **MIX_KW)
+    seen = [i for b in after for i in b]
+    everything = trained + seen
+    assert len(everything) == len(set(everything)), "a sample was trained twice"
+    check_mix_rest(after, planned, 4, set(), set(trained), unplanned)
+    # The whole epoch (what was trained before included) has the new shares, to a batch.
+    got = shares(everything)
+    assert len(everything) == 160
+    assert abs(got["a"] - 0.6 * 160) <= G and abs(got["b"] - 0.4 * 160) <= G, got
+    assert f"a requested 0.600, realised {got['a'] / 160:.3f}" in caplog.text
+
+
+def test_new_proportions_resume_exactly_and_change_again_on_2_4_1_ranks(two):
+    planned, _ = run(mix(two, 0.5, 0.5), 1, **MIX_KW)
+    planned_ids = {i for b in planned for i in b}
+    unplanned = (two[0].all_ids() | two[1].all_ids()) - planned_ids
+    first, state = run(mix(two, 0.5, 0.5), 2, stop_after=3, **MIX_KW)
+    trained = {i for b in first for i in b}
+    gone = set(random.Random(4).sample([i for b in planned[3:] for i in b], 4))
+    skip_samples(two[1].root, "optout", ids={i for i in gone if i.startswith("b/")})
+    skip_samples(two[0].root, "optout", ids={i for i in gone if i.startswith("a/")})
+    new = mix(two, 0.7, 0.3)
+    whole, _ = run(new, 2, state=state, on_change="continue", **MIX_KW)
+    four, state4 = run(new, 4, state=state, stop_after=3, on_change="continue", **MIX_KW)
+    assert [sorted(b) for b in four] == [sorted(b) for b in whole[:3]]
+    # No further change: the continued epoch's checkpoint resumes exactly, on 1 rank.
+    again, _ = run(new, 1, state=state4, **MIX_KW)
+    assert [sorted(b) for b in again] == [sorted(b) for b in whole[3:]]
+    check_mix_rest(whole, planned, 3, gone, trained, unplanned)
+    # A second change of the weights, continued on 1 rank.
+    seen4 = {i for b in four for i in b}
+    one, end = run(mix(two, 0.2, 0.8), 1, state=state4, on_change="continue", **MIX_KW)
+    seen1 = [i for b in one for i in b]
+    everything = [*trained, *seen4, *seen1]
+    assert len(everything) == len(set(everything)), "a sample was trained twice"
+    assert not set(everything) & gone
+    got = shares(everything)
+    # b is asked for 128 of 160 but has 110 samples, less 4 gone: it gets all it has, in
+    # whole batches per bucket; a fills the rest of the epoch only up to its requested share.
+    assert got["b"] > 110 - 4 - 2 * G and got["a"] <= 0.2 * 160 + G, got
+    nxt, _ = run(mix(two, 0.2, 0.8), 1, state=end, **MIX_KW)
+    fresh, _ = run(mix(two, 0.2, 0.8), 1, **MIX_KW)
+    assert sorted(map(sorted, nxt)) == sorted(map(sorted, fresh))

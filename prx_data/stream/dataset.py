@@ -469,12 +469,7 @@ class BucketedDataset(StreamingDataset):
         obj[midepoch.LISTS_AT_KEY] = self.lists_at
         cont = self._continued
         if cont is not None and obj["epoch"] == cont.epoch:
-            obj[midepoch.CONTINUE_KEY] = {
-                "epoch": cont.epoch,
-                "base": cont.base,
-                "base_at": cont.base_at,
-                "positions": cont.positions_after(int(obj["sample_in_epoch"])),
-            }
+            obj[midepoch.CONTINUE_KEY] = cont.state(int(obj["sample_in_epoch"]))
             obj["sample_in_epoch"] = 0
         return obj
 
@@ -528,7 +523,7 @@ class BucketedDataset(StreamingDataset):
             self.plan,
             epoch=int(obj["epoch"]),
             base=cont["base"] if cont is not None else old,
-            positions=cont["positions"] if cont is not None else None,
+            state=cont,
             sample_in_epoch=done,
             base_at=cont.get("base_at") if cont is not None else at,
         )
