@@ -121,7 +121,7 @@ def planned(ds: BucketedDataset) -> np.ndarray:
     return c.batches
 
 
-def one_size(work: str, n: int) -> dict:
+def one_size(work: str, n: int, rounds: int = 3) -> dict:
     root = big_export(work, n // PER_SHARD, PER_SHARD)
     base = make(root)
     epoch = base.plan.epoch_size
@@ -142,7 +142,7 @@ def one_size(work: str, n: int) -> dict:
     space = keys(plain, np.arange(int(plain.samples_per_shard.sum()), dtype=np.int64))
     del plain
     runs = {"continue": [], "plain": [], "load": []}
-    for r in range(3):
+    for r in range(rounds):
         for kind in ("continue", "plain") if r % 2 else ("plain", "continue"):
             t = time.perf_counter()
             ds = make(root, on_change="continue")
@@ -180,12 +180,15 @@ def main() -> None:
     ap.add_argument("--sizes", default="100000,1000000")
     ap.add_argument("--work", default=None)
     ap.add_argument("--per-shard", type=int, default=PER_SHARD)
+    ap.add_argument("--rounds", type=int, default=3, help="timed resumes of each kind (best of)")
     args = ap.parse_args()
     PER_SHARD = args.per_shard
     for n in map(int, args.sizes.split(",")):
         work = tempfile.mkdtemp(prefix="prx-midepoch-", dir=args.work)
         try:
-            print(json.dumps({**one_size(work, n), "per_shard": PER_SHARD}), flush=True)
+            print(
+                json.dumps({**one_size(work, n, args.rounds), "per_shard": PER_SHARD}), flush=True
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
