@@ -320,3 +320,11 @@ def test_new_proportions_resume_exactly_and_change_again_on_2_4_1_ranks(two):
     nxt, _ = run(mix(two, 0.2, 0.8), 1, state=end, **MIX_KW)
     fresh, _ = run(mix(two, 0.2, 0.8), 1, **MIX_KW)
     assert sorted(map(sorted, nxt)) == sorted(map(sorted, fresh))
+
+
+def test_capped_split_never_gives_a_stream_more_than_its_whole_batches():
+    from prx_data.stream.midepoch import _capped_split
+
+    assert _capped_split(5, [3, 40, 8], 8) == [0, 4, 1]  # largest remainder
+    assert _capped_split(9, [3, 40, 8], 8) == [0, 5, 1]  # all there is
+    assert _capped_split(4, [16, 16, 16], 8) == [2, 1, 1]

@@ -54,6 +54,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -581,7 +582,7 @@ def _allocate(
     to fill the epoch). A dataset draws from its buckets' rests first, then from their
     samples this epoch never planned, never a sample twice: one with too few samples
     left gets what it has, and the report says so (requested against realised). Inside
-    a dataset, batches go to its buckets by what each has left (:func:`planner.split_units`).
+    a dataset, batches go to its buckets by what each has left (:func:`_capped_split`).
     """
     n_data = len(plan.mix)
     total = plan.epoch_size
@@ -597,11 +598,8 @@ def _allocate(
     for d in range(n_data):
         mine = [s for s in range(len(dataset_of)) if dataset_of[s] == d]
         have = [len(rest[s][0]) + len(free[s][0]) for s in mine]
-        n = min(batches[d], sum(h // g for h in have))
-        if n and mine:
-            alloc, _ = planner.split_units(n, have, g, upsample=False)
-            for s, a in zip(mine, alloc, strict=True):
-                take[s] = a
+        for s, a in zip(mine, _capped_split(batches[d], have, g), strict=True):
+            take[s] = a
     grand = sum(done) + g * sum(take)
     mix = []
     for d in range(n_data):
@@ -616,3 +614,21 @@ def _allocate(
             }
         )
     return take, mix
+
+
+def _capped_split(n: int, have: Sequence[int], g: int) -> list[int]:
+    """At most ``n`` global batches over streams holding ``have`` samples, by largest
+    remainder in proportion to ``have``, none past a stream's whole batches."""
+    cap = [h // g for h in have]
+    n = min(n, sum(cap))
+    total = sum(have)
+    quota = [n * h / total if total else 0.0 for h in have]
+    alloc = [min(math.floor(q), c) for q, c in zip(quota, cap, strict=True)]
+    left = n - sum(alloc)
+    while left > 0:  # each pass gives one batch to each stream with room, most owed first
+        room = sorted((a - q, i) for i, (a, q) in enumerate(zip(alloc, quota, strict=True)))
+        for _, i in room:
+            if left and alloc[i] < cap[i]:
+                alloc[i] += 1
+                left -= 1
+    return alloc
