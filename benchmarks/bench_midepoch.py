@@ -100,9 +100,12 @@ def keys(ds: BucketedDataset, ids: np.ndarray) -> np.ndarray:
     shard = np.searchsorted(ds.sample_offset_per_shard, ids, side="right") - 1
     k = ids - ds.sample_offset_per_shard[shard]
     out = np.empty(len(ids), np.int64)
-    for s in np.unique(shard):
-        m = shard == s
-        r = ds.shards[int(s)]
+    order = np.argsort(shard, kind="stable")  # one pass per shard over its own ids only
+    uniq, starts = np.unique(shard[order], return_index=True)
+    ends = np.append(starts[1:], len(order))
+    for s, a, z in zip(uniq.tolist(), starts.tolist(), ends.tolist(), strict=True):
+        m = order[a:z]
+        r = ds.shards[s]
         stored = k[m]
         if isinstance(r, SkipMDSReader):
             stored = stored + np.searchsorted(r._shift_keys, stored, side="right")
