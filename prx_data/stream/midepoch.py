@@ -446,6 +446,9 @@ def build(
     stream_first_sample = sample_off[shard_off] if len(shard_off) else shard_off
     stream_of_row = np.searchsorted(stream_first_sample, rows[:, 0], side="right") - 1
     streams = len(chooses)
+    # Each stream's rows in order, grouped once (not one pass over every row per stream).
+    by_stream = np.argsort(stream_of_row, kind="stable")
+    bounds = np.searchsorted(stream_of_row[by_stream], np.arange(streams + 1))
     space = space_digest(ds.fingerprint)
     anchor = (state or {}).get("anchor")
     skip = 0
@@ -461,7 +464,7 @@ def build(
         }
     else:
         done = sample_in_epoch // g
-        pos = [int(g * np.count_nonzero(stream_of_row[:done] == s)) for s in range(streams)]
+        pos = (g * np.bincount(stream_of_row[:done], minlength=streams)).tolist()
         start = {"positions": pos, "free": [0] * streams, "trained": list(pos)}
     if any(len(v) != streams for v in start.values()):
         raise ResumeMismatch(
@@ -474,7 +477,7 @@ def build(
     rest, free, seqs, mines = [], [], [], []
     left_out = 0
     for s in range(streams):
-        mine = np.flatnonzero(stream_of_row == s)
+        mine = by_stream[bounds[s] : bounds[s + 1]]
         seq = rows[mine].reshape(-1)
         p0 = start["positions"][s]
         ids = new_id[seq[p0:]]
