@@ -12,8 +12,10 @@ index, as bench_stream's resume figure), a checkpoint at 60 % of the epoch, then
                   during the continued epoch
   trained_twice   samples trained before the checkpoint and again after it, under
                   restart_epoch and under continue (counted from the orders, not run)
+  not_trained     samples of the interrupted epoch still in the space that continue
+                  trains neither before nor after the checkpoint (its carried tail)
 
-Run:  python benchmarks/bench_midepoch.py [--sizes 100000,1000000]
+Run:  python benchmarks/bench_midepoch.py [--sizes 100000,1000000] [--per-shard 100]
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from prx_data.stream import midepoch  # noqa: E402
 from prx_data.stream.dataset import BucketedDataset, DatasetSpec  # noqa: E402
 
 BATCH = 32
+#: Samples per fabricated shard (``--per-shard``): 10^7 samples in 100-sample shards would be
+#: 10^5 shard folders and skip sidecars to fabricate.
 PER_SHARD = 100
 
 
@@ -96,9 +100,12 @@ def keys(ds: BucketedDataset, ids: np.ndarray) -> np.ndarray:
     shard = np.searchsorted(ds.sample_offset_per_shard, ids, side="right") - 1
     k = ids - ds.sample_offset_per_shard[shard]
     out = np.empty(len(ids), np.int64)
-    for s in np.unique(shard):
-        m = shard == s
-        r = ds.shards[int(s)]
+    order = np.argsort(shard, kind="stable")  # one pass per shard over its own ids only
+    uniq, starts = np.unique(shard[order], return_index=True)
+    ends = np.append(starts[1:], len(order))
+    for s, a, z in zip(uniq.tolist(), starts.tolist(), ends.tolist(), strict=True):
+        m = order[a:z]
+        r = ds.shards[s]
         stored = k[m]
         if isinstance(r, SkipMDSReader):
             stored = stored + np.searchsorted(r._shift_keys, stored, side="right")
@@ -112,12 +119,12 @@ def planned(ds: BucketedDataset) -> np.ndarray:
     specs, sources = ds._space
     c = midepoch.build(
         ds, specs, sources, ds.spec, ds.plan,
-        epoch=0, base=ds.fingerprint, positions=None, sample_in_epoch=0, base_at=ds.lists_at,
+        epoch=0, base=ds.fingerprint, state=None, sample_in_epoch=0, base_at=ds.lists_at,
     )  # fmt: skip
     return c.batches
 
 
-def one_size(work: str, n: int) -> dict:
+def one_size(work: str, n: int, rounds: int = 3) -> dict:
     root = big_export(work, n // PER_SHARD, PER_SHARD)
     base = make(root)
     epoch = base.plan.epoch_size
@@ -126,6 +133,7 @@ def one_size(work: str, n: int) -> dict:
     state = {**base.state_dict(at, True), "epoch": 0}  # as written during epoch 0
     order = planned(base)
     trained = keys(base, order[: at // g].reshape(-1))
+    whole = keys(base, order.reshape(-1))
     del base
     gc.collect()
     skip_fraction(root, "optout", 0.01)
@@ -134,9 +142,10 @@ def one_size(work: str, n: int) -> dict:
     plain = make(root)
     plain_state = {**plain.state_dict(at, True), "epoch": 0}
     new_epoch = keys(plain, planned(plain).reshape(-1))
+    space = keys(plain, np.arange(int(plain.samples_per_shard.sum()), dtype=np.int64))
     del plain
     runs = {"continue": [], "plain": [], "load": []}
-    for r in range(3):
+    for r in range(rounds):
         for kind in ("continue", "plain") if r % 2 else ("plain", "continue"):
             t = time.perf_counter()
             ds = make(root, on_change="continue")
@@ -150,8 +159,8 @@ def one_size(work: str, n: int) -> dict:
                 cont = ds._continued
                 after = keys(ds, cont.batches.reshape(-1))
                 out["state_bytes_continued"] = len(json.dumps(ds.state_dict(g * 10, False)))
-                out["left_out"] = cont.report["left_out"]
-                out["deferred"] = cont.report["deferred"]
+                for k in ("left_out", "remaining", "filled", "carried"):
+                    out[k] = cont.report[k]
             del ds
             gc.collect()
     out["resume_s_continue"] = min(runs["continue"])
@@ -161,20 +170,28 @@ def one_size(work: str, n: int) -> dict:
     out["state_bytes_plain"] = len(json.dumps(state))
     out["trained_twice_restart_epoch"] = int(np.isin(new_epoch, trained).sum())
     out["trained_twice_continue"] = int(np.isin(after, trained).sum())
+    rest = np.setdiff1d(np.intersect1d(whole, space), trained)
+    out["not_trained_continue"] = int(len(np.setdiff1d(rest, after)))
     shutil.rmtree(root)
     shutil.rmtree(os.path.join(work, "seed"), ignore_errors=True)
     return out
 
 
 def main() -> None:
+    global PER_SHARD
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="100000,1000000")
     ap.add_argument("--work", default=None)
+    ap.add_argument("--per-shard", type=int, default=PER_SHARD)
+    ap.add_argument("--rounds", type=int, default=3, help="timed resumes of each kind (best of)")
     args = ap.parse_args()
+    PER_SHARD = args.per_shard
     for n in map(int, args.sizes.split(",")):
         work = tempfile.mkdtemp(prefix="prx-midepoch-", dir=args.work)
         try:
-            print(json.dumps(one_size(work, n)), flush=True)
+            print(
+                json.dumps({**one_size(work, n, args.rounds), "per_shard": PER_SHARD}), flush=True
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -469,12 +469,7 @@ class BucketedDataset(StreamingDataset):
         obj[midepoch.LISTS_AT_KEY] = self.lists_at
         cont = self._continued
         if cont is not None and obj["epoch"] == cont.epoch:
-            obj[midepoch.CONTINUE_KEY] = {
-                "epoch": cont.epoch,
-                "base": cont.base,
-                "base_at": cont.base_at,
-                "positions": cont.positions_after(int(obj["sample_in_epoch"])),
-            }
+            obj[midepoch.CONTINUE_KEY] = cont.state(int(obj["sample_in_epoch"]))
             obj["sample_in_epoch"] = 0
         return obj
 
@@ -528,7 +523,7 @@ class BucketedDataset(StreamingDataset):
             self.plan,
             epoch=int(obj["epoch"]),
             base=cont["base"] if cont is not None else old,
-            positions=cont["positions"] if cont is not None else None,
+            state=cont,
             sample_in_epoch=done,
             base_at=cont.get("base_at") if cont is not None else at,
         )
@@ -536,11 +531,12 @@ class BucketedDataset(StreamingDataset):
         if changed:
             log.warning(
                 "the data changed since the checkpoint:\n  - %s\ncontinuing epoch %s in its "
-                "order: %d samples left out (now skipped), %d remain, %d (a bucket's last "
-                "partial batch) wait for the next epoch",
+                "order: %d samples left out (now skipped), %d remain (%d of them completing "
+                "a bucket's last batch), %d carried to the next epoch",
                 "\n  - ".join(describe_changes(old, self.fingerprint)),
                 obj["epoch"],
                 self.continued_epoch["left_out"],
                 self.continued_epoch["remaining"],
-                self.continued_epoch["deferred"],
+                self.continued_epoch["filled"],
+                self.continued_epoch["carried"],
             )

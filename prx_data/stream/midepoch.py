@@ -1,28 +1,48 @@
-"""Continue an interrupted epoch after skip lists grew: ``on_change="continue"``.
+"""Continue an interrupted epoch after skip lists grew or proportions changed:
+``on_change="continue"``.
 
 Streaming derives an epoch's whole order from per-shard sample counts, so an
 epoch planned on one sample space has no "rest" on another. This module keeps
 the epoch's order as it was planned on the checkpoint's space (the *base*
 space) and leaves out what the lists now remove:
 
-1. The base space is rebuilt from the lists the checkpoint's fingerprint names
-   (each must still be in force with the same content digest; the hold-out
-   must be the same), and its plan is made again and checked against the
-   fingerprint's plan digest, so the order rebuilt is the order trained.
+1. The base space is rebuilt from the lists and weights the checkpoint's
+   fingerprint names (each list must still be in force with the same content
+   digest; the hold-out must be the same), and its plan is made again and
+   checked against the fingerprint's plan digest, so the order rebuilt is the
+   order trained.
 2. Streaming's own ``per_stream`` work generation runs on the base space; its
    global batches, in the order they are consumed, give each stream's base
    sequence (each batch's ids sorted: its order within the batch is the ranks'
-   order, which depends on the world size). A base sample id is mapped to its shard and stored index, then to
-   the current space's id, or to -1 when a list now skips it.
-3. What was trained is a prefix of each stream's base sequence (``positions``,
-   one int per stream: O(streams), nothing per sample). The rest of each
-   stream, less the samples now skipped, is cut into full global batches in
-   base order; each keeps the place in the epoch of the base batch its first
-   sample came from. A stream's last partial batch (under one global batch)
-   waits for the next epoch: batches stay full and of one shape.
-4. A checkpoint during the continued epoch records the base fingerprint and
-   the positions reached, so a later resume (with or without a further change,
-   on any world size an elastic resume allows) continues from there.
+   order, which depends on the world size). A base sample id is mapped to its
+   shard and stored index, then to the current space's id, or to -1 when a
+   list now skips it. Each stream's samples the epoch never planned (a bucket
+   whose epoch takes fewer samples than it holds) are put in an order fixed by
+   the seed, the epoch and the stream (:func:`unplanned`).
+3. What was consumed is a prefix of each stream's base sequence and of its
+   unplanned order, and the samples trained are counted per stream: three ints
+   per stream (O(streams), nothing per sample).
+4. Lists only: the rest of each stream, less the samples now skipped, is cut
+   into full global batches in base order; each keeps the place in the epoch
+   of the base batch its first sample came from. A stream's last partial batch
+   is completed with its unplanned samples, so every remaining sample is
+   trained once and batches stay full and of one shape. When the stream has
+   too few of those (its epoch takes every sample it keeps), no batch of only
+   its samples can hold that tail without training one of them twice: the
+   tail is *carried* (not trained in this epoch; reported).
+5. Proportions changed (every dataset weighted by a proportion): each
+   dataset's share of the current plan's epoch counts what it already
+   trained; it gets the rest of its share from its streams' rests, then from
+   their unplanned samples, never a sample twice (:func:`_allocate`). Its
+   batches are spread evenly over the rest of the epoch; a stream's rest
+   beyond what it gets is not trained in this epoch. The report gives, per
+   dataset, the share requested against the share realised over the epoch.
+6. A checkpoint during the continued epoch records the base fingerprint, each
+   stream's consumed prefixes and trained count, and the start the rest was
+   cut from with the batches done (:meth:`Continued.state`): a resume onto the
+   same space cuts the same rest and skips what was done (exact, on any world
+   size an elastic resume allows); one onto a changed space cuts a new rest
+   from where each stream stands.
 
 The next epoch is planned on the current space as usual.
 """
@@ -31,6 +51,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import logging
+import math
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +68,8 @@ from prx_data.stream.holdout import merge_skips
 from prx_data.stream.resume import ResumeMismatch, describe_changes, plan_digest
 from prx_data.stream.sampling import vectorised_sampling
 from prx_data.stream.spec import BucketSource, DatasetSpec
+
+log = logging.getLogger(__name__)
 
 #: The loader state's key for a continued epoch: base fingerprint, epoch and positions.
 CONTINUE_KEY = "prx_continue"
@@ -59,15 +85,36 @@ def _without_lists(fp: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def weights_changed(base: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether the datasets' proportions differ, every dataset weighted by a proportion on both
+    sides (the only weight change a continued epoch takes: :func:`_allocate`)."""
+    a, b = base.get("datasets", []), now.get("datasets", [])
+    if [d["root"] for d in a] != [d["root"] for d in b]:
+        return False
+    if any(d.get("proportion") is None for d in (*a, *b)):
+        return False
+    return [d["proportion"] for d in a] != [d["proportion"] for d in b]
+
+
+def _without_weights(fp: dict[str, Any]) -> dict[str, Any]:
+    out = dict(fp)
+    out["datasets"] = [{k: v for k, v in d.items() if k != "proportion"} for d in fp["datasets"]]
+    return out
+
+
 def refusals(base: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], dict[str, set[str]]]:
     """What keeps ``now`` from continuing an epoch planned on ``base`` (empty: it can), and per
     dataset root the base's lists whose content changed since (their earlier content must be
     rebuilt from the lists' log: :func:`list_at`).
 
-    Only skip lists added, or changed in place, since the base may differ; a list in force in
-    the base must still be in force.
+    Only skip lists added, or changed in place, since the base may differ, and the datasets'
+    proportions (each dataset weighted by one on both sides); a list in force in the base must
+    still be in force.
     """
-    out = describe_changes(_without_lists(base), _without_lists(now))
+    a, b = _without_lists(base), _without_lists(now)
+    if weights_changed(base, now):
+        a, b = _without_weights(a), _without_weights(b)
+    out = describe_changes(a, b)
     changed: dict[str, set[str]] = {}
     new = {d["root"]: d for d in now.get("datasets", [])}
     for d in base.get("datasets", []):
@@ -131,36 +178,88 @@ def list_at(
     return per, per_bucket_digest(digests)
 
 
+def unplanned(seq: np.ndarray, first: int, count: int, key: tuple[int, ...]) -> np.ndarray:
+    """One stream's base samples that its epoch never planned, as base ids, in an order
+    fixed by ``key`` (seed, epoch, stream).
+
+    ``seq``: the stream's whole base sequence (base ids ``first .. first + count``). A
+    bucket whose epoch takes fewer samples than it holds leaves some out each epoch:
+    they complete a short last batch, or give a dataset whose share grew more samples.
+    The order holds every one of them, skipped now or not, so what a run consumed is a
+    prefix of it (one number per stream in the checkpoint) on every resume and world size.
+    """
+    planned = np.zeros(count, bool)
+    planned[seq - first] = True
+    out = first + np.flatnonzero(~planned)
+    return out[np.random.default_rng(list(key)).permutation(len(out))]
+
+
+def space_digest(fp: dict[str, Any]) -> str:
+    """Digest of a whole fingerprint: the space a continued epoch's rest was cut on."""
+    return hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
 @dataclasses.dataclass
 class Continued:
-    """The rest of one epoch: full global batches of current sample ids, in order."""
+    """The rest of one epoch: full global batches of current sample ids, in order.
+
+    The rest is cut from ``start`` (per base stream: how far its base sequence and its order
+    of unplanned samples were consumed, and how many of its samples were trained) on the
+    space ``space``; the first ``skip`` batches were trained before this run.
+    """
 
     epoch: int
     base: dict[str, Any]
     #: Per dataset: where its lists stood in their log at the base (:func:`lists_at`).
     base_at: list[dict[str, Any] | None] | None
     global_batch: int
-    #: (m, global batch) current sample ids, and per batch its base stream and the end of
-    #: its samples in that stream's base sequence.
+    #: (m, global batch) current sample ids, and per batch its base stream, the end of its
+    #: samples in that stream's base sequence and in its order of unplanned samples.
     batches: np.ndarray
     stream_of: np.ndarray
     end_of: np.ndarray
-    #: Per base stream: how far its base sequence was trained when this run started.
-    positions: list[int]
+    free_of: np.ndarray
+    start: dict[str, list[int]]
+    space: str
+    skip: int
     report: dict[str, Any]
+
+    def after(self, samples: int) -> dict[str, list[int]]:
+        """Per base stream: positions, unplanned samples consumed and samples trained once
+        ``samples`` of this run's batches were trained."""
+        done = min(self.skip + samples // self.global_batch, len(self.batches))
+        out = {k: list(v) for k, v in self.start.items()}
+        streams = self.stream_of[:done]
+        for key, ends in (("positions", self.end_of[:done]), ("free", self.free_of[:done])):
+            best = np.full(len(out[key]), -1, np.int64)
+            np.maximum.at(best, streams, ends)
+            out[key] = [max(int(a), int(b)) for a, b in zip(out[key], best, strict=True)]
+        n = np.bincount(streams, minlength=len(out["trained"])) * self.global_batch
+        out["trained"] = [int(a + b) for a, b in zip(out["trained"], n, strict=True)]
+        return out
 
     def positions_after(self, samples: int) -> list[int]:
         """Each base stream's position once ``samples`` of this run's batches were trained."""
-        done = min(samples // self.global_batch, len(self.batches))
-        out = list(self.positions)
-        for s, end in zip(self.stream_of[:done].tolist(), self.end_of[:done].tolist(), strict=True):
-            out[s] = max(out[s], int(end))
-        return out
+        return self.after(samples)["positions"]
+
+    def state(self, samples: int) -> dict[str, Any]:
+        """The loader state's :data:`CONTINUE_KEY` once ``samples`` of this run were trained:
+        where each stream stands (a resume onto another space cuts the rest from there), and
+        the start this rest was cut from with the batches done (a resume onto the same space
+        cuts it again from there, so it resumes exactly)."""
+        done = min(self.skip + samples // self.global_batch, len(self.batches))
+        return {
+            "epoch": self.epoch,
+            "base": self.base,
+            "base_at": self.base_at,
+            **self.after(samples),
+            "anchor": {"space": self.space, "done": done, **self.start},
+        }
 
     def work(self, world: Any, device_batch: int) -> np.ndarray:
         """Streaming's work array (nodes, ranks, workers, batches, device batch) for ``world``."""
         per = world.num_nodes * world.ranks_per_node * world.workers_per_rank * device_batch
-        flat = self.batches.reshape(-1)
+        flat = self.batches[self.skip :].reshape(-1)
         pad = (-len(flat)) % per
         if pad:
             flat = np.concatenate([flat, np.full(pad, -1, np.int64)])
@@ -180,16 +279,17 @@ def build(
     *,
     epoch: int,
     base: dict[str, Any],
-    positions: list[int] | None,
+    state: dict[str, Any] | None,
     sample_in_epoch: int,
     base_at: Sequence[dict[str, Any] | None] | None = None,
 ) -> Continued:
-    """The rest of ``epoch`` as planned on ``base``, less what the current lists skip.
+    """The rest of ``epoch`` as planned on ``base``, less what the current lists skip, with
+    the current proportions when they changed (:func:`_allocate`).
 
-    ``positions``: each base stream's trained prefix (a checkpoint of a
-    continued epoch); None: the first ``sample_in_epoch`` samples of the base
-    order were trained. ``base_at``: per dataset, where its lists stood in their
-    log at the base (:func:`lists_at`), to rebuild a list changed in place since.
+    ``state``: a continued epoch's checkpoint (:meth:`Continued.state`); None: the
+    first ``sample_in_epoch`` samples of the base order were trained. ``base_at``:
+    per dataset, where its lists stood in their log at the base (:func:`lists_at`),
+    to rebuild a list changed in place since.
     """
     why, changed = refusals(base, ds.fingerprint)
     earlier: dict[str, dict[str, dict[str, dict[str, np.ndarray]]]] = {}
@@ -221,7 +321,8 @@ def build(
             "on_change='continue' cannot continue this epoch: " + "; ".join(why) + ". "
             "Use on_change='restart_epoch', or restore the checkpoint's lists and settings"
         )
-    # 1. The base space: the base's lists and the hold-out's side, per bucket.
+    # 1. The base space: the base's lists and weights, and the hold-out's side, per bucket.
+    weights = {d["root"]: d for d in base["datasets"]}
     names = {d["root"]: set(d.get("skip_lists") or {}) for d in base["datasets"]}
     base_skips: list[list[dict[str, np.ndarray]]] = []
     counts = []
@@ -243,9 +344,9 @@ def build(
                     planner.BucketCount(b.bucket, b.samples, sum(len(v) for v in sk.values()))
                     for b, sk in zip(src, per_bucket, strict=True)
                 ],
-                spec.proportion,
-                spec.repeat,
-                spec.choose,
+                weights[spec.root].get("proportion"),
+                weights[spec.root].get("repeat"),
+                weights[spec.root].get("choose"),
             )
         )
     base_plan = planner.plan_buckets(
@@ -263,6 +364,7 @@ def build(
     samples_per_shard: list[int] = []
     shards_per_stream: list[int] = []
     chooses: list[int] = []
+    dataset_of: list[int] = []
     table: list[np.ndarray] = []
     for di, src in enumerate(sources):
         for b, sk in zip(src, base_skips[di], strict=True):
@@ -299,6 +401,7 @@ def build(
                 table.append(ids)
             shards_per_stream.append(n_shards)
             chooses.append(int(bp.choose))
+            dataset_of.append(di)
     new_id = np.concatenate(table) if table else np.zeros(0, np.int64)
     sps = np.asarray(samples_per_shard, np.int64)
     shard_off = np.concatenate([[0], np.cumsum(shards_per_stream)[:-1]]).astype(np.int64)
@@ -342,51 +445,193 @@ def build(
     sample_off = np.cumsum(sps) - sps
     stream_first_sample = sample_off[shard_off] if len(shard_off) else shard_off
     stream_of_row = np.searchsorted(stream_first_sample, rows[:, 0], side="right") - 1
-    if positions is None:
+    streams = len(chooses)
+    # Each stream's rows in order, grouped once (not one pass over every row per stream).
+    by_stream = np.argsort(stream_of_row, kind="stable")
+    bounds = np.searchsorted(stream_of_row[by_stream], np.arange(streams + 1))
+    space = space_digest(ds.fingerprint)
+    anchor = (state or {}).get("anchor")
+    skip = 0
+    if anchor is not None and anchor.get("space") == space:
+        start = {k: list(anchor[k]) for k in ("positions", "free", "trained")}
+        skip = int(anchor["done"])  # the same space: the same cut, resumed exactly
+    elif state is not None:
+        pos = list(state["positions"])
+        start = {
+            "positions": pos,
+            "free": list(state.get("free") or [0] * len(pos)),
+            "trained": list(state.get("trained") or pos),
+        }
+    else:
         done = sample_in_epoch // g
-        positions = [
-            int(g * np.count_nonzero(stream_of_row[:done] == s)) for s in range(len(chooses))
-        ]
-    if len(positions) != len(chooses):
+        pos = (g * np.bincount(stream_of_row[:done], minlength=streams)).tolist()
+        start = {"positions": pos, "free": [0] * streams, "trained": list(pos)}
+    if any(len(v) != streams for v in start.values()):
         raise ResumeMismatch(
             "on_change='continue': the checkpoint's positions do not match its plan "
-            f"({len(positions)} streams, {len(chooses)} planned); use on_change='restart_epoch'"
+            f"({len(start['positions'])} streams, {streams} planned); use "
+            "on_change='restart_epoch'"
         )
-    # 3. The rest of each stream, less what is skipped now, in full global batches.
-    out_b, out_key, out_s, out_end = [], [], [], []
-    left_out = deferred = remaining = 0
-    for s in range(len(chooses)):
-        mine = np.flatnonzero(stream_of_row == s)
+    # 3. Each stream's rest (less what is skipped now) and its unplanned samples.
+    seed = int(ds.shuffle_seed) if ds.shuffle_seed is not None else 0
+    rest, free, seqs, mines = [], [], [], []
+    left_out = 0
+    for s in range(streams):
+        mine = by_stream[bounds[s] : bounds[s + 1]]
         seq = rows[mine].reshape(-1)
-        pos = np.arange(positions[s], len(seq))
-        ids = new_id[seq[positions[s] :]]
+        p0 = start["positions"][s]
+        ids = new_id[seq[p0:]]
         live = ids >= 0
         left_out += int(np.count_nonzero(~live))
-        ids, pos = ids[live], pos[live]
-        n = len(ids) // g
-        remaining += n * g
-        deferred += len(ids) - n * g
-        if not n:
+        rest.append((ids[live], np.arange(p0, len(seq))[live]))
+        first = int(sample_off[shard_off[s]]) if shards_per_stream[s] else 0
+        count = int(sps[shard_off[s] : shard_off[s] + shards_per_stream[s]].sum())
+        order = unplanned(seq, first, count, (seed, epoch, s))[start["free"][s] :]
+        fid = new_id[order]
+        keep = fid >= 0
+        free.append((fid[keep], start["free"][s] + np.flatnonzero(keep)))
+        seqs.append(len(seq))
+        mines.append(mine)
+    # 4. How many global batches each stream gets.
+    reweigh = weights_changed(base, ds.fingerprint)
+    if reweigh:
+        take, mix = _allocate(plan, dataset_of, start["trained"], rest, free, g)
+    else:
+        take, mix = [], None
+        for (r, _), (f, _) in zip(rest, free, strict=True):
+            n, short = divmod(len(r), g)
+            take.append(n + (1 if short and len(r) + len(f) >= (n + 1) * g else 0))
+    # 5. Cut: each stream's batches in its order (rest, then unplanned samples), placed where
+    # its first sample was planned, or spread evenly over the rest when the weights changed.
+    out_b, out_key, out_s, out_end, out_free = [], [], [], [], []
+    filled = carried = dropped = 0
+    for s in range(streams):
+        (r, rpos), (f, fpos), q = rest[s], free[s], take[s]
+        used_free = max(0, q * g - len(r))
+        filled += used_free
+        if not reweigh:
+            carried += max(0, len(r) - q * g)
+        else:
+            dropped += max(0, len(r) - q * g)
+        if not q:
             continue
-        out_b.append(ids[: n * g].reshape(n, g))
-        out_key.append(mine[pos[: n * g : g] // g])
-        out_s.append(np.full(n, s, np.int64))
-        out_end.append(pos[g - 1 : n * g : g] + 1)
+        ids = np.concatenate([r, f[:used_free]])[: q * g]
+        last = np.arange(1, q + 1) * g - 1  # each batch's last sample
+        in_rest = last < len(r)
+        end = np.full(q, seqs[s], np.int64)
+        end[in_rest] = rpos[last[in_rest]] + 1
+        if reweigh or len(r) <= q * g:
+            end[-1] = seqs[s]  # the stream is over for this epoch (else a carried tail is left)
+        fend = np.full(q, -1, np.int64)
+        fend[~in_rest] = fpos[last[~in_rest] - len(r)] + 1
+        if reweigh:
+            key = (np.arange(q) + 0.5) / q
+        else:
+            key = mines[s][rpos[np.arange(q) * g] // g].astype(np.float64)
+        out_b.append(ids.reshape(q, g))
+        out_key.append(key)
+        out_s.append(np.full(q, s, np.int64))
+        out_end.append(end)
+        out_free.append(fend)
     if out_b:
-        order = np.argsort(np.concatenate(out_key), kind="stable")
+        keys, st = np.concatenate(out_key), np.concatenate(out_s)
+        order = np.lexsort((st, keys))
         batches = np.concatenate(out_b)[order]
-        stream_of = np.concatenate(out_s)[order]
+        stream_of = st[order]
         end_of = np.concatenate(out_end)[order]
+        free_of = np.concatenate(out_free)[order]
     else:
         batches = np.zeros((0, g), np.int64)
-        stream_of = end_of = np.zeros(0, np.int64)
-    trained = sum(positions)
+        stream_of = end_of = free_of = np.zeros(0, np.int64)
     report = {
         "epoch": epoch,
-        "trained": int(trained),
+        "trained": int(sum(start["trained"])) + skip * g,
         "left_out": left_out,
-        "remaining": remaining,
-        "deferred": deferred,
+        "remaining": (len(batches) - skip) * g,
+        "filled": filled,
+        "carried": carried,
     }
+    if mix is not None:
+        report["dropped"] = dropped
+        report["mix"] = mix
+        log.warning(
+            "continuing epoch %s with new proportions (samples already trained count toward "
+            "each dataset's share): %s",
+            epoch,
+            "; ".join(
+                f"{m['dataset']} requested {m['requested']:.3f}, realised {m['realised']:.3f}"
+                for m in mix
+            ),
+        )
     at = list(base_at) if base_at is not None else None
-    return Continued(epoch, base, at, g, batches, stream_of, end_of, list(positions), report)
+    return Continued(
+        epoch, base, at, g, batches, stream_of, end_of, free_of, start, space, skip, report
+    )
+
+
+def _allocate(
+    plan: planner.Plan,
+    dataset_of: Sequence[int],
+    trained: Sequence[int],
+    rest: Sequence[tuple[np.ndarray, np.ndarray]],
+    free: Sequence[tuple[np.ndarray, np.ndarray]],
+    g: int,
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Global batches per base stream for the rest of an epoch whose proportions changed.
+
+    The epoch is the current plan's size; each dataset's share of it is the current
+    proportion, and what it already trained counts toward it: a dataset gets the
+    rest of its share (none when it is already past it; the others' shares are scaled
+    to fill the epoch). A dataset draws from its buckets' rests first, then from their
+    samples this epoch never planned, never a sample twice: one with too few samples
+    left gets what it has, and the report says so (requested against realised). Inside
+    a dataset, batches go to its buckets by what each has left (:func:`_capped_split`).
+    """
+    n_data = len(plan.mix)
+    total = plan.epoch_size
+    requested = [m.requested for m in plan.mix]
+    done = [0] * n_data
+    for s, t in enumerate(trained):
+        done[dataset_of[s]] += int(t)
+    want = [max(0.0, p * total - t) for p, t in zip(requested, done, strict=True)]
+    left = max(0, total - sum(done)) // g
+    scale = left * g / sum(want) if sum(want) else 0.0
+    batches = planner.largest_remainder(left, [w * scale / g for w in want])
+    take = [0] * len(dataset_of)
+    for d in range(n_data):
+        mine = [s for s in range(len(dataset_of)) if dataset_of[s] == d]
+        have = [len(rest[s][0]) + len(free[s][0]) for s in mine]
+        for s, a in zip(mine, _capped_split(batches[d], have, g), strict=True):
+            take[s] = a
+    grand = sum(done) + g * sum(take)
+    mix = []
+    for d in range(n_data):
+        got = done[d] + g * sum(t for s, t in enumerate(take) if dataset_of[s] == d)
+        mix.append(
+            {
+                "dataset": plan.datasets[d],
+                "requested": requested[d],
+                "realised": got / grand if grand else 0.0,
+                "trained_before": done[d],
+                "samples": got,
+            }
+        )
+    return take, mix
+
+
+def _capped_split(n: int, have: Sequence[int], g: int) -> list[int]:
+    """At most ``n`` global batches over streams holding ``have`` samples, by largest
+    remainder in proportion to ``have``, none past a stream's whole batches."""
+    cap = [h // g for h in have]
+    n = min(n, sum(cap))
+    total = sum(have)
+    quota = [n * h / total if total else 0.0 for h in have]
+    alloc = [min(math.floor(q), c) for q, c in zip(quota, cap, strict=True)]
+    left = n - sum(alloc)
+    while left > 0:  # each pass gives one batch to each stream with room, most owed first
+        room = sorted((a - q, i) for i, (a, q) in enumerate(zip(alloc, quota, strict=True)))
+        for _, i in room:
+            if left and alloc[i] < cap[i]:
+                alloc[i] += 1
+                left -= 1
+    return alloc

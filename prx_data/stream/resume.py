@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 #: What ``BucketedDataset.load_state_dict`` may do when the sample space changed since the
 #: checkpoint: refuse (default), start the checkpoint's epoch over with the current lists, or
-#: continue it leaving out what lists added or grown since remove (:mod:`.midepoch`).
+#: continue it leaving out what lists added or grown since remove, with new proportions
+#: applied to its rest (:mod:`.midepoch`).
 ON_CHANGE = ("error", "restart_epoch", "continue")
 FINGERPRINT_KEY = "prx_fingerprint"
 FINGERPRINT_VERSION = 2
@@ -334,8 +335,9 @@ def resume_state(
             "The epoch's sample order is fixed by its sample space, so continuing would "
             "repeat some samples and skip others, and could train on newly skipped ones. "
             "Choices (docs/STREAMING.md, 'Resuming after a change'):\n"
-            "  - on_change='continue' (data.on_change): when only skip lists were added, "
-            "finish the epoch in its order without the samples they remove;\n"
+            "  - on_change='continue' (data.on_change): when only skip lists were added "
+            "or grown, or proportions changed, finish the epoch in its order without the "
+            "samples the lists remove, the new proportions applied to its rest;\n"
             f"  - on_change='restart_epoch' (data.on_change): start epoch "
             f"{obj.get('epoch')} over with the current lists and weights; the {done} "
             "samples already trained this epoch are seen again, newly skipped ones never;\n"
