@@ -246,6 +246,9 @@ def _check_one_writer(events: list[tuple[str, str]], why: str) -> list[str]:
     return holders
 
 
+# With -m slow (about 45 s alone): the default suite keeps its 15-minute budget, and checks
+# the same fencing deterministically (tests/test_store_fencing.py, tests/test_export_lease.py).
+@pytest.mark.slow
 @pytest.mark.timeout(DEADLINE_S + 120)
 def test_fault_soak_ends_with_one_writer_and_identical_bytes(
     soak_table, s3_bucket, moto_server, monkeypatch, tmp_path, ray_local

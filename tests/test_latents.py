@@ -73,6 +73,9 @@ def _dataset(root: str, **kw):
     )
 
 
+# With -m slow (all 13 shapes of a tier, about 30 s): the default suite checks one shape's
+# latents through the step (test_training_on_precomputed_latents_gives_the_in_step_loss).
+@pytest.mark.slow
 def test_stored_latents_match_encoding_the_loader_image_for_every_bucket_shape(every_shape, vae):
     """(a) Each served sample's latent is the codec's encoding of the image the loader decodes."""
     from prx_data.train.flow import uint8_to_unit

@@ -226,7 +226,9 @@ def _concurrent_adds(root: str, registry_table: str, tmp_path, env: dict) -> Non
     assert [p.wait(timeout=300) for p in procs] == [0] * 4
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+# The s3 variant runs with -m slow (the default suite's 15-minute budget); the store's
+# fencing of concurrent appends is covered by tests/test_store_fencing.py by default.
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_concurrent_adds_all_land(where, tmp_path, request):
     # One shard holds samples 0-7: every update rewrites the same sidecar.
     ex = make_export(str(tmp_path / "out"), {B: 16}, samples_per_part=8)
