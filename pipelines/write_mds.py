@@ -47,6 +47,7 @@ from prx_data.core.runtime import (
     placement_cpus,
 )
 from prx_data.core.storage import storage_env
+from prx_data.export.append import plan_path
 from prx_data.export.idindex import write_id_index
 from prx_data.export.lock import ExportLock
 from prx_data.export.merge import ExportReport, merge, write_report
@@ -223,6 +224,11 @@ def run_export(
             cluster named runs on threads of this process (0: always Ray); the export
             it writes is the same.
     """
+    if cfg.append:
+        raise ExportError(
+            "run_export writes a whole export; add to one with "
+            "prx_data.pipelines.append.run_append (write_mds --append)"
+        )
     try:
         cfg.encode.check()
     except ValueError as e:
@@ -278,6 +284,11 @@ class ExportSink:
         try:
             self.registry = Ledger.for_table(cfg.table, cfg.ledger)
             ours = list_top(cfg.out) and not foreign_entries(cfg.out)
+            if ours and self.resume and storage.exists(plan_path(cfg.out)):
+                raise ExportError(
+                    f"{cfg.out}: an append was interrupted, not the export; finish it with "
+                    "--append --resume"
+                )
             if ours and (self.overwrite or self.resume):
                 # The tree follows a ledger: an --overwrite or a resume from a copy of the
                 # table must not trade it for another (or an empty) one.

@@ -121,14 +121,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_args(ExportConfig, args)
     try:
         check_tiers(cfg.tiers)  # the command line has no bucket spec of its own
-        report = run_export(
-            cfg,
-            run,
-            overwrite=args.overwrite,
-            resume=args.resume,
-            lists=ListChanges(may_drop_lists=args.drop_lists, unregister_lists=args.drop_list),
-            driver_rows=args.driver_rows,
-        )
+        if cfg.append:
+            from prx_data.pipelines.append import run_append
+
+            if args.drop_lists or args.drop_list:
+                raise PrxDataError("--drop-lists and --drop-list do not apply to --append")
+            report = run_append(
+                cfg,
+                run,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                driver_rows=args.driver_rows,
+            )
+        else:
+            report = run_export(
+                cfg,
+                run,
+                overwrite=args.overwrite,
+                resume=args.resume,
+                lists=ListChanges(may_drop_lists=args.drop_lists, unregister_lists=args.drop_list),
+                driver_rows=args.driver_rows,
+            )
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
