@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 import pyarrow as pa
@@ -38,7 +39,14 @@ from prx_data.core.runtime import Resources, RunOptions, map_units
 from prx_data.core.schema import REPORT_NAME
 from prx_data.core.storage import storage_env
 from prx_data.export import append as A
-from prx_data.export.idindex import lookup_or_manifests, write_id_index
+from prx_data.export.idindex import (
+    IdIndex,
+    IdIndexError,
+    extend_id_index,
+    lookup_or_manifests,
+    open_index,
+    write_id_index,
+)
 from prx_data.export.lock import ExportLock
 from prx_data.export.merge import ExportReport, Merged, done_parts, merge_dropped, write_report
 from prx_data.export.naming import CONFIG_NAME, ExportError
@@ -148,9 +156,11 @@ class AppendSink:
         lock.check()  # the export is about to change: it must not look complete meanwhile
         for name in (REPORT_NAME, "report.txt"):
             storage.delete(storage.join(out, name))
+        before, _ = open_index(out)  # current for the old indexes: then extended, not rebuilt
         A.merge_appended(out, new, lease=lock)
         lock.check()
-        write_id_index(out, check=lock.check)
+        if open_index(out)[0] is None:  # (a resumed append may have got this far already)
+            self._id_index(before, new)
         results = done_parts(out)  # every unit of the export, old and appended
         unlisted = merge_dropped(ucfg, results, lease=lock)
         lists = self._lists(plan, new)
@@ -175,6 +185,18 @@ class AppendSink:
         release_table_version(ucfg, ds)
         A.drop_plan(out)
         return report
+
+    def _id_index(self, before: IdIndex | None, new: dict[str, dict[str, int]]) -> None:
+        """The id index extended by the new parts' rows, or (not current before the merge,
+        or an extension that does not add up) built afresh from every manifest."""
+        out, lock = self.cfg.out, self.lock
+        if before is not None:
+            try:
+                extend_id_index(out, before, new, check=lock.check)
+                return
+            except IdIndexError as e:  # the index was left unused: built afresh
+                warnings.warn(f"{out}: the id index is rebuilt ({e})", UserWarning, stacklevel=2)
+        write_id_index(out, check=lock.check)
 
     # --- refusals and the plan -------------------------------------------------------------
 
