@@ -47,6 +47,7 @@ from prx_data.export.idindex import (
     open_index,
     write_id_index,
 )
+from prx_data.export.layout import read_report
 from prx_data.export.lock import ExportLock
 from prx_data.export.merge import ExportReport, Merged, done_parts, merge_dropped, write_report
 from prx_data.export.naming import CONFIG_NAME, ExportError
@@ -180,7 +181,7 @@ class AppendSink:
             "seconds": round(time.perf_counter() - self.t0, 3),
         }
         merged = Merged(A.bucket_counts(out), tuple(unlisted))
-        seconds = time.perf_counter() - self.t0
+        seconds = plan.seconds_before + time.perf_counter() - self.t0
         report = write_report(config, results, merged, seconds, lists, lease=lock, append=summary)
         release_table_version(ucfg, ds)
         A.drop_plan(out)
@@ -304,13 +305,12 @@ class AppendSink:
         pin_table_version(replace(self.cfg, table_version=ds.version), ds)
         units = A.plan_units(d.todo, self.cfg.rows_per_task, ds.version)
         plan = A.AppendPlan(ds.version, previous.table_version, kind, units, d.counts)
+        plan.seconds_before = float((read_report(out) or {}).get("seconds") or 0.0)
         self.lock.check()
         A.write_plan(out, plan, d)
         return plan
 
     def _unchanged(self) -> ExportReport:
-        from prx_data.export.layout import read_report
-
         d = read_report(self.cfg.out) or {}
         report = ExportReport(**{k: v for k, v in d.items() if k in _REPORT_FIELDS})
         report.warnings = [

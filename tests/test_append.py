@@ -213,6 +213,16 @@ def test_a_crashed_append_never_looks_complete_and_resume_finishes_it(exported, 
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
 
 
+def test_one_run_at_a_time_holds_the_exports_lease(exported):
+    from prx_data.export.lock import ExportLock, ExportLocked
+
+    table, out = exported
+    make_table(table, _items(["n1"], seed=1), mode="append")
+    with ExportLock(out), pytest.raises(ExportLocked):
+        run_append(_cfg(table, out, append=True), RUN)
+    assert run_append(_cfg(table, out, append=True), RUN).append["counts"]["new"] == 1
+
+
 def test_settings_that_differ_and_overwrite_are_refused_in_one_line(exported, capsys):
     table, out = exported
     make_table(table, _items(["n1"], seed=1), mode="append")

@@ -45,6 +45,8 @@ examples:
   RAY_ADDRESS=auto python -m prx_data.write_mds --table ... --out ...   # on a cluster
   python -m prx_data.write_mds --table ... --out OUT --driver-rows 0  # Ray even for a tiny table
   python -m prx_data.write_mds --table ... --out OUT --resume        # finish a killed run
+  python -m prx_data.write_mds --table ... --out OUT --append        # add the table's new rows
+  python -m prx_data.write_mds --table ... --out OUT --append --resume  # finish a killed append
 """
 
 
@@ -68,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--resume",
         action="store_true",
-        help="Finish an interrupted export at --out with the same options.",
+        help="Finish an interrupted export at --out with the same options (with --append: "
+        "an interrupted append).",
     )
     p.add_argument(
         "--drop-lists",

@@ -108,6 +108,8 @@ class AppendPlan:
     units: list[AppendUnit] = field(default_factory=list)
     #: Rows by kind: new, changed, deleted, filtered, no_digest, re_added.
     counts: dict[str, int] = field(default_factory=dict)
+    #: The export's time so far (its report's ``seconds``): the report adds the append's.
+    seconds_before: float = 0.0
 
     def to_json(self) -> str:
         d = asdict(self)
