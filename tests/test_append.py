@@ -122,12 +122,18 @@ def test_append_of_nothing_says_so_and_writes_nothing(exported):
 
 def test_deleted_rows_go_to_the_deleted_list_and_do_not_stream(exported):
     table, out = exported
-    lance.dataset(table).delete("id IN ('r01', 'r05')")
+    # New rows in one fragment, one of them deleted before the append: the others are
+    # taken by their offsets among the fragment's live rows.
+    make_table(table, _items(["n1", "n2", "n3", "n4"], seed=1), mode="append")
+    lance.dataset(table).delete("id IN ('r01', 'r05', 'n2')")
     report = run_append(_cfg(table, out, append=True), RUN)
-    assert report.append["counts"]["deleted"] == 2
+    assert report.append["counts"]["deleted"] == 2 and report.append["counts"]["new"] == 3
     assert sorted(list_ids(out, "deleted").to_pylist()) == ["r01", "r05"]
     ids, _ = _streamed(out)
     assert sorted(ids) == _ids(table)
+    # An --overwrite writes the table afresh: the tree's own lists do not follow it.
+    report = run_export(_cfg(table, out), RUN, overwrite=True)
+    assert "deleted" not in report.lists and sorted(_streamed(out)[0]) == _ids(table)
 
 
 def test_a_changed_image_is_exported_again_and_its_old_sample_skipped(exported):
