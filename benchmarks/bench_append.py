@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.md:
         with open(args.md, "a") as f:
             f.write(
-                f"\n| {result['date']} | {args.rows:,} | {result['new_rows']:,} | "
+                f"| {result['date']} | {args.rows:,} | {result['new_rows']:,} | "
                 f"{append_s:.1f} | {full_s:.1f} | {result['ratio_append_over_full']:.3f} | "
                 f"{result['machine']} |\n"
             )

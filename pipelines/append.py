@@ -303,7 +303,7 @@ class AppendSink:
         if not len(d.todo) and not len(d.deleted) and not len(d.replaced):
             return None
         pin_table_version(replace(self.cfg, table_version=ds.version), ds)
-        units = A.plan_units(d.todo, self.cfg.rows_per_task, ds.version)
+        units = A.plan_units(d.todo, self.cfg.rows_per_task, ds.version, previous.min_units)
         plan = A.AppendPlan(ds.version, previous.table_version, kind, units, d.counts)
         plan.seconds_before = float((read_report(out) or {}).get("seconds") or 0.0)
         self.lock.check()

@@ -244,3 +244,28 @@ def test_settings_that_differ_and_overwrite_are_refused_in_one_line(exported, ca
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "settings differ" in err and "image_format" in err
     assert not os.path.exists(os.path.join(out, *naming.PROGRESS_DIR.split("/"), "append"))
+
+
+def test_the_plan_cuts_units_by_fragment_into_runs_of_offsets():
+    import pyarrow as pa
+
+    from prx_data.export.append import TODO_SCHEMA, plan_units
+
+    todo = pa.table(
+        {
+            "fragment_id": [3, 3, 3, 3, 3, 7, 7],
+            "offset": [0, 1, 2, 5, 6, 10, 11],
+            "id": list("abcdefg"),
+        },
+        schema=TODO_SCHEMA,
+    )
+    units = plan_units(todo, rows_per_task=4, version=9)
+    assert [(u.fragment_id, u.runs) for u in units] == [
+        (3, ((0, 3), (5, 6))),
+        (3, ((6, 7),)),
+        (7, ((10, 12),)),
+    ]
+    assert units[0].part == "a000009-f000003-000000000" and units[0].offsets() == [0, 1, 2, 5]
+    # A small append is cut into about min_units units (every core busy): ceil(7 / 3) rows each.
+    small = plan_units(todo, rows_per_task=1000, version=9, min_units=3)
+    assert [u.count for u in small] == [3, 2, 2]

@@ -356,10 +356,16 @@ def diff(table: Iterator[pa.Table], seen: Iterator[pa.Table], rows: int) -> Diff
     return Diff(todo_t, ids(deleted), ids(replaced), counts)
 
 
-def plan_units(todo: pa.Table, rows_per_task: int, version: int) -> list[AppendUnit]:
+def plan_units(
+    todo: pa.Table, rows_per_task: int, version: int, min_units: int | None = None
+) -> list[AppendUnit]:
     """Cut the rows to write (sorted by fragment and offset) into units of one fragment and
-    at most ``rows_per_task`` rows, each as runs of consecutive offsets."""
+    at most ``rows_per_task`` rows (and at most ``ceil(rows / min_units)``, so that a small
+    append still uses every core, as an export's plan does), each as runs of consecutive
+    offsets."""
     per_unit = max(1, rows_per_task)
+    if (min_units or 0) > 0 and len(todo):
+        per_unit = min(per_unit, -(-len(todo) // min_units))  # type: ignore[operator]
     frags = todo["fragment_id"].to_numpy()
     offs = todo["offset"].to_numpy()
     units: list[AppendUnit] = []
