@@ -159,6 +159,7 @@ def test_a_changed_image_is_exported_again_and_its_old_sample_skipped(exported):
     assert list_ids(out, "deleted").to_pylist() == []
     ids, shapes = _streamed(out)
     assert sorted(ids) == _ids(table)
+    assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
 
 
 def test_the_ledgers_opt_outs_are_left_out_while_appending(exported):
@@ -269,3 +270,36 @@ def test_the_plan_cuts_units_by_fragment_into_runs_of_offsets():
     # A small append is cut into about min_units units (every core busy): ceil(7 / 3) rows each.
     small = plan_units(todo, rows_per_task=1000, version=9, min_units=3)
     assert [u.count for u in small] == [3, 2, 2]
+
+
+@pytest.mark.remote
+def test_append_on_object_storage_with_a_crash_and_resume(s3_bucket, tmp_path, monkeypatch):
+    from prx_data.core import storage
+    from prx_data.export import layout
+
+    table, out = str(tmp_path / "t.lance"), f"s3://{s3_bucket}/exports/e"
+    make_table(table, _items([f"r{i:02d}" for i in range(6)]), max_rows_per_file=4)
+    run_export(_cfg(table, out), RUN)
+    old = {b: [s.basename for s in layout.read_index(out, b)] for b in layout.list_buckets(out)}
+    make_table(table, _items(["n1", "n2", "n3"], seed=1), mode="append")
+    lance.dataset(table).delete("id = 'r02'")
+    with monkeypatch.context() as m:
+        m.setattr(P.A, "write_record", lambda *a, **k: (_ for _ in ()).throw(_Crash()))
+        with pytest.raises(_Crash):
+            run_append(_cfg(table, out, append=True), RUN)
+    assert not is_complete(out)
+    report = run_append(_cfg(table, out, append=True), RUN, resume=True)
+    assert is_complete(out) and report.append["counts"] == {
+        "new": 3,
+        "changed": 0,
+        "deleted": 1,
+        "filtered": 0,
+        "no_digest": 0,
+        "re_added": 0,
+    }
+    for b, names in old.items():  # old entries first, in their order; new ones after
+        assert [s.basename for s in layout.read_index(out, b)][: len(names)] == names
+    assert list_ids(out, "deleted").to_pylist() == ["r02"]
+    assert not storage.exists(f"{out}/_progress/append/plan")
+    index, why = open_index(out)
+    assert index is not None and index.rows == 9, why
