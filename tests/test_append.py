@@ -303,3 +303,43 @@ def test_append_on_object_storage_with_a_crash_and_resume(s3_bucket, tmp_path, m
     assert not storage.exists(f"{out}/_progress/append/plan")
     index, why = open_index(out)
     assert index is not None and index.rows == 9, why
+
+
+@pytest.mark.faults
+def test_kill_9_mid_append_then_append_resume_finishes_it(exported):
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.exportkit import spawn_cli
+
+    table, out = exported
+    before = _shards(out)
+    make_table(table, _items([f"n{i:02d}" for i in range(24)], seed=1), mode="append")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo}
+    args = ["--table", table, "--out", out, "--tiers", "512", "--rows-per-task", "3"]
+    args += ["--min-units", "2", "--num-cpus", "1", "--no-progress", "--append"]
+    proc = spawn_cli(["prx_data.write_mds", *args], env)
+    plan = os.path.join(out, "_progress", "append", "plan")
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(plan) and proc.poll() is None:
+            assert time.time() < deadline, "the append did not start"
+            time.sleep(0.02)
+        time.sleep(random.Random(0).uniform(0.0, 1.5))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    cli_ = [sys.executable, "-m", "prx_data.write_mds", *args]
+    r = subprocess.run([*cli_, "--resume"], env=env, capture_output=True, text=True)
+    if r.returncode != 0:  # the kill came after the append finished: said in one line
+        assert "no interrupted append" in r.stderr, r.stderr[-2000:]
+    assert is_complete(out)
+    after = _shards(out)
+    assert {p: after[p] for p in before} == before
+    assert sorted(_streamed(out)[0]) == _ids(table)
+    assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
