@@ -47,7 +47,7 @@ from prx_data.core.runtime import (
     placement_cpus,
 )
 from prx_data.core.storage import storage_env
-from prx_data.export.append import plan_path
+from prx_data.export.append import plan_path, write_record
 from prx_data.export.idindex import write_id_index
 from prx_data.export.lock import ExportLock
 from prx_data.export.merge import ExportReport, merge, write_report
@@ -357,7 +357,7 @@ class ExportSink:
         return {p: results[p] for p in sorted(expected)}
 
     def on_write_complete(self, results: dict[str, UnitResult]) -> ExportReport:
-        """The export's end, in order: pack, merge, id index, skip lists, report.
+        """The export's end, in order: pack, merge, id index, skip lists, row record, report.
 
         The lease is checked before each step (and each step checks it again
         before each of its writes): a run that lost it stops there. ``report.json``
@@ -389,7 +389,9 @@ class ExportSink:
             lists = materialise(cfg.out, self.registry, lock, full=True)
         except ListError as e:
             raise ExportError(str(e)) from None
-        lock.check()  # 5. the report: report.txt, then report.json, the last file written
+        lock.check()  # 5. the row record: ids and digests of the version read, for --append
+        write_record(cfg.out, self.prepared.table)
+        lock.check()  # 6. the report: report.txt, then report.json, the last file written
         report = write_report(cfg, results, merged, seconds, lists, lease=lock)
         release_table_version(cfg, self.prepared.table)  # the version need not outlive cleanup
         return report

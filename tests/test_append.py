@@ -343,3 +343,29 @@ def test_kill_9_mid_append_then_append_resume_finishes_it(exported):
     assert {p: after[p] for p in before} == before
     assert sorted(_streamed(out)[0]) == _ids(table)
     assert verify_cli.main([out, "--deep", "--no-progress"]) == 0
+
+
+def test_an_export_without_a_row_record_compares_with_its_version_or_else_its_ids(exported):
+    import datetime as dt
+    import shutil
+
+    from prx_data.export.append import record_uri
+
+    table, out = exported
+    shutil.rmtree(record_uri(out))  # an export written before the record existed
+    lance.dataset(table).delete("id = 'r00'")
+    make_table(table, _items(["r00"], seed=7, size=(800, 600)), mode="append")
+    report = run_append(_cfg(table, out, append=True), RUN)
+    assert report.append["baseline"].startswith("table@")
+    assert report.append["counts"]["changed"] == 1
+    # Its version cleaned up too: only the id index says what it holds, with no digest. A
+    # changed image cannot be seen then: taken as unchanged, counted, and recorded from now on.
+    shutil.rmtree(record_uri(out))
+    lance.dataset(table).delete("id = 'r01'")
+    make_table(table, _items(["r01", "n1"], seed=8, size=(800, 600)), mode="append")
+    lance.dataset(table).cleanup_old_versions(older_than=dt.timedelta(0))
+    report = run_append(_cfg(table, out, append=True), RUN)
+    assert report.append["baseline"] == "id-index"
+    assert report.append["counts"]["changed"] == 0 and report.append["counts"]["new"] == 1
+    assert report.append["counts"]["no_digest"] == 9
+    assert sorted(_streamed(out)[0]) == _ids(table)

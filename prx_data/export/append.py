@@ -3,9 +3,10 @@
 An append compares the table now with what the export last saw, by row id:
 
 * the export's **row record** (``_progress/rows.lance``: ``id``, ``sha256`` of every row of
-  the table version it reached, written by each append), or, before its first append,
-  the table at the version the export recorded (``table_version`` in its config), or,
-  when that version was cleaned up, the ids of the export's id index with no digest;
+  the table version it reached, written at the end of every export and every append), or,
+  for an export written before the record existed, the table at the version the export
+  recorded (``table_version`` in its config), or, when that version was cleaned up, the
+  ids of the export's id index with no digest;
 * the table at its latest version (or ``--table-version``).
 
 Rows the export has not seen are **new**; rows it saw whose ``sha256`` differs are
