@@ -47,6 +47,7 @@ from prx_data.core.runtime import (
     placement_cpus,
 )
 from prx_data.core.storage import storage_env
+from prx_data.export.append import plan_path, write_record
 from prx_data.export.idindex import write_id_index
 from prx_data.export.lock import ExportLock
 from prx_data.export.merge import ExportReport, merge, write_report
@@ -223,6 +224,11 @@ def run_export(
             cluster named runs on threads of this process (0: always Ray); the export
             it writes is the same.
     """
+    if cfg.append:
+        raise ExportError(
+            "run_export writes a whole export; add to one with "
+            "prx_data.pipelines.append.run_append (write_mds --append)"
+        )
     try:
         cfg.encode.check()
     except ValueError as e:
@@ -278,6 +284,11 @@ class ExportSink:
         try:
             self.registry = Ledger.for_table(cfg.table, cfg.ledger)
             ours = list_top(cfg.out) and not foreign_entries(cfg.out)
+            if ours and self.resume and storage.exists(plan_path(cfg.out)):
+                raise ExportError(
+                    f"{cfg.out}: an append was interrupted, not the export; finish it with "
+                    "--append --resume"
+                )
             if ours and (self.overwrite or self.resume):
                 # The tree follows a ledger: an --overwrite or a resume from a copy of the
                 # table must not trade it for another (or an empty) one.
@@ -346,7 +357,7 @@ class ExportSink:
         return {p: results[p] for p in sorted(expected)}
 
     def on_write_complete(self, results: dict[str, UnitResult]) -> ExportReport:
-        """The export's end, in order: pack, merge, id index, skip lists, report.
+        """The export's end, in order: pack, merge, id index, skip lists, row record, report.
 
         The lease is checked before each step (and each step checks it again
         before each of its writes): a run that lost it stops there. ``report.json``
@@ -378,7 +389,9 @@ class ExportSink:
             lists = materialise(cfg.out, self.registry, lock, full=True)
         except ListError as e:
             raise ExportError(str(e)) from None
-        lock.check()  # 5. the report: report.txt, then report.json, the last file written
+        lock.check()  # 5. the row record: ids and digests of the version read, for --append
+        write_record(cfg.out, self.prepared.table)
+        lock.check()  # 6. the report: report.txt, then report.json, the last file written
         report = write_report(cfg, results, merged, seconds, lists, lease=lock)
         release_table_version(cfg, self.prepared.table)  # the version need not outlive cleanup
         return report

@@ -15,8 +15,14 @@ from prx_data.core.keys import sha256_hex
 from prx_data.core.schema import TABLE_SCHEMA
 
 
-def make_table(uri: str, items: list[tuple[str, bytes, str | None]], max_rows_per_file: int = 1024):
-    """items: (id, image bytes, caption). Header probing mirrors ingest."""
+def make_table(
+    uri: str,
+    items: list[tuple[str, bytes, str | None]],
+    max_rows_per_file: int = 1024,
+    mode: str = "create",
+):
+    """items: (id, image bytes, caption). Header probing mirrors ingest. ``mode="append"``
+    adds the rows to an existing table (new fragments, as an ingest of more images does)."""
     rows = {n: [] for n in TABLE_SCHEMA.names}
     for item_id, data, caption in items:
         try:
@@ -35,7 +41,7 @@ def make_table(uri: str, items: list[tuple[str, bytes, str | None]], max_rows_pe
         rows["probe_error"].append(err)
         rows["sha256"].append(sha256_hex(data) if data else None)
     table = pa.table(rows, schema=TABLE_SCHEMA)
-    return lance.write_dataset(table, uri, mode="create", max_rows_per_file=max_rows_per_file)
+    return lance.write_dataset(table, uri, mode=mode, max_rows_per_file=max_rows_per_file)
 
 
 def folder_items(items) -> list[tuple[str, bytes, str | None]]:

@@ -45,6 +45,8 @@ examples:
   RAY_ADDRESS=auto python -m prx_data.write_mds --table ... --out ...   # on a cluster
   python -m prx_data.write_mds --table ... --out OUT --driver-rows 0  # Ray even for a tiny table
   python -m prx_data.write_mds --table ... --out OUT --resume        # finish a killed run
+  python -m prx_data.write_mds --table ... --out OUT --append        # add the table's new rows
+  python -m prx_data.write_mds --table ... --out OUT --append --resume  # finish a killed append
 """
 
 
@@ -68,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--resume",
         action="store_true",
-        help="Finish an interrupted export at --out with the same options.",
+        help="Finish an interrupted export at --out with the same options (with --append: "
+        "an interrupted append).",
     )
     p.add_argument(
         "--drop-lists",
@@ -121,14 +124,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_args(ExportConfig, args)
     try:
         check_tiers(cfg.tiers)  # the command line has no bucket spec of its own
-        report = run_export(
-            cfg,
-            run,
-            overwrite=args.overwrite,
-            resume=args.resume,
-            lists=ListChanges(may_drop_lists=args.drop_lists, unregister_lists=args.drop_list),
-            driver_rows=args.driver_rows,
-        )
+        if cfg.append:
+            from prx_data.pipelines.append import run_append
+
+            if args.drop_lists or args.drop_list:
+                raise PrxDataError("--drop-lists and --drop-list do not apply to --append")
+            report = run_append(
+                cfg,
+                run,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                driver_rows=args.driver_rows,
+            )
+        else:
+            report = run_export(
+                cfg,
+                run,
+                overwrite=args.overwrite,
+                resume=args.resume,
+                lists=ListChanges(may_drop_lists=args.drop_lists, unregister_lists=args.drop_list),
+                driver_rows=args.driver_rows,
+            )
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

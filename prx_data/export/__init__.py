@@ -4,7 +4,8 @@ Modules by concern, each importing only those before it: ``naming`` (names and p
 the tree), ``bounded`` (bounded parallel reads), ``safety`` (confinement and deletion),
 ``layout`` (the tree as readers see it), ``durable`` (durable writes), ``spec`` (settings
 and records), ``merge`` (merge and report), ``prepare`` (output preparation), ``unit``
-(one work unit), ``pack`` (the pack stage). The job's start, units, completion and
+(one work unit), ``pack`` (the pack stage), ``append`` (what ``write_mds --append``
+adds to a complete export, and how it joins it). The job's start, units, completion and
 failure are :class:`prx_data.pipelines.write_mds.ExportSink`.
 """
 

@@ -25,7 +25,7 @@ import hashlib
 import io
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -274,6 +274,74 @@ def write_id_index(
     except (ValueError, OSError) as e:
         log.warning("%s: could not remove the previous build's files (%s)", uri, e)
     return IdIndexInfo(uri, rows, len(records))
+
+
+def extend_id_index(
+    out_root: str,
+    index: IdIndex,
+    parts: Mapping[str, Iterable[str]],
+    *,
+    check: Callable[[], None] = lambda: None,
+) -> IdIndexInfo:
+    """Add the manifest rows of new ``parts`` ({bucket: [part]}) to a current id index, as an
+    append wrote them after the index was opened: their rows appended as new data files,
+    one BTREE segment more (the old segments are not rebuilt), and the build record
+    updated for the touched buckets. Reads only the new parts' manifests.
+
+    ``index`` must have been current before the buckets' ``index.json`` gained the parts.
+    The record is cleared first and written last: a run killed in between leaves an index
+    :func:`open_index` does not use (the caller then rebuilds it, :func:`write_id_index`).
+    """
+    import lance
+
+    uri = index_uri(out_root)
+    ds = index.dataset
+    raw = (ds.metadata or {}).get(META_KEY)  # type: ignore[attr-defined]
+    record = json.loads(raw) if raw else {}
+    touched = sorted(parts)
+    check()
+    ds.update_metadata({META_KEY: None})  # type: ignore[attr-defined]
+    found: dict[str, dict] = {}
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for bucket in touched:
+            _, rec, known = _bucket_record(out_root, bucket)
+            found[bucket] = rec
+            for part in sorted(parts[bucket]):
+                t = _read_manifest(out_root, bucket, part, known[part])
+                yield from pa.table(
+                    {
+                        "id": t["id"].cast(pa.string()),
+                        "bucket": pa.array([bucket] * len(t), pa.string()),
+                        "shard": t["shard"].cast(pa.string()),
+                        "index": t["index"].cast(pa.int32()),
+                    },
+                    schema=SCHEMA,
+                ).to_batches()
+
+    reader = pa.RecordBatchReader.from_batches(SCHEMA, batches())
+    ds = lance.write_dataset(
+        reader, uri, mode="append", storage_options=_options(uri), max_rows_per_file=ROWS_PER_FILE
+    )
+    rows = ds.count_rows()
+    buckets = {**(record.get("buckets") or {}), **found}
+    expected = sum(int(b["samples"]) for b in buckets.values())
+    if rows != expected:
+        raise IdIndexError(f"{uri}: {rows} rows after the append, the buckets hold {expected}")
+    check()
+    if rows and index.rows:  # the new rows get a segment of their own
+        ds.optimize.optimize_indices(index_names=[BTREE_NAME], num_indices_to_merge=0)
+    elif rows:
+        ds = _build_btree(ds)
+    record = {
+        "format": FORMAT,
+        "version": 1,
+        "rows": rows,
+        "buckets": dict(sorted(buckets.items())),
+    }
+    check()
+    ds.update_metadata({META_KEY: json.dumps(record, sort_keys=True)})
+    return IdIndexInfo(uri, rows, len(buckets))
 
 
 @dataclass

@@ -106,6 +106,8 @@ class ExportReport(FailureCounts):
     warnings: list[str] = field(default_factory=list)
     #: Skip lists applied from the table's ledger: {list: {ids, samples, shards}}.
     lists: dict[str, dict] = field(default_factory=dict)
+    #: What the last ``--append`` added (rows by kind, versions); empty for a plain export.
+    append: dict = field(default_factory=dict)
 
     counted = "rows"
     job_label = "write_mds"
@@ -172,6 +174,19 @@ class ExportReport(FailureCounts):
                         else ""
                     )
                 )
+        if self.append:
+            a = self.append
+            c = a.get("counts", {})
+            lines += [
+                "",
+                f"last append: table version {a.get('base_version')} -> {a.get('version')} "
+                f"({a.get('units', 0)} units, {a.get('seconds', 0.0):.1f} s)",
+                "  "
+                + ", ".join(
+                    f"{k} {c.get(k, 0):,}"
+                    for k in ("new", "changed", "re_added", "deleted", "filtered", "no_digest")
+                ),
+            ]
         rate = self.rows_read / self.seconds if self.seconds else 0.0
         lines += ["", f"{self.units} work units in {self.seconds:.1f} s ({rate:,.1f} rows/s)"]
         return "\n".join(lines)
@@ -286,6 +301,7 @@ def write_report(
     seconds: float,
     lists: Mapping[str, dict] | None = None,
     lease: Lease | None = None,
+    append: Mapping | None = None,
 ) -> ExportReport:
     """The last step: ``report.txt``, then ``report.json`` (the export is complete).
 
@@ -329,6 +345,7 @@ def write_report(
         seconds=round(seconds, 3),
         warnings=found,
         lists=dict(lists or {}),
+        append=dict(append or {}),
     )
     _check(lease)
     storage.write_bytes_atomic(storage.join(cfg.out, "report.txt"), report.table_text().encode())

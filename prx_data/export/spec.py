@@ -181,6 +181,14 @@ class ExportConfig:
         type=int,
         help="Longer captions are truncated and counted (default: %(default)s).",
     )
+    append: bool = flag(
+        False,
+        "--append",
+        help="Add to the complete export at --out the rows of the table it does not hold yet "
+        "(by id), as new parts of the same buckets; rows deleted since go to its 'deleted' "
+        "skip list, a row whose image changed is exported again and its old sample skipped "
+        "('replaced'). Old shards are never touched. With --resume: finish a killed append.",
+    )
     #: Pinned table version (set by :func:`~prx_data.export.prepare.prepare_output`), so a resume reads the same rows.
     table_version: int | None = None
 
@@ -189,6 +197,15 @@ class ExportConfig:
         d = asdict(self)
         d.pop("out")
         d.pop("ledger")  # checked against the ledger the export records, not as a setting
+        d.pop("append")  # how this run adds to the export, not what a sample holds
+        return d
+
+    def sample_settings(self) -> dict:
+        """What decides a sample's bytes and where it goes: the settings an append must share
+        with the export it adds to (not the unit plan, the pack size or the version read)."""
+        d = self.fingerprint()
+        for k in ("table_version", "rows_per_task", "min_units", "shard_size"):
+            d.pop(k)
         return d
 
     @property
@@ -224,6 +241,59 @@ class WorkUnit:
         """The unit's key (:func:`~prx_data.export.naming.part_name`): its marker, dropped rows
         and staging folder. Its part folders are named by content (:attr:`UnitResult.parts`)."""
         return part_name(self.fragment_id, self.start)
+
+
+#: What an append's parts add to their ids' digest (:func:`append_salt`).
+_APPEND_SALT_PERSON = b"prx-append"
+
+
+def append_salt(version: int) -> int:
+    """What the parts an append writes at table ``version`` add to their ids' digest.
+
+    A row whose image changed is exported again under its id, so an appended part may hold
+    exactly the ids of an old part of its bucket; the salt keeps its name (and its packs')
+    apart from every old one, the same on every rerun and resume of that append."""
+    import hashlib
+
+    d = hashlib.blake2b(str(int(version)).encode(), digest_size=8, person=_APPEND_SALT_PERSON)
+    return int.from_bytes(d.digest(), "little")
+
+
+@dataclass(frozen=True)
+class AppendUnit:
+    """A work unit of ``write_mds --append``: rows of one fragment, taken by offset.
+
+    ``runs`` are ``[start, stop)`` ranges of row offsets in the fragment (its live rows,
+    as :meth:`lance.LanceFragment.take` counts them): new rows usually arrive as whole
+    fragments, so a unit is one run. ``start`` is the unit's first row in the append's
+    plan, ``version`` the table version the append reaches: together its key.
+    """
+
+    fragment_id: int
+    start: int
+    count: int
+    runs: tuple[tuple[int, int], ...]
+    version: int
+
+    @property
+    def part(self) -> str:
+        """The unit's key: its marker, dropped rows and staging folder (``a<version>-f...``)."""
+        return f"a{self.version:06d}-{part_name(self.fragment_id, self.start)}"
+
+    @property
+    def salt(self) -> int:
+        return append_salt(self.version)
+
+    def offsets(self) -> list[int]:
+        return [i for a, b in self.runs for i in range(a, b)]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> AppendUnit:
+        d = json.loads(text)
+        return cls(**{**d, "runs": tuple(tuple(r) for r in d["runs"])})
 
 
 @dataclass

@@ -50,6 +50,7 @@ from prx_data.export.safety import remove_tree
 from prx_data.export.spec import (
     DOWNLOAD_DROP,
     UNLISTED_REASONS,
+    AppendUnit,
     ExportConfig,
     UnitResult,
     WorkUnit,
@@ -92,7 +93,7 @@ def _probe_drop(row: dict) -> tuple[str, str]:
     return error, "the image header could not be read"
 
 
-def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
+def export_unit(cfg: ExportConfig, unit: WorkUnit | AppendUnit) -> UnitResult:
     """Process one work unit end to end; idempotent given the same config.
 
     A retried unit (Ray reruns it when its worker dies) meets what its first
@@ -115,7 +116,20 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit) -> UnitResult:
             remove_tree(stage)
 
 
-def _write_unit(cfg: ExportConfig, unit: WorkUnit, stage: str) -> UnitResult:
+def _unit_batches(frag, unit: WorkUnit | AppendUnit, projection: dict, read_cols: list[str]):
+    """The unit's rows: a fragment range, or (an append's unit) the rows at its offsets,
+    whose ``--filter`` the append's plan has already applied."""
+    if isinstance(unit, AppendUnit):
+        offsets = unit.offsets()
+        for i in range(0, len(offsets), 64):
+            yield from frag.take(offsets[i : i + 64], columns=read_cols).to_batches()
+        return
+    yield from frag.to_batches(
+        columns=projection, offset=unit.start, limit=unit.count, batch_size=64
+    )
+
+
+def _write_unit(cfg: ExportConfig, unit: WorkUnit | AppendUnit, stage: str) -> UnitResult:
     """:func:`export_unit` with its parts staged in ``stage`` (a local folder)."""
     from prx_data.core.streaming_compat import mds_writer
 
@@ -149,13 +163,12 @@ def _write_unit(cfg: ExportConfig, unit: WorkUnit, stage: str) -> UnitResult:
     kept = {c: columns[c] for c in cfg.keep_columns}
 
     projection = {c: c for c in read_cols}
-    if cfg.filter:
+    filtering = bool(cfg.filter) and not isinstance(unit, AppendUnit)
+    if filtering:
         # Evaluate the filter as a projected column so that the unit's row range stays
         # exactly the fragment rows [start, start + count) whatever the filter keeps.
         projection["_keep"] = f"coalesce(({cfg.filter}), false)"
-    batches = frag.to_batches(
-        columns=projection, offset=unit.start, limit=unit.count, batch_size=64
-    )
+    batches = _unit_batches(frag, unit, projection, read_cols)
     try:
         for batch in batches:
             out_rows = removed(optouts, batch)
@@ -164,7 +177,7 @@ def _write_unit(cfg: ExportConfig, unit: WorkUnit, stage: str) -> UnitResult:
                 if opted_out:
                     drop(row, OPTED_OUT)
                     continue
-                if cfg.filter and not row["_keep"]:
+                if filtering and not row["_keep"]:
                     drop(row, "filtered")
                     continue
                 if row.get("probe_error"):
@@ -235,9 +248,10 @@ def _write_unit(cfg: ExportConfig, unit: WorkUnit, stage: str) -> UnitResult:
             if refused is not None:
                 raise refused from None
             raise
+    salt = unit.salt if isinstance(unit, AppendUnit) else 0
     for name, id_list in ids.items():
         bdir = os.path.join(stage, *name.split("/"))
-        part = content_part_name(ids_digest(id_list))
+        part = content_part_name(ids_digest(id_list) + salt)
         os.rename(os.path.join(bdir, unit.part), os.path.join(bdir, part))
         result.bucket_bytes[name] = write_manifest(bdir, part, id_list)
         result.buckets[name] = len(id_list)

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from prx_data.core import storage
 from prx_data.core.errors import OutOfRange, UnknownName
 from prx_data.core.schema import MANIFEST_NAME
-from prx_data.export import bounded, idindex, layout, naming, safety
+from prx_data.export import append, bounded, idindex, layout, naming, safety
 from prx_data.skips.errors import ListError
 from prx_data.skips.log import unique_ids
 
@@ -149,6 +149,19 @@ def _coded(t: pa.Table, ids: pa.Array, offset: int) -> Iterator[tuple[str, pa.Ta
         yield b, t.filter(pa.array(m)), codes[m]
 
 
+def _is_live(root: str, bucket: str, sel: pa.Table, cache: dict[str, pa.Array]) -> np.ndarray:
+    """Per row of ``sel``: whether it is the current sample of a row an append exported again
+    (:func:`prx_data.export.append.update_live`); ``replaced`` skips every other sample."""
+    if bucket not in cache:
+        cache[bucket] = append.live_keys(root, bucket)
+    if not len(cache[bucket]):
+        return np.zeros(len(sel), bool)
+    keys = pc.binary_join_element_wise(
+        sel["shard"].cast(pa.string()), sel["index"].cast(pa.string()), "#"
+    )
+    return pc.is_in(keys, value_set=cache[bucket]).to_numpy(zero_copy_only=False)
+
+
 def bind(
     root: str, lists: Mapping[str, pa.Array], *, want_missing: Sequence[str] = ()
 ) -> dict[str, Bound]:
@@ -161,6 +174,7 @@ def bind(
     member = {n: pc.is_in(union, value_set=lists[n]).to_numpy(zero_copy_only=False) for n in names}
     found = np.zeros(len(union), bool)
     pieces: dict[str, dict[tuple[str, str], list[np.ndarray]]] = {}
+    live: dict[str, pa.Array] = {}
     if len(union):
         for bucket, sel, codes in _rows_of(root, union):
             found[codes] = True
@@ -170,6 +184,8 @@ def bind(
             index_col = sel["index"].to_numpy(zero_copy_only=False).astype(np.int64)
             for n in names:
                 m = member[n][codes]
+                if n.lstrip("+-") == append.REPLACED_LIST:  # a replaced row's current sample stays
+                    m = m & ~_is_live(root, bucket, sel, live)
                 if not m.any():
                     continue
                 sc, ix = shard_code[m], index_col[m]

@@ -56,6 +56,10 @@ from prx_data.skips.which import resolve
 
 #: A list that leaves out more than this share of an export is reported with a warning.
 WARN_SHARE = 0.10
+#: Lists that name samples of one tree, not rows of the table (``write_mds --append``'s:
+#: rows deleted since, and old samples of rows exported again). Never carried into the
+#: registry nor into another tree: a tree written afresh holds no such sample.
+TREE_LISTS = frozenset({"deleted", "replaced"})
 
 
 @dataclass
@@ -213,7 +217,7 @@ def carry(src: str, reg: Ledger, *, drop: Iterable[str] = ()) -> int:
     each where the registry holds nothing newer for that id. Returns the entries carried."""
     found = unlogged(src, read_state(src), drop)
     local = concat_entries([read_local(src), import_rows(found, 0, src) if found else None])
-    drop = set(drop)
+    drop = set(drop) | TREE_LISTS
     if drop:
         local = local.filter(pc.invert(pc.is_in(local["list"], value_set=pa.array(sorted(drop)))))
     last = latest(local)
@@ -245,9 +249,37 @@ def snapshot_local(src: str, dst: str, lease: Lease, *, drop: Iterable[str] = ()
     entries, _ = export_entries(src, None, None)
     found = unlogged(src, read_state(src), drop)
     lists = state(concat_entries([entries, import_rows(found, 0, src) if found else None]))
-    lists = {n: t for n, t in lists.items() if n not in set(drop)}
+    lists = {n: t for n, t in lists.items() if n not in set(drop) | TREE_LISTS}
     if lists:
         append_local(dst, lease, lambda seq: import_rows(lists, seq, src))
+
+
+def record_tree_changes(
+    root: str,
+    lease: Lease,
+    reg: Ledger | None,
+    changes: Mapping[str, tuple[pa.Array, pa.Array]],
+    prov: Provenance,
+) -> int:
+    """Record ``{list: (ids added, ids removed)}`` as the export's own entries, under the
+    export's ``lease`` that the caller holds (``write_mds --append``'s :data:`TREE_LISTS`).
+
+    Only the log changes here; the caller materialises the export afterwards. Returns
+    the export-only log's new position.
+    """
+    base = reg.head() if reg is not None else PENDING_BASE
+
+    def rows(seq: int) -> pa.Table:
+        out = []
+        for name, (add, remove) in sorted(changes.items()):
+            SL.validate_name(name)
+            for ids, op in ((remove, REMOVE), (add, ADD)):
+                if len(ids):
+                    kw = dict(seq=seq, base=base, kind=EXPORT_ONLY, export=root)
+                    out.append(log_rows(name, unique_ids(ids), op, prov, **kw))
+        return concat_entries(out)
+
+    return append_local(root, lease, rows)
 
 
 def remove_list(reg: Ledger, name: str, prov: Provenance) -> int:
