@@ -40,9 +40,11 @@ class Job:
 
         Jobs catch the errors they expect; this is the net under them, so a user
         error never reaches the terminal as a traceback (exit 2 for a usage
-        error, 1 otherwise). Anything else is a bug and keeps its traceback.
+        error, 1 otherwise). A path that is not UTF-8, which Arrow and Lance fail on
+        deep down without naming it, is one line naming it too (exit 2). Anything
+        else is a bug and keeps its traceback.
         """
-        from prx_data.core.errors import PrxDataError, UsageError
+        from prx_data.core.errors import PrxDataError, UsageError, undecodable_path
 
         try:
             return int(self.load().main(argv) or 0)
@@ -50,6 +52,12 @@ class Job:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(f"error: {first}", file=sys.stderr)
             return 2 if isinstance(e, UsageError) else 1
+        except UnicodeEncodeError as e:  # a non-UTF-8 file name, met wherever Arrow reads it
+            message = undecodable_path(e)
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
+            return 2
 
 
 JOBS: dict[str, Job] = {
