@@ -838,7 +838,9 @@ def run_ingest(cfg: IngestConfig) -> IngestReport:
             }
     else:
         schema = output_schema(extra, None)
-        kind, write_mode = "overwrite", "overwrite"
+        # Staging into a table that is not there yet is "create": Lance warns at every
+        # fragment that an "overwrite" or "append" found no dataset to write over.
+        kind, write_mode = "overwrite", ("overwrite" if exists else "create")
         if exists:
             pinned = T.open_table(cfg.table_uri, cfg.storage_options)
     read_version = pinned.version if pinned is not None else None

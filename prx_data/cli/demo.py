@@ -166,19 +166,23 @@ def run_demo(
     print()
     print(report.table_text())
     print(f"\nreport: {os.path.join(out, 'report.json')}")
-    print(
-        "\nnext:\n"
-        f"  python -m prx_data.stats --table {table} --out {workdir}/stats\n"
-        f"  python -m prx_data.explore --table {table} --build-indexes\n"
-        f"  python -m prx_data.skips stats {out}\n"
-        f"  python -m prx_data.caption --table {table} --backend transformers "
-        f"--model {workdir}/tiny-vlm --max-tokens 16 --limit 8\n"
-        f"  python -m prx_data.score clip --table {table} --model {workdir}/tiny-clip\n"
-        "  python -m prx_data.train configs/train/smoke_cpu.yaml\n"
-        "  composer -n 2 -m prx_data.train configs/train/smoke_latent_cpu.yaml\n"
-        "(README.md, 'Every job': one offline command per job)"
-    )
+    print("\nnext:\n" + "".join(f"  {c}\n" for c in next_steps(workdir, table, out)), end="")
+    print("(README.md, 'Every job': one offline command per job)")
     return report.to_dict()
+
+
+def next_steps(workdir: str, table: str, out: str) -> list[str]:
+    """The commands the demo suggests next: rows of the README's job table, spelled for
+    ``workdir`` (tests/test_readme_jobs.py checks that the default's are in the table)."""
+    return [
+        f"python -m prx_data.stats --table {table} --out {workdir}/stats",
+        f"python -m prx_data.skips stats {out}",
+        f"python -m prx_data.caption --table {table} --backend transformers "
+        f"--model {workdir}/tiny-vlm --max-tokens 16 --limit 8",
+        f"python -m prx_data.score clip --table {table} --model {workdir}/tiny-clip --engine local",
+        "python -m prx_data.train configs/train/smoke_cpu.yaml",
+        "composer -n 2 -m prx_data.train configs/train/smoke_latent_cpu.yaml",
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,29 @@ __all__ = [
     "finish_run",
     "report_options_from_args",
 ]
+
+
+@contextmanager
+def warnings_once(reported: set[str]) -> Iterator[set[str]]:
+    """Show each warning raised inside once, as ``warning: <message>``, after the block,
+    leaving out those the job's own report prints (the messages added to ``reported``).
+
+    A job that lists its warnings in its report would otherwise show each twice
+    (Python's ``file:line: UserWarning`` form first, then the report's list), and
+    the same message from several threads more often still. Warnings already
+    filtered out (:func:`prx_data.core.runtime.quiet_logs`) stay out; when the block
+    raises, every warning is still shown once.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            yield reported
+        finally:
+            shown = set(reported)
+            for w in caught:
+                message = str(w.message)
+                if message not in shown:
+                    shown.add(message)
+                    print(f"warning: {message}", file=sys.stderr)
 
 
 def print_error(e: BaseException, prefix: str = "error") -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prx_data.cli.reporting import add_report_args, finish, finish_run, report_options_from_args
+from prx_data.cli.reporting import (
+    add_report_args,
+    finish,
+    finish_run,
+    report_options_from_args,
+    warnings_once,
+)
 from prx_data.core.buckets import check_tiers
 from prx_data.core.errors import PrxDataError
 from prx_data.core.flags import add_flags, from_args
@@ -124,27 +130,31 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_args(ExportConfig, args)
     try:
         check_tiers(cfg.tiers)  # the command line has no bucket spec of its own
-        if cfg.append:
-            from prx_data.pipelines.append import run_append
+        if cfg.append and (args.drop_lists or args.drop_list):
+            raise PrxDataError("--drop-lists and --drop-list do not apply to --append")
+        with warnings_once(set()) as reported:  # the report lists its warnings: once
+            if cfg.append:
+                from prx_data.pipelines.append import run_append
 
-            if args.drop_lists or args.drop_list:
-                raise PrxDataError("--drop-lists and --drop-list do not apply to --append")
-            report = run_append(
-                cfg,
-                run,
-                resume=args.resume,
-                overwrite=args.overwrite,
-                driver_rows=args.driver_rows,
-            )
-        else:
-            report = run_export(
-                cfg,
-                run,
-                overwrite=args.overwrite,
-                resume=args.resume,
-                lists=ListChanges(may_drop_lists=args.drop_lists, unregister_lists=args.drop_list),
-                driver_rows=args.driver_rows,
-            )
+                report = run_append(
+                    cfg,
+                    run,
+                    resume=args.resume,
+                    overwrite=args.overwrite,
+                    driver_rows=args.driver_rows,
+                )
+            else:
+                report = run_export(
+                    cfg,
+                    run,
+                    overwrite=args.overwrite,
+                    resume=args.resume,
+                    lists=ListChanges(
+                        may_drop_lists=args.drop_lists, unregister_lists=args.drop_list
+                    ),
+                    driver_rows=args.driver_rows,
+                )
+            reported.update(report.warnings)
     except PrxDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

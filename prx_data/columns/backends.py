@@ -285,7 +285,9 @@ class TransformersBackend(Backend):
             self.tokenizer = self.processor
             auto = tf.AutoModelForCausalLM
         else:
-            self.processor = tf.AutoProcessor.from_pretrained(model, **kwargs)
+            # use_fast=True is what transformers now picks for VLM image processors
+            # anyway; left unset, it says so at every load (a notice nobody can act on).
+            self.processor = tf.AutoProcessor.from_pretrained(model, use_fast=True, **kwargs)
             self.tokenizer = self.processor.tokenizer
             auto = getattr(tf, "AutoModelForImageTextToText", None) or tf.AutoModelForVision2Seq
         # Decoder-only generation needs left padding so new tokens line up.

@@ -145,8 +145,9 @@ class ColumnReport(FailureCounts):
             f"{self.rows:,} rows in {self.seconds:.1f} s ({self.rows_per_s:,.1f} rows/s; "
             f"{self.steady_rows_per_s:,.1f} rows/s after {self.first_result_s:.1f} s start-up) "
             f"-> {', '.join(self.columns)} of {self.table}",
-            f"  {counts or 'nothing to do'}",
         ]
+        if counts or not any(n.startswith("nothing to do") for n in self.notes):
+            lines.append(f"  {counts or 'nothing to do'}")  # a note saying why is said once
         for reason, n in sorted(self.reasons.items(), key=lambda kv: -kv[1])[:10]:
             lines.append(f"  {n:,} x {reason}")
         lines.extend(f"  {note}" for note in self.notes)

@@ -8,6 +8,7 @@ exit would hide that. ``--max-error-rate`` (default 0.2) draws the line.
 from __future__ import annotations
 
 import argparse
+import os
 
 DEFAULT_MAX_ERROR_RATE = 0.2
 
@@ -50,6 +51,23 @@ class Conflict(PrxDataError, RuntimeError):
 
 class ErrorRateExceeded(PrxDataError, RuntimeError):
     """More items failed than ``--max-error-rate`` allows."""
+
+
+def undecodable_path(e: UnicodeEncodeError) -> str | None:
+    """The one-line message for a path that is not UTF-8, or None if ``e`` is not about one.
+
+    Python decodes a non-UTF-8 file name with ``surrogateescape``; Arrow and
+    Lance take only UTF-8 paths, so such a name fails deep inside them as an
+    encoding error that names no path. The string being encoded is the path;
+    it is shown as the bytes the file system holds.
+    """
+    if not (isinstance(e.object, str) and "surrogates not allowed" in str(e.reason)):
+        return None
+    raw = os.fsencode(e.object)
+    return (
+        f"path {raw!r} is not valid UTF-8: Arrow and Lance read UTF-8 paths only; "
+        "rename it (e.g. convmv -f latin1 -t utf8 --notest)"
+    )
 
 
 def read_user_text(path: str, what: str) -> str:

@@ -93,10 +93,31 @@ def _chunks(values: Sequence, n: int = LOOKUP_CHUNK):
         yield list(values[i : i + n])
 
 
+def _isin(column: str, typ: pa.DataType, values: list):
+    """A filter keeping the rows whose ``column`` is one of ``values``.
+
+    pHashes are 64-bit patterns: dedup stores them as uint64, so half of them
+    overflow the int64 Arrow infers from Python ints, and Lance cannot push an
+    Arrow expression on a uint64 column down; integers are therefore matched by
+    SQL literals, with the same bits reinterpreted for a table that stored them
+    signed.
+    """
+    if not pa.types.is_integer(typ):
+        return pc.field(column).isin(values)
+    bits = typ.bit_width
+    mask, sign = (1 << bits) - 1, 1 << (bits - 1)
+    if pa.types.is_signed_integer(typ):
+        ints = [((int(v) & mask) ^ sign) - sign for v in values if v is not None]
+    else:
+        ints = [int(v) & mask for v in values if v is not None]
+    return f"{column} IN ({', '.join(map(str, ints))})" if ints else "false"
+
+
 def _scan(ds, columns: list[str], column: str, values: Sequence) -> pa.Table:
     cols = [c for c in columns if c in ds.schema.names]
+    typ = ds.schema.field(column).type
     parts = [
-        ds.to_table(columns=cols, filter=pc.field(column).isin(chunk))
+        ds.to_table(columns=cols, filter=_isin(column, typ, chunk))
         for chunk in _chunks(list(values))
     ]
     return pa.concat_tables(parts) if parts else pa.table({c: [] for c in cols})
@@ -125,6 +146,7 @@ def keys_of(tables: Sequence[str], ids: Sequence[str]) -> pa.Table:
             if not digest and got.get(S.IMAGE) and got[S.IMAGE][k]:
                 digest = sha256_hex(got[S.IMAGE][k])
             ph = got[S.PHASH][k]
+            ph = None if ph is None else ph & ((1 << 64) - 1)  # a signed column's bits
             rows.setdefault(rid, (digest or None, ph))
     order = sorted(rows)
     return pa.table(

@@ -34,6 +34,8 @@ NOTICES = (
 
 #: Libraries whose deprecation notices are theirs to act on, not the user's.
 LIBRARIES = r"(diffusers|transformers|torch|composer|streaming|accelerate|torchmetrics)(\.|$)"
+#: Lance's warning at every fork (see :func:`quiet_logs`).
+LANCE_FORK = r"lance is not fork-safe"
 #: Library deprecation warnings (category, message pattern) users of this toolkit cannot act on.
 DEPRECATIONS = (
     (FutureWarning, r".*"),
@@ -85,3 +87,6 @@ def quiet_logs(level: str = "INFO") -> None:
     logging.captureWarnings(True)  # warnings go through the same filter: each once
     for category, pattern in DEPRECATIONS:
         warnings.filterwarnings("ignore", message=pattern, category=category, module=LIBRARIES)
+    # Lance warns at every fork once it is imported (a ledger or table read by the run);
+    # the DataLoader's forked workers read MDS shards only, never a Lance handle.
+    warnings.filterwarnings("ignore", message=LANCE_FORK, category=UserWarning)

@@ -52,7 +52,16 @@ def load_autoencoder(name_or_path: str, subfolder: str | None, dtype: torch.dtyp
             "autoencoder folder or hub id (the demo writes a tiny one: python -m prx_data.demo)"
         ) from None
     cls = _vae_class(str(config.get("_class_name", "?")))
-    return cls.from_pretrained(name_or_path, torch_dtype=dtype, **kw)
+    return cls.from_pretrained(name_or_path, torch_dtype=dtype, **kw, **_plain_load())
+
+
+def _plain_load() -> dict:
+    """``low_cpu_mem_usage=False`` where ``accelerate`` is not installed, which is what
+    diffusers falls back to anyway; said explicitly, it loads without a notice
+    recommending ``pip install accelerate`` at every load (twice per latents job)."""
+    from diffusers.utils import is_accelerate_available
+
+    return {} if is_accelerate_available() else {"low_cpu_mem_usage": False}
 
 
 #: Files of a diffusers model folder that hold its weights (hashed by :func:`weights_digest`).
