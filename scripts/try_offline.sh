@@ -46,6 +46,7 @@ step python -m prx_data.dedup --table demo_out/table.lance --export demo_out/exp
 step python -m prx_data.semdedup --table demo_out/table.lance --engine local
 step python -m prx_data.optout --export demo_out/export --name optout-demo --ids demo_out/optout.txt
 step python -m prx_data.latents demo_out/export --vae demo_out/tiny-vae --tiers 512
+step python -m prx_data.attach demo_out/export --table demo_out/table.lance --columns source,format
 step python -m prx_data.write_mds --table demo_out/table.lance --out demo_out/export-2 --overwrite
 step python -m prx_data.adopt demo_out/plain-mds
 step python -m prx_data.verify demo_out/export --deep

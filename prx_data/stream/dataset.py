@@ -45,6 +45,7 @@ from prx_data.core.errors import UnknownName, UsageError
 from prx_data.core.streaming_compat import World, maybe_init_dist, quiet_shared_memory
 from prx_data.export import latents as latents_store
 from prx_data.skips.reader import SkipMDSReader
+from prx_data.stream import attached as attached_columns
 from prx_data.stream import cache as shard_cache
 from prx_data.stream import foreign as foreign_tree
 from prx_data.stream import midepoch, planner
@@ -268,6 +269,11 @@ class BucketedDataset(StreamingDataset):
         self.latents = bool(latents)
         #: Per stream with latents: (export root, storage dtype, one latent's shape).
         self.stream_latents: list[tuple[str, str, tuple[int, int, int]] | None] = []
+        #: Per stream: its export's attached columns (:mod:`.attached`) and, per column
+        #: served from one, its record entry per shard basename (empty: all from the shards).
+        self.stream_attached: list[
+            tuple[attached_columns.DatasetColumns, dict[str, dict[str, dict]]] | None
+        ] = []
         destroy_dist = maybe_init_dist()
         try:
             world = World.detect()
@@ -300,17 +306,32 @@ class BucketedDataset(StreamingDataset):
             self.stream_foreign: list[tuple[foreign_tree.ForeignColumns, Any] | None] = []
             decisions = self.plan.decisions()
             records: dict[str, dict] = {}  # export root -> its latents record
+            wanted = (*self.caption_columns, *self.extra_columns)
             for di, src in enumerate(sources):
+                cols = None
+                if not any(b.foreign is not None for b in src):
+                    cols = attached_columns.load_columns(
+                        specs[di].root, specs[di].local, wanted, is_leader=world.is_local_leader
+                    )
                 for b in src:
                     bp = decisions[(di, b.bucket)]
                     if bp.excluded or bp.choose == 0:
                         continue
+                    per_column = (
+                        attached_columns.bucket_columns(cols, b.bucket, b.shards)
+                        if cols is not None and cols.records
+                        else {}
+                    )
+                    self.stream_attached.append((cols, per_column) if per_column else None)
                     streams.append(
                         SkipStream(
                             remote=b.remote,
                             local=b.local,
                             choose=bp.choose,
                             skips=b.skips,
+                            extras=attached_columns.shard_files(cols, b.bucket, per_column)
+                            if per_column
+                            else None,
                         )
                     )
                     if b.foreign is not None:
@@ -393,20 +414,41 @@ class BucketedDataset(StreamingDataset):
         }
         if self.latents:
             item["latent"] = self._latent(shard_id, k, stream, self.stream_info[stream][1])
+        att = self.stream_attached[stream]
         for c in self.caption_columns:
+            if att is not None and c in att[1]:
+                item[c] = self._attached(shard_id, k, stream, c)
+                continue
             if c not in raw:
                 raise UnknownName(
-                    f"caption column {c!r} is not in the export (columns: {sorted(raw)})"
+                    f"caption column {c!r} is not in the export (columns: {sorted(raw)}); "
+                    "attach it with python -m prx_data.attach"
                 )
             item[c] = raw[c]
         for c in self.extra_columns:
+            if att is not None and c in att[1]:
+                item[c] = self._attached(shard_id, k, stream, c)
+                continue
             if c not in raw:
                 raise UnknownName(
                     f"extra column {c!r} is not in the export (columns: {sorted(raw)}); "
-                    "export it with write_mds --keep-columns"
+                    "export it with write_mds --keep-columns, or attach it with python -m "
+                    "prx_data.attach"
                 )
             item[c] = raw[c]
         return item
+
+    def _attached(self, shard_id: int, k: int, stream: int, name: str) -> Any:
+        """The attached column ``name`` of the ``k``-th served sample of a shard."""
+        cols, per_column = self.stream_attached[stream]
+        reader = self.shards[shard_id]
+        stored = reader.stored_index(k) if isinstance(reader, SkipMDSReader) else k
+        basename = reader.raw_data.basename
+        bucket = self.stream_info[stream][1]
+        local = self.streams[stream].local
+        return attached_columns.value(
+            cols, name, bucket, basename, per_column[name][basename], stored, local
+        )
 
     def _latent(self, shard_id: int, k: int, stream: int, bucket: str) -> torch.Tensor:
         """The precomputed latent of the ``k``-th served sample of a shard (its stored index)."""
