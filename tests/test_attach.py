@@ -245,3 +245,37 @@ def test_remote_columns_come_with_their_shard_into_the_cache_and_leave_with_it(
             del ds
             gc.collect()
             clean_stale_shared_memory()
+
+
+def test_remote_latents_stream_from_s3_as_the_local_ones(
+    tmp_path, export, s3_bucket, moto_server, monkeypatch
+):
+    """Precomputed latents of an ``s3://`` export: record read once per node into the cache,
+    each shard's ``.npy`` fetched with it; the same latents as the local export serves."""
+    import numpy as np
+    from prx_data.pipelines.latents import LatentsConfig, run_latents
+
+    from prx_data.core.runtime import RunOptions
+    from prx_data.train.vae import save_tiny_autoencoder
+
+    monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)
+    vae = save_tiny_autoencoder(str(tmp_path / "vae"))
+    run_latents(
+        LatentsConfig(
+            out=export.root,
+            vae=vae,
+            dtype="float32",
+            run=RunOptions(progress=False, engine="local"),
+        )
+    )
+    root = f"s3://{s3_bucket}/ex"
+    upload_tree(export.root, root)
+    local = {i["id"]: i["latent"] for i in _items(DatasetSpec(export.root), latents=True)}
+    cache = str(tmp_path / "cache")
+    remote = {i["id"]: i["latent"] for i in _items(DatasetSpec(root, local=cache), latents=True)}
+    assert sorted(remote) == sorted(local)
+    assert all(np.array_equal(remote[k].numpy(), local[k].numpy()) for k in local)
+    from prx_data.export import latents as L
+
+    npys = [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".npy")]
+    assert len(npys) == len(L.read_record(export.root)["shards"])  # one per shard, in the cache

@@ -131,38 +131,37 @@ def decode(data: bytes, name: str, want: pa.DataType, samples: int, where: str) 
     return table.column(0).combine_chunks()
 
 
+def _record_args(name: str) -> dict[str, Any]:
+    return {
+        "fmt": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "error": AttachedError,
+        "job": JOB,
+        "args": f"--table TABLE --columns {name}",
+    }
+
+
 def read_record(root: str, name: str) -> dict[str, Any] | None:
     """The record of column ``name`` of the export at ``root``, or None when it has none."""
-    return bound.read_record(
-        root,
-        record_rel(name),
-        fmt=RECORD_FORMAT,
-        version=RECORD_VERSION,
-        max_bytes=MAX_RECORD_BYTES,
-        error=AttachedError,
-        job=JOB,
-        args=f"--table TABLE --columns {name}",
+    record = bound.read_record(
+        root, record_rel(name), max_bytes=MAX_RECORD_BYTES, **_record_args(name)
     )
+    return None if record is None else _named(record, root, name)
 
 
-def parse_record(data: bytes, where: str, name: str) -> dict[str, Any]:
-    """A record read from elsewhere (a node's cache of a remote export), checked the same way."""
-    import json
+def parse_record(raw: bytes, root: str, name: str) -> dict[str, Any]:
+    """A record's bytes read elsewhere (a node's cache of a remote export), checked the same
+    way as :func:`read_record` checks them."""
+    record = bound.parse_record(raw, root, record_rel(name), **_record_args(name))
+    return _named(record, root, name)
 
-    try:
-        record = json.loads(data)
-    except ValueError:
-        raise AttachedError(f"{where}: not an attached column record (bad JSON)") from None
-    if (
-        not isinstance(record, dict)
-        or record.get("format") != RECORD_FORMAT
-        or record.get("version") != RECORD_VERSION
-        or record.get("column") != name
-        or not isinstance(record.get("shards"), dict)
-    ):
-        raise AttachedError(f"{where}: not a version {RECORD_VERSION} record of column {name!r}")
-    for key in record["shards"]:
-        bound.check_key(key, AttachedError)
+
+def _named(record: dict[str, Any], root: str, name: str) -> dict[str, Any]:
+    if record.get("column") != name:
+        raise AttachedError(
+            f"{storage.join(root, record_rel(name))}: a record of column "
+            f"{record.get('column')!r}, not {name!r}; run {JOB} again"
+        )
     return record
 
 

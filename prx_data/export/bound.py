@@ -149,17 +149,34 @@ def read_record(
     job: str,
     args: str,
 ) -> dict[str, Any] | None:
-    """A record (JSON) at ``root/rel``, checked: its format, version, and every shard key.
+    """A record (JSON) at ``root/rel``, checked by :func:`parse_record`; None when there is none.
 
-    None when there is none. ``job`` (``python -m prx_data.<job>``) and its ``args``
-    make it again, for the one-line errors.
+    ``job`` (``python -m prx_data.<job>``) and its ``args`` make it again, for the
+    one-line errors.
     """
-    redo = f"{job} {root} {args}"
     path = storage.join(root, *rel.split("/"))
     try:
         raw = confined.read(root, path, max_bytes)
     except (FileNotFoundError, NotFound):
         return None
+    return parse_record(raw, root, rel, fmt=fmt, version=version, error=error, job=job, args=args)
+
+
+def parse_record(
+    raw: bytes,
+    root: str,
+    rel: str,
+    *,
+    fmt: str,
+    version: int,
+    error: type[PrxDataError],
+    job: str,
+    args: str,
+) -> dict[str, Any]:
+    """A record's bytes (read from the export, or from a node's cache of a remote one),
+    checked: its format, its version, and every shard key."""
+    path = storage.join(root, *rel.split("/"))
+    redo = f"{job} {root} {args}"
     try:
         record = json.loads(raw)
     except ValueError:

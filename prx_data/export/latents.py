@@ -143,6 +143,8 @@ def load_npy(
     key: str,
     dtype: str,
     shape: tuple[int, ...] | None = None,
+    *,
+    cached: tuple[str, str] | None = None,
 ) -> np.ndarray:
     """A shard's latents, memory-mapped, after checking what the file is and holds.
 
@@ -152,12 +154,16 @@ def load_npy(
     and give the record's storage ``dtype`` and, when given, ``shape``
     (``[samples, C, H/f, W/f]``). Finiteness is checked per sample by the loader
     (:func:`sample_latent`): a whole-file check would read every shard at start.
+    ``cached`` reads the copy of a remote export's file that the loader fetched with its
+    shard, ``(folder it must stay inside, its path)``, instead.
     """
     import errno
     import stat
 
     path = npy_path(root, check_key(key))
     base = storage.join(root, LATENTS_DIR)
+    if cached is not None:  # (folder, path in it): a node's cache of a remote export's file
+        base, path = cached
     try:
         real = confined.confined(base).resolve(path)
     except confined.UnsafeFileError as e:
@@ -214,17 +220,44 @@ def sample_latent(stored: np.ndarray, dtype: str, where: str) -> np.ndarray:
     return out
 
 
+def _record_args() -> dict[str, Any]:
+    return {
+        "fmt": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "error": LatentsError,
+        "job": "python -m prx_data.latents",
+        "args": "--vae VAE",
+    }
+
+
 def read_record(root: str) -> dict[str, Any] | None:
     """The export's latents record, or None when it has none."""
-    return bound.read_record(
-        root,
-        RECORD_NAME,
-        fmt=RECORD_FORMAT,
-        version=RECORD_VERSION,
-        max_bytes=MAX_RECORD_BYTES,
-        error=LatentsError,
-        job="python -m prx_data.latents",
-        args="--vae VAE",
+    return bound.read_record(root, RECORD_NAME, max_bytes=MAX_RECORD_BYTES, **_record_args())
+
+
+def parse_record(raw: bytes, root: str) -> dict[str, Any]:
+    """A latents record's bytes read elsewhere (a node's cache of a remote export), checked
+    as :func:`read_record` checks them."""
+    return bound.parse_record(raw, root, RECORD_NAME, **_record_args())
+
+
+def cache_rel(key: str, digest: str) -> str:
+    """Where a remote export's latents of shard ``key`` lie in the node's cache, relative to
+    the cached bucket folder; named by the file's digest, so a re-encoded file is another
+    file, never a stale copy."""
+    import re
+
+    stem = check_key(key).split("/", 2)[2].split(".mds", 1)[0]
+    if not re.fullmatch(r"[0-9a-f]{1,32}", str(digest)):
+        raise LatentsError(f"{digest!r}: not an xxh64 digest of a latents file")
+    return f"{LATENTS_DIR}/{stem}.{digest}.npy"
+
+
+def no_latents(root: str) -> LatentsError:
+    """The one line for an export without latents."""
+    return LatentsError(
+        f"{root}: no precomputed latents (no {RECORD_NAME}); run python -m prx_data.latents "
+        f"{root} --vae VAE, or set vae.source: encode"
     )
 
 
@@ -232,10 +265,7 @@ def require_record(root: str) -> dict[str, Any]:
     """:func:`read_record`, refusing an export without latents in one line."""
     record = read_record(root)
     if record is None:
-        raise LatentsError(
-            f"{root}: no precomputed latents (no {RECORD_NAME}); run python -m prx_data.latents "
-            f"{root} --vae VAE, or set vae.source: encode"
-        )
+        raise no_latents(root)
     return record
 
 

@@ -45,95 +45,125 @@ class DatasetColumns:
     root: str
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
     types: dict[str, pa.DataType] = field(default_factory=dict)
+    #: Each column's type as its record spells it (a hashable key of the per-process cache).
+    type_texts: dict[str, str] = field(default_factory=dict)
 
     @property
     def remote(self) -> bool:
         return storage.is_remote(self.root)
 
 
-def _read_raw(root: str, name: str) -> bytes | None:
-    path = storage.join(root, *A.record_rel(name).split("/"))
-    try:
-        return confined.read(root, path, A.MAX_RECORD_BYTES)
-    except (FileNotFoundError, NotFound):
-        return None
+def fetch_small(
+    root: str, local: str | None, rels: Sequence[str], *, is_leader: bool, what: str
+) -> dict[str, bytes]:
+    """The bytes of whichever of ``rels`` (small files, relative to the export root) exist.
+
+    On a remote export the node's leader reads them into ``local`` (the node's
+    cache; a copy of a file the export no longer has is removed) and the other
+    ranks read that copy, making no remote request. On a local export they are
+    read in place. Reads are confined to the export and capped.
+    """
+    rels = list(dict.fromkeys(rels))
+    out: dict[str, bytes] = {}
+
+    def read(rel: str) -> bytes | None:
+        try:
+            return confined.read(root, storage.join(root, *rel.split("/")), A.MAX_RECORD_BYTES)
+        except (FileNotFoundError, NotFound):
+            return None
+
+    if not storage.is_remote(root):
+        for rel in rels:
+            raw = read(rel)
+            if raw is not None:
+                out[rel] = raw
+        return out
+    assert local is not None  # load_sources refused a remote root without a cache
+    key = hashlib.sha1("\n".join(sorted(rels)).encode()).hexdigest()[:12]
+    marker = os.path.join(local, f"{MARKER_PREFIX}{key}.txt")
+
+    def cached(rel: str) -> str:
+        return os.path.join(local, *rel.split("/"))
+
+    if is_leader:
+
+        def fetch() -> tuple[list[str], bytes]:
+            found = []
+            for rel in rels:
+                raw = read(rel)
+                if raw is None:
+                    if os.path.exists(cached(rel)):
+                        os.remove(cached(rel))
+                    continue
+                storage.write_bytes_atomic(cached(rel), raw)
+                found.append(rel)
+            return found, "".join(f"{r}\n" for r in found).encode()
+
+        have = lead(marker, fetch)
+    else:
+        text = wait_for_leader(marker, FETCH_TIMEOUT_S, f"fetching {root}'s {what}")
+        have = [r for r in text.splitlines() if r]
+    for rel in have:
+        with open(cached(rel), "rb") as f:
+            out[rel] = f.read()
+    return out
 
 
 def load_columns(
     root: str, local: str | None, names: Sequence[str], *, is_leader: bool
 ) -> DatasetColumns:
-    """The records of whichever of ``names`` the export at ``root`` has attached.
-
-    A remote export's records are read by the node's leader into ``local`` (the
-    node's cache); the other ranks read that copy and make no remote request.
-    """
+    """The records of whichever of ``names`` the export at ``root`` has attached
+    (read once per node, :func:`fetch_small`)."""
     out = DatasetColumns(root)
     names = [n for n in dict.fromkeys(names) if A.NAME_RE.fullmatch(n)]
     if not names:
         return out
-    raws: dict[str, bytes] = {}
-    if storage.is_remote(root):
-        assert local is not None  # load_sources refused a remote root without a cache
-        key = hashlib.sha1("\n".join(sorted(names)).encode()).hexdigest()[:12]
-        marker = os.path.join(local, f"{MARKER_PREFIX}{key}.txt")
-
-        def cached(name: str) -> str:
-            return os.path.join(local, *A.record_rel(name).split("/"))
-
-        if is_leader:
-
-            def fetch() -> tuple[list[str], bytes]:
-                found = []
-                for n in names:
-                    raw = _read_raw(root, n)
-                    if raw is None:
-                        if os.path.exists(cached(n)):
-                            os.remove(cached(n))
-                        continue
-                    storage.write_bytes_atomic(cached(n), raw)
-                    found.append(n)
-                return found, "".join(f"{n}\n" for n in found).encode()
-
-            have = lead(marker, fetch)
-        else:
-            text = wait_for_leader(marker, FETCH_TIMEOUT_S, f"fetching {root}'s column records")
-            have = [n for n in text.splitlines() if n]
-        for n in have:
-            with open(cached(n), "rb") as f:
-                raws[n] = f.read()
-    else:
-        for n in names:
-            raw = _read_raw(root, n)
-            if raw is not None:
-                raws[n] = raw
-    for n, raw in raws.items():
-        where = storage.join(root, *A.record_rel(n).split("/"))
-        record = A.parse_record(raw, where, n)
+    rels = {A.record_rel(n): n for n in names}
+    raws = fetch_small(root, local, list(rels), is_leader=is_leader, what="column records")
+    for rel, raw in raws.items():
+        n = rels[rel]
+        record = A.parse_record(raw, root, n)
         out.records[n] = record
         out.types[n] = A.type_of(str(record.get("type", "")))
+        out.type_texts[n] = str(record["type"])
     return out
 
 
 def bucket_columns(
-    cols: DatasetColumns, bucket: str, shards: Sequence[ShardInfo]
+    cols: DatasetColumns, bucket: str, shards: Sequence[ShardInfo], local_bucket: str
 ) -> dict[str, dict[str, dict]]:
-    """Per attached column, its record entry per shard basename of ``bucket``, after refusing
-    a column set not made from these shards (:func:`prx_data.export.attached.require_current`)."""
+    """Per attached column, its record entry per shard basename of ``bucket`` (with the
+    shard's key, and the file's ``path`` and the folder it must lie in, ``base``), after
+    refusing a column set not made from these shards
+    (:func:`prx_data.export.attached.require_current`).
+
+    ``local_bucket`` is the stream's local folder: for a remote export, the node's cache
+    of the bucket, where a shard's column files are fetched with it.
+    """
     out: dict[str, dict[str, dict]] = {}
     for name, record in cols.records.items():
         A.require_current(cols.root, name, record, bucket, shards)
         entries = record["shards"]
-        out[name] = {s.basename: entries[A.shard_key(bucket, s.basename)] for s in shards}
+        out[name] = {}
+        for s in shards:
+            key = A.shard_key(bucket, s.basename)
+            rec = entries[key]
+            if cols.remote:
+                rel = A.cache_rel(name, s.basename, str(rec.get("xxh64")))
+                base, path = local_bucket, os.path.join(local_bucket, *rel.split("/"))
+            else:
+                base, path = cols.root, A.file_path(cols.root, name, key)
+            out[name][s.basename] = {**rec, "key": key, "base": base, "path": path}
     return out
 
 
 def shard_files(
-    cols: DatasetColumns, bucket: str, per_column: Mapping[str, Mapping[str, dict]]
+    cols: DatasetColumns | None, bucket: str, per_column: Mapping[str, Mapping[str, dict]]
 ) -> dict[str, list[tuple[str, str, int]]]:
     """For a remote export: per shard basename, ``(cache path in the bucket folder, remote
     URI, bytes)`` of each of its column files, which the stream fetches with the shard."""
     out: dict[str, list[tuple[str, str, int]]] = {}
-    if not cols.remote:
+    if cols is None or not cols.remote:
         return out
     for name, entries in per_column.items():
         for basename, rec in entries.items():
@@ -158,38 +188,18 @@ def _column_file(
     return values
 
 
-def value(
-    cols: DatasetColumns,
-    name: str,
-    bucket: str,
-    basename: str,
-    rec: Mapping[str, Any],
-    stored: int,
-    local_bucket: str,
-) -> Any:
-    """The value of column ``name`` for the sample at ``stored`` of a shard.
-
-    ``local_bucket`` is the stream's local folder (the node's cache of a remote
-    export's bucket, where the file was fetched with the shard).
-    """
-    key = A.shard_key(bucket, basename)
-    if cols.remote:
-        base = local_bucket
-        path = os.path.join(
-            local_bucket, *A.cache_rel(name, basename, str(rec["xxh64"])).split("/")
-        )
-    else:
-        base = cols.root
-        path = A.file_path(cols.root, name, key)
+def value(cols: DatasetColumns, name: str, rec: Mapping[str, Any], stored: int) -> Any:
+    """The value of column ``name`` for the sample at ``stored`` of the shard whose entry
+    (:func:`bucket_columns`) is ``rec``."""
     values = _column_file(
-        base,
+        rec["base"],
         name,
-        key,
+        rec["key"],
         str(rec["xxh64"]),
         int(rec["bytes"]),
         int(rec["samples"]),
-        A.type_text(cols.types[name]),
-        path,
+        cols.type_texts[name],
+        rec["path"],
     )
     return values[stored]
 
