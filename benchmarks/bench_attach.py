@@ -10,12 +10,13 @@
            ``EncodedBucketedDataset``, so the figure is the loader's own cost, not JPEG
            decoding), with 0, 1 (``cap2``) and 3 attached columns as ``extra_columns``,
            from the local export and from the same export on moto ``s3://`` (a fresh
-           cache each time: shard and column downloads included).
+           cache each time: shard and column downloads included). Each configuration
+           runs twice, interleaved; the fastest run is kept (a shared machine).
 
 The export's images are one tiny JPEG per bucket shape (the column path never reads
 them), so 10^5 samples build in seconds.
 
-    python benchmarks/bench_attach.py [--samples 100000] [--json OUT.json]
+    python benchmarks/bench_attach.py [--samples 100000] [--json OUT.json] [--attach-only]
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 BUCKETS = ("512/1.000", "512/0.500")
+#: Runs of each loader configuration (interleaved; the fastest is reported).
+REPEATS = 2
 
 
 def _make_export(root: str, samples: int):
@@ -115,6 +118,22 @@ def _serve(spec, columns: tuple[str, ...]) -> dict:
     return {"samples": n, "start_s": round(start, 3), "samples_per_s": round(n / wall, 1)}
 
 
+def _best(run, sets: dict, repeats: int = REPEATS) -> dict:
+    """Each configuration ``repeats`` times, interleaved (0, 1, 3, 0, 1, 3, ...), its
+    fastest run kept: the machine is shared, so the slow runs measure the neighbours."""
+    runs: dict[str, list[dict]] = {k: [] for k in sets}
+    for _ in range(repeats):
+        for k in sets:
+            runs[k].append(run(k))
+    return {
+        k: {
+            **max(v, key=lambda r: r["samples_per_s"]),
+            "runs_samples_per_s": [r["samples_per_s"] for r in v],
+        }
+        for k, v in runs.items()
+    }
+
+
 def _moto():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,6 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=100_000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--attach-only", action="store_true", help="skip the loader part")
     args = ap.parse_args()
     from prx_data.stream.spec import DatasetSpec
     from tests.exportkit import upload_tree
@@ -155,8 +175,12 @@ def main() -> None:
         out["attach_again"] = _attach(root, table, ("cap2",))
         out["attach_two_more"] = _attach(root, table, ("score", "label"))
         print(json.dumps(out, indent=1), flush=True)
+        if args.attach_only:
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+            return
         sets = {"0": (), "1": ("cap2",), "3": ("cap2", "score", "label")}
-        out["loader_local"] = {k: _serve(DatasetSpec(root), v) for k, v in sets.items()}
+        out["loader_local"] = _best(lambda k: _serve(DatasetSpec(root), sets[k]), sets)
         print(json.dumps(out["loader_local"], indent=1), flush=True)
         proc, url = _moto()
         try:
@@ -170,10 +194,13 @@ def main() -> None:
             t0 = time.perf_counter()
             upload_tree(root, "s3://bench/ex")
             out["upload_s"] = round(time.perf_counter() - t0, 1)
-            out["loader_s3"] = {
-                k: _serve(DatasetSpec("s3://bench/ex", local=os.path.join(tmp, f"cache{k}")), v)
-                for k, v in sets.items()
-            }
+            caches = iter(range(100))
+
+            def remote(k: str) -> dict:  # a fresh cache each run: downloads included
+                cache = os.path.join(tmp, f"cache{next(caches)}")
+                return _serve(DatasetSpec("s3://bench/ex", local=cache), sets[k])
+
+            out["loader_s3"] = _best(remote, sets)
         finally:
             proc.kill()
             proc.wait()

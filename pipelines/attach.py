@@ -21,6 +21,7 @@ other shard content (an append's new shards, a re-export's changed ones);
 from __future__ import annotations
 
 import io
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,8 @@ from prx_data.export.layout import (
     read_report,
     rel_join,
 )
+
+log = logging.getLogger(__name__)
 
 #: Rewrite the records after this many finished units (and at the end).
 RECORD_EVERY_UNITS = 64
@@ -162,6 +165,18 @@ def _open_table(cfg: AttachConfig):
         raise UsageError(
             f"{cfg.table}: no column(s) {', '.join(missing)} (columns: {', '.join(sorted(names))})"
         )
+    try:
+        indexed = any(cfg.id_column in (i.get("fields") or ()) for i in ds.list_indices())
+    except (AttributeError, TypeError, ValueError, OSError):
+        indexed = True  # cannot tell: say nothing
+    if not indexed:
+        log.warning(
+            "%s has no scalar index on %r: each part's ids are looked up by a scan of the "
+            "table; build it (ingest does: ds.create_scalar_index(%r, 'BTREE'))",
+            cfg.table,
+            cfg.id_column,
+            cfg.id_column,
+        )
     return ds
 
 
@@ -245,7 +260,12 @@ class PartAttacher:
                         "key": key,
                         "missing": missing if i == 0 else 0,  # a sample counts once
                         "value_bytes": values.nbytes,
-                        "record": {**binding, "xxh64": digest, "bytes": nbytes, "nulls": missing},
+                        "record": {
+                            **binding,
+                            "xxh64": digest,
+                            "bytes": nbytes,
+                            "missing_ids": missing,
+                        },
                     }
                 )
         return {"files": out}

@@ -91,7 +91,7 @@ def test_a_caption_column_is_joined_by_id_and_streams_as_an_extra_column(tmp_pat
     assert r.shards == r.written_shards > 0 and r.samples == 64
     assert r.missing_ids == len(missing)  # counted once per sample, not per column
     shards = A.read_record(export.root, "cap2")["shards"]
-    assert sum(v["nulls"] for v in shards.values()) == len(missing)
+    assert sum(v["missing_ids"] for v in shards.values()) == len(missing)
 
     items = _items(DatasetSpec(export.root), extra_columns=("cap2", "score"))
     assert sorted(i["id"] for i in items) == sorted(export.all_ids())
@@ -279,3 +279,32 @@ def test_remote_latents_stream_from_s3_as_the_local_ones(
 
     npys = [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".npy")]
     assert len(npys) == len(L.read_record(export.root)["shards"])  # one per shard, in the cache
+
+
+def test_attach_writes_beside_a_gs_export_and_the_loader_streams_it(tmp_path, export, gs_bucket):
+    """The job on an export in object storage (manifests read, files and record written
+    there under the job's lease), then streamed back through a node cache."""
+    from prx_data.export.verify import verify_export
+
+    root = f"gs://{gs_bucket}/ex"
+    upload_tree(export.root, root)
+    table = _table(tmp_path, export.all_ids(), drop={f"ds/{B1}/0"})
+    r = _attach(root, table, ("cap2",))
+    assert r.written_shards == r.shards and r.missing_ids == 1
+    assert _attach(root, table, ("cap2",)).written_shards == 0
+    assert verify_export(root).ok
+    items = _items(DatasetSpec(root, local=str(tmp_path / "cache")), extra_columns=("cap2",))
+    got = {i["id"]: i["cap2"] for i in items}
+    assert got.pop(f"ds/{B1}/0") is None
+    assert all(v == f"new caption of {k}" for k, v in got.items())
+
+
+def test_export_safety_accepts_the_columns_folder_and_never_deletes_it(tmp_path, export):
+    """A re-export over the same --out keeps the attached columns (their binding decides)."""
+    from prx_data.export.safety import clear_export, foreign_entries
+
+    assert foreign_entries(export.root) == []
+    _attach(export.root, _table(tmp_path, export.all_ids()))
+    assert foreign_entries(export.root) == []
+    clear_export(export.root, sorted(os.listdir(export.root)))
+    assert A.read_record(export.root, "cap2") is not None

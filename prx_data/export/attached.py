@@ -30,8 +30,8 @@ from prx_data.core import confined, storage
 from prx_data.core.errors import PrxDataError
 from prx_data.export import bound
 from prx_data.export.layout import ShardInfo
+from prx_data.export.naming import COLUMNS_DIR
 
-COLUMNS_DIR = "_columns"
 RECORD_BASENAME = "record"
 RECORD_FORMAT = "prx-data attached column"
 RECORD_VERSION = 1
