@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import os
 import socket
@@ -86,19 +85,10 @@ def _attach(root: str, table: str, columns: tuple[str, ...]) -> dict:
 
 
 def _serve(spec, columns: tuple[str, ...]) -> dict:
-    import streaming.base.dataset as sd
-    from streaming.base.util import clean_stale_shared_memory
-
-    from prx_data.stream import dataset as ps
     from prx_data.train.data import EncodedBucketedDataset
+    from tests.exportkit import one_rank
 
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    clean_stale_shared_memory()
-    with (
-        mock.patch.dict(os.environ, env),
-        mock.patch.object(sd, "maybe_init_dist", lambda: False),
-        mock.patch.object(ps, "maybe_init_dist", lambda: False),
-    ):
+    with one_rank():
         t0 = time.perf_counter()
         ds = EncodedBucketedDataset(
             spec, tier=512, batch_size=8, shuffle=False, num_workers=1, extra_columns=columns
@@ -113,8 +103,6 @@ def _serve(spec, columns: tuple[str, ...]) -> dict:
             assert all(c in item for c in columns)
         finally:
             del ds
-            gc.collect()
-            clean_stale_shared_memory()
     return {"samples": n, "start_s": round(start, 3), "samples_per_s": round(n / wall, 1)}
 
 

@@ -9,16 +9,14 @@ the refusal of a stale or foreign column, and ``verify`` on column files.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
-from unittest import mock
 
 import pytest
 
 from prx_data.export import attached as A
 from prx_data.stream.spec import DatasetSpec
-from tests.exportkit import make_export, upload_tree
+from tests.exportkit import make_export, one_rank, upload_tree
 
 B1, B2 = "512/1.000", "512/0.500"
 
@@ -53,18 +51,9 @@ def _attach(out, table, columns=("cap2",), **kw):
 
 def _items(spec, **kwargs) -> list[dict]:
     """Every item of one single-process rank (shards fetched on demand for a remote root)."""
-    import streaming.base.dataset as sd
-    from streaming.base.util import clean_stale_shared_memory
-
     from prx_data.stream import dataset as ps
 
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    clean_stale_shared_memory()
-    with (
-        mock.patch.dict(os.environ, env),
-        mock.patch.object(sd, "maybe_init_dist", lambda: False),
-        mock.patch.object(ps, "maybe_init_dist", lambda: False),
-    ):
+    with one_rank():
         ds = ps.BucketedDataset(
             spec, tier=512, batch_size=1, shuffle=False, num_workers=1, **kwargs
         )
@@ -72,8 +61,6 @@ def _items(spec, **kwargs) -> list[dict]:
             return [ds.get_item(i) for i in range(ds.num_samples)]
         finally:
             del ds
-            gc.collect()
-            clean_stale_shared_memory()
 
 
 @pytest.fixture
@@ -210,18 +197,9 @@ def test_remote_columns_come_with_their_shard_into_the_cache_and_leave_with_it(
     assert all(c.split(os.sep)[2] == A.COLUMNS_DIR for c in cached)
 
     # Evicted with its shard: streaming's eviction removes the shard's every file.
-    import streaming.base.dataset as sd
-    from streaming.base.util import clean_stale_shared_memory
-
     from prx_data.stream import dataset as ps
 
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    clean_stale_shared_memory()
-    with (
-        mock.patch.dict(os.environ, env),
-        mock.patch.object(sd, "maybe_init_dist", lambda: False),
-        mock.patch.object(ps, "maybe_init_dist", lambda: False),
-    ):
+    with one_rank():
         ds = ps.BucketedDataset(
             DatasetSpec(root, local=cache),
             tier=512,
@@ -243,8 +221,6 @@ def test_remote_columns_come_with_their_shard_into_the_cache_and_leave_with_it(
             assert os.path.isfile(local)
         finally:
             del ds
-            gc.collect()
-            clean_stale_shared_memory()
 
 
 def test_remote_latents_stream_from_s3_as_the_local_ones(

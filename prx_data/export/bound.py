@@ -24,6 +24,7 @@ from typing import Any
 
 from prx_data.core import confined, storage
 from prx_data.core.errors import NotFound, PrxDataError
+from prx_data.export.durable import fsync as fsync_dir
 from prx_data.export.layout import ShardInfo
 from prx_data.export.naming import SHARD_FILE_RE
 from prx_data.export.safety import check_bucket
@@ -70,14 +71,6 @@ def xxh64(data: bytes) -> str:
     from prx_data.core.streaming_compat import get_hash
 
     return get_hash("xxh64", data)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file(root: str, path: str, data: bytes) -> tuple[str, int]:
