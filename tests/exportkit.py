@@ -10,6 +10,7 @@ tree sidecars that no list log knows.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -135,6 +136,33 @@ class RankRun:
 def _collate(samples: list[dict]) -> dict:
     shapes = {tuple(s["image"].shape) for s in samples}
     return {"id": [s["id"] for s in samples], "shapes": shapes}
+
+
+@contextlib.contextmanager
+def one_rank():
+    """This process as the only rank of a one-node world, torch.distributed not started
+    (streaming reads the world from the environment)."""
+    from unittest import mock
+
+    import streaming.base.dataset as sd
+    from streaming.base.util import clean_stale_shared_memory
+
+    from prx_data.stream import dataset as ps
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    clean_stale_shared_memory()
+    try:
+        with (
+            mock.patch.dict(os.environ, env),
+            mock.patch.object(sd, "maybe_init_dist", lambda: False),
+            mock.patch.object(ps, "maybe_init_dist", lambda: False),
+        ):
+            yield
+    finally:
+        import gc
+
+        gc.collect()
+        clean_stale_shared_memory()
 
 
 def run_rank(

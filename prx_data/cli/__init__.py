@@ -92,6 +92,10 @@ JOBS: dict[str, Job] = {
             "latents", "precompute VAE latents beside an export's shards (vae.source: precomputed)"
         ),
         Job(
+            "attach",
+            "attach table columns beside an export's shards, joined by id (no shard rewritten)",
+        ),
+        Job(
             "adopt",
             "id manifests and shard hashes for an MDS tree another writer made (skip lists)",
         ),

@@ -19,7 +19,6 @@ read it.
 from __future__ import annotations
 
 import io
-import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -27,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from prx_data.core import confined, storage
-from prx_data.core.errors import NotFound, PrxDataError
+from prx_data.core.errors import PrxDataError
+from prx_data.export import bound
 from prx_data.export.layout import ShardInfo
-from prx_data.export.naming import LATENTS_DIR, SHARD_FILE_RE
-from prx_data.export.safety import check_bucket
+from prx_data.export.naming import LATENTS_DIR
 
 RECORD_NAME = f"{LATENTS_DIR}/record.json"
 #: The latents job's own lease: one run per export, without blocking the export's skip-list
@@ -62,31 +61,13 @@ class LatentsError(PrxDataError, ValueError):
 
 def shard_key(bucket: str, basename: str) -> str:
     """``<tier>/<ar>/<part>/shard.NNNNN.mds``: a shard's key in the record."""
-    check_bucket(bucket)
-    parts = basename.split("/")
-    if (
-        basename.startswith("/")
-        or "\\" in basename
-        or any(p in ("", ".", "..") for p in parts)
-        or not SHARD_FILE_RE.fullmatch(parts[-1])
-    ):
-        raise LatentsError(f"{bucket}/{basename}: not a shard name of an export")
-    return f"{bucket}/{basename}"
+    return bound.shard_key(bucket, basename, LatentsError)
 
 
 def check_key(key: object) -> str:
-    """A key read from a record, checked as :func:`shard_key` checks the ones it makes.
-
-    The record is data: a key like ``512/1.000/../../../x/shard.00000.mds`` would
-    otherwise name a ``.npy`` outside ``_latents`` to read or delete.
-    """
-    if not isinstance(key, str) or key.count("/") < 3:
-        raise LatentsError(f"{key!r}: not a shard key of an export")
-    tier, ar, rest = key.split("/", 2)
-    try:
-        return shard_key(f"{tier}/{ar}", rest)
-    except (ValueError, PrxDataError):
-        raise LatentsError(f"{key!r}: not a shard key of an export") from None
+    """A key read from a record, checked as :func:`shard_key` checks the ones it makes
+    (:func:`prx_data.export.bound.check_key`)."""
+    return bound.check_key(key, LatentsError)
 
 
 def delete_npy(root: str, key: str) -> None:
@@ -97,18 +78,14 @@ def delete_npy(root: str, key: str) -> None:
 
 def npy_rel(key: str) -> str:
     """Path of a shard's latents relative to the export root (``_latents/.../shard.NNNNN.npy``)."""
-    stem = key.split(".mds", 1)[0]
-    return f"{LATENTS_DIR}/{stem}.npy"
+    return bound.file_rel(LATENTS_DIR, key, "npy")
 
 
 def npy_path(root: str, key: str) -> str:
     return storage.join(root, *npy_rel(key).split("/"))
 
 
-def xxh64(data: bytes) -> str:
-    from prx_data.core.streaming_compat import get_hash
-
-    return get_hash("xxh64", data)
+xxh64 = bound.xxh64
 
 
 def encode_npy(array: np.ndarray) -> bytes:
@@ -123,29 +100,12 @@ def write_npy(root: str, key: str, array: np.ndarray) -> tuple[str, int]:
 
     Returns ``(xxh64, bytes)`` of what was written.
     """
-    data = encode_npy(array)
-    path = npy_path(root, key)
-    confined.write_atomic(root, path, data)
-    if not storage.is_remote(root):
-        _fsync_dir(os.path.dirname(path))
-    return xxh64(data), len(data)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return bound.write_file(root, npy_path(root, key), encode_npy(array))
 
 
 def npy_digest(root: str, key: str, max_bytes: int) -> str | None:
     """xxh64 of a shard's ``.npy`` as it is on disk, or None when there is none."""
-    path = npy_path(root, key)
-    try:
-        return xxh64(confined.read(root, path, max_bytes))
-    except (FileNotFoundError, NotFound):
-        return None
+    return bound.file_digest(root, npy_path(root, key), max_bytes)
 
 
 def move_npy(root: str, old: str, new: str) -> bool:
@@ -166,7 +126,7 @@ def move_npy(root: str, old: str, new: str) -> bool:
     os.makedirs(os.path.dirname(dst_path), exist_ok=True)
     dst = base.resolve(dst_path)
     os.replace(src, dst)
-    _fsync_dir(os.path.dirname(dst))
+    bound.fsync_dir(os.path.dirname(dst))
     return True
 
 
@@ -183,6 +143,8 @@ def load_npy(
     key: str,
     dtype: str,
     shape: tuple[int, ...] | None = None,
+    *,
+    cached: tuple[str, str] | None = None,
 ) -> np.ndarray:
     """A shard's latents, memory-mapped, after checking what the file is and holds.
 
@@ -192,12 +154,16 @@ def load_npy(
     and give the record's storage ``dtype`` and, when given, ``shape``
     (``[samples, C, H/f, W/f]``). Finiteness is checked per sample by the loader
     (:func:`sample_latent`): a whole-file check would read every shard at start.
+    ``cached`` reads the copy of a remote export's file that the loader fetched with its
+    shard, ``(folder it must stay inside, its path)``, instead.
     """
     import errno
     import stat
 
     path = npy_path(root, check_key(key))
     base = storage.join(root, LATENTS_DIR)
+    if cached is not None:  # (folder, path in it): a node's cache of a remote export's file
+        base, path = cached
     try:
         real = confined.confined(base).resolve(path)
     except confined.UnsafeFileError as e:
@@ -254,75 +220,62 @@ def sample_latent(stored: np.ndarray, dtype: str, where: str) -> np.ndarray:
     return out
 
 
+def _record_args() -> dict[str, Any]:
+    return {
+        "fmt": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "error": LatentsError,
+        "job": "python -m prx_data.latents",
+        "args": "--vae VAE",
+    }
+
+
 def read_record(root: str) -> dict[str, Any] | None:
     """The export's latents record, or None when it has none."""
-    path = storage.join(root, *RECORD_NAME.split("/"))
-    try:
-        raw = confined.read(root, path, MAX_RECORD_BYTES)
-    except (FileNotFoundError, NotFound):
-        return None
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        raise LatentsError(
-            f"{path}: not a latents record (bad JSON); run python -m prx_data.latents {root} "
-            "--vae VAE again"
-        ) from None
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-        raise LatentsError(f"{path}: not a prx-data latents record")
-    shards = record.get("shards")
-    if not isinstance(shards, dict) or not all(isinstance(v, dict) for v in shards.values()):
-        raise LatentsError(f"{path}: its shards are not a mapping of shard records")
-    for key in shards:
-        try:
-            check_key(key)
-        except LatentsError as e:
-            raise LatentsError(
-                f"{path}: {e}; the record was not written by python -m prx_data.latents. "
-                f"Delete {LATENTS_DIR}/ and run the latents job again"
-            ) from None
-    if record.get("version") != RECORD_VERSION:
-        raise LatentsError(
-            f"{path}: latents record version {record.get('version')!r}; this prx-data reads "
-            f"version {RECORD_VERSION}: run python -m prx_data.latents {root} --vae VAE --replace"
-        )
-    return record
+    return bound.read_record(root, RECORD_NAME, max_bytes=MAX_RECORD_BYTES, **_record_args())
+
+
+def parse_record(raw: bytes, root: str) -> dict[str, Any]:
+    """A latents record's bytes read elsewhere (a node's cache of a remote export), checked
+    as :func:`read_record` checks them."""
+    return bound.parse_record(raw, root, RECORD_NAME, **_record_args())
+
+
+def cache_rel(key: str, digest: str) -> str:
+    """Where a remote export's latents of shard ``key`` lie in the node's cache, relative to
+    the cached bucket folder; named by the file's digest, so a re-encoded file is another
+    file, never a stale copy."""
+    import re
+
+    stem = check_key(key).split("/", 2)[2].split(".mds", 1)[0]
+    if not re.fullmatch(r"[0-9a-f]{1,32}", str(digest)):
+        raise LatentsError(f"{digest!r}: not an xxh64 digest of a latents file")
+    return f"{LATENTS_DIR}/{stem}.{digest}.npy"
+
+
+def no_latents(root: str) -> LatentsError:
+    """The one line for an export without latents."""
+    return LatentsError(
+        f"{root}: no precomputed latents (no {RECORD_NAME}); run python -m prx_data.latents "
+        f"{root} --vae VAE, or set vae.source: encode"
+    )
 
 
 def require_record(root: str) -> dict[str, Any]:
     """:func:`read_record`, refusing an export without latents in one line."""
     record = read_record(root)
     if record is None:
-        raise LatentsError(
-            f"{root}: no precomputed latents (no {RECORD_NAME}); run python -m prx_data.latents "
-            f"{root} --vae VAE, or set vae.source: encode"
-        )
+        raise no_latents(root)
     return record
 
 
 def write_record(root: str, vae: Mapping[str, Any], dtype: str, shards: Mapping[str, dict]) -> None:
     """Write ``_latents/record.json`` atomically, shards sorted by key."""
-    record = {
-        "format": RECORD_FORMAT,
-        "version": RECORD_VERSION,
-        "vae": dict(vae),
-        "dtype": dtype,
-        "shards": {k: shards[k] for k in sorted(shards)},
-    }
-    path = storage.join(root, *RECORD_NAME.split("/"))
-    confined.write_atomic(root, path, json.dumps(record, indent=1, sort_keys=True).encode())
-    if not storage.is_remote(root):
-        _fsync_dir(os.path.dirname(path))
+    body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "vae": dict(vae), "dtype": dtype}
+    bound.write_record(root, RECORD_NAME, {**body, "shards": shards})
 
 
-def shard_binding(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """What ties latents to the shard they came from: samples, bytes and hashes of its data."""
-    raw = entry["raw_data"]
-    return {
-        "samples": int(entry["samples"]),
-        "shard_bytes": int(raw["bytes"]),
-        "shard_hashes": dict(sorted((raw.get("hashes") or {}).items())),
-    }
+shard_binding = bound.shard_binding
 
 
 def vae_differences(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
@@ -348,19 +301,7 @@ def vae_differences(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> l
 def stale_shards(record: Mapping[str, Any], bucket: str, shards: Iterable[ShardInfo]) -> list[str]:
     """Shards of ``bucket`` (as its merged index lists them) whose latents are missing from
     ``record`` or were made from other data (samples, bytes or hashes differ)."""
-    recorded = record.get("shards") or {}
-    out = []
-    for s in shards:
-        key = shard_key(bucket, s.basename)
-        got = recorded.get(key)
-        want = {
-            "samples": int(s.samples),
-            "shard_bytes": int(s.bytes),
-            "shard_hashes": dict(sorted(s.hashes.items())),
-        }
-        if got is None or any(got.get(k) != v for k, v in want.items()):
-            out.append(key)
-    return out
+    return bound.stale_shards(record.get("shards") or {}, bucket, shards, LatentsError)
 
 
 def to_stored(latents: np.ndarray, dtype: str) -> np.ndarray:

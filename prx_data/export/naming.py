@@ -109,6 +109,8 @@ def marker_path(out: str, part: str) -> str:
 PROGRESS_DIR = "_progress"
 #: Precomputed VAE latents beside the shards (:mod:`prx_data.export.latents`).
 LATENTS_DIR = "_latents"
+#: Columns attached beside the shards, one folder per column (:mod:`prx_data.export.attached`).
+COLUMNS_DIR = "_columns"
 CONFIG_NAME = "_progress/config"
 #: Written first by the exporter, before any shard: the proof that a tree is one of ours.
 MARKER_NAME = "_progress/export.marker"

@@ -23,6 +23,7 @@ from prx_data.core.errors import PrxDataError
 from prx_data.core.schema import MDS_COLUMNS, REPORT_NAME
 from prx_data.export.naming import (
     AR_RE,
+    COLUMNS_DIR,
     CONFIG_NAME,
     DROPPED_NAME,
     FILE_KEYS,
@@ -292,6 +293,7 @@ _EXPORT_ENTRIES_EXTRA = {
     LISTS_DIR,
     IDS_INDEX_NAME,
     LATENTS_DIR,
+    COLUMNS_DIR,
 }
 #: What a part directory holds: shards, its index, its manifest, sidecars and temp files.
 #: (Part directories themselves match ``PART_RE``, the pattern :func:`~prx_data.export.naming.part_name` makes.)
@@ -343,7 +345,8 @@ def foreign_entries(out: str) -> list[str]:
         for rel in storage.list_files(out):
             bits = rel.split("/")
             if bits[0] in _EXPORT_ENTRIES_EXTRA and (
-                len(bits) == 1 or bits[0] in (PROGRESS_DIR, IDS_INDEX_NAME, LATENTS_DIR)
+                len(bits) == 1
+                or bits[0] in (PROGRESS_DIR, IDS_INDEX_NAME, LATENTS_DIR, COLUMNS_DIR)
             ):
                 continue
             if bits[0] == LISTS_DIR and len(bits) == 2 and LISTS_FILE_RE.fullmatch(bits[1]):
@@ -355,7 +358,12 @@ def foreign_entries(out: str) -> list[str]:
     for top in sorted(os.listdir(out)):
         path = os.path.join(out, top)
         if top in _EXPORT_ENTRIES_EXTRA:
-            if top in (PROGRESS_DIR, IDS_INDEX_NAME, LATENTS_DIR) and not os.path.isdir(path):
+            if top in (
+                PROGRESS_DIR,
+                IDS_INDEX_NAME,
+                LATENTS_DIR,
+                COLUMNS_DIR,
+            ) and not os.path.isdir(path):
                 found.append(top)
             if top == LISTS_DIR:
                 found += _foreign_in_lists(path)
@@ -532,6 +540,7 @@ def clear_export(out: str, entries: list[str]) -> None:
                 if name != keep:
                     storage.delete(os.path.join(progress, name))
     for e in entries:
-        # Latents are bound to the shards they came from (record.json): kept, never deleted.
-        if e not in first and e not in (PROGRESS_DIR, LATENTS_DIR):
+        # Latents and attached columns are bound to the shards they came from (their
+        # records): kept, never deleted.
+        if e not in first and e not in (PROGRESS_DIR, LATENTS_DIR, COLUMNS_DIR):
             storage.delete(storage.join(out, e))

@@ -19,6 +19,7 @@ the first, so one run tells a user everything that is wrong:
 * precomputed latents (``_latents/``, when there are any): every shard of a
   tier with latents has a ``.npy`` made from its current data with the size the
   record names (``deep``: its xxh64 too), and nothing else lies there;
+* attached columns (``_columns/<name>/``): the same, per column, for its Arrow files;
 * the list store ``_lists/`` holds only list files (``<name>.parquet`` with
   sorted, unique string ids), its registry reference and its lock;
 * nothing in a local tree is a symbolic link, FIFO, device or socket, and every
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prx_data.core import confined, storage
+from prx_data.core.errors import PrxDataError
 from prx_data.core.schema import MANIFEST_NAME, REPORT_NAME
 from prx_data.export.bounded import imap_bounded, io_workers, map_io
 from prx_data.export.layout import ShardInfo, list_markers, read_report, rel_join
@@ -186,6 +188,7 @@ def verify_export(
         res.buckets += 1
         _verify_bucket(root, bucket, reported.get(bucket), bool(report), deep, check_sidecar, res)
     _verify_latents(root, files, sorted(on_disk), deep, res)
+    _verify_columns(root, files, sorted(on_disk), deep, res)
     return res
 
 
@@ -194,58 +197,129 @@ def _verify_latents(
 ) -> None:
     """``_latents/``: the record, one ``.npy`` per shard bound to its data, nothing else."""
     from prx_data.export import latents as L
-    from prx_data.export.layout import read_index
 
     here = {f for f in files if f.split("/", 1)[0] == LATENTS_DIR and ".tmp-" not in f}
     if not here - {L.LOCK_NAME}:
         return
-    sizes = {
-        f"{LATENTS_DIR}/{rel}": n
-        for rel, n in storage.file_sizes(storage.join(root, LATENTS_DIR)).items()
-    }
-    record_path = storage.join(root, *L.RECORD_NAME.split("/"))
+    _verify_bound(
+        root,
+        here,
+        buckets,
+        deep,
+        res,
+        folder=LATENTS_DIR,
+        record_rel=L.RECORD_NAME,
+        read=lambda: L.read_record(root),
+        file_rel=L.npy_rel,
+        size_key="npy_bytes",
+        fixed={L.RECORD_NAME, L.LOCK_NAME},
+        what="latents",
+        redo="python -m prx_data.latents",
+    )
+
+
+def _verify_columns(
+    root: str, files: list[str], buckets: list[str], deep: bool, res: VerifyResult
+) -> None:
+    """``_columns/``: per attached column its record and one Arrow file per shard bound to its
+    data (:mod:`prx_data.export.attached`); nothing else."""
+    from prx_data.export import attached as A
+
+    here = {f for f in files if f.split("/", 1)[0] == A.COLUMNS_DIR and ".tmp-" not in f}
+    names = sorted({f.split("/")[1] for f in here if f.count("/") >= 2})
+    for rel in sorted(f for f in here if f.count("/") < 2 and f != A.LOCK_NAME):
+        res.problems.append(Problem(rel_join(root, rel), "not an attached column file"))
+    for name in names:
+        mine = {f for f in here if f.split("/")[1] == name}
+        if not A.NAME_RE.fullmatch(name):
+            for rel in sorted(mine):
+                res.problems.append(Problem(rel_join(root, rel), "not an attached column file"))
+            continue
+        _verify_bound(
+            root,
+            mine,
+            buckets,
+            deep,
+            res,
+            folder=f"{A.COLUMNS_DIR}/{name}",
+            record_rel=A.record_rel(name),
+            read=lambda n=name: A.read_record(root, n),
+            file_rel=lambda key, n=name: A.file_rel(n, key),
+            size_key="bytes",
+            fixed={A.record_rel(name)},
+            what=f"attached column {name!r}",
+            redo=f"{A.JOB} {root} --table TABLE --columns {name}",
+        )
+
+
+def _verify_bound(
+    root: str,
+    here: set[str],
+    buckets: list[str],
+    deep: bool,
+    res: VerifyResult,
+    *,
+    folder: str,
+    record_rel: str,
+    read: Callable[[], dict | None],
+    file_rel: Callable[[str], str],
+    size_key: str,
+    fixed: set[str],
+    what: str,
+    redo: str,
+) -> None:
+    """Files bound to shards (:mod:`prx_data.export.bound`) under ``folder``: the record, one
+    file per shard of each tier it covers, made from the shard's current data, with the size
+    (``deep``: the xxh64) the record names; nothing else."""
+    from prx_data.export import bound
+    from prx_data.export.layout import read_index
+
+    sizes = {f"{folder}/{rel}": n for rel, n in storage.file_sizes(rel_join(root, folder)).items()}
+    record_path = storage.join(root, *record_rel.split("/"))
     try:
-        record = L.read_record(root)
+        record = read()
     except Exception as e:  # noqa: BLE001 - an unreadable record is a finding
         res.problems.append(Problem(record_path, str(e).removeprefix(f"{record_path}: ")))
         return
     if record is None:
-        res.problems.append(Problem(record_path, "missing: rerun python -m prx_data.latents"))
+        res.problems.append(Problem(record_path, f"missing: rerun {redo}"))
         return
     shards = record.get("shards") or {}
-    expected = {L.RECORD_NAME, L.LOCK_NAME}
-    encoded = {key.split("/", 1)[0] for key in shards}  # tiers the job was asked for
+    expected = set(fixed)
+    done = {key.split("/", 1)[0] for key in shards}  # tiers the job was asked for
     for bucket in buckets:
-        if bucket.split("/", 1)[0] not in encoded:  # another tier: its runs encode in step
+        if bucket.split("/", 1)[0] not in done:  # another tier: its runs come in step
             continue
         try:
             index = read_index(root, bucket)
         except Exception:  # noqa: BLE001 - the bucket check above reported it
             continue
-        for key in L.stale_shards(record, bucket, index):
+        for key in bound.stale_shards(shards, bucket, index, PrxDataError):
             res.problems.append(
                 Problem(
-                    L.npy_path(root, key),
-                    "no latents made from this shard's current data: rerun python -m "
-                    "prx_data.latents",
+                    storage.join(root, *file_rel(key).split("/")),
+                    f"no {what} made from this shard's current data: rerun {redo}",
                 )
             )
         for s in index:
-            key = L.shard_key(bucket, s.basename)
+            key = f"{bucket}/{s.basename}"
             rec = shards.get(key)
             if rec is None:
                 continue
-            expected.add(L.npy_rel(key))
-            path = L.npy_path(root, key)
-            want_bytes = int(rec.get("npy_bytes", -1))
-            if L.npy_rel(key) not in here:
+            rel = file_rel(key)
+            expected.add(rel)
+            path = storage.join(root, *rel.split("/"))
+            want_bytes = int(rec.get(size_key, -1))
+            if rel not in here:
                 res.problems.append(Problem(path, "missing"))
-            elif sizes.get(L.npy_rel(key)) != want_bytes:
-                res.problems.append(Problem(path, "size differs from the latents record"))
-            elif deep and L.npy_digest(root, key, want_bytes) != rec.get("xxh64"):
-                res.problems.append(Problem(path, "xxh64 differs from the latents record"))
+            elif sizes.get(rel) != want_bytes:
+                res.problems.append(Problem(path, f"size differs from the {what} record"))
+            elif deep and bound.file_digest(root, path, want_bytes) != rec.get("xxh64"):
+                res.problems.append(Problem(path, f"xxh64 differs from the {what} record"))
     for rel in sorted(here - expected):
-        res.problems.append(Problem(rel_join(root, rel), "not a latents file of this export"))
+        res.problems.append(
+            Problem(rel_join(root, rel), f"not a file of the {what} of this export")
+        )
 
 
 def _verify_lists(root: str, res: VerifyResult) -> None:

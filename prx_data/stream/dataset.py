@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from prx_data.core.errors import UnknownName, UsageError
 from prx_data.core.streaming_compat import World, maybe_init_dist, quiet_shared_memory
 from prx_data.export import latents as latents_store
 from prx_data.skips.reader import SkipMDSReader
+from prx_data.stream import attached as attached_columns
 from prx_data.stream import cache as shard_cache
 from prx_data.stream import foreign as foreign_tree
 from prx_data.stream import midepoch, planner
@@ -124,9 +126,38 @@ def _plan_spec(spec: planner.PlanSpec | None, kwargs: dict[str, Any]) -> planner
 
 
 @functools.lru_cache(maxsize=256)
-def _latent_file(root: str, key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+def _latent_file(
+    root: str, key: str, dtype: str, shape: tuple[int, ...], cached: tuple[str, str] | None
+) -> np.ndarray:
     """A shard's latents, checked and memory-mapped once per process (workers map their own)."""
-    return latents_store.load_npy(root, key, dtype, shape)
+    return latents_store.load_npy(root, key, dtype, shape, cached=cached)
+
+
+def _latents_record(root: str, local: str | None, is_leader: bool) -> dict:
+    """The export's latents record: read in place, or once per node into the cache of a
+    remote export (:func:`prx_data.stream.attached.fetch_small`)."""
+    if not storage.is_remote(root):
+        return latents_store.require_record(root)
+    rel = latents_store.RECORD_NAME
+    raw = attached_columns.fetch_small(
+        root, local, [rel], is_leader=is_leader, what="latents record"
+    ).get(rel)
+    if raw is None:
+        raise latents_store.no_latents(root)
+    return latents_store.parse_record(raw, root)
+
+
+def _latent_extras(root: str, record: dict, source: Any) -> dict[str, list[tuple[str, str, int]]]:
+    """For a remote export: per shard, its latents file, fetched and evicted with the shard."""
+    if not storage.is_remote(root):
+        return {}
+    out = {}
+    for s in source.shards:
+        key = latents_store.shard_key(source.bucket, s.basename)
+        rec = record["shards"][key]
+        rel = latents_store.cache_rel(key, str(rec.get("xxh64")))
+        out[s.basename] = [(rel, latents_store.npy_path(root, key), int(rec["npy_bytes"]))]
+    return out
 
 
 def _stream_latents(
@@ -135,19 +166,21 @@ def _stream_latents(
     shape: tuple[int, int],
     records: dict[str, dict],
     bucket_spec: BucketSpec = DEFAULT_SPEC,
+    local: str | None = None,
+    is_leader: bool = True,
 ) -> tuple[str, str, tuple[int, int, int]]:
     """(root, dtype, one latent's shape) of a bucket whose latents are all there and made
     from its shards.
 
-    Raises :class:`~prx_data.export.latents.LatentsError` (one line) for a remote or
-    foreign tree, a higher tier (latents are at each shard's own shape), no record, or
-    shards the record does not vouch for.
+    Raises :class:`~prx_data.export.latents.LatentsError` (one line) for a foreign
+    tree, a higher tier (latents are at each shard's own shape), no record, or
+    shards the record does not vouch for. A remote export's record is read once per
+    node into ``local``; its files travel with their shards (:func:`_latent_extras`).
     """
-    if storage.is_remote(root) or source.foreign is not None:
-        what = "a remote export" if source.foreign is None else "an MDS tree another writer made"
+    if source.foreign is not None:
         raise latents_store.LatentsError(
-            f"{root}: precomputed latents are read from local exports of ours, not {what}; "
-            "set vae.source: encode"
+            f"{root}: precomputed latents are read from exports of ours, not an MDS tree "
+            "another writer made; set vae.source: encode"
         )
     b = parse_bucket_name(source.bucket, bucket_spec)
     if (b.width, b.height) != tuple(shape):
@@ -157,7 +190,7 @@ def _stream_latents(
             "(or vae.source: encode)"
         )
     if root not in records:
-        records[root] = latents_store.require_record(root)
+        records[root] = _latents_record(root, local, is_leader)
     record = records[root]
     stale = latents_store.stale_shards(record, source.bucket, source.shards)
     if stale:
@@ -268,6 +301,11 @@ class BucketedDataset(StreamingDataset):
         self.latents = bool(latents)
         #: Per stream with latents: (export root, storage dtype, one latent's shape).
         self.stream_latents: list[tuple[str, str, tuple[int, int, int]] | None] = []
+        #: Per stream: its export's attached columns (:mod:`.attached`) and, per column
+        #: served from one, its record entry per shard basename (empty: all from the shards).
+        self.stream_attached: list[
+            tuple[attached_columns.DatasetColumns, dict[str, dict[str, dict]]] | None
+        ] = []
         destroy_dist = maybe_init_dist()
         try:
             world = World.detect()
@@ -300,19 +338,19 @@ class BucketedDataset(StreamingDataset):
             self.stream_foreign: list[tuple[foreign_tree.ForeignColumns, Any] | None] = []
             decisions = self.plan.decisions()
             records: dict[str, dict] = {}  # export root -> its latents record
+            #: Remote export root -> its latents record (its cached files are named by digest).
+            self._latent_records: dict[str, dict] = {}
+            wanted = (*self.caption_columns, *self.extra_columns)
             for di, src in enumerate(sources):
+                cols = None
+                if not any(b.foreign is not None for b in src):
+                    cols = attached_columns.load_columns(
+                        specs[di].root, specs[di].local, wanted, is_leader=world.is_local_leader
+                    )
                 for b in src:
                     bp = decisions[(di, b.bucket)]
                     if bp.excluded or bp.choose == 0:
                         continue
-                    streams.append(
-                        SkipStream(
-                            remote=b.remote,
-                            local=b.local,
-                            choose=bp.choose,
-                            skips=b.skips,
-                        )
-                    )
                     if b.foreign is not None:
                         if not self.decode_images and b.foreign.image_encoding != "bytes":
                             raise foreign_tree.ForeignTreeError(
@@ -331,11 +369,41 @@ class BucketedDataset(StreamingDataset):
                             spec.bucket_spec,
                         )
                     self.stream_info.append((di, b.bucket, shape))
+                    root = specs[di].root
                     self.stream_latents.append(
-                        _stream_latents(specs[di].root, b, shape, records, spec.bucket_spec)
+                        _stream_latents(
+                            root,
+                            b,
+                            shape,
+                            records,
+                            spec.bucket_spec,
+                            specs[di].local,
+                            world.is_local_leader,
+                        )
                         if self.latents
                         else None
                     )
+                    per_column = (
+                        attached_columns.bucket_columns(cols, b.bucket, b.shards, b.local)
+                        if cols is not None and cols.records
+                        else {}
+                    )
+                    self.stream_attached.append((cols, per_column) if per_column else None)
+                    # A remote shard's attached files and latents travel with it (reader.py).
+                    extras = attached_columns.shard_files(cols, b.bucket, per_column)
+                    if self.latents:
+                        for base, files in _latent_extras(root, records[root], b).items():
+                            extras.setdefault(base, []).extend(files)
+                    streams.append(
+                        SkipStream(
+                            remote=b.remote,
+                            local=b.local,
+                            choose=bp.choose,
+                            skips=b.skips,
+                            extras=extras or None,
+                        )
+                    )
+            self._latent_records = {r: v for r, v in records.items() if storage.is_remote(r)}
             super().__init__(
                 streams=streams,
                 batch_size=spec.device_batch_size,
@@ -393,20 +461,37 @@ class BucketedDataset(StreamingDataset):
         }
         if self.latents:
             item["latent"] = self._latent(shard_id, k, stream, self.stream_info[stream][1])
+        att = self.stream_attached[stream]
         for c in self.caption_columns:
+            if att is not None and c in att[1]:
+                item[c] = self._attached(shard_id, k, stream, c)
+                continue
             if c not in raw:
                 raise UnknownName(
-                    f"caption column {c!r} is not in the export (columns: {sorted(raw)})"
+                    f"caption column {c!r} is not in the export (columns: {sorted(raw)}); "
+                    "attach it with python -m prx_data.attach"
                 )
             item[c] = raw[c]
         for c in self.extra_columns:
+            if att is not None and c in att[1]:
+                item[c] = self._attached(shard_id, k, stream, c)
+                continue
             if c not in raw:
                 raise UnknownName(
                     f"extra column {c!r} is not in the export (columns: {sorted(raw)}); "
-                    "export it with write_mds --keep-columns"
+                    "export it with write_mds --keep-columns, or attach it with python -m "
+                    "prx_data.attach"
                 )
             item[c] = raw[c]
         return item
+
+    def _attached(self, shard_id: int, k: int, stream: int, name: str) -> Any:
+        """The attached column ``name`` of the ``k``-th served sample of a shard."""
+        cols, per_column = self.stream_attached[stream]
+        reader = self.shards[shard_id]
+        stored = reader.stored_index(k) if isinstance(reader, SkipMDSReader) else k
+        rec = per_column[name][reader.raw_data.basename]
+        return attached_columns.value(cols, name, rec, stored)
 
     def _latent(self, shard_id: int, k: int, stream: int, bucket: str) -> torch.Tensor:
         """The precomputed latent of the ``k``-th served sample of a shard (its stored index)."""
@@ -417,8 +502,14 @@ class BucketedDataset(StreamingDataset):
         # Shape (the shard's samples, the VAE's grid at this bucket) and dtype checked once per
         # file, finiteness per sample: the file is data, whoever wrote it.
         samples = reader.raw_samples if isinstance(reader, SkipMDSReader) else reader.samples
-        arr = _latent_file(root, key, dtype, (int(samples), *one))
-        where = f"{latents_store.npy_path(root, key)} sample {stored}"
+        cached = None
+        if storage.is_remote(root):  # fetched with its shard into the stream's cache folder
+            local = self.streams[stream].local
+            rec = self._latent_records[root]["shards"][key]
+            rel = latents_store.cache_rel(key, str(rec.get("xxh64")))
+            cached = (local, os.path.join(local, *rel.split("/")))
+        arr = _latent_file(root, key, dtype, (int(samples), *one), cached)
+        where = f"{cached[1] if cached else latents_store.npy_path(root, key)} sample {stored}"
         return torch.from_numpy(latents_store.sample_latent(arr[stored], dtype, where))
 
     def _foreign_item(self, raw, shard_id: int, k: int, cols, shape) -> dict[str, Any]:

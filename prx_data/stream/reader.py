@@ -6,6 +6,12 @@ unlinks it (``StreamingDataset._evict_coldest_shard`` -> ``Reader.evict``;
 mosaicml/streaming#988), so mixing a remote root with a local one would delete
 the local export. Such shards are pinned here: they never count towards the
 cache limit and evicting them removes nothing.
+
+A remote shard may carry more files than its index names: the export's attached
+column files of that shard (:mod:`prx_data.stream.attached`). They are added to
+the reader's files, so streaming downloads them with the shard (from the
+export's ``_columns/`` folder, not the bucket's), counts them in the cache and
+evicts them with it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import numpy as np
 from streaming import Stream
 
 from prx_data.core.errors import UsageError
-from prx_data.core.streaming_compat import MDSReader, World, mds_reader_args
+from prx_data.core.streaming_compat import FileInfo, MDSReader, World, mds_reader_args
 from prx_data.export import naming, safety
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
@@ -30,9 +36,19 @@ class SkipStream(Stream):
     shards whose every sample is skipped are left out altogether.
     """
 
-    def __init__(self, *, skips: dict[str, np.ndarray] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        skips: dict[str, np.ndarray] | None = None,
+        extras: dict[str, list[tuple[str, str, int]]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.skips = skips or {}
+        #: Per shard basename: (path in the local bucket folder, remote URI, bytes) of each
+        #: file fetched and evicted with it (a remote stream only).
+        self.extras = extras or {}
+        self._extra_uris = {rel: uri for fs in self.extras.values() for rel, uri, _ in fs}
 
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
         """Streaming's shard readers, checked before any shard file is opened or decoded.
@@ -82,7 +98,24 @@ class SkipStream(Stream):
                 out.append(wrapped)
         if self.remote is None:  # the files are the export itself, not a cache
             out = [_pin(r, self.local) for r in out]
+        elif self.extras:
+            for reader in out:
+                for rel, _uri, nbytes in self.extras.get(reader.raw_data.basename, ()):
+                    reader.file_pairs.append((FileInfo(rel, nbytes, {}), None))
         return out
+
+    def _download_file(self, from_basename: str, to_basename: str | None = None) -> str:
+        """Streaming's download, except a shard's extra files, which come from their own URI."""
+        uri = self._extra_uris.get(from_basename)
+        if uri is None:
+            return super()._download_file(from_basename, to_basename)
+        from streaming.base.util import retry
+
+        local = os.path.join(self.local, self.split or "", from_basename)
+        retry(clean_up_fn=self._downloader.clean_up, num_attempts=self.download_retry)(
+            lambda: self._downloader.download(uri, local, self.download_timeout)
+        )()
+        return local
 
     def prepare_shard(self, shard: Any) -> int:
         delta = super().prepare_shard(shard)

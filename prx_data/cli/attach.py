@@ -1,0 +1,38 @@
+"""``python -m prx_data.attach``: argument parsing over :mod:`prx_data.pipelines.attach`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prx_data.cli.reporting import add_report_args, run_job
+from prx_data.core.flags import add_flags
+from prx_data.pipelines.attach import AttachConfig, run_attach
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prx_data.attach",
+        description="Attach table columns (new captions, scores, labels) to an export without "
+        "rewriting its shards: each column is joined by id through the export's id manifests "
+        "and stored beside the shards (OUT/_columns/<name>/, one Arrow file per shard, bound "
+        "to the shard's content). The loader serves them as extra_columns or caption columns, "
+        "from local and s3:// or gs:// exports. A rerun computes only shards that lack a "
+        "current file (new or changed shards); an id the table lacks gives a null, counted.",
+    )
+    add_flags(p, AttachConfig)
+    add_report_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job(
+        build_parser().parse_args(argv),
+        AttachConfig,
+        run_attach,
+        footer=lambda cfg: f"columns: {cfg.out}/_columns/",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Attached columns beside an export: where they live, their record, the checked read.
+
+A column attached to an export (``python -m prx_data.attach``) is one Arrow IPC
+file per MDS shard, ``_columns/<name>/<tier>/<ar>/<part>/shard.NNNNN.arrow``,
+holding one field named ``<name>`` with a row per stored sample of the shard, in
+the shard's sample order. The shards, their indexes, skip lists and id index
+stay as they are: a new caption or score column is written once, beside them.
+
+Arrow IPC (not pickle, not ``.npy``) because a table column can be any Arrow type
+(strings with nulls, lists, numbers); the file format gives random access and a
+schema checked before a value is read. Files are compressed with zstd.
+
+``_columns/<name>/record`` (JSON text; not ``*.json``, which streaming's
+``merge_index`` would take for an index) names the column's Arrow type and where
+it came from (the table, its version, the source column) and binds each file to
+the shard it was made from (:mod:`prx_data.export.bound`): a file made from other
+shard content, or whose bytes changed, is refused in one line.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from prx_data.core import confined, storage
+from prx_data.core.errors import PrxDataError
+from prx_data.export import bound
+from prx_data.export.layout import ShardInfo
+from prx_data.export.naming import COLUMNS_DIR
+
+RECORD_BASENAME = "record"
+RECORD_FORMAT = "prx-data attached column"
+RECORD_VERSION = 1
+#: The attach job's own lease (one run per export; skip-list updates go on meanwhile).
+LOCK_NAME = f"{COLUMNS_DIR}/.lock"
+EXT = "arrow"
+#: Largest record read back (a million shards at ~300 bytes each).
+MAX_RECORD_BYTES = 1 << 30
+#: Largest column file read (a shard's column: captions of a few thousand samples).
+MAX_FILE_BYTES = 1 << 30
+#: A column's name: a file-name part and an item key (no dots, slashes or leading digit).
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+JOB = "python -m prx_data.attach"
+
+
+class AttachedError(PrxDataError, ValueError):
+    """An attached column that is missing, stale, foreign or malformed; one line says what to do."""
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise AttachedError(
+            f"{name!r}: not an attached column name (letters, digits and _, not starting with "
+            "a digit)"
+        )
+    return name
+
+
+def record_rel(name: str) -> str:
+    return f"{COLUMNS_DIR}/{check_name(name)}/{RECORD_BASENAME}"
+
+
+def shard_key(bucket: str, basename: str) -> str:
+    return bound.shard_key(bucket, basename, AttachedError)
+
+
+def file_rel(name: str, key: str) -> str:
+    """Path of a shard's column file relative to the export root."""
+    return bound.file_rel(f"{COLUMNS_DIR}/{check_name(name)}", key, EXT)
+
+
+def file_path(root: str, name: str, key: str) -> str:
+    return storage.join(root, *file_rel(name, key).split("/"))
+
+
+def cache_rel(name: str, basename: str, digest: str) -> str:
+    """Where a remote export's column file of shard ``basename`` lies in the node's cache,
+    relative to the cached bucket folder (named by its digest: a changed file is another
+    file, never a stale copy)."""
+    stem = basename.split(".mds", 1)[0]
+    if not re.fullmatch(r"[0-9a-f]{1,32}", str(digest)):
+        raise AttachedError(f"{digest!r}: not an xxh64 digest of an attached column file")
+    return f"{COLUMNS_DIR}/{check_name(name)}/{stem}.{digest}.{EXT}"
+
+
+def encode(name: str, values: pa.Array) -> bytes:
+    """The IPC file bytes of one shard's column (zstd-compressed buffers)."""
+    table = pa.table({name: values})
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.ipc.new_file(sink, table.schema, options=options) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def type_text(t: pa.DataType) -> str:
+    """An Arrow type as the record keeps it (its IPC schema, base64): compared exactly."""
+    return base64.b64encode(pa.schema([("v", t)]).serialize().to_pybytes()).decode()
+
+
+def type_of(text: str) -> pa.DataType:
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text))).field(0).type
+    except (ValueError, TypeError, pa.ArrowInvalid, IndexError):
+        raise AttachedError(f"{text[:40]!r}: not an Arrow type of an attached column") from None
+
+
+def decode(data: bytes, name: str, want: pa.DataType, samples: int, where: str) -> pa.Array:
+    """One shard's column from its IPC bytes, after checking its schema and length."""
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(data))
+        schema = reader.schema
+    except (pa.ArrowInvalid, OSError, ValueError) as e:
+        raise AttachedError(f"{where}: not an Arrow IPC file ({e}); run {JOB} again") from None
+    if schema.names != [name] or schema.field(0).type != want:
+        raise AttachedError(
+            f"{where}: holds {schema}, the record says one field {name}: {want}; run {JOB} again"
+        )
+    try:
+        table = reader.read_all()
+    except (pa.ArrowInvalid, OSError, ValueError) as e:
+        raise AttachedError(f"{where}: unreadable ({e}); run {JOB} again") from None
+    if table.num_rows != samples:
+        raise AttachedError(
+            f"{where}: {table.num_rows} rows, its shard holds {samples} samples; run {JOB} again"
+        )
+    return table.column(0).combine_chunks()
+
+
+def _record_args(name: str) -> dict[str, Any]:
+    return {
+        "fmt": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "error": AttachedError,
+        "job": JOB,
+        "args": f"--table TABLE --columns {name}",
+    }
+
+
+def read_record(root: str, name: str) -> dict[str, Any] | None:
+    """The record of column ``name`` of the export at ``root``, or None when it has none."""
+    record = bound.read_record(
+        root, record_rel(name), max_bytes=MAX_RECORD_BYTES, **_record_args(name)
+    )
+    return None if record is None else _named(record, root, name)
+
+
+def parse_record(raw: bytes, root: str, name: str) -> dict[str, Any]:
+    """A record's bytes read elsewhere (a node's cache of a remote export), checked the same
+    way as :func:`read_record` checks them."""
+    record = bound.parse_record(raw, root, record_rel(name), **_record_args(name))
+    return _named(record, root, name)
+
+
+def _named(record: dict[str, Any], root: str, name: str) -> dict[str, Any]:
+    if record.get("column") != name:
+        raise AttachedError(
+            f"{storage.join(root, record_rel(name))}: a record of column "
+            f"{record.get('column')!r}, not {name!r}; run {JOB} again"
+        )
+    return record
+
+
+def write_record(root: str, name: str, body: Mapping[str, Any], shards: Mapping[str, dict]) -> None:
+    head = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "column": name, **body}
+    bound.write_record(root, record_rel(name), {**head, "shards": shards})
+
+
+def list_columns(root: str) -> list[str]:
+    """Names of the columns attached to the export (those with a record)."""
+    base = storage.join(root, COLUMNS_DIR)
+    names = set()
+    for rel in storage.list_files(base):
+        bits = rel.replace("\\", "/").split("/")
+        if len(bits) == 2 and bits[1] == RECORD_BASENAME and NAME_RE.fullmatch(bits[0]):
+            names.add(bits[0])
+    return sorted(names)
+
+
+def stale_shards(record: Mapping[str, Any], bucket: str, shards: Iterable[ShardInfo]) -> list[str]:
+    """Shards of ``bucket`` whose column file is missing or was made from other shard data."""
+    return bound.stale_shards(record.get("shards") or {}, bucket, shards, AttachedError)
+
+
+def require_current(
+    root: str, name: str, record: Mapping[str, Any], bucket: str, shards: Iterable[ShardInfo]
+) -> None:
+    """Refuse, in one line, a column set made from other shards than ``bucket`` holds now."""
+    stale = stale_shards(record, bucket, shards)
+    if stale:
+        raise AttachedError(
+            f"{root}: column {name!r} was not made from the current data of {len(stale)} "
+            f"shard(s) (first: {stale[0]}); run {JOB} {root} --table TABLE --columns {name}"
+        )
+
+
+def read_file(
+    root: str, name: str, key: str, rec: Mapping[str, Any], want: pa.DataType, path: str
+) -> pa.Array:
+    """One shard's column at ``path`` (inside ``root``), read confined (a regular file, capped
+    at the size the record names), its bytes checked against the record's xxh64, its schema
+    and length against the record and the shard."""
+    size = int(rec.get("bytes", -1))
+    if size < 0:
+        raise AttachedError(f"{root}: column {name!r} records no size for {key}; run {JOB}")
+    try:
+        data = confined.read(root, path, min(size, MAX_FILE_BYTES))
+    except FileNotFoundError:
+        raise AttachedError(f"{path}: missing; run {JOB} {root} --columns {name}") from None
+    except confined.UnsafeFileError as e:
+        raise AttachedError(f"{e}; run {JOB} {root} --columns {name} again") from None
+    if len(data) != size or bound.xxh64(data) != rec.get("xxh64"):
+        raise AttachedError(
+            f"{path}: its bytes differ from what the column's record names (a foreign or "
+            f"changed file); run {JOB} {root} --columns {name} --replace"
+        )
+    return decode(data, name, want, int(rec["samples"]), path)
