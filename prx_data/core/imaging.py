@@ -690,7 +690,8 @@ def enlarge_exact(
     arr: np.ndarray, box: tuple[float, float, float, float], dst_w: int, dst_h: int
 ) -> np.ndarray:
     """Cover-crop ``box`` of an HxWx3 array to (dst_w, dst_h) with bicubic interpolation on
-    exactly the box's output grid (for enlargements; any channel order).
+    exactly the box's output grid (for enlargements; any channel order). The result may
+    be a view with a wider row stride (copying 50 MB at the 4096 tier costs 10 ms).
 
     OpenCV's ``resize`` by the exact scale, from a start pixel chosen so that its grid is
     the box's (:func:`_resize_origin`); where no start within :data:`_ORIGIN_SEARCH`
@@ -715,7 +716,7 @@ def enlarge_exact(
             src = cv2.copyMakeBorder(src, top, 0, left, 0, cv2.BORDER_REPLICATE)
         out = cv2.resize(src, None, fx=fx, fy=fy, interpolation=cv2.INTER_CUBIC)
         if out.shape[0] >= my + dst_h and out.shape[1] >= mx + dst_w:
-            return np.ascontiguousarray(out[my : my + dst_h, mx : mx + dst_w])
+            return out[my : my + dst_h, mx : mx + dst_w]  # a view: OpenCV encodes it as is
     sx, sy = 1 / fx, 1 / fy
     m = np.array([[sx, 0, box[0] + 0.5 * sx - 0.5], [0, sy, box[1] + 0.5 * sy - 0.5]])
     return cv2.warpAffine(
