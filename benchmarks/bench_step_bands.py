@@ -259,8 +259,8 @@ def prepare_parts(item: dict) -> dict:
     _, scaled = imaging.scaled_box((arr.shape[1], arr.shape[0]), full, bw, bh, k2)
     out = imaging.reduce_exact(arr, scaled, bw, bh)
     enlarge = out is None
-    if enlarge:
-        out = imaging.enlarge_exact(arr, scaled, bw, bh)
+    if enlarge:  # a view into OpenCV's output: the encoders get the same contiguous pixels
+        out = np.ascontiguousarray(imaging.enlarge_exact(arr, scaled, bw, bh))
     return {"k": k, "arr": arr, "box": scaled, "out": out, "enlarge": enlarge}
 
 
