@@ -4,6 +4,7 @@ Pillow's Lanczos uses, with Pillow's decode, errors and q92 encode."""
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 import pytest
@@ -12,13 +13,16 @@ from PIL import Image
 from prx_data.core.imaging import (
     CODECS,
     DEFAULT_CODEC,
+    EncodeSpec,
     ImageError,
+    _encode_array,
     axis_plan,
     check_codec,
     cover_box,
     decode,
     decode_scaled,
     draft_size,
+    enlarge_exact,
     prepare_with,
     reduce_exact,
 )
@@ -78,14 +82,66 @@ def test_output_grid_is_the_exact_box(detailed, box, dst, aligned):
 
 
 def test_same_size_and_enlarged_sources():
-    """A source already at the bucket's size keeps its pixels; an enlargement is Pillow's."""
+    """A source already at the bucket's size keeps its pixels; an enlargement (at most 4/3
+    under the bucket rule) scores within a dB of Pillow's Lanczos against the float
+    reference, on the same exact box."""
     src = photo_like(448, 576, 1)[0]
     out = prepare_with(DEFAULT_CODEC, _save(src, "PNG"), 448, 576, fmt="png")
     assert np.array_equal(_pixels(out.data), np.asarray(src))
-    small = _save(photo_like(300, 200, 2)[0], "JPEG", quality=95)
-    a = prepare_with(DEFAULT_CODEC, small, 576, 448)
-    b = prepare_with("pillow", small, 576, 448)
-    assert a.data == b.data and a.crop_box == b.crop_box
+    small = _save(photo_like(450, 330, 2)[0], "JPEG", quality=95)
+    a = prepare_with(DEFAULT_CODEC, small, 576, 448, fmt="png")
+    b = prepare_with("pillow", small, 576, 448, fmt="png")
+    assert a.crop_box == b.crop_box
+    ref = _float_reference(small, 576, 448)
+    pa, pb = _psnr(ref, _pixels(a.data)), _psnr(ref, _pixels(b.data))
+    assert pa > 40.0 and pa > pb - 1.0
+
+
+@pytest.mark.parametrize(
+    "box,dst",
+    [
+        ((0.0, 21.3, 1001.0, 736.7), (1280, 914)),  # the filled axis and a fractional one
+        ((13.37, 0.0, 987.63, 757.0), (1212, 942)),
+        ((1.3, 2.1, 701.3, 522.1), (901, 671)),  # a start before the image (edge repeated)
+        ((0.45, 0.6, 750.55, 500.6), (1000, 667)),  # no start fits: the exact warp
+    ],
+)
+def test_enlargement_grid_is_the_exact_box(detailed, box, dst):
+    """OpenCV's resize from a chosen start pixel gives the exact mapping's pixels (one
+    warpAffine over the box, same kernel), not those of a grid moved by 1/20 pixel."""
+    import cv2
+
+    w, h = dst
+    out = enlarge_exact(detailed, box, w, h)
+    assert out.shape == (h, w, 3)
+
+    def warp(b):
+        sx, sy = (b[2] - b[0]) / w, (b[3] - b[1]) / h
+        m = np.array([[sx, 0, b[0] + 0.5 * sx - 0.5], [0, sy, b[1] + 0.5 * sy - 0.5]])
+        flags = cv2.INTER_CUBIC | cv2.WARP_INVERSE_MAP
+        return cv2.warpAffine(detailed, m, (w, h), flags=flags, borderMode=cv2.BORDER_REPLICATE)
+
+    inner = (slice(4, -4), slice(4, -4))  # edges: resize and warp extend the image alike
+    moved = warp((box[0] + 0.05, box[1] + 0.05, box[2] + 0.05, box[3] + 0.05))
+    assert _psnr(out[inner], warp(box)[inner]) > 50.0 > 45.0 > _psnr(moved[inner], out[inner])
+
+
+def test_reduce_plan_for_a_factor_just_above_one():
+    """A 2572 x 1740 photo into its 2432 x 1664 bucket (factor 1.046): the output count's
+    parity stays odd until the crop is too narrow, so the plan reads wider instead."""
+    box = cover_box(2572, 1740, 2432, 1664)
+    plan = axis_plan(2572, box[0], box[2], 2432)
+    assert plan is not None and plan.lo >= 0 and plan.lo + plan.size <= 2572
+    assert (math.floor(plan.size / plan.factor + 0.5) - 2432) == 2 * plan.trim
+
+
+def test_opencv_encode_is_pillows():
+    """The default path's BGR arrays leave through OpenCV's encoder with Pillow's bytes."""
+    rgb = np.asarray(photo_like(640, 480, 4)[0])
+    for subsampling in (-1, 0, 2):
+        spec = EncodeSpec(subsampling=subsampling)
+        ours = _encode_array(np.ascontiguousarray(rgb[..., ::-1]), True, spec)
+        assert ours == spec.encode(Image.fromarray(rgb))
 
 
 def _float_reference(data: bytes, w: int, h: int) -> np.ndarray:
