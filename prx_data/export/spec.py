@@ -89,7 +89,8 @@ class ExportConfig:
         "--codec",
         choices=CODECS,
         help="Resize/encode path. vips-reduce (default): JPEG draft to >= --draft-margin x "
-        "the target, libvips' SIMD Lanczos3 over the exact crop box, Pillow encode; pillow: "
+        "the target, libvips' SIMD Lanczos3 over the exact crop box (OpenCV bicubic to enlarge), "
+        "encoded through OpenCV (the same bytes as Pillow's); pillow: "
         "the same with Pillow's Lanczos (slower, same fidelity); vips: libvips thumbnail "
         f"(crops on whole pixels). Speed against fidelity: {CODECS_RESULTS}.",
     )
