@@ -369,3 +369,26 @@ def test_an_export_without_a_row_record_compares_with_its_version_or_else_its_id
     assert report.append["counts"]["changed"] == 0 and report.append["counts"]["new"] == 1
     assert report.append["counts"]["no_digest"] == 9
     assert sorted(_streamed(out)[0]) == _ids(table)
+
+
+@pytest.mark.parametrize("compact", [None, "64M"], ids=["lists", "compact"])
+def test_a_rewrite_of_other_lists_still_leaves_out_deleted_and_replaced_samples(
+    exported, tmp_path, compact
+):
+    """``deleted`` and ``replaced`` are the export's own lists and never carried: a rewrite
+    that names other lists (or only compacts) must still leave their samples out."""
+    from prx_data.skips.log import Provenance
+    from prx_data.skips.ops import update_list
+    from prx_data.skips.rewrite import rewrite_export
+
+    table, out = exported
+    ds = lance.dataset(table)
+    ds.delete("id IN ('r00', 'r03')")
+    make_table(table, _items(["r00"], seed=7, size=(800, 600)), mode="append")  # changed
+    run_append(_cfg(table, out, append=True), RUN)
+    update_list(out, "mine", ["r04"], Provenance("test", ""), export_only=True)
+    new = str(tmp_path / "new")
+    rewrite_export(out, new, names=["mine"], force=True, progress=False, compact=compact)
+    ids, shapes = _streamed(new)
+    assert sorted(ids) == sorted(set(_ids(table)) - {"r04"})  # r03 deleted, r00 once
+    assert shapes["r00"] == _streamed(out)[1]["r00"]  # the new image, not the old one

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prx_data.export import layout
+from prx_data.export.append import DELETED_LIST, REPLACED_LIST
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.bind import bind
 from prx_data.skips.errors import ListError
@@ -48,7 +49,14 @@ def resolve_applied(
     ledger: str | None,
     drop_lists: Sequence[str],
 ) -> Applied:
-    """The positions the lists ``names`` (all by default) skip in each bucket of ``root``."""
+    """The positions the lists ``names`` (all by default) skip in each bucket of ``root``.
+
+    An append's ``deleted`` and ``replaced`` lists are always applied: they are the
+    export's own (never carried to the ledger or to ``out``), so a sample they hide that
+    a rewrite kept would stream again.
+    """
+    if names is not None:
+        names = sorted(set(names) | {DELETED_LIST, REPLACED_LIST})
     trusted = bool(table or ledger)
     try:
         reg = resolve(root, table, ledger=ledger) if trusted else resolve(root)
