@@ -144,10 +144,22 @@ def test_precomputed_text_gives_the_in_step_loss_and_another_encoder_is_refused(
     def refuse(*args, **kwargs):
         raise AssertionError("the text encoder ran with text_encoder.source: precomputed")
 
+    from prx_data.train.captions import CaptionPolicy
+
+    picks: list[int] = []
+    choose_index = CaptionPolicy.choose_index
+
+    def record(self, batch, generator=None):
+        out = choose_index(self, batch, generator)
+        picks.extend(out)
+        return out
+
     with monkeypatch.context() as m:
         m.setattr(TextEncoder, "encode", refuse)
+        m.setattr(CaptionPolicy, "choose_index", record)
         stored = _fit_losses(_trainer_cfg(tmp_path, root, t5, "precomputed", "pre"))
     assert len(encoded) == len(stored) == 3
+    assert -1 in picks and 0 in picks  # dropped captions took the record's empty value
     np.testing.assert_allclose(stored, encoded, rtol=1e-5, atol=1e-7)
 
     # Another encoder's weights (same name, class and config): the trainer and the job refuse.
@@ -182,3 +194,33 @@ def test_verify_and_the_loader_refuse_a_corrupted_embedding_file(tmp_path, t5):
     assert any(name in str(p) for p in res.problems), res.problems
     with pytest.raises(A.AttachedError, match="bytes differ"):
         _items(DatasetSpec(root), extra_columns=(name,))
+
+
+def test_the_step_reads_the_stored_embeddings_and_the_empty_caption_value(tmp_path, t5):
+    """With the text path of a trained model (random weights, not the zero-initialised one
+    whose first steps ignore the text), the flow loss on one batch from stored embeddings
+    equals the in-step encoder's, and changes when the stored empty-caption value does."""
+    from prx_data.train.trainer import build_trainer
+
+    root, table = _export(tmp_path)
+    _attach(root, table, t5)
+    trainer = build_trainer(_trainer_cfg(tmp_path, root, t5, "precomputed", "direct"))
+    try:
+        model = trainer.state.model
+        batch = next(iter(trainer.state.train_dataloader))
+        assert "latent_caption_tiny_t5" in batch and "attention_mask_caption_tiny_t5" in batch
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.transformer.parameters():
+                p.normal_(0.0, 0.2)
+        seeds = range(6)
+        stored = [model.eval_loss(batch, seed=s) for s in seeds]
+        keys, empty = model.stored_text, model.empty_text
+        model.stored_text = None
+        encoded = [model.eval_loss(batch, seed=s) for s in seeds]
+        np.testing.assert_allclose(stored, encoded, rtol=1e-5, atol=1e-7)
+        model.stored_text, model.empty_text = keys, (empty[0] + 1.0, empty[1])
+        changed = [model.eval_loss(batch, seed=s) for s in seeds]
+        assert not np.allclose(changed, stored, rtol=1e-4)  # some seed dropped a caption
+    finally:
+        trainer.close()
