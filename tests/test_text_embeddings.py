@@ -3,7 +3,7 @@
 Covers the job (each caption column C becomes ``latent_C_<encoder>`` [L, D] and
 ``attention_mask_C_<encoder>`` [L], equal to the encoder's own output, bound to its
 weights digest; a rerun computes nothing; another encoder is refused), the loader
-serving them as numpy rows, the trainer's ``text_encoder.source: precomputed``
+serving them as numpy rows (local and ``s3://``, moto), the trainer's ``text_encoder.source: precomputed``
 (same loss as the in-step encoder; another encoder's columns refused in one line),
 and ``verify`` on a corrupted column file.
 """
@@ -224,3 +224,24 @@ def test_the_step_reads_the_stored_embeddings_and_the_empty_caption_value(tmp_pa
         assert not np.allclose(changed, stored, rtol=1e-4)  # some seed dropped a caption
     finally:
         trainer.close()
+
+
+def test_embeddings_stream_from_an_s3_export_as_from_the_local_one(
+    tmp_path, t5, s3_bucket, moto_server, monkeypatch
+):
+    from prx_data.stream.spec import DatasetSpec
+    from tests.exportkit import upload_tree
+    from tests.test_attach import _items
+
+    monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)
+    root, table = _export(tmp_path)
+    _attach(root, table, t5)
+    names = A.text_names("caption", "tiny_t5")
+    local = {i["id"]: i for i in _items(DatasetSpec(root), extra_columns=names)}
+    remote_root = f"s3://{s3_bucket}/ex"
+    upload_tree(root, remote_root)
+    remote = _items(DatasetSpec(remote_root, local=str(tmp_path / "cache")), extra_columns=names)
+    assert sorted(i["id"] for i in remote) == sorted(local)
+    for it in remote:
+        for n in names:
+            np.testing.assert_array_equal(it[n], local[it["id"]][n])
