@@ -20,8 +20,11 @@ other shard content (an append's new shards, a re-export's changed ones);
 
 from __future__ import annotations
 
+import base64
 import io
 import logging
+import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,10 +109,48 @@ class AttachConfig:
         None, "--tiers", type=comma_ints, help="Comma-separated tiers to attach to (default: all)."
     )
     progress: bool = flag(False, "--progress", help="Show a progress bar over parts.")
+    text_encoder: str | None = flag(
+        None,
+        "--text-encoder",
+        help="Encode the --columns captions with this transformers text encoder (local folder "
+        "or hub id) instead of attaching them: each caption column C gives the attached "
+        "columns latent_C_<encoder> (float32 [max_length, hidden]) and attention_mask_C_<encoder> "
+        "(uint8 [max_length]), bound to the encoder's weights digest "
+        "(text_encoder.source: precomputed in the trainer).",
+    )
+    encoder_name: str | None = flag(
+        None,
+        "--encoder-name",
+        help="The <encoder> part of the text columns' names (default: the encoder path's last "
+        "part, lower case).",
+    )
+    max_length: int = flag(
+        256, "--max-length", type=int, help="Tokens per caption, padded (default: %(default)s)."
+    )
+    layer: int = flag(
+        -1, "--layer", type=int, help="Hidden state to store: -1 the last (default: %(default)s)."
+    )
+    text_batch: int = flag(
+        64, "--text-batch", type=int, help="Captions per encoder call (default: %(default)s)."
+    )
+
+    def outputs(self) -> dict[str, str]:
+        """Each attached column this run writes and the table column it comes from."""
+        if self.text_encoder is None:
+            return {c: c for c in self.columns}
+        label = self.encoder_name or A.encoder_label(self.text_encoder)
+        return {n: c for c in self.columns for n in A.text_names(c, label)}
 
     def __post_init__(self) -> None:
         if not self.columns:
             raise UsageError("--columns: name at least one table column")
+        if self.text_encoder is not None and (self.max_length <= 0 or self.text_batch <= 0):
+            raise UsageError("--max-length and --text-batch: must be positive")
+        if self.encoder_name is not None and not re.fullmatch(
+            r"[a-z0-9_]{1,64}", self.encoder_name
+        ):
+            raise UsageError(f"--encoder-name {self.encoder_name!r}: lower-case letters, digits, _")
+        self.outputs()  # names checked
         for c in self.columns:
             A.check_name(c)
             if c in RESERVED:
@@ -212,9 +253,30 @@ def _lookup(ds: Any, rows: int, id_column: str, columns: list[str], ids: pa.Arra
 class PartAttacher:
     """Computes one part's column files; one per run, shared by the driver's threads."""
 
-    def __init__(self, cfg: AttachConfig, ds: Any, types: dict[str, pa.DataType]) -> None:
-        self.cfg, self.ds, self.types = cfg, ds, types
+    def __init__(
+        self,
+        cfg: AttachConfig,
+        ds: Any,
+        types: dict[str, pa.DataType],
+        embedder: TextEmbedder | None = None,
+    ) -> None:
+        self.cfg, self.ds, self.types, self.embedder = cfg, ds, types, embedder
+        self.sources = cfg.outputs()
         self.rows = ds.count_rows()
+
+    def _values(self, found: pa.Table, pos: pa.Array, todo: list[str]) -> dict[str, pa.Array]:
+        """The shard's values of each column in ``todo``: the table's, or its captions'
+        embeddings and masks (one encoder pass per caption column)."""
+        out: dict[str, pa.Array] = {}
+        for src in dict.fromkeys(self.sources[n] for n in todo):
+            values = found[src].take(pos)
+            if self.embedder is None:
+                out[src] = values
+            else:
+                latent, mask = self.embedder(values)
+                names = [n for n, s in self.sources.items() if s == src]
+                out.update(zip(names, (latent, mask), strict=True))
+        return out
 
     def __call__(self, unit: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
         root, bucket, part = self.cfg.out, unit["bucket"], unit["part"]
@@ -230,7 +292,11 @@ class PartAttacher:
         safety.check_manifest_shards(path, part, m["shard"])
         ids = m["id"].combine_chunks().cast(pa.string())
         found = _lookup(
-            self.ds, self.rows, self.cfg.id_column, list(self.types), pc.unique(pc.drop_null(ids))
+            self.ds,
+            self.rows,
+            self.cfg.id_column,
+            list(dict.fromkeys(self.sources.values())),
+            pc.unique(pc.drop_null(ids)),
         )
         found_ids = found[self.cfg.id_column].combine_chunks().cast(pa.string())
         out = []
@@ -249,8 +315,9 @@ class PartAttacher:
             pos = pc.index_in(rows["id"].take(order).cast(pa.string()), value_set=found_ids)
             missing = pos.null_count
             binding = bound.shard_binding(entry)
+            computed = self._values(found, pos, todo)
             for i, name in enumerate(todo):
-                values = found[name].take(pos)
+                values = computed[name]
                 digest, nbytes = bound.write_file(
                     root, A.file_path(root, name, key), A.encode(name, values)
                 )
@@ -310,7 +377,13 @@ def run_attach(cfg: AttachConfig) -> AttachReport:
     t0 = time.monotonic()
     _check_output(cfg)
     ds = _open_table(cfg)
-    types = {c: ds.schema.field(c).type for c in cfg.columns}
+    outs = cfg.outputs()
+    embedder = None if cfg.text_encoder is None else TextEmbedder(cfg)
+    types = (
+        {n: ds.schema.field(c).type for n, c in outs.items()}
+        if embedder is None
+        else dict(zip(outs, embedder.types * len(cfg.columns), strict=True))
+    )
     report = AttachReport(
         out=cfg.out, table=cfg.table, table_version=int(ds.version), columns=list(cfg.columns)
     )
@@ -320,21 +393,24 @@ def run_attach(cfg: AttachConfig) -> AttachReport:
 
         os.makedirs(os.path.dirname(lock), exist_ok=True)
     with Lease(lock, what="attach run", error=AttachLocked):
-        records = {c: _previous(cfg, c, types[c]) for c in cfg.columns}
+        records = {n: _previous(cfg, n, types[n], embedder) for n in outs}
         units, keys = _plan(cfg, records, report)
-        for c in cfg.columns:  # files of shards the export no longer has
+        for c in outs:  # files of shards the export no longer has
             gone = [k for k in records[c] if k not in keys]
             for k in gone:
                 confined.confined(storage.join(cfg.out, A.COLUMNS_DIR)).delete(
                     A.file_path(cfg.out, c, k)
                 )
                 del records[c][k]
-        work = PartAttacher(cfg, ds, types)
+        work = PartAttacher(cfg, ds, types, embedder)
 
         def save() -> None:
-            for c in cfg.columns:
-                body = {"type": A.type_text(types[c]), "source": _source(cfg, ds, c)}
-                A.write_record(cfg.out, c, body, records[c])
+            for i, (n, c) in enumerate(outs.items()):
+                source = _source(cfg, ds, c)
+                if embedder is not None:
+                    source.update(embedder.source(i % 2))
+                body = {"type": A.type_text(types[n]), "source": source}
+                A.write_record(cfg.out, n, body, records[n])
 
         last, since = time.monotonic(), 0
         try:
@@ -359,11 +435,22 @@ def run_attach(cfg: AttachConfig) -> AttachReport:
     return report
 
 
-def _previous(cfg: AttachConfig, name: str, want: pa.DataType) -> dict[str, dict]:
-    """The shards a column's record holds, when it may be kept (same type, no ``replace``)."""
+def _previous(
+    cfg: AttachConfig, name: str, want: pa.DataType, embedder: TextEmbedder | None = None
+) -> dict[str, dict]:
+    """The shards a column's record holds, when it may be kept (same type and, for text
+    columns, same encoder; no ``replace``)."""
     record = A.read_record(cfg.out, name)
     if record is None or cfg.replace:
         return {}
+    if embedder is not None:
+        had_enc = (record.get("source") or {}).get("text_encoder") or {}
+        diff = A.text_encoder_differences(had_enc, embedder.identity)
+        if diff:
+            raise A.AttachedError(
+                f"{cfg.out}: column {name!r} was made by another text encoder "
+                f"({'; '.join(diff)}); pass --replace to compute it again"
+            )
     had = A.type_of(str(record.get("type", "")))
     if had != want:
         raise A.AttachedError(
@@ -380,9 +467,10 @@ def _plan(
     wanted = None if cfg.tiers is None else {int(t) for t in cfg.tiers}
     # One listing per column: a recorded file must be there with the size its record names
     # (the loader and verify --deep check its digest).
+    outs = list(cfg.outputs())
     sizes = {
         c: storage.file_sizes(storage.join(cfg.out, A.COLUMNS_DIR, c)) if records[c] else {}
-        for c in cfg.columns
+        for c in outs
     }
     units: list[dict[str, Any]] = []
     keys: set[str] = set()
@@ -392,7 +480,7 @@ def _plan(
         by_part: dict[str, list] = {}
         for e in entries:
             key = A.shard_key(bucket, e["raw_data"]["basename"])
-            clash = set(cfg.columns) & set(e.get("column_names") or ())
+            clash = set(outs) & set(e.get("column_names") or ())
             if clash:
                 raise UsageError(
                     f"--columns {','.join(sorted(clash))}: already a column of the shards of "
@@ -406,7 +494,7 @@ def _plan(
             binding = bound.shard_binding(e)
             todo = [
                 c
-                for c in cfg.columns
+                for c in outs
                 if not bound.matches(records[c].get(key), binding)
                 or sizes[c].get(A.file_rel(c, key).split("/", 2)[2]) != records[c][key].get("bytes")
             ]
@@ -416,3 +504,86 @@ def _plan(
                 report.skipped_shards += 1
         units += [{"bucket": bucket, "part": p, "shards": s} for p, s in sorted(by_part.items())]
     return units, keys
+
+
+class TextEmbedder:
+    """A frozen text encoder (the trainer's :class:`~prx_data.train.text_encoder.TextEncoder`,
+    float32, on CUDA when there is one) turning a shard's captions into fixed-shape
+    embeddings [max_length, hidden] and masks [max_length]; a null caption is "".
+
+    Calls are serialised (one encoder, shared by the driver's threads, whose reads go on).
+    """
+
+    def __init__(self, cfg: AttachConfig) -> None:
+        import torch
+
+        from prx_data.train.text_encoder import TextEncoder
+        from prx_data.train.vae import weights_digest
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.encoder = TextEncoder.from_pretrained(
+            cfg.text_encoder,
+            max_length=cfg.max_length,
+            dtype="float32",
+            layer=cfg.layer,
+            device=device,
+        )
+        self.batch = cfg.text_batch
+        self.lock = threading.Lock()
+        length, hidden = cfg.max_length, self.encoder.hidden_size
+        self.types = (
+            pa.list_(pa.list_(pa.float32(), hidden), length),
+            pa.list_(pa.uint8(), length),
+        )
+        self.identity = {
+            "name_or_path": cfg.text_encoder,
+            "weights": weights_digest(cfg.text_encoder),
+            "max_length": length,
+            "layer": cfg.layer,
+            "hidden_size": hidden,
+        }
+        self.empty = self._encode([""])
+
+    def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        feats, masks = [], []
+        with self.lock:
+            for i in range(0, len(texts), self.batch):
+                f, m = self.encoder.encode(texts[i : i + self.batch])
+                feats.append(f.float().cpu().numpy())
+                masks.append(m.cpu().numpy().astype(np.uint8))
+        d = self.types[0].value_type.list_size
+        if not feats:
+            return np.zeros((0, self.types[0].list_size, d), np.float32), np.zeros(
+                (0, self.types[1].list_size), np.uint8
+            )
+        return np.concatenate(feats), np.concatenate(masks)
+
+    def __call__(self, captions: pa.Array) -> tuple[pa.Array, pa.Array]:
+        texts = ["" if t is None else str(t) for t in captions.to_pylist()]
+        feats, masks = self._encode(texts)
+        if not np.isfinite(feats).all():
+            raise A.AttachedError(
+                f"{self.identity['name_or_path']}: the text encoder gave NaN or infinite "
+                "embeddings; run it in float32 or check its weights"
+            )
+        latent_t, mask_t = self.types
+        flat = pa.array(feats.reshape(-1), pa.float32())
+        rows = pa.FixedSizeListArray.from_arrays(flat, latent_t.value_type.list_size)
+        latent = pa.FixedSizeListArray.from_arrays(rows, latent_t.list_size)
+        mask = pa.FixedSizeListArray.from_arrays(
+            pa.array(masks.reshape(-1), pa.uint8()), mask_t.list_size
+        )
+        return latent, mask
+
+    def source(self, which: int) -> dict[str, Any]:
+        """The record's ``source`` additions of the latent (0) or mask (1) column: the encoder
+        and the value of the empty caption (what caption dropout trains on)."""
+        arr = self.empty[which][0]
+        return {
+            "text_encoder": dict(self.identity),
+            "empty": {
+                "dtype": arr.dtype.str,
+                "shape": list(arr.shape),
+                "data": base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode(),
+            },
+        }

@@ -18,7 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and stored beside the shards (OUT/_columns/<name>/, one Arrow file per shard, bound "
         "to the shard's content). The loader serves them as extra_columns or caption columns, "
         "from local and s3:// or gs:// exports. A rerun computes only shards that lack a "
-        "current file (new or changed shards); an id the table lacks gives a null, counted.",
+        "current file (new or changed shards); an id the table lacks gives a null, counted. "
+        "With --text-encoder, caption columns are stored as the encoder's embeddings and "
+        "attention masks (latent_<caption>_<encoder>, attention_mask_<caption>_<encoder>) for "
+        "the trainer's text_encoder.source: precomputed.",
     )
     add_flags(p, AttachConfig)
     add_report_args(p)

@@ -219,3 +219,67 @@ def read_file(
             f"changed file); run {JOB} {root} --columns {name} --replace"
         )
     return decode(data, name, want, int(rec["samples"]), path)
+
+
+#: Computed text-encoder columns, named as PRX's ``StreamingProcessedDataset`` reads them.
+TEXT_PREFIXES = ("latent", "attention_mask")
+
+
+def encoder_label(name_or_path: str) -> str:
+    """The ``<encoder>`` part of a text column's name from an encoder's path or hub id
+    (its last path part, lower case, other characters as ``_``): ``t5gemma`` for
+    ``google/t5gemma``."""
+    base = str(name_or_path).rstrip("/").rsplit("/", 1)[-1].lower()
+    return re.sub(r"[^a-z0-9_]", "_", base) or "encoder"
+
+
+def text_names(caption: str, encoder: str) -> tuple[str, str]:
+    """``(latent_<caption>_<encoder>, attention_mask_<caption>_<encoder>)``: the attached
+    columns holding a caption column's embeddings [L, D] and attention masks [L]."""
+    return tuple(check_name(f"{p}_{caption}_{encoder}") for p in TEXT_PREFIXES)  # type: ignore[return-value]
+
+
+def empty_value(record: Mapping[str, Any]) -> Any:
+    """The value a text column's record keeps for the empty caption (caption dropout), as a
+    numpy array of the column's shape, or None when the record is not a text column's."""
+    import numpy as np
+
+    empty = (record.get("source") or {}).get("empty")
+    if not isinstance(empty, Mapping):
+        return None
+    try:
+        arr = np.frombuffer(base64.b64decode(str(empty["data"])), dtype=np.dtype(empty["dtype"]))
+        return arr.reshape([int(x) for x in empty["shape"]])
+    except (KeyError, ValueError, TypeError):
+        raise AttachedError(
+            f"column {record.get('column')!r}: its record's empty-caption value is malformed; "
+            f"run {JOB} again with --replace"
+        ) from None
+
+
+def fixed_numpy(arr: pa.Array, where: str) -> Any:
+    """A (nested) fixed-size-list column as one numpy array [rows, *shape], its floats
+    checked finite: how the loader serves stored embeddings and masks."""
+    import numpy as np
+
+    shape = []
+    flat: pa.Array = arr
+    while pa.types.is_fixed_size_list(flat.type):
+        if flat.null_count:
+            raise AttachedError(f"{where}: a null in a fixed-shape column; run {JOB} again")
+        shape.append(flat.type.list_size)
+        flat = flat.flatten()
+    out = flat.to_numpy(zero_copy_only=False).reshape(len(arr), *shape)
+    if out.dtype.kind == "f" and not np.isfinite(out).all():
+        raise AttachedError(f"{where}: holds NaN or infinite values; run {JOB} again --replace")
+    return out
+
+
+def text_encoder_differences(had: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
+    """What differs between a text column's recorded encoder and ``want`` (``key a -> b``):
+    the weights digest, max length and layer; empty when the embeddings are this encoder's."""
+    return [
+        f"{k} {had.get(k)!r} -> {want[k]!r}"
+        for k in ("weights", "max_length", "layer")
+        if had.get(k) != want[k]
+    ]

@@ -178,10 +178,12 @@ def shard_files(
 def _column_file(
     base: str, name: str, key: str, xxh64: str, nbytes: int, samples: int, type_text: str, path: str
 ) -> list:
-    """One shard's column as Python values, read and checked once per process (workers
-    read their own)."""
+    """One shard's column as Python values (a fixed-shape column: one numpy array, a row
+    per sample, checked finite), read and checked once per process (workers read their own)."""
     rec = {"xxh64": xxh64, "bytes": nbytes, "samples": samples}
     arr = A.read_file(base, name, key, rec, A.type_of(type_text), path)
+    if pa.types.is_fixed_size_list(arr.type):  # stored embeddings, masks: numpy rows
+        return A.fixed_numpy(arr, path)
     values = arr.to_pylist()
     if pa.types.is_floating(arr.type):  # as a shard column's missing float: NaN
         values = [math.nan if v is None else v for v in values]

@@ -55,7 +55,16 @@ class CaptionPolicy:
     def choose(
         self, batch: Mapping[str, object], generator: torch.Generator | None = None
     ) -> list[str]:
-        """One caption per sample. An empty pick falls back to the next non-empty column.
+        """One caption per sample (:meth:`choose_index`'s picks as text; "" when dropped)."""
+        picks = self.choose_index(batch, generator)
+        return ["" if j < 0 else batch[self.columns[j]][i] for i, j in enumerate(picks)]  # type: ignore[index]
+
+    def choose_index(
+        self, batch: Mapping[str, object], generator: torch.Generator | None = None
+    ) -> list[int]:
+        """Per sample, the index in ``columns`` of its caption, or -1 for the empty caption
+        (dropped, or every column empty): what precomputed text embeddings are picked by.
+        An empty pick falls back to the next non-empty column.
 
         Raises :class:`UnknownName` (a ``KeyError``) naming the column when a configured
         column is not in the batch.
@@ -71,23 +80,22 @@ class CaptionPolicy:
         weights = torch.tensor(self.weights, dtype=torch.float64)
         picks = torch.multinomial(weights.expand(n, -1), 1, replacement=True, generator=generator)
         drop = torch.rand(n, generator=generator) < self.dropout
-        out: list[str] = []
+        out: list[int] = []
         for i in range(n):
             if drop[i]:
-                out.append("")
+                out.append(-1)
                 continue
             first = int(picks[i, 0])
             # Fall back in column order; a weight-0 column thus serves as a fallback only.
             order = [first] + [j for j in range(len(cols)) if j != first]
-            text = ""
+            pick = -1
             for j in order:
-                cand = cols[j][i]
-                if cand:
-                    text = cand
+                if cols[j][i]:
+                    pick = j
                     break
-            out.append(text)
+            out.append(pick)
         if self.warn_empty:
-            self._watch(n - int(drop.sum()), sum(1 for i in range(n) if not drop[i] and not out[i]))
+            self._watch(n - int(drop.sum()), sum(1 for i in range(n) if not drop[i] and out[i] < 0))
         return out
 
     def _watch(self, drawn: int, empty: int) -> None:

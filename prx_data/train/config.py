@@ -64,7 +64,7 @@ class FlowConfig:
 
 @dataclass
 class TextEncoderConfig:
-    """Frozen text encoder run inside the training step (no precomputed features)."""
+    """Frozen text encoder, run inside the training step or read as precomputed columns."""
 
     #: Hub id or local directory of any transformers encoder (T5, T5Gemma, Qwen text tower).
     name_or_path: str = "google/t5-v1_1-xxl"
@@ -75,6 +75,14 @@ class TextEncoderConfig:
     dtype: str = "auto"
     #: Which hidden state to use: -1 is the last layer, -2 the one before, ...
     layer: int = -1
+    #: "encode": the encoder runs in every step; "precomputed": the step reads each caption
+    #: column C's attached latent_C_<encoder> and attention_mask_C_<encoder>
+    #: (``python -m prx_data.attach OUT --table T --columns C --text-encoder PATH``), checked
+    #: against this encoder's weights digest, max_length and layer (it still encodes prompts
+    #: for sampling and held-out evaluation).
+    source: str = "encode"
+    #: The <encoder> part of those column names (None: name_or_path's last part, lower case).
+    precomputed_name: str | None = None
 
 
 @dataclass
@@ -556,6 +564,8 @@ def validate(cfg: TrainConfig) -> None:
         _fail("text_encoder.dtype", f"{te.dtype!r} is not one of {sorted(_DTYPES)}")
     if te.max_length <= 0:
         _fail("text_encoder.max_length", "must be positive")
+    if te.source not in ("encode", "precomputed"):
+        _fail("text_encoder.source", f"{te.source!r} is not one of encode, precomputed")
     v = cfg.vae
     if v.dtype not in _DTYPES:
         _fail("vae.dtype", f"{v.dtype!r} is not one of {sorted(_DTYPES)}")

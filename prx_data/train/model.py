@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from composer.models import ComposerModel
@@ -116,6 +117,11 @@ class PRXFlowModel(ComposerModel):
                 f"the transformer takes {transformer.config.in_channels} channels but the "
                 f"{'VAE latents have' if vae is not None else 'images have'} {want}"
             )
+        #: ``text_encoder.source: precomputed``: per caption column, the batch keys of its
+        #: stored embeddings and masks, and the empty caption's (set by the trainer after
+        #: checking the exports' records); None runs the encoder in the step.
+        self.stored_text: dict[str, tuple[str, str]] | None = None
+        self.empty_text: tuple[torch.Tensor, torch.Tensor] | None = None
         # Held-out evaluation (prx_data.train.evaluation): bands, seed, caption choice.
         self.eval_bands = 4
         self.eval_seed = 0
@@ -128,6 +134,34 @@ class PRXFlowModel(ComposerModel):
             self.text_encoder.to(device)
         feats, mask = self.text_encoder.encode(captions)
         return feats, mask
+
+    def stored_text_features(
+        self, batch: Mapping[str, Any], generator: torch.Generator | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen caption's precomputed embeddings [B, L, D] and mask [B, L] (bool), picked
+        per sample as :meth:`CaptionPolicy.choose_index` picks captions; a dropped or empty
+        caption takes the empty caption's: what the encoder would give in the step."""
+        assert self.stored_text is not None and self.empty_text is not None
+        picks = self.captions.choose_index(batch, generator)
+        feats, masks = [], []
+        for i, j in enumerate(picks):
+            if j < 0:
+                f, m = self.empty_text
+            else:
+                fk, mk = self.stored_text[self.captions.columns[j]]
+                if fk not in batch or mk not in batch:
+                    raise UsageError(
+                        f"text_encoder.source: precomputed but the batch has no {fk!r} (the "
+                        "loader serves it; a dataset passed in must too)"
+                    )
+                f, m = (
+                    torch.as_tensor(np.array(batch[fk][i])),
+                    torch.as_tensor(np.array(batch[mk][i])),
+                )
+            feats.append(f)
+            masks.append(m)
+        feats_t = torch.stack(feats).to(device=device, dtype=torch.float32)
+        return feats_t, torch.stack(masks).to(device=device).bool()
 
     def batch_images(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """uint8 [B, 3, H, W] on the model's device; encoded bytes are decoded there (nvJPEG)."""
@@ -210,8 +244,12 @@ class PRXFlowModel(ComposerModel):
             cpu_gen = None
             if generator is not None:
                 cpu_gen = torch.Generator().manual_seed(int(generator.initial_seed()))
-            captions = self.captions.choose(batch, cpu_gen)
-        feats, mask = self.encode_text(captions, device)
+            if self.stored_text is not None:
+                feats, mask = self.stored_text_features(batch, cpu_gen, device)
+            else:
+                feats, mask = self.encode_text(self.captions.choose(batch, cpu_gen), device)
+        else:
+            feats, mask = self.encode_text(captions, device)
         param_dtype = next(self.transformer.parameters()).dtype
         feats = feats.to(param_dtype)
         n = x0.shape[0]

@@ -9,6 +9,7 @@ A notebook can do the same in three lines::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -150,6 +151,56 @@ def check_precomputed_latents(cfg: TrainConfig, codec: LatentCodec | None) -> No
                 f"({'; '.join(diff)}; recorded -> this run's vae); run python -m prx_data.latents "
                 f"{root} --vae {cfg.vae.name_or_path} --replace, or set vae.source: encode"
             )
+
+
+def check_precomputed_text(cfg: TrainConfig, model: PRXFlowModel) -> list[str]:
+    """Bind the step to the exports' stored text embeddings (``text_encoder.source: precomputed``).
+
+    Every training export must carry, for each caption column C, the attached columns
+    ``latent_C_<encoder>`` and ``attention_mask_C_<encoder>`` made by this run's encoder
+    (weights digest, max_length, layer); else a one-line ConfigError. Sets the model's
+    column keys and empty-caption value and returns the columns the loader must serve.
+    """
+    from prx_data.export import attached as A
+    from prx_data.train.vae import weights_digest
+
+    te = cfg.text_encoder
+    label = te.precomputed_name or A.encoder_label(te.name_or_path)
+    want = {
+        "weights": weights_digest(te.name_or_path),
+        "max_length": te.max_length,
+        "layer": te.layer,
+    }
+    keys = {c.name: A.text_names(c.name, label) for c in cfg.data.caption_columns}
+    empty: list = []
+    for root in dict.fromkeys(d.root for d in cfg.data.datasets):
+        for caption, names in keys.items():
+            for name in names:
+                try:
+                    record = A.read_record(root, name)
+                except A.AttachedError as e:
+                    raise ConfigError(f"text_encoder.source: {e}") from None
+                if record is None:
+                    raise ConfigError(
+                        f"text_encoder.source: {root} has no attached column {name!r}; run "
+                        f"python -m prx_data.attach {root} --table TABLE --columns {caption} "
+                        f"--text-encoder {te.name_or_path} --max-length {te.max_length}, or set "
+                        "text_encoder.source: encode"
+                    )
+                had = (record.get("source") or {}).get("text_encoder") or {}
+                diff = A.text_encoder_differences(had, want)
+                if diff:
+                    raise ConfigError(
+                        f"text_encoder.source: {root}'s {name!r} was made by another text "
+                        f"encoder ({'; '.join(diff)}; recorded -> this run's); run python -m "
+                        f"prx_data.attach {root} --table TABLE --columns {caption} --text-encoder "
+                        f"{te.name_or_path} --replace, or set text_encoder.source: encode"
+                    )
+                if len(empty) < 2:
+                    empty.append(torch.from_numpy(A.empty_value(record).copy()))
+    model.stored_text = keys
+    model.empty_text = (empty[0].float(), empty[1].bool())
+    return [n for names in keys.values() for n in names]
 
 
 def build_optimizer(cfg: TrainConfig, model: PRXFlowModel) -> torch.optim.Optimizer:
@@ -368,8 +419,14 @@ def build_trainer(
     precomputed = cfg.vae.source == "precomputed"
     if precomputed:
         check_precomputed_latents(cfg, model.vae)
+    data_cfg = cfg.data
+    if cfg.text_encoder.source == "precomputed":
+        stored = check_precomputed_text(cfg, model)
+        data_cfg = dataclasses.replace(
+            data_cfg, extra_columns=list(dict.fromkeys([*data_cfg.extra_columns, *stored]))
+        )
     dataspec = build_dataspec(
-        cfg.data,
+        data_cfg,
         world,
         pixel_patch,
         dataset=dataset,
