@@ -132,7 +132,16 @@ def test_fold_refuses_stale_latents_and_an_export_with_nothing_to_fold(tmp_path,
     _latents(ex.root, vae, "float16")
     record = L.read_record(ex.root)
     key = next(iter(record["shards"]))
+    good = dict(record["shards"][key])
     record["shards"][key]["samples"] += 1  # made from other shard data
     L.write_record(ex.root, record["vae"], record["dtype"], record["shards"])
     with pytest.raises(FoldError, match="missing or stale"):
         R.rewrite_export(ex.root, str(tmp_path / "b"), fold_columns=True, progress=False)
+
+    # Bound to the right shard, but the file's bytes are not the ones the record names.
+    record["shards"][key] = good
+    L.write_record(ex.root, record["vae"], record["dtype"], record["shards"])
+    stored = np.array(L.load_npy(ex.root, key, "float16"))
+    L.write_npy(ex.root, key, stored + np.float16(1))
+    with pytest.raises(FoldError, match="bytes differ from the latents record"):
+        R.rewrite_export(ex.root, str(tmp_path / "c"), fold_columns=True, progress=False)

@@ -29,6 +29,8 @@ Never ``pkl``: every encoding here decodes without running code.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +54,8 @@ class FoldColumn:
     name: str
     encoding: str
     source: str
+    #: sha256 of the record the plan read: a worker reads it again and refuses another one.
+    stamp: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,13 +111,13 @@ def plan_fold(root: str, buckets: list[str]) -> Fold:
         )
         latent = (dtype, scale, shift)
         enc = "ndarray:float16" if dtype == "float16" else "ndarray:float32"
-        cols.append(FoldColumn(LATENT_COLUMN, enc, "latents"))
+        cols.append(FoldColumn(LATENT_COLUMN, enc, "latents", _stamp(record)))
     for name in attached.list_columns(root):
         rec = attached.read_record(root, name)
         want = attached.type_of(str(rec.get("type", "")))
         for bucket in buckets:
             attached.require_current(root, name, rec, bucket, layout.read_index(root, bucket))
-        cols.append(FoldColumn(name, _encoding(want), name))
+        cols.append(FoldColumn(name, _encoding(want), name, _stamp(rec)))
     if not cols:
         raise FoldError(
             f"{root}: no latents and no attached columns to fold; run python -m prx_data.latents "
@@ -136,32 +140,33 @@ def fold_entry(fold: Fold, entry: dict) -> dict:
     }
 
 
+def _stamp(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
 @functools.lru_cache(maxsize=16)
-def _record(root: str, name: str) -> tuple:
-    """An attached column's record and Arrow type, read once per process (a record holds
-    every shard: read per shard, a large export would read it millions of times)."""
-    rec = attached.read_record(root, name)
-    if rec is None:
-        raise FoldError(f"{root}: column {name!r} has no record; run python -m prx_data.attach")
-    return rec, attached.type_of(str(rec.get("type", "")))
+def _record(root: str, source: str, stamp: str) -> tuple:
+    """A source's record (and an attached column's Arrow type), read once per process and
+    plan (a record holds every shard: read per shard, a large export would read it millions
+    of times); one that changed since the plan read it is refused."""
+    rec = latents.read_record(root) if source == "latents" else attached.read_record(root, source)
+    if rec is None or _stamp(rec) != stamp:
+        raise FoldError(
+            f"{root}: the record of {source!r} changed while the rewrite ran; rewrite again "
+            "into an empty destination once the latents or attach job is done"
+        )
+    return rec, None if source == "latents" else attached.type_of(str(rec.get("type", "")))
 
 
 def _values(root: str, fold: Fold, col: FoldColumn, key: str, entry: dict) -> list:
     """One shard's values of ``col``, one per stored sample, as ``mds_encode`` takes them."""
     n = int(entry["samples"])
-    if col.source == "latents":
-        dtype, scale, shift = fold.latent
-        stored = latents.load_npy(root, key, dtype)
-        if stored.shape[0] != n:
-            raise FoldError(f"{latents.npy_rel(key)}: {stored.shape[0]} latents for {n} samples")
-        x = latents.from_stored(stored, dtype) / np.float32(scale) + np.float32(shift)
-        moments = np.concatenate([x, np.zeros_like(x)], axis=1)
-        out = moments.astype(np.float16 if dtype == "float16" else np.float32)
-        return list(out)
-    rec, want = _record(root, col.source)
+    rec, want = _record(root, col.source, col.stamp)
     shard = (rec.get("shards") or {}).get(key)
     if shard is None:
-        raise FoldError(f"{root}: column {col.source!r} has no file for {key}")
+        raise FoldError(f"{root}: {col.source!r} has no file for {key}")
+    if col.source == "latents":
+        return _latents(root, fold, key, shard, n)
     path = attached.file_path(root, col.source, key)
     values = attached.read_file(root, col.source, key, shard, want, path).to_pylist()
     if col.encoding == "str":
@@ -176,6 +181,24 @@ def _values(root: str, fold: Fold, col: FoldColumn, key: str, entry: dict) -> li
     if col.encoding.startswith("ndarray:"):
         return [np.asarray(v, dtype=col.encoding.split(":")[1]) for v in values]
     return values
+
+
+def _latents(root: str, fold: Fold, key: str, shard: dict, n: int):
+    """One shard's latents as PRX's moments, a sample at a time (a shard's float32 copy would
+    hold hundreds of MB), after checking the file's bytes against the record."""
+    dtype, scale, shift = fold.latent
+    most = int(shard.get("npy_bytes", 0)) or 1 << 40
+    if latents.npy_digest(root, key, most) != shard.get("xxh64"):
+        raise FoldError(
+            f"{latents.npy_rel(key)}: missing, or its bytes differ from the latents record; run "
+            f"python -m prx_data.latents {root} --vae VAE --replace"
+        )
+    stored = latents.load_npy(root, key, dtype, (n, *shard.get("shape", [n])[1:]))
+    out = np.float16 if dtype == "float16" else np.float32
+    for i in range(n):
+        x = latents.sample_latent(stored[i], dtype, f"{latents.npy_rel(key)}[{i}]")
+        x = x / np.float32(scale) + np.float32(shift)
+        yield np.concatenate([x, np.zeros_like(x)], axis=0).astype(out)
 
 
 def shard_extras(root: str, fold: Fold, bucket: str, part: str, entry: dict) -> list:
