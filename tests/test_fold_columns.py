@@ -145,3 +145,37 @@ def test_fold_refuses_stale_latents_and_an_export_with_nothing_to_fold(tmp_path,
     L.write_npy(ex.root, key, stored + np.float16(1))
     with pytest.raises(FoldError, match="bytes differ from the latents record"):
         R.rewrite_export(ex.root, str(tmp_path / "c"), fold_columns=True, progress=False)
+
+
+def test_attached_types_fold_to_encodings_plain_readers_decode(tmp_path):
+    """Text embeddings and masks as PRX reads them; never pkl; a round trip through MDS."""
+    import pyarrow as pa
+    from streaming import MDSWriter
+
+    from prx_data.skips.fold import mds_encoding
+
+    emb, mask = pa.list_(pa.list_(pa.float16())), pa.list_(pa.bool_())
+    got = {str(t): mds_encoding(t) for t in (pa.string(), pa.int32(), pa.float64(), emb, mask)}
+    assert got == {
+        "string": "str",
+        "int32": "int32",
+        "double": "float64",
+        str(emb): "ndarray:float16",
+        str(mask): "ndarray:uint8",
+    }
+    assert mds_encoding(pa.struct([("a", pa.int8())])) == "json"
+    cols = {"latent_caption_t5": "ndarray:float16", "attention_mask_caption_t5": "ndarray:uint8"}
+    value = {
+        "latent_caption_t5": np.ones((3, 4), np.float16),
+        "attention_mask_caption_t5": np.array([1, 1, 0], np.uint8),
+    }
+    with MDSWriter(out=str(tmp_path / "m"), columns=cols) as w:
+        w.write(value)
+    import json
+
+    from prx_data.core.streaming_compat import reader_from_json
+
+    entry = json.load(open(tmp_path / "m" / "index.json"))["shards"][0]
+    item = reader_from_json(str(tmp_path / "m"), None, entry).get_item(0)
+    np.testing.assert_array_equal(item["latent_caption_t5"], value["latent_caption_t5"])
+    assert item["attention_mask_caption_t5"].tolist() == [1, 1, 0]

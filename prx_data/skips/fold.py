@@ -21,7 +21,8 @@ Names and encodings, as PRX reads them:
   included): strings as ``str`` (a null as ``""``, which PRX treats as an empty
   caption), integers and floats as the MDS scalar of their width (a float null as
   NaN; an integer null is refused), lists and
-  nested lists of numbers as ``ndarray:<dtype>``, anything else as ``json``.
+  nested lists of numbers as ``ndarray:<dtype>`` (of booleans, such as attention
+  masks, ``ndarray:uint8``), anything else as ``json``.
 
 Never ``pkl``: every encoding here decodes without running code.
 """
@@ -71,7 +72,7 @@ class Fold:
         return tuple(c.name for c in self.columns)
 
 
-def _encoding(t) -> str:
+def mds_encoding(t) -> str:
     """The MDS encoding an attached column of Arrow type ``t`` is folded as."""
     import pyarrow as pa
 
@@ -86,6 +87,8 @@ def _encoding(t) -> str:
         or (pa.types.is_fixed_size_list(inner))
     ):
         inner = inner.value_type
+    if inner is not t and pa.types.is_boolean(inner):  # attention masks
+        return "ndarray:uint8"
     if inner is not t and (pa.types.is_integer(inner) or pa.types.is_floating(inner)):
         return f"ndarray:{np.dtype(inner.to_pandas_dtype()).name}"
     return "json"
@@ -117,7 +120,7 @@ def plan_fold(root: str, buckets: list[str]) -> Fold:
         want = attached.type_of(str(rec.get("type", "")))
         for bucket in buckets:
             attached.require_current(root, name, rec, bucket, layout.read_index(root, bucket))
-        cols.append(FoldColumn(name, _encoding(want), name, _stamp(rec)))
+        cols.append(FoldColumn(name, mds_encoding(want), name, _stamp(rec)))
     if not cols:
         raise FoldError(
             f"{root}: no latents and no attached columns to fold; run python -m prx_data.latents "
