@@ -157,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         "no threshold applies",
     )
     rw.add_argument(
+        "--fold-columns",
+        action="store_true",
+        help="write the export's precomputed latents (as img_latent: VAE moments, ndarray) and "
+        "every attached column (under its own name) into real MDS columns of the new shards, "
+        "for plain streaming readers such as Photoroom PRX's StreamingProcessedDataset; the "
+        "images are copied as they are, the new export has no _latents/ or _columns/; no "
+        "threshold applies",
+    )
+    rw.add_argument(
         "--max-local-bytes",
         metavar="SIZE",
         help="local disk the rewrite may stage at once, e.g. 8G or 500M (default: "
@@ -424,6 +433,7 @@ def _rewrite(args: argparse.Namespace) -> int | list:
             ray_address=args.ray_address,
             num_cpus=args.num_cpus,
             compact=args.compact,
+            fold_columns=args.fold_columns,
         )
     except RewriteRefused as e:
         print(f"error: {e}", file=sys.stderr)

@@ -104,9 +104,11 @@ from streaming.base.distributed import maybe_init_dist  # noqa: E402
 from streaming.base.format import reader_from_json  # noqa: E402
 from streaming.base.format.base.reader import FileInfo  # noqa: E402
 from streaming.base.format.mds.encodings import (  # noqa: E402
+    get_mds_encoded_size,
     get_mds_encodings,
     is_mds_encoding,
     is_mds_encoding_safe,
+    mds_encode,
 )
 from streaming.base.format.mds.reader import MDSReader  # noqa: E402
 from streaming.base.hashing import get_hash  # noqa: E402
@@ -124,9 +126,11 @@ __all__ = [
     "decompress",
     "generate_work",
     "get_hash",
+    "get_mds_encoded_size",
     "get_partitions",
     "is_safe_mds_encoding",
     "maybe_init_dist",
+    "mds_encode",
     "mds_reader_args",
     "quiet_shared_memory",
     "reader_from_json",

@@ -84,6 +84,7 @@ from prx_data.export.safety import (
     check_bucket,
     check_manifest_shards,
     check_stream_basenames,
+    folded_columns,
     load_index,
 )
 
@@ -256,7 +257,9 @@ def list_buckets(root: str, tiers: Iterable[int] | None = None) -> list[str]:
     return sorted(out, key=lambda b: (int(b.split("/")[0]), b))
 
 
-def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) -> list[dict]:
+def read_index_entries(
+    root: str, bucket: str, *, export_columns: bool | frozenset = False
+) -> list[dict]:
     """The raw shard entries of one bucket's merged index (checked by :func:`~prx_data.export.safety.load_index`)."""
     path = rel_join(root, f"{check_bucket(bucket)}/{INDEX_NAME}")
     try:
@@ -274,7 +277,9 @@ def read_index_entries(root: str, bucket: str, *, export_columns: bool = False) 
     return entries
 
 
-def read_index(root: str, bucket: str, *, export_columns: bool = False) -> list[ShardInfo]:
+def read_index(
+    root: str, bucket: str, *, export_columns: bool | frozenset = False
+) -> list[ShardInfo]:
     """The shards of one bucket, in merged-index order (checked by :func:`~prx_data.export.safety.load_index`)."""
     entries = read_index_entries(root, bucket, export_columns=export_columns)
     return [ShardInfo.from_index_entry(e) for e in entries]
@@ -370,6 +375,12 @@ class IncompleteExport(ExportError):
 
 
 _OVERRIDE_HINT = "pass DatasetSpec(allow_incomplete=True) to stream it anyway"
+
+
+def export_columns(root: str) -> bool | frozenset:
+    """What ``export_columns`` accepts in ``root``'s shards: the exporter's columns, and those
+    its report names as folded (``skips rewrite --fold-columns``; :func:`safety.folded_columns`)."""
+    return folded_columns(read_report(root)) or True
 
 
 def read_report(root: str) -> dict | None:

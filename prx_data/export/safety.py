@@ -144,13 +144,14 @@ def why_unsafe(name: object, *, plain: bool = False) -> str:
     return ""
 
 
-def columns_problem(entry: Mapping, *, export_columns: bool = False) -> str | None:
+def columns_problem(entry: Mapping, *, export_columns: bool | frozenset = False) -> str | None:
     """Why a shard's columns are refused (None when they are fine).
 
     Every reader accepts only MDS shards whose every column has a safe
     encoding: streaming decodes a ``pkl`` column with ``pickle.loads``, which
     runs whatever the data says. ``export_columns`` (rewrite, verify) also
-    requires the exporter's columns: ``MDS_COLUMNS`` plus ``str`` caption columns.
+    requires the exporter's columns: ``MDS_COLUMNS`` plus ``str`` caption columns, and
+    when it is a frozenset of ``(name, encoding)`` (:func:`folded_columns`), those too.
     """
     names, encs = entry.get("column_names"), entry.get("column_encodings")
     key = None
@@ -164,7 +165,9 @@ def columns_problem(entry: Mapping, *, export_columns: bool = False) -> str | No
 
 
 @functools.lru_cache(maxsize=256)
-def _columns_problem(fmt: object, key: tuple | None, export_columns: bool) -> str | None:
+def _columns_problem(
+    fmt: object, key: tuple | None, export_columns: bool | frozenset
+) -> str | None:
     """:func:`columns_problem` per distinct column set (shards of an index repeat theirs)."""
     if fmt != "mds":
         return f"shard format {fmt!r} is not 'mds'"
@@ -200,12 +203,23 @@ def _columns_problem(fmt: object, key: tuple | None, export_columns: bool) -> st
                     f"{enc!r}"
                 )
         for name, enc in pairs:
-            if name not in MDS_COLUMNS and enc != "str":
+            folded = export_columns if isinstance(export_columns, frozenset) else frozenset()
+            if name not in MDS_COLUMNS and enc != "str" and (name, enc) not in folded:
                 return (
                     f"refusing column {name!r} with encoding {enc!r}: besides "
-                    "prx_data.core.schema.MDS_COLUMNS an export has only str caption columns"
+                    "prx_data.core.schema.MDS_COLUMNS an export has only str caption columns "
+                    "(and the columns its report names as folded by skips rewrite --fold-columns)"
                 )
     return None
+
+
+def folded_columns(report: Mapping | None) -> frozenset:
+    """The ``(name, encoding)`` pairs ``skips rewrite --fold-columns`` wrote into an export's
+    shards, as its report names them: pass as ``export_columns`` to accept them there too."""
+    got = (report or {}).get("folded_columns") or {}
+    if not isinstance(got, dict):
+        return frozenset()
+    return frozenset((str(k), str(v)) for k, v in got.items())
 
 
 def check_index_entries(
@@ -213,7 +227,7 @@ def check_index_entries(
     obj: object,
     *,
     in_part: bool = False,
-    export_columns: bool = False,
+    export_columns: bool | frozenset = False,
     plain: bool = False,
 ) -> list[dict]:
     """The ``shards`` entries of a parsed index, every file name and column encoding checked.
@@ -259,7 +273,7 @@ def load_index(
     path: str,
     *,
     in_part: bool = False,
-    export_columns: bool = False,
+    export_columns: bool | frozenset = False,
     plain: bool = False,
     root: str | None = None,
 ) -> list[dict]:

@@ -57,7 +57,7 @@ from prx_data.export.naming import (
     SIDECAR_SUFFIX,
     TIER_RE,
 )
-from prx_data.export.safety import columns_problem
+from prx_data.export.safety import columns_problem, folded_columns
 
 #: ``check_sidecar(path, data, shard, name) -> problems`` (messages, empty when fine).
 SidecarCheck = Callable[[str, bytes, ShardInfo, str], list[str]]
@@ -186,7 +186,10 @@ def verify_export(
     names = sorted(set(on_disk) | set(reported), key=lambda b: (int(b.split("/")[0]), b))
     for bucket in tqdm(names, desc="verify", unit="bucket", disable=not progress):
         res.buckets += 1
-        _verify_bucket(root, bucket, reported.get(bucket), bool(report), deep, check_sidecar, res)
+        folded = folded_columns(report) or True
+        _verify_bucket(
+            root, bucket, reported.get(bucket), bool(report), deep, check_sidecar, res, folded
+        )
     _verify_latents(root, files, sorted(on_disk), deep, res)
     _verify_columns(root, files, sorted(on_disk), deep, res)
     return res
@@ -368,6 +371,7 @@ def _verify_bucket(
     deep: bool,
     check_sidecar: SidecarCheck | None,
     res: VerifyResult,
+    folded: bool | frozenset = True,
 ) -> None:
     add = res.problems.append
     bdir = rel_join(root, bucket)
@@ -391,7 +395,7 @@ def _verify_bucket(
     total = 0
     column_problems: dict[str, None] = {}  # one problem per distinct finding, in index order
     for i, entry in enumerate(entries):
-        if isinstance(entry, dict) and (found := columns_problem(entry, export_columns=True)):
+        if isinstance(entry, dict) and (found := columns_problem(entry, export_columns=folded)):
             column_problems.setdefault(found)
         try:
             info = ShardInfo.from_index_entry(entry)

@@ -71,7 +71,7 @@ def resolve_applied(
     skips_of: dict[str, dict] = {}
     applied: set[str] = set()
     for bucket in buckets:
-        shards = layout.read_index(root, bucket, export_columns=True)
+        shards = layout.read_index(root, bucket, export_columns=layout.export_columns(root))
         listing = skiplist.list_sidecars(root, bucket, shards)
         known |= set(listing)
         applied |= set(listing) if names is None else set(names) & set(listing)

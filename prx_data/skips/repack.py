@@ -18,10 +18,10 @@ comes last and names the plan it wrote, so ``--resume`` keeps marked packs
 runs them and merges each bucket's index and the id index from what they wrote.
 
 Local disk stays under a bound (:class:`~prx_data.skips.staging.Staging`): a pack reserves what it
-stages (a source shard for the check when the source is remote or compressed,
-one output shard and its metadata when ``out`` is remote) before it starts, so
-driver threads wait for room instead of filling the disk; on Ray each task
-stages at most that much on its node.
+stages (a source shard for the check when the source is remote or compressed, one output shard and
+its metadata when ``out`` is remote) before it starts; on Ray each task stages that much at most.
+With ``--fold-columns`` each kept row gets the export's latents and attached columns appended
+(:mod:`prx_data.skips.fold`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from prx_data.export import durable, idindex, layout, merge, naming
 from prx_data.export.naming import PROGRESS_DIR
 from prx_data.export.pack import PACKED_DIR, open_writer, part_ids, shard_raw, split_samples
 from prx_data.export.safety import load_index, remove_tree
+from prx_data.skips.fold import Fold, fold_entry, fold_samples, same_sample
 from prx_data.skips.reader import SkipMDSReader
 from prx_data.skips.staging import QuietStreaming, Staging
 
@@ -80,13 +81,8 @@ class RewritePack:
 
     @classmethod
     def from_dict(cls, d: dict) -> RewritePack:
-        return cls(
-            **{
-                **d,
-                "shards": tuple(tuple(x) for x in d["shards"]),
-                "skips": tuple(tuple(x) for x in d["skips"]),
-            }
-        )
+        shards, skips = (tuple(tuple(x) for x in d[k]) for k in ("shards", "skips"))
+        return cls(**{**d, "shards": shards, "skips": skips})
 
     @property
     def digest(self) -> str:
@@ -122,6 +118,8 @@ class RewriteJob:
     verify: bool
     limit: int
     work_dir: str | None = None
+    fold: Fold | None = None  # ``--fold-columns``: what each sample gets as MDS columns
+    columns: bool | frozenset = True  # the source's ``export_columns`` (folded ones included)
 
 
 def marker_path(out: str, pack: RewritePack) -> str:
@@ -146,11 +144,12 @@ def check_destination(out: str) -> None:
         raise AlreadyExists(f"{out} is not empty (it holds {what}); choose an empty destination")
 
 
-def record_plan(root: str, out: str, packs: list[RewritePack], resume: bool) -> None:
+def record_plan(root: str, out: str, packs: list, resume: bool, fold: Fold | None = None) -> None:
     """Record the plan in ``out`` before the first pack; a resume continues only that plan."""
     path = storage.join(out, *PLAN_NAME.split("/"))
     digest = hashlib.sha256("".join(p.digest for p in packs).encode()).hexdigest()
-    record = json.dumps({"source": root, "plan": digest}, sort_keys=True).encode()
+    folds = {"fold": [list(c.__dict__.values()) for c in fold.columns]} if fold else {}
+    record = json.dumps({"source": root, "plan": digest, **folds}, sort_keys=True).encode()
     if resume:
         if layout.is_complete(out):
             raise AlreadyExists(f"{out} is a finished rewrite; there is nothing to resume")
@@ -252,11 +251,8 @@ class RewriteTask:
         quiet = None if QuietStreaming.active() else QuietStreaming()
         staging, own = self.staging, self.staging is None
         if own:
-            work = (
-                self.job.work_dir
-                if self.job.work_dir and os.path.isdir(self.job.work_dir)
-                else None
-            )
+            wd = self.job.work_dir
+            work = wd if wd and os.path.isdir(wd) else None
             staging = Staging(tempfile.mkdtemp(prefix="prx-rewrite-", dir=work), self.job.limit)
         staging.reserve(pack.stage)
         try:
@@ -296,17 +292,21 @@ def _write(job: RewriteJob, pack: RewritePack, staging: Staging) -> None:
         return confined.read(job.root, path, max_bytes)
 
     check = _ShardCheck(job, pack, pdir, staging, remote_out)
-    writer = open_writer(pdir, sources[0][2][0], on_shard=check)
+    first, fold = sources[0][2][0], job.fold
+    writer = open_writer(pdir, fold_entry(fold, first) if fold else first, on_shard=check)
     try:
         with writer:
-            for _, src, entries, skips in sources:
+            for part, src, entries, skips in sources:
                 for entry, skip in zip(entries, skips, strict=True):
                     raw = shard_raw(src, entry, read)
                     if job.verify:
                         check.expect(src, entry, skip, raw)
-                    for sample in split_samples(raw, skip):
+                    kept = split_samples(raw, skip)
+                    if fold:  # the shard's rows re-encoded with the folded columns (not the image)
+                        kept = fold_samples(job.root, fold, pack.bucket, part, entry, kept, skip)
+                    for sample in kept:
                         writer.write(sample)
-                    del raw
+                    del raw, kept
         ids = []
         for part, src, entries, skips in sources:
             dead = {
@@ -352,7 +352,7 @@ def _sources(job: RewriteJob, pack: RewritePack) -> list[tuple[str, str, list, l
         group = list(group)
         src = storage.join(job.root, tier, ar, part)
         index = storage.join(src, naming.INDEX_NAME)
-        entries = load_index(index, in_part=True, export_columns=True, root=job.root)
+        entries = load_index(index, in_part=True, export_columns=job.columns, root=job.root)
         want = [(base, n) for (_, base, n), _ in group]
         fmt = fmt or shard_format(entries[0])
         if [(e["raw_data"]["basename"], int(e["samples"])) for e in entries] != want or any(
@@ -382,8 +382,7 @@ class _ShardCheck:
         self.ids: list[str] = []
         self.n = 0
 
-    def _staged(self, name: str, data: bytes) -> str:
-        """A directory of its own under the staging area holding ``data`` as ``name``."""
+    def _staged(self, name: str, data: bytes) -> str:  # a folder of its own, ``data`` as ``name``
         where = os.path.join(self.staging.directory, uuid.uuid4().hex[:12])
         path = os.path.join(where, *name.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -429,9 +428,10 @@ class _ShardCheck:
             del raw
         try:
             reader = reader_from_json(staged or self.pdir, None, entry)
-            for i in range(n):
-                got = reader.get_item(i)
-                if not self.pending or got != self.pending.popleft():
+            folded = self.job.fold.names if self.job.fold else ()
+            for i in range(n):  # the source's own columns, byte for byte
+                got = {k: v for k, v in reader.get_item(i).items() if k not in folded}
+                if not self.pending or not same_sample(got, self.pending.popleft()):
                     self._fail()
                 self.ids.append(got.get("id", ""))
                 self.n += 1

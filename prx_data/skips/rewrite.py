@@ -1,17 +1,15 @@
 """``skips rewrite``: a new export without the skipped samples and without lists.
 
-Skip lists cost nothing at load time; once a large share of an export is
-skipped, shards carry dead bytes, and ``python -m prx_data.skips rewrite out/
-out-clean/`` writes only the kept samples, checked sample by sample. This
-module plans and reports; the copying is the re-shard stage of
-:mod:`prx_data.skips.repack` (one pack per source part, encoded samples copied
-by the export's pack code, on driver threads or Ray like the export); which
-samples leave and how the other lists follow is :mod:`prx_data.skips.applied`.
+Skip lists cost nothing at load time; once a large share of an export is skipped, shards
+carry dead bytes, and ``python -m prx_data.skips rewrite out/ out-clean/`` writes only the
+kept samples, checked sample by sample. This module plans and reports; the copying is the
+re-shard stage of :mod:`prx_data.skips.repack` (one pack per source part, encoded samples
+copied, on driver threads or Ray); which samples leave and how the other lists follow is
+:mod:`prx_data.skips.applied`; ``--fold-columns`` is :mod:`prx_data.skips.fold`.
 
-A rewrite carries every list it does not apply to the new export, bound by
-row id to the new shards (:mod:`prx_data.skips.ops`), together with every
-list of the table's registry; the lists it applies are left out, with every
-one of their ids (also ids the registry holds and the sidecars do not yet).
+A rewrite carries every list it does not apply to the new export, bound by row id to the
+new shards (:mod:`prx_data.skips.ops`), with every list of the table's registry; the lists
+it applies are left out, with every one of their ids (registry ids not in sidecars too).
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from prx_data.export import layout
 from prx_data.export.naming import PROGRESS_DIR
 from prx_data.skips import repack
 from prx_data.skips.applied import carry_lists, resolve_applied
+from prx_data.skips.fold import folded_record, plan_fold
 from prx_data.skips.ops import lists_text
 from prx_data.skips.repack import RewritePack, RewriteVerifyError  # noqa: F401 (re-exported)
 from prx_data.skips.sidecar import read_ids_file, read_indices_file  # noqa: F401 (re-exported)
@@ -62,12 +61,10 @@ class RewriteResult:
     samples_in: int
     samples_out: int
     skipped: int
-    #: Buckets in the new export.
-    buckets: int
+    buckets: int  # in the new export
     verified: bool
     source: str = ""
-    #: Skip lists applied (left out of the new export).
-    lists: list[str] = field(default_factory=list)
+    lists: list[str] = field(default_factory=list)  # skip lists applied (left out)
     #: {bucket: samples in the new export}
     bucket_samples: dict[str, int] = field(default_factory=dict)
     #: Buckets whose every sample was skipped: not written (streaming rejects empty indexes).
@@ -84,6 +81,8 @@ class RewriteResult:
     registry: str | None = None
     #: [source parts that keep a sample, parts written]: fewer with ``compact``.
     parts: list[int] = field(default_factory=list)
+    #: {column: MDS encoding} folded into the shards (``--fold-columns``): verify accepts them.
+    folded_columns: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         # ``buckets`` and ``samples_written`` are what the loader checks an export against
@@ -108,12 +107,10 @@ class RewriteResult:
         for b in self.buckets_dropped:
             lines.append(f"{b:<14}{'dropped':>10}  (every sample was skipped)")
         if self.warnings:
-            lines.append("")
-            lines.append(f"streaming warnings ({sum(self.warnings.values())}):")
+            lines += ["", f"streaming warnings ({sum(self.warnings.values())}):"]
             lines += [f"  {n} x {m}" for m, n in self.warnings.items()]
         if self.lists_carried:
-            lines.append("")
-            lines.append("skip lists carried (by row id):")
+            lines += ["", "skip lists carried (by row id):"]
             lines += lists_text(self.lists_carried)
         if self.lists_dropped:
             lines.append(f"skip lists left behind: {', '.join(self.lists_dropped)}")
@@ -165,9 +162,10 @@ def plan_packs(
             stage,
         )
 
+    columns = layout.export_columns(root)
     for bucket, skips in skips_of.items():
         parts: dict[str, list] = {}
-        for e in layout.read_index_entries(root, bucket, export_columns=True):
+        for e in layout.read_index_entries(root, bucket, export_columns=columns):
             part, _, base = e["raw_data"]["basename"].rpartition("/")
             if not part or "/" in part:
                 raise UsageError(
@@ -223,27 +221,27 @@ def rewrite_export(
     num_cpus: int | None = None,
     progress: bool = True,
     compact: int | str | None = None,
+    fold_columns: bool = False,
 ) -> RewriteResult:
     """Write ``out``: the export at ``root`` without the samples of the lists it applies.
 
-    Parts, columns, compression, hashes and size limits are kept; shards and
-    ``ids.parquet`` manifests are rebuilt. Refused unless the skipped share
-    (union of ``names``, all lists by default) is at least ``threshold`` or
-    ``force``. Every other list (of the export and of the table's registry) is
-    carried to ``out`` by row id; a list whose ids cannot be recovered makes it
-    refuse, naming the list, unless it is in ``drop_lists``. With ``verify``,
-    every sample of the new export is compared to the filtered view of the old one.
+    Parts, columns, compression, hashes and size limits are kept; shards and ``ids.parquet``
+    manifests are rebuilt. Refused unless the skipped share (union of ``names``, all lists by
+    default) is at least ``threshold`` or ``force``. Every other list (of the export and of the
+    table's registry) is carried to ``out`` by row id; a list whose ids cannot be recovered
+    makes it refuse, naming it, unless it is in ``drop_lists``. With ``verify``, every sample
+    of the new export is compared to the filtered view of the old one.
 
-    One pack per source part (:mod:`prx_data.skips.repack`) runs where
-    ``engine`` places it (:func:`prx_data.core.runtime.place`: driver threads
-    up to :data:`DRIVER_BYTES`, else Ray); at most ``max_local`` bytes
-    (:func:`max_local_bytes`) are staged in ``work_dir`` at once. Anything in
-    ``out`` before ``report.json`` (written last) is an unfinished rewrite,
+    One pack per source part (:mod:`prx_data.skips.repack`) runs where ``engine`` places it
+    (:func:`prx_data.core.runtime.place`: driver threads up to :data:`DRIVER_BYTES`, else
+    Ray); at most ``max_local`` bytes (:func:`max_local_bytes`) are staged in ``work_dir`` at
+    once. Anything in ``out`` before ``report.json`` (written last) is an unfinished rewrite,
     which ``resume`` finishes (same source, lists and options).
 
     ``compact`` (bytes, or ``64M``; ``--compact``) packs consecutive parts of a
     bucket together up to that size (:func:`plan_packs`), whatever is skipped:
-    the threshold does not apply.
+    the threshold does not apply. Nor with ``fold_columns`` (``--fold-columns``), which writes
+    the export's latents and attached columns into each kept sample (:mod:`prx_data.skips.fold`).
     """
     if not resume:
         repack.check_destination(out)
@@ -256,18 +254,19 @@ def rewrite_export(
     limit = max_local_bytes(max_local)
     size = None if compact is None else parse_bytes(str(compact), "--compact")
     packs, total, skipped, nbytes = plan_packs(root, out, applied.skips_of, verify, size)
+    fold = plan_fold(root, buckets) if fold_columns else None
     share = skipped / total if total else 0.0
-    if share < threshold and not force and size is None:
+    if share < threshold and not force and size is None and fold is None:
         raise RewriteRefused(
             f"only {share:.1%} of {total} samples are skipped (threshold {threshold:.0%}); skip lists "
             "cost nothing at load time. Pass --force to rewrite anyway."
         )
     check_room(root, packs, limit)
-    repack.record_plan(root, out, packs, resume)
+    repack.record_plan(root, out, packs, resume, fold)
     placement = place(
         engine, size=nbytes, small=DRIVER_BYTES, ray_address=ray_address, num_cpus=num_cpus
     )
-    job = repack.RewriteJob(root, out, verify, limit, work_dir)
+    job = repack.RewriteJob(root, out, verify, limit, work_dir, fold, layout.export_columns(root))
     per_bucket, warnings = repack.write_packs(job, packs, placement, progress)
     dropped = [b for b in buckets if b not in per_bucket]  # every sample skipped
     # The lists, re-bound by row id to the new shards (after every bucket).
@@ -291,6 +290,7 @@ def rewrite_export(
         lists_dropped=sorted(set(drop_lists)),
         table=source_table,
         registry=reg.uri if reg is not None else None,
+        folded_columns=folded_record(root, fold),
     )
     storage.write_bytes_atomic(storage.join(out, "report.txt"), result.text().encode())
     storage.write_bytes_atomic(
