@@ -245,3 +245,29 @@ def test_embeddings_stream_from_an_s3_export_as_from_the_local_one(
     for it in remote:
         for n in names:
             np.testing.assert_array_equal(it[n], local[it["id"]][n])
+
+
+def test_embeddings_fold_into_the_shards_as_prx_reads_them(tmp_path, t5):
+    """``skips rewrite --fold-columns`` writes the stored embeddings and masks into real MDS
+    columns (``ndarray``), so PRX's own loader reads them from the shards."""
+    from prx_data.skips import rewrite as R
+    from tests.test_fold_columns import _streamed
+
+    root, table = _export(tmp_path)
+    _attach(root, table, t5)
+    feats_name, mask_name = A.text_names("caption", "tiny_t5")
+    out = str(tmp_path / "folded")
+    r = R.rewrite_export(root, out, fold_columns=True, progress=False)
+    assert r.folded_columns[feats_name] == "ndarray:float32"
+    assert r.folded_columns[mask_name].startswith("ndarray:")
+    from prx_data.train.text_encoder import TextEncoder
+
+    enc = TextEncoder.from_pretrained(t5, max_length=MAX_LEN, dtype="float32")
+    items = _streamed(out)
+    assert len(items) == 10
+    for it in items:
+        want_f, want_m = enc.encode([f"caption of {it['id']}"])
+        feats = np.asarray(it[feats_name]).reshape(MAX_LEN, enc.hidden_size)
+        np.testing.assert_allclose(feats, want_f[0].numpy(), rtol=1e-5, atol=1e-6)
+        mask = np.asarray(it[mask_name]).reshape(MAX_LEN)
+        np.testing.assert_array_equal(mask, want_m[0].numpy().astype(np.uint8))
