@@ -113,6 +113,7 @@ from streaming.base.format.mds.encodings import (  # noqa: E402
 from streaming.base.format.mds.reader import MDSReader  # noqa: E402
 from streaming.base.hashing import get_hash  # noqa: E402
 from streaming.base.partition import get_partitions  # noqa: E402
+from streaming.base.util import retry  # noqa: E402
 from streaming.base.world import World  # noqa: E402
 
 __all__ = [
@@ -126,6 +127,7 @@ __all__ = [
     "decompress",
     "generate_work",
     "get_hash",
+    "retry",
     "get_mds_encoded_size",
     "get_partitions",
     "is_safe_mds_encoding",

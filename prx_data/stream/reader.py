@@ -23,7 +23,7 @@ import numpy as np
 from streaming import Stream
 
 from prx_data.core.errors import UsageError
-from prx_data.core.streaming_compat import FileInfo, MDSReader, World, mds_reader_args
+from prx_data.core.streaming_compat import FileInfo, MDSReader, World, mds_reader_args, retry
 from prx_data.export import naming, safety
 from prx_data.skips import sidecar as skiplist
 from prx_data.skips.reader import SkipMDSReader
@@ -109,8 +109,6 @@ class SkipStream(Stream):
         uri = self._extra_uris.get(from_basename)
         if uri is None:
             return super()._download_file(from_basename, to_basename)
-        from streaming.base.util import retry
-
         local = os.path.join(self.local, self.split or "", from_basename)
         retry(clean_up_fn=self._downloader.clean_up, num_attempts=self.download_retry)(
             lambda: self._downloader.download(uri, local, self.download_timeout)
