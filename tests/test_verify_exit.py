@@ -48,6 +48,22 @@ def test_verify_ends_with_its_verdict_before_any_native_teardown(export):
     assert bad.returncode == 1, bad.stderr[-1000:]
 
 
+#: The same through the console script's entry point (``prx-data verify``).
+CONSOLE = (
+    "import atexit, os, sys\n"
+    "atexit.register(os.abort)\n"
+    "sys.argv = ['prx-data', 'verify', *sys.argv[1:]]\n"
+    "from prx_data.cli import main\n"
+    "sys.exit(main())\n"
+)
+
+
+def test_prx_data_verify_ends_the_same_way(export):
+    ok = _verify("-c", CONSOLE, export)
+    assert ok.returncode == 0, ok.stderr[-1000:]
+    assert ok.stderr.rstrip().endswith(": ok")
+
+
 @pytest.mark.slow
 def test_verify_deep_exits_0_every_time(export):
     for _ in range(8):

@@ -161,13 +161,20 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``prx-data JOB ...``; without ``argv`` it runs as the program (the console script), so a
+    job marked ``ends_process`` ends it as ``python -m prx_data.JOB`` does."""
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in JOBS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: no job {argv[0]!r}; the jobs are listed below", file=sys.stderr)
         print(usage())
         return 0 if argv[:1] in ([], ["-h"], ["--help"]) else 2
-    return JOBS[argv[0]].main(argv[1:])
+    job = JOBS[argv[0]]
+    status = job.main(argv[1:])
+    if as_program and job.ends_process:
+        end_process(status)
+    return status
 
 
 if __name__ == "__main__":
