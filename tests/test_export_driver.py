@@ -29,6 +29,7 @@ from PIL import Image
 
 from prx_data.core import runtime
 from prx_data.core.runtime import RunOptions
+from prx_data.export.append import ROWS_RECORD, record_uri
 from prx_data.export.idindex import index_uri
 from prx_data.export.spec import ExportConfig
 from tests.tablekit import make_table
@@ -54,12 +55,13 @@ def table(tmp_path) -> str:
 
 
 def _tree(root: str) -> dict[str, object]:
-    """Every file's bytes, the timings taken out; the id index as its rows."""
+    """Every file's bytes, the timings taken out; the id index and the row record (Lance
+    tables: their files carry fresh uuids) as their rows."""
     got: dict[str, object] = {}
     for d, _, files in os.walk(root):
         for f in files:
             rel = os.path.relpath(os.path.join(d, f), root)
-            if rel.startswith("_ids.lance"):
+            if rel.startswith(("_ids.lance", ROWS_RECORD)):
                 continue
             with open(os.path.join(d, f), "rb") as fh:
                 data = fh.read()
@@ -70,6 +72,8 @@ def _tree(root: str) -> dict[str, object]:
             got[rel] = data
     ids = lance.dataset(index_uri(root)).to_table()
     got["_ids.lance rows"] = ids.sort_by([(n, "ascending") for n in ids.column_names])
+    rows = lance.dataset(record_uri(root)).to_table()
+    got["row record"] = rows.sort_by([(n, "ascending") for n in rows.column_names])
     return got
 
 
