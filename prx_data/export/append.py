@@ -32,7 +32,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import posixpath
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -49,8 +48,8 @@ from prx_data.core.schema import ID, MANIFEST_NAME, SHA256
 from prx_data.export import idindex, layout
 from prx_data.export.bounded import imap_bounded, io_workers
 from prx_data.export.durable import fsync
+from prx_data.export.merge import in_bucket
 from prx_data.export.naming import (
-    FILE_KEYS,
     INDEX_NAME,
     PART_RE,
     PROGRESS_DIR,
@@ -429,11 +428,7 @@ def merge_appended(
                 raise ExportError(
                     f"{bucket}/{part}: its index holds {n} samples, the append wrote {parts[part]}"
                 )
-            for e in entries:
-                for key in FILE_KEYS:
-                    if e.get(key):
-                        e[key]["basename"] = posixpath.join(part, e[key]["basename"])
-                shards.append(e)
+            shards += in_bucket(entries, part)
         body = json.dumps({"version": 2, "shards": shards}, sort_keys=True)
         if lease is not None:
             lease.check()

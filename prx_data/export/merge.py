@@ -49,6 +49,16 @@ from prx_data.export.spec import (
 )
 
 
+def in_bucket(entries: list[dict], part: str) -> list[dict]:
+    """A part's index entries as the bucket's index names them: each file's basename under
+    the part's folder (``<part>/shard.NNNNN.mds``). Changes ``entries`` in place."""
+    for shard in entries:
+        for key in FILE_KEYS:
+            if shard.get(key):
+                shard[key]["basename"] = posixpath.join(part, shard[key]["basename"])
+    return entries
+
+
 def merge_bucket(
     bucket_dir: str,
     parts: list[str],
@@ -78,11 +88,7 @@ def merge_bucket(
                     f"{expected.get(part)}; another run changed this export. Start again with "
                     "--overwrite."
                 )
-        for shard in entries:
-            for key in FILE_KEYS:
-                if shard.get(key):
-                    shard[key]["basename"] = posixpath.join(part, shard[key]["basename"])
-            shards.append(shard)
+        shards += in_bucket(entries, part)
     body = json.dumps({"version": 2, "shards": shards}, sort_keys=True)
     _check(lease)
     storage.write_bytes_atomic(storage.join(bucket_dir, "index.json"), body.encode())
