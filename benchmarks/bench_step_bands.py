@@ -53,6 +53,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,7 +70,7 @@ sys.path.insert(0, REPO)
 
 import photo_corpus  # noqa: E402  (benchmarks/ is this script's own folder)
 
-from prx_data.core import imaging  # noqa: E402
+from prx_data.core import heap, imaging  # noqa: E402
 from prx_data.core.buckets import BucketSpec, assign_bucket  # noqa: E402
 
 PACKAGES = (
@@ -82,7 +83,10 @@ DEFAULT_OUT = os.path.join(REPO, "build", "step_bands")
 BANDS = ((2.0, 4.0, "2-4 MP"), (4.0, 8.0, "4-8 MP"), (8.0, 18.5, "8-18 MP"))
 TIERS = (512, 1024, 2048, 4096)
 ANCHORS = ("img2dataset", "vips", "pillow")
-CONTENDERS = (*ANCHORS, "step", "step before")
+#: "worker": the step in a process set up as write_mds's workers are (``core.heap``), timed
+#: in a child process pinned to the same core (the setting is process-wide and one-way).
+WORKER = "worker"
+CONTENDERS = (*ANCHORS, "step", "step before", WORKER)
 PARTS = ("decode", "resample", "encode")
 DERIVED_MP = 3.0
 
@@ -333,13 +337,59 @@ def psnr(ref: np.ndarray, enc: bytes) -> float:
 # --- the race --------------------------------------------------------------------------
 
 
-def race(items: list[dict], rounds: int) -> tuple[list[dict], dict]:
+class Worker:
+    """The step in a child process with the export worker's heap settings, one call per
+    request on the same core; it answers its CPU time and the sha256 of its output."""
+
+    def __init__(self, corpus: str, cpu: int):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--corpus", corpus]
+        self.proc = subprocess.Popen(
+            [*cmd, "--cpu", str(cpu)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def __call__(self, it: dict) -> tuple[float, str]:
+        req = {"name": it["name"], "bw": it["bw"], "bh": it["bh"], "size": list(it["size"])}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        ans = json.loads(self.proc.stdout.readline())
+        return ans["cpu_s"], ans["sha256"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def serve_worker(corpus: str) -> int:
+    """The child side of :class:`Worker`: heap set up as in ``export_unit``, then the step."""
+    if not heap.keep_large_buffers():
+        print("warning: glibc's heap settings were not taken", file=sys.stderr)
+    cache: dict[str, bytes] = {}
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["name"] not in cache:
+            with open(os.path.join(corpus, "images", req["name"]), "rb") as f:
+                cache[req["name"]] = f.read()
+        c0 = time.process_time()
+        out = step(cache[req["name"]], req["bw"], req["bh"], tuple(req["size"]))
+        dt = time.process_time() - c0
+        print(json.dumps({"cpu_s": dt, "sha256": hashlib.sha256(out).hexdigest()}), flush=True)
+    return 0
+
+
+def race(items: list[dict], rounds: int, worker: Worker) -> tuple[list[dict], dict]:
     """Interleaved rounds: per round, per cell, CPU seconds of each contender and part."""
     parts = [part_fns(it, prepare_parts(it)) for it in items]
     names = list(CONTENDERS)
     for it in items[:2]:  # warm-up: imports, codec tables
-        for n in names:
+        for n in names[:-1]:
             FUNCS[n](it["data"], it["bw"], it["bh"], it["size"])
+        worker(it)
+    same = 0
+    for it in items:  # the worker writes the step's bytes
+        want = hashlib.sha256(step(it["data"], it["bw"], it["bh"], it["size"])).hexdigest()
+        same += worker(it)[1] == want
+    if same != len(items):
+        raise SystemExit(f"the worker's step wrote other bytes for {len(items) - same} items")
     per_round = []
     for r in range(rounds):
         t: dict = {}
@@ -348,6 +398,9 @@ def race(items: list[dict], rounds: int) -> tuple[list[dict], dict]:
             cell["n"] += 1
             k = (i + r) % len(names)
             for n in names[k:] + names[:k]:
+                if n == WORKER:
+                    cell[n] += worker(it)[0]
+                    continue
                 c0 = time.process_time()
                 FUNCS[n](it["data"], it["bw"], it["bh"], it["size"])
                 cell[n] += time.process_time() - c0
@@ -371,14 +424,14 @@ def race(items: list[dict], rounds: int) -> tuple[list[dict], dict]:
             ),
             file=sys.stderr,
         )
-    return per_round, {"prepared": len(parts)}
+    return per_round, {"prepared": len(parts), "worker bytes = step bytes": same}
 
 
 def fidelity(items: list[dict]) -> dict:
     scores: dict = {}
     for it in items:
         ref = reference(it["data"], it["bw"], it["bh"], it["size"])
-        for n in CONTENDERS:
+        for n in CONTENDERS[:-1]:  # the worker's bytes are the step's (checked in race)
             enc = FUNCS[n](it["data"], it["bw"], it["bh"], it["size"])
             scores.setdefault(it["cell"], {}).setdefault(n, []).append((psnr(ref, enc), it["name"]))
     return scores
@@ -406,7 +459,7 @@ def summarise(items, per_round, scores) -> list[dict]:
             if key == "n":
                 continue
             row["ms"][key] = round(statistics.median(r[key] / n * 1e3 for r in rounds), 2)
-        for who in ("step", "step before"):
+        for who in ("step", "step before", WORKER):
             ratios = {}
             for a in ANCHORS:
                 ratios[a] = [r[a] / r[who] for r in rounds]
@@ -419,9 +472,10 @@ def summarise(items, per_round, scores) -> list[dict]:
             row[f"{who} vs anchors"] = {
                 a: round(statistics.median(v), 3) for a, v in ratios.items()
             }
-        sp = [r["step"] / r["parts"] for r in rounds]
-        row["step / sum of parts"] = round(statistics.median(sp), 3)
-        row["step / sum of parts per round"] = [round(x, 3) for x in sp]
+        for who in ("step", WORKER):
+            sp = [r[who] / r["parts"] for r in rounds]
+            row[f"{who} / sum of parts"] = round(statistics.median(sp), 3)
+            row[f"{who} / sum of parts per round"] = [round(x, 3) for x in sp]
         if cell in scores:
             for who, vals in scores[cell].items():
                 ps = [v for v, _ in vals]
@@ -457,14 +511,20 @@ def markdown(res: dict) -> str:
         "",
         "## Step against the anchors, before and after",
         "",
+        "'step' runs in this process (glibc's default heap); 'worker' is the same step, "
+        "writing the same bytes, in a child process set up as `write_mds`'s workers are "
+        "(`prx_data.core.heap`: large buffers kept in the heap between images). 'worker' is "
+        "what an export runs.",
+        "",
         "| band | tier | imgs (orig) | up | img2dataset ms | vips ms | pillow ms "
-        "| before ms | step ms | before vs fastest | **step vs fastest** "
-        "| PSNR min: i2d / vips / pillow / before / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| before ms | step ms | worker ms | before vs fastest | step vs fastest "
+        "| **worker vs fastest** | PSNR min: i2d / vips / pillow / before / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["cells"]:
         ms, ps = r["ms"], r["psnr"]
         f, fb = r["step vs fastest anchor"], r["step before vs fastest anchor"]
+        fw = r[f"{WORKER} vs fastest anchor"]
 
         def p(who, ps=ps):
             return f"{ps[who]['min']:.1f}" if who in ps else "-"
@@ -472,9 +532,10 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {r['band']} | {r['tier']} | {r['images']} ({r['originals']}) | {r['enlarged']} "
             f"| {ms['img2dataset']:.1f} | {ms['vips']:.1f} | {ms['pillow']:.1f} "
-            f"| {ms['step before']:.1f} | {ms['step']:.1f} "
-            f"| {fb['ratio']:.2f}x ({fb['anchor']}) | **{f['ratio']:.2f}x** ({f['anchor']}; "
-            f"{', '.join(f'{x:.2f}' for x in f['per_round'])}) "
+            f"| {ms['step before']:.1f} | {ms['step']:.1f} | {ms[WORKER]:.1f} "
+            f"| {fb['ratio']:.2f}x ({fb['anchor']}) | {f['ratio']:.2f}x "
+            f"| **{fw['ratio']:.2f}x** ({fw['anchor']}; "
+            f"{', '.join(f'{x:.2f}' for x in fw['per_round'])}) "
             f"| {p('img2dataset')} / {p('vips')} / {p('pillow')} / {p('step before')} "
             f"/ **{p('step')}** |"
         )
@@ -489,7 +550,7 @@ def markdown(res: dict) -> str:
         ps = r["psnr"]
         if not ps:
             continue
-        med = " / ".join(f"{ps[w]['median']:.1f}" for w in CONTENDERS)
+        med = " / ".join(f"{ps[w]['median']:.1f}" for w in CONTENDERS[:-1])
         lines.append(f"| {r['band']} | {r['tier']} | {med} | {ps['step']['worst']} |")
     lines += [
         "",
@@ -499,8 +560,9 @@ def markdown(res: dict) -> str:
         "prepared outside the timed region; CPU ms per image.",
         "",
         "| band | tier | decode (opencv / pillow / libvips) | resample | encode "
-        "(opencv / pillow / libvips) | sum of best | step | **step / sum** |",
-        "|---|---|---|---|---|---|---|---|",
+        "(opencv / pillow / libvips) | sum of best | step | worker | step / sum "
+        "| **worker / sum** |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["cells"]:
         ms = r["ms"]
@@ -510,7 +572,8 @@ def markdown(res: dict) -> str:
             f"{ms['decode:libvips']:.1f}) | {ms['resample']:.1f} "
             f"| {ms['encode']:.1f} ({ms['encode:opencv']:.1f} / {ms['encode:pillow']:.1f} / "
             f"{ms['encode:libvips']:.1f}) | {ms['parts']:.1f} | {ms['step']:.1f} "
-            f"| **{r['step / sum of parts']:.2f}x** |"
+            f"| {ms[WORKER]:.1f} | {r['step / sum of parts']:.2f}x "
+            f"| **{r[f'{WORKER} / sum of parts']:.2f}x** |"
         )
     return "\n".join(lines) + "\n"
 
@@ -528,9 +591,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", type=int, default=None, help="core to pin to (default: the last)")
     ap.add_argument("--json", default=os.path.join(REPO, "benchmarks/results/export-bands.json"))
     ap.add_argument("--md", default=os.path.join(REPO, "benchmarks/results/export-bands.md"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpu})
+    if args.worker:
+        return serve_worker(args.corpus)
     with open("/proc/loadavg") as f:
         load0 = f.read().strip()
     rows = build_corpus(args.corpus, derived=not args.no_derived)
@@ -550,7 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(corpus, file=sys.stderr)
     t0 = time.time()
-    per_round, _ = race(items, rounds)
+    worker = Worker(args.corpus, cpu)
+    try:
+        per_round, checks = race(items, rounds, worker)
+    finally:
+        worker.close()
     scores = fidelity(items)
     with open("/proc/loadavg") as f:
         load1 = f.read().strip()
@@ -564,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/bench_step_bands.py" + (" --quick" if args.quick else ""),
         "corpus": corpus,
         "seconds": round(time.time() - t0, 1),
+        "checks": checks,
         "images": [{k: v for k, v in r.items()} for r in rows],
         "cells": summarise(items, per_round, scores),
     }

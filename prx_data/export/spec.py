@@ -116,6 +116,14 @@ class ExportConfig:
         "pass (default: %(default)s). Smaller margins lose fidelity on detailed photos for "
         f"little or no speed ({CODECS_RESULTS}).",
     )
+    keep_heap: bool = flag(
+        True,
+        "--release-buffers",
+        negate=True,
+        help="Return each image's decode buffers to the system at once (default: an export "
+        "worker keeps up to 256 MB of freed buffers for the next image instead of "
+        "page-faulting them afresh; prx_data.core.heap).",
+    )
     compression: str | None = flag(
         None,
         "--compression",
@@ -199,6 +207,7 @@ class ExportConfig:
         d.pop("out")
         d.pop("ledger")  # checked against the ledger the export records, not as a setting
         d.pop("append")  # how this run adds to the export, not what a sample holds
+        d.pop("keep_heap")  # how a worker manages memory, not what it writes
         return d
 
     def sample_settings(self) -> dict:
