@@ -53,6 +53,10 @@ VAE_KEYS = (
 )
 #: Largest record read back (a million shards at ~300 bytes each).
 MAX_RECORD_BYTES = 1 << 30
+#: The attached column the latents are served as (PRX's name): ``extra_columns: [img_latent]``
+#: gives each sample's stored latent, the value ``vae.source: precomputed`` trains on. The
+#: latents job is that column's producer; its files stay in ``_latents/``.
+COLUMN = "img_latent"
 
 
 class LatentsError(PrxDataError, ValueError):
@@ -267,6 +271,17 @@ def require_record(root: str) -> dict[str, Any]:
     if record is None:
         raise no_latents(root)
     return record
+
+
+def attached_columns(root: str) -> list[str]:
+    """The export's attached columns as the loader finds them: each ``_columns/<name>/`` with a
+    record (``python -m prx_data.attach``) and :data:`COLUMN` when the export has latents."""
+    from prx_data.export import attached
+
+    names = set(attached.list_columns(root))
+    if storage.exists(storage.join(root, *RECORD_NAME.split("/"))):
+        names.add(COLUMN)
+    return sorted(names)
 
 
 def write_record(root: str, vae: Mapping[str, Any], dtype: str, shards: Mapping[str, dict]) -> None:
