@@ -440,7 +440,7 @@ def run_attach(cfg: AttachConfig) -> AttachReport:
                     last, since = time.monotonic(), 0
         finally:
             save()
-    report.attached = L.attached_columns(cfg.out)
+    report.attached = A.all_columns(cfg.out)
     report.seconds = time.monotonic() - t0
     return report
 

@@ -16,6 +16,7 @@ import pytest
 
 from prx_data.core.errors import UnknownName, UsageError
 from prx_data.core.runtime import RunOptions
+from prx_data.export import attached as A
 from prx_data.export import latents as L
 from prx_data.stream.spec import DatasetSpec
 from tests.exportkit import make_export, one_rank, skip_samples, upload_tree
@@ -112,10 +113,10 @@ def test_listings_of_attached_columns_name_img_latent(tmp_path, export, capsys):
     from prx_data.cli.verify import main as verify_main
     from prx_data.export.verify import verify_export
 
-    assert L.attached_columns(export.root) == ["img_latent"]
+    assert A.all_columns(export.root) == ["img_latent"]
     bare = str(tmp_path / "bare")
     make_export(bare, {B1: 2})
-    assert L.attached_columns(bare) == []
+    assert A.all_columns(bare) == []
 
     import shutil
 
@@ -149,7 +150,7 @@ def test_attach_with_vae_runs_the_latents_job(tmp_path, vae, capsys):
     assert attach_main(argv) == 0
     record = L.read_record(root)
     assert record["dtype"] == "float32" and len(record["shards"]) == 1
-    assert L.attached_columns(root) == ["img_latent"]
+    assert A.all_columns(root) == ["img_latent"]
     with pytest.raises(SystemExit) as ex:
         attach_main([root, "--vae", vae, "--table", "t.lance"])
     assert ex.value.code == 2

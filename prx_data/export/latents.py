@@ -273,17 +273,6 @@ def require_record(root: str) -> dict[str, Any]:
     return record
 
 
-def attached_columns(root: str) -> list[str]:
-    """The export's attached columns as the loader finds them: each ``_columns/<name>/`` with a
-    record (``python -m prx_data.attach``) and :data:`COLUMN` when the export has latents."""
-    from prx_data.export import attached
-
-    names = set(attached.list_columns(root))
-    if storage.exists(storage.join(root, *RECORD_NAME.split("/"))):
-        names.add(COLUMN)
-    return sorted(names)
-
-
 def write_record(root: str, vae: Mapping[str, Any], dtype: str, shards: Mapping[str, dict]) -> None:
     """Write ``_latents/record.json`` atomically, shards sorted by key."""
     body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "vae": dict(vae), "dtype": dtype}

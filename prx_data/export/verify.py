@@ -196,9 +196,9 @@ def verify_export(
         )
     _verify_latents(root, files, sorted(on_disk), deep, res)
     _verify_columns(root, files, sorted(on_disk), deep, res)
-    from prx_data.export.latents import attached_columns
+    from prx_data.export.attached import all_columns
 
-    res.columns = attached_columns(root)
+    res.columns = all_columns(root)
     return res
 
 
