@@ -43,6 +43,7 @@ from prx_data.core.runtime import Placement, map_units
 from prx_data.core.schema import MANIFEST_NAME
 from prx_data.export import attached as A
 from prx_data.export import bound, bounded, safety
+from prx_data.export import latents as L
 from prx_data.export.layout import (
     check_export_complete,
     list_buckets,
@@ -155,6 +156,11 @@ class AttachConfig:
             A.check_name(c)
             if c in RESERVED:
                 raise UsageError(f"--columns {c}: a key every loader item has; rename it first")
+            if c == L.COLUMN:
+                raise UsageError(
+                    f"--columns {c}: the export's precomputed latents, made by python -m "
+                    "prx_data.latents (or attach --vae); rename the table column first"
+                )
         if len(set(self.columns)) != len(self.columns):
             raise UsageError(f"--columns {','.join(self.columns)}: a column named twice")
 
@@ -177,6 +183,8 @@ class AttachReport(JobReport):
     bytes_written: int = 0
     column_bytes: int = 0
     seconds: float = 0.0
+    #: Every attached column of the export after the run (``img_latent`` if it has latents).
+    attached: list = field(default_factory=list)
 
     counted = "shards"
     job_label = "attach"
@@ -192,7 +200,8 @@ class AttachReport(JobReport):
             f"to {self.out}: {self.shards:,} shards, {self.samples:,} samples; wrote "
             f"{self.written_shards:,} shards ({self.bytes_written:,} bytes, {ratio:.2f} x the "
             f"values' bytes), already done {self.skipped_shards:,}; {self.missing_ids:,} "
-            f"sample(s) whose id the table lacks are null; {self.seconds:.1f}s"
+            f"sample(s) whose id the table lacks are null; {self.seconds:.1f}s; the export's "
+            f"attached columns: {', '.join(self.attached) or 'none'}"
         )
 
 
@@ -431,6 +440,7 @@ def run_attach(cfg: AttachConfig) -> AttachReport:
                     last, since = time.monotonic(), 0
         finally:
             save()
+    report.attached = A.all_columns(cfg.out)
     report.seconds = time.monotonic() - t0
     return report
 

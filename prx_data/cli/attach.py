@@ -21,14 +21,33 @@ def build_parser() -> argparse.ArgumentParser:
         "current file (new or changed shards); an id the table lacks gives a null, counted. "
         "With --text-encoder, caption columns are stored as the encoder's embeddings and "
         "attention masks (latent_<caption>_<encoder>, attention_mask_<caption>_<encoder>) for "
-        "the trainer's text_encoder.source: precomputed.",
+        "the trainer's text_encoder.source: precomputed. VAE latents are the attached column "
+        "img_latent (extra_columns: [img_latent]; vae.source: precomputed): "
+        "'python -m prx_data.attach OUT --vae VAE [options]' runs python -m prx_data.latents "
+        "OUT --vae VAE [options], its producer (see its --help for the options).",
     )
     add_flags(p, AttachConfig)
     add_report_args(p)
     return p
 
 
+def _makes_latents(argv: list[str]) -> bool:
+    return any(a == "--vae" or a.startswith("--vae=") for a in argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _makes_latents(argv):  # the img_latent column's producer: the latents job, as it is
+        own = {"--table", "--columns", "--text-encoder"}
+        given = sorted({a.split("=", 1)[0] for a in argv} & own)
+        if given:
+            build_parser().error(
+                f"--vae makes the img_latent column (python -m prx_data.latents); it takes "
+                f"the latents job's options, not {', '.join(given)}: run them separately"
+            )
+        from prx_data.cli import latents
+
+        return latents.main(argv)
     return run_job(
         build_parser().parse_args(argv),
         AttachConfig,

@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     "shards": res.shards,
                     "sidecars": res.sidecars,
                     "rehashed": res.rehashed,
+                    "attached_columns": res.columns,
                     "problems": [{"path": p.path, "problem": p.message} for p in res.problems],
                 },
                 indent=2,
@@ -123,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         _print_optouts(res.root)
         deep = f", {res.rehashed} rehashed" if args.deep else ""
         verdict = "ok" if res.ok else f"{len(res.problems)} problem(s)"
+        cols = f", attached columns {', '.join(res.columns)}" if res.columns else ""
         print(
             f"{res.root}: {res.buckets} buckets, {res.shards} shards{deep}, "
-            f"{res.sidecars} sidecars: {verdict}",
+            f"{res.sidecars} sidecars{cols}: {verdict}",
             file=sys.stderr,
         )
     return 0 if res.ok else 1

@@ -181,6 +181,17 @@ def list_columns(root: str) -> list[str]:
     return sorted(names)
 
 
+def all_columns(root: str) -> list[str]:
+    """The export's attached columns as the loader finds them: :func:`list_columns` and
+    ``img_latent`` (:data:`prx_data.export.latents.COLUMN`) when the export has latents."""
+    from prx_data.export import latents
+
+    names = set(list_columns(root))
+    if storage.exists(storage.join(root, *latents.RECORD_NAME.split("/"))):
+        names.add(latents.COLUMN)
+    return sorted(names)
+
+
 def stale_shards(record: Mapping[str, Any], bucket: str, shards: Iterable[ShardInfo]) -> list[str]:
     """Shards of ``bucket`` whose column file is missing or was made from other shard data."""
     return bound.stale_shards(record.get("shards") or {}, bucket, shards, AttachedError)

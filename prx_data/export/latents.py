@@ -53,6 +53,10 @@ VAE_KEYS = (
 )
 #: Largest record read back (a million shards at ~300 bytes each).
 MAX_RECORD_BYTES = 1 << 30
+#: The attached column the latents are served as (PRX's name): ``extra_columns: [img_latent]``
+#: gives each sample's stored latent, the value ``vae.source: precomputed`` trains on. The
+#: latents job is that column's producer; its files stay in ``_latents/``.
+COLUMN = "img_latent"
 
 
 class LatentsError(PrxDataError, ValueError):

@@ -80,6 +80,8 @@ class VerifyResult:
     sidecars: int = 0
     rehashed: int = 0
     problems: list[Problem] = None  # type: ignore[assignment]
+    #: The attached columns found beside the shards (``img_latent`` when it has latents).
+    columns: list[str] = None  # type: ignore[assignment]
     #: Paths (and the trees below them) already reported as not a regular file inside the root.
     unsafe: set[str] = None  # type: ignore[assignment]
 
@@ -88,6 +90,8 @@ class VerifyResult:
             self.problems = []
         if self.unsafe is None:
             self.unsafe = set()
+        if self.columns is None:
+            self.columns = []
 
     def under_unsafe(self, path: str) -> bool:
         """Whether ``path`` is, or lies below, an entry already reported as unsafe."""
@@ -192,6 +196,9 @@ def verify_export(
         )
     _verify_latents(root, files, sorted(on_disk), deep, res)
     _verify_columns(root, files, sorted(on_disk), deep, res)
+    from prx_data.export.attached import all_columns
+
+    res.columns = all_columns(root)
     return res
 
 

@@ -133,18 +133,24 @@ def _latent_file(
     return latents_store.load_npy(root, key, dtype, shape, cached=cached)
 
 
-def _latents_record(root: str, local: str | None, is_leader: bool) -> dict:
-    """The export's latents record: read in place, or once per node into the cache of a
-    remote export (:func:`prx_data.stream.attached.fetch_small`)."""
+def _find_latents_record(root: str, local: str | None, is_leader: bool) -> dict | None:
+    """The export's latents record, or None when it has none: read in place, or once per node
+    into the cache of a remote export (:func:`prx_data.stream.attached.fetch_small`)."""
     if not storage.is_remote(root):
-        return latents_store.require_record(root)
+        return latents_store.read_record(root)
     rel = latents_store.RECORD_NAME
     raw = attached_columns.fetch_small(
         root, local, [rel], is_leader=is_leader, what="latents record"
     ).get(rel)
-    if raw is None:
+    return None if raw is None else latents_store.parse_record(raw, root)
+
+
+def _latents_record(root: str, local: str | None, is_leader: bool) -> dict:
+    """:func:`_find_latents_record`, refusing an export without latents in one line."""
+    record = _find_latents_record(root, local, is_leader)
+    if record is None:
         raise latents_store.no_latents(root)
-    return latents_store.parse_record(raw, root)
+    return record
 
 
 def _latent_extras(root: str, record: dict, source: Any) -> dict[str, list[tuple[str, str, int]]]:
@@ -226,10 +232,12 @@ class BucketedDataset(StreamingDataset):
     bucket name), ``width``/``height`` (the original image size),
     ``source_bucket``, ``dataset`` (its :attr:`DatasetSpec.label`), and each of ``extra_columns`` (table columns the export
     kept with ``write_mds --keep-columns``, as they were stored: NaN for a
-    missing float, None for another missing value); with ``latents=True`` also
-    ``latent`` (float32 [C, H/f, W/f], the VAE latent ``python -m prx_data.latents``
-    stored for the sample; local exports of ours at their own tier only). Every
-    device batch comes from one bucket.
+    missing float, None for another missing value, or columns attached beside the
+    shards: ``python -m prx_data.attach``'s, and ``img_latent``, the latent
+    ``python -m prx_data.latents`` stored for the sample, as a float32 numpy array
+    [C, H/f, W/f], on an export that has latents); with ``latents=True`` also
+    ``latent`` (the same latent as a float32 tensor; exports of ours at their own
+    tier only). Every device batch comes from one bucket.
 
     The plan settings are one :class:`prx_data.stream.planner.PlanSpec`
     (``spec``; the trainer's ``data.plan`` builds the same type), so every plan
@@ -301,6 +309,8 @@ class BucketedDataset(StreamingDataset):
         self.latents = bool(latents)
         #: Per stream with latents: (export root, storage dtype, one latent's shape).
         self.stream_latents: list[tuple[str, str, tuple[int, int, int]] | None] = []
+        #: Per stream: whether ``img_latent`` (an extra column) comes from its ``_latents/``.
+        self.stream_latent_column: list[bool] = []
         #: Per stream: its export's attached columns (:mod:`.attached`) and, per column
         #: served from one, its record entry per shard basename (empty: all from the shards).
         self.stream_attached: list[
@@ -343,10 +353,20 @@ class BucketedDataset(StreamingDataset):
             wanted = (*self.caption_columns, *self.extra_columns)
             for di, src in enumerate(sources):
                 cols = None
+                # img_latent, the latents job's attached column: from _latents/ where the
+                # export has latents; elsewhere a shard column (a folded export's, a tree
+                # another writer made) like any other.
+                latent_column = False
                 if not any(b.foreign is not None for b in src):
                     cols = attached_columns.load_columns(
                         specs[di].root, specs[di].local, wanted, is_leader=world.is_local_leader
                     )
+                    root = specs[di].root
+                    if latents_store.COLUMN in self.extra_columns and root not in records:
+                        found = _find_latents_record(root, specs[di].local, world.is_local_leader)
+                        if found is not None:
+                            records[root] = found
+                    latent_column = latents_store.COLUMN in self.extra_columns and root in records
                 for b in src:
                     bp = decisions[(di, b.bucket)]
                     if bp.excluded or bp.choose == 0:
@@ -370,6 +390,8 @@ class BucketedDataset(StreamingDataset):
                         )
                     self.stream_info.append((di, b.bucket, shape))
                     root = specs[di].root
+                    with_latents = self.latents or latent_column
+                    self.stream_latent_column.append(latent_column)
                     self.stream_latents.append(
                         _stream_latents(
                             root,
@@ -380,7 +402,7 @@ class BucketedDataset(StreamingDataset):
                             specs[di].local,
                             world.is_local_leader,
                         )
-                        if self.latents
+                        if with_latents
                         else None
                     )
                     per_column = (
@@ -391,7 +413,7 @@ class BucketedDataset(StreamingDataset):
                     self.stream_attached.append((cols, per_column) if per_column else None)
                     # A remote shard's attached files and latents travel with it (reader.py).
                     extras = attached_columns.shard_files(cols, b.bucket, per_column)
-                    if self.latents:
+                    if with_latents:
                         for base, files in _latent_extras(root, records[root], b).items():
                             extras.setdefault(base, []).extend(files)
                     streams.append(
@@ -459,8 +481,11 @@ class BucketedDataset(StreamingDataset):
             "width": int(raw["width"]),
             "height": int(raw["height"]),
         }
+        latent = None
+        if self.latents or self.stream_latent_column[stream]:
+            latent = self._latent(shard_id, k, stream, self.stream_info[stream][1])
         if self.latents:
-            item["latent"] = self._latent(shard_id, k, stream, self.stream_info[stream][1])
+            item["latent"] = latent
         att = self.stream_attached[stream]
         for c in self.caption_columns:
             if att is not None and c in att[1]:
@@ -473,9 +498,17 @@ class BucketedDataset(StreamingDataset):
                 )
             item[c] = raw[c]
         for c in self.extra_columns:
+            if c == latents_store.COLUMN and self.stream_latent_column[stream]:
+                item[c] = latent.numpy()
+                continue
             if att is not None and c in att[1]:
                 item[c] = self._attached(shard_id, k, stream, c)
                 continue
+            if c not in raw and c == latents_store.COLUMN:
+                raise UnknownName(
+                    f"extra column {c!r}: dataset {dataset!r} has no precomputed latents; "
+                    "make them with python -m prx_data.latents EXPORT --vae VAE"
+                )
             if c not in raw:
                 raise UnknownName(
                     f"extra column {c!r} is not in the export (columns: {sorted(raw)}); "
