@@ -1,0 +1,137 @@
+"""Fixed-shape tensors beside an export as ``.npy`` files: storage dtypes and the checked map.
+
+Two kinds of bound files (:mod:`prx_data.export.bound`) hold one tensor per
+sample of a shard, ``[samples, *shape]``: precomputed VAE latents
+(:mod:`prx_data.export.latents`) and computed attached columns such as text
+embeddings and their attention masks (:mod:`prx_data.export.attached`). Both
+are ``.npy`` (no pickle) so that a loader serving one sample maps the file and
+reads that sample's row, never the whole file: a shard of T5-XXL embeddings is
+gigabytes.
+
+numpy has no bfloat16: a bfloat16 tensor is stored as its bits in ``uint16``
+(rounded to nearest even) and read back as float32 (:func:`to_stored`,
+:func:`from_stored`).
+
+The file is data, whoever wrote it: :func:`open_npy` opens it confined to its
+folder (no link out, no FIFO or device), checks its size against the record's
+byte count, its header (parsed without pickle) against the record's dtype and
+shape, and its length against the header; finiteness is checked per served row
+by the caller (a whole-file check would read every shard at start).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+from collections.abc import Sequence
+
+import numpy as np
+
+from prx_data.core import confined
+from prx_data.core.errors import PrxDataError
+
+#: Storage dtypes of floating tensors (float32 for exact comparisons in tests).
+DTYPES = ("float16", "bfloat16", "float32")
+#: The numpy dtype each storage dtype is written as (bfloat16: its bits as ``uint16``;
+#: ``uint8``: attention masks).
+STORED_DTYPES = {
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float32": np.dtype("<f4"),
+    "uint8": np.dtype("|u1"),
+}
+
+
+def to_stored(x: np.ndarray, dtype: str, error: type[PrxDataError]) -> np.ndarray:
+    """float32 values -> the array written for ``dtype`` (bfloat16: its bits as ``uint16``,
+    rounded to nearest even, as torch rounds)."""
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == "bfloat16":
+        u = f.view(np.uint32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    if dtype not in DTYPES:
+        raise error(f"storage dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    return f.astype(np.dtype(dtype))
+
+
+def from_stored(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """What :func:`to_stored` wrote -> float32 (a copy: a stored array is a read-only map)."""
+    if dtype == "bfloat16":
+        return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.array(stored, dtype=np.float32)
+
+
+def encode(array: np.ndarray) -> bytes:
+    """The ``.npy`` bytes of ``array`` (no pickle: object arrays are refused by numpy)."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def open_npy(
+    base: str,
+    path: str,
+    dtype: str,
+    shape: Sequence[int] | None = None,
+    *,
+    nbytes: int | None = None,
+    error: type[PrxDataError],
+    what: str,
+    redo: str,
+) -> np.ndarray:
+    """The tensor at ``path``, memory-mapped (rows are read when served), after checking it.
+
+    ``path`` must be a regular file inside ``base`` (a link out of it, a FIFO, a
+    device are refused: the file is opened ``O_NONBLOCK`` and ``fstat``-ed, so a
+    FIFO never blocks), of ``nbytes`` bytes when given (the record's count: the
+    only size cap, so a shard of gigabytes is served as one of kilobytes). Its
+    header must parse without pickle and give the stored ``dtype``
+    (:data:`STORED_DTYPES`) and, when given, ``shape``; the file must hold every
+    element the header names. ``what`` names the file and ``redo`` the command
+    that makes it again, for the one-line errors.
+    """
+    try:
+        real = confined.confined(base).resolve(path)
+    except confined.UnsafeFileError as e:
+        raise error(f"{e}; run {redo}") from None
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise error(f"{path}: missing; run {redo}") from None
+        raise error(f"{path}: cannot be opened as a {what} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file; refusing to read it")
+        if nbytes is not None and st.st_size != nbytes:
+            raise error(
+                f"{path}: {st.st_size} bytes, its record names {nbytes} (a truncated, foreign "
+                f"or changed {what}); run {redo} --replace"
+            )
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                got_shape, fortran, got = np.lib.format.read_array_header_1_0(f)
+            else:
+                got_shape, fortran, got = np.lib.format.read_array_header_2_0(f)
+        except ValueError as e:
+            raise error(f"{path}: not a .npy file ({e}); run {redo} --replace") from None
+        want = STORED_DTYPES.get(dtype)
+        if want is None or got != want or got.hasobject:
+            raise error(f"{path}: holds {got}, the {what} record says {dtype}; run {redo} again")
+        if shape is not None and tuple(got_shape) != tuple(shape):
+            raise error(
+                f"{path}: shape {list(got_shape)}, the record and the shard say {list(shape)}; "
+                f"run {redo} again"
+            )
+        offset = f.tell()
+        if st.st_size < offset + int(np.prod(got_shape)) * got.itemsize:
+            raise error(f"{path}: shorter than its header says; run {redo} again")
+        if not int(np.prod(got_shape)):
+            return np.zeros(got_shape, got)
+        return np.memmap(
+            f, got, mode="r", offset=offset, shape=tuple(got_shape), order="F" if fortran else "C"
+        )
