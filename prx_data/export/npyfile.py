@@ -21,11 +21,13 @@ by the caller (a whole-file check would read every shard at start).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import BinaryIO
 
 import numpy as np
 
@@ -70,6 +72,49 @@ def encode(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+@contextlib.contextmanager
+def _opened(
+    base: str, path: str, nbytes: int | None, *, error: type[PrxDataError], what: str, redo: str
+) -> Iterator[BinaryIO]:
+    """``path`` opened for reading: a regular file inside ``base`` of ``nbytes`` bytes."""
+    try:
+        real = confined.confined(base).resolve(path)
+    except confined.UnsafeFileError as e:
+        raise error(f"{e}; run {redo}") from None
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise error(f"{path}: missing; run {redo}") from None
+        raise error(f"{path}: cannot be opened as a {what} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file; refusing to read it")
+        if nbytes is not None and st.st_size != nbytes:
+            raise error(
+                f"{path}: {st.st_size} bytes, its record names {nbytes} (a truncated, foreign "
+                f"or changed {what}); run {redo} --replace"
+            )
+        yield f
+
+
+def file_xxh64(
+    base: str, path: str, nbytes: int, *, error: type[PrxDataError], what: str, redo: str
+) -> str:
+    """xxh64 of the file at ``path`` (checked as :func:`open_npy` checks it), hashed through a
+    memory map: a shard's gigabytes are never copied into the process."""
+    import mmap
+
+    from prx_data.export.bound import xxh64
+
+    with _opened(base, path, nbytes, error=error, what=what, redo=redo) as f:
+        if not nbytes:
+            return xxh64(b"")
+        with mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ) as m:
+            return xxh64(m)  # type: ignore[arg-type]  # any buffer
+
+
 def open_npy(
     base: str,
     path: str,
@@ -92,25 +137,8 @@ def open_npy(
     element the header names. ``what`` names the file and ``redo`` the command
     that makes it again, for the one-line errors.
     """
-    try:
-        real = confined.confined(base).resolve(path)
-    except confined.UnsafeFileError as e:
-        raise error(f"{e}; run {redo}") from None
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            raise error(f"{path}: missing; run {redo}") from None
-        raise error(f"{path}: cannot be opened as a {what} ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
+    with _opened(base, path, nbytes, error=error, what=what, redo=redo) as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: not a regular file; refusing to read it")
-        if nbytes is not None and st.st_size != nbytes:
-            raise error(
-                f"{path}: {st.st_size} bytes, its record names {nbytes} (a truncated, foreign "
-                f"or changed {what}); run {redo} --replace"
-            )
         try:
             version = np.lib.format.read_magic(f)
             if version == (1, 0):
