@@ -61,7 +61,9 @@ def to_stored(x: np.ndarray, dtype: str, error: type[PrxDataError]) -> np.ndarra
 def from_stored(stored: np.ndarray, dtype: str) -> np.ndarray:
     """What :func:`to_stored` wrote -> float32 (a copy: a stored array is a read-only map)."""
     if dtype == "bfloat16":
-        return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        bits = np.asarray(stored, dtype=np.uint16).astype(np.uint32)
+        bits <<= 16  # in place: one copy of a row, not two
+        return bits.view(np.float32)
     return np.array(stored, dtype=np.float32)
 
 

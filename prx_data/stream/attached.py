@@ -208,6 +208,7 @@ def _npy_file(
     root: str,
     base: str,
     name: str,
+    xxh64: str,
     nbytes: int,
     samples: int,
     dtype: str,
@@ -215,7 +216,8 @@ def _npy_file(
     path: str,
 ) -> Any:
     """One shard's ``npy`` column, checked and mapped once per process (workers map their
-    own); its rows are read as they are served."""
+    own); its rows are read as they are served. Keyed by the record's digest too: a file
+    attached again at the same path and size is mapped again, not served from the old map."""
     rec = {"bytes": nbytes, "samples": samples}
     return A.open_npy(root, name, rec, dtype, shape, (base, path))
 
@@ -229,6 +231,7 @@ def value(cols: DatasetColumns, name: str, rec: Mapping[str, Any], stored: int) 
             cols.root,
             rec["base"],
             name,
+            str(rec["xxh64"]),
             int(rec["bytes"]),
             int(rec["samples"]),
             dtype,
