@@ -83,17 +83,18 @@ def _synthetic_embedder(length: int, hidden: int, dtype: str):
                 "hidden_size": hidden,
             }
             self.rng = np.random.default_rng(0)
-            self.empty = self(job.pa.array([""]))
+            self.empty = self._encode([""])
 
-        def __call__(self, captions):
-            n = len(captions)
-            feats = np.empty((n, length, hidden), npyfile.STORED_DTYPES[dtype])
+        def _encode(self, texts):
+            n = len(texts)
+            feats, feats_file = npyfile.allocate((n, length, hidden), dtype)
             for i in range(0, n, self.batch):
                 f = self.rng.standard_normal((min(self.batch, n - i), length, hidden), np.float32)
                 feats[i : i + len(f)] = npyfile.to_stored(f, dtype, A.AttachedError)
-            masks = np.zeros((n, length), np.uint8)
+            masks, masks_file = npyfile.allocate((n, length), "uint8")
+            masks[:] = 0
             masks[:, : length // 4] = 1
-            return feats, masks
+            return (feats, feats_file), (masks, masks_file)
 
     return Synthetic
 

@@ -331,7 +331,10 @@ class PartAttacher:
             computed = self._values(found, pos, todo)
             for i, name in enumerate(todo):
                 values, kind = computed[name], self.stores[name]["kind"]
-                data = npyfile.encode(values) if kind == A.NPY else A.encode(name, values)
+                if kind == A.NPY:  # the file's bytes (npyfile.allocate): written as they are
+                    data = values.tobytes() if storage.is_remote(root) else memoryview(values)
+                else:
+                    data = A.encode(name, values)
                 digest, nbytes = bound.write_file(root, A.file_path(root, name, key, kind), data)
                 del data
                 out.append(
@@ -580,11 +583,12 @@ class TextEmbedder:
         }
         self.empty = self._encode([""])
 
-    def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Stored embeddings [n, L, D] and uint8 masks [n, L] of ``texts``."""
+    def _encode(self, texts: list[str]) -> tuple[tuple, tuple]:
+        """Stored embeddings [n, L, D] and uint8 masks [n, L] of ``texts``, each as
+        ``(tensor, the bytes of its .npy file)`` (:func:`~prx_data.export.npyfile.allocate`)."""
         n = len(texts)
-        feats = np.empty((n, *self.shapes[0]), npyfile.STORED_DTYPES[self.dtype])
-        masks = np.empty((n, *self.shapes[1]), np.uint8)
+        feats, feats_file = npyfile.allocate((n, *self.shapes[0]), self.dtype)
+        masks, masks_file = npyfile.allocate((n, *self.shapes[1]), "uint8")
         with self.lock:
             for i in range(0, n, self.batch):
                 f, m = self.encoder.encode(texts[i : i + self.batch])
@@ -601,17 +605,19 @@ class TextEmbedder:
                     )
                 feats[i : i + len(f)] = stored
                 masks[i : i + len(f)] = m.cpu().numpy().astype(np.uint8)
-        return feats, masks
+        return (feats, feats_file), (masks, masks_file)
 
     def __call__(self, captions: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """The ``.npy`` file bytes (``uint8``) of a shard's embeddings and of its masks."""
         texts = ["" if t is None else str(t) for t in captions.to_pylist()]
-        return self._encode(texts)
+        (_, feats), (_, masks) = self._encode(texts)
+        return feats, masks
 
     def source(self, which: int) -> dict[str, Any]:
         """The record's ``source`` additions of the latent (0) or mask (1) column: the encoder
         and the value of the empty caption (what caption dropout trains on), as served (the
         embedding at its storage precision, in float32)."""
-        arr = self.empty[which][0]
+        arr = self.empty[which][0][0]
         if which == 0:
             arr = npyfile.from_stored(arr, self.dtype)
         return {

@@ -436,3 +436,15 @@ def test_embeddings_fold_into_the_shards_as_prx_reads_them(tmp_path, t5):
         np.testing.assert_array_equal(feats, _bf16(want_f[0]))  # bfloat16 folds as float32
         mask = np.asarray(it[mask_name]).reshape(MAX_LEN)
         np.testing.assert_array_equal(mask, want_m[0].numpy().astype(np.uint8))
+
+
+def test_a_tensor_filled_inside_its_npy_bytes_is_the_file_numpy_writes():
+    """The job fills each shard's tensor inside the bytes of its own ``.npy`` file (no second
+    copy of a shard): those bytes are the file ``np.save`` writes, for every stored dtype."""
+    rng = np.random.default_rng(0)
+    for dtype in ("bfloat16", "float16", "float32", "uint8"):
+        x = rng.standard_normal((3, 5, 7), np.float32)
+        want = x.astype(np.uint8) if dtype == "uint8" else npyfile.to_stored(x, dtype, ValueError)
+        arr, buf = npyfile.allocate(want.shape, dtype)
+        arr[...] = want
+        assert buf.dtype == np.uint8 and buf.tobytes() == npyfile.encode(want), dtype

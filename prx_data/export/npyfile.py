@@ -67,6 +67,20 @@ def from_stored(stored: np.ndarray, dtype: str) -> np.ndarray:
     return np.array(stored, dtype=np.float32)
 
 
+def allocate(shape: Sequence[int], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """An empty tensor of ``shape`` in the stored ``dtype``, laid inside the bytes of its own
+    ``.npy`` file, and those bytes (``uint8``): a producer fills the tensor and writes the
+    file as it is, never holding a second copy of a shard of gigabytes."""
+    stored = STORED_DTYPES[dtype]
+    head = io.BytesIO()
+    info = {"descr": np.lib.format.dtype_to_descr(stored), "fortran_order": False}
+    np.lib.format.write_array_header_1_0(head, {**info, "shape": tuple(int(x) for x in shape)})
+    at = head.tell()  # numpy pads the header to a multiple of 64: the tensor is aligned
+    buf = np.empty(at + int(np.prod(shape)) * stored.itemsize, np.uint8)
+    buf[:at] = np.frombuffer(head.getvalue(), np.uint8)
+    return buf[at:].view(stored).reshape(tuple(shape)), buf
+
+
 def encode(array: np.ndarray) -> bytes:
     """The ``.npy`` bytes of ``array`` (no pickle: object arrays are refused by numpy)."""
     buf = io.BytesIO()
