@@ -22,10 +22,8 @@ by the caller (a whole-file check would read every shard at start).
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import os
-import stat
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
@@ -92,43 +90,26 @@ def encode(array: np.ndarray) -> bytes:
 def _opened(
     base: str, path: str, nbytes: int | None, *, error: type[PrxDataError], what: str, redo: str
 ) -> Iterator[BinaryIO]:
-    """``path`` opened for reading: a regular file inside ``base`` of ``nbytes`` bytes."""
+    """``path`` opened for reading (:meth:`prx_data.core.confined.Confined.open`: a regular
+    file inside ``base``), of exactly ``nbytes`` bytes when given."""
     try:
-        real = confined.confined(base).resolve(path)
+        f = confined.confined(base).open(path, nbytes if nbytes is not None else 1 << 62)
+    except FileNotFoundError:
+        raise error(f"{path}: missing; run {redo}") from None
     except confined.UnsafeFileError as e:
-        raise error(f"{e}; run {redo}") from None
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        if nbytes is not None and "bytes, more than" in str(e):
+            e = confined.UnsafeFileError(f"{path}: more bytes than its record names ({nbytes})")
+        raise error(f"{e}; run {redo} --replace") from None
     except OSError as e:
-        if e.errno == errno.ENOENT:
-            raise error(f"{path}: missing; run {redo}") from None
         raise error(f"{path}: cannot be opened as a {what} ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: not a regular file; refusing to read it")
-        if nbytes is not None and st.st_size != nbytes:
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if nbytes is not None and size != nbytes:
             raise error(
-                f"{path}: {st.st_size} bytes, its record names {nbytes} (a truncated, foreign "
+                f"{path}: {size} bytes, its record names {nbytes} (a truncated, foreign "
                 f"or changed {what}); run {redo} --replace"
             )
         yield f
-
-
-def file_xxh64(
-    base: str, path: str, nbytes: int, *, error: type[PrxDataError], what: str, redo: str
-) -> str:
-    """xxh64 of the file at ``path`` (checked as :func:`open_npy` checks it), hashed through a
-    memory map: a shard's gigabytes are never copied into the process."""
-    import mmap
-
-    from prx_data.export.bound import xxh64
-
-    with _opened(base, path, nbytes, error=error, what=what, redo=redo) as f:
-        if not nbytes:
-            return xxh64(b"")
-        with mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ) as m:
-            return xxh64(m)  # type: ignore[arg-type]  # any buffer
 
 
 def open_npy(

@@ -41,7 +41,7 @@ import numpy as np
 
 from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
-from prx_data.export import attached, latents, layout, npyfile
+from prx_data.export import attached, bound, latents, layout
 
 #: The shard column PRX reads precomputed VAE moments from.
 LATENT_COLUMN = "img_latent"
@@ -210,12 +210,10 @@ def _npy_rows(root: str, col: FoldColumn, record: dict, key: str, shard: dict):
     path = attached.file_path(root, name, key, attached.NPY)
     base = storage.join(root, attached.COLUMNS_DIR, name)
     redo = f"{attached.JOB} {root} --table TABLE --columns {name} --replace"
-    nbytes = int(shard.get("bytes", -1))
-    got = npyfile.file_xxh64(
-        base, path, nbytes, error=FoldError, what=f"file of column {name!r}", redo=redo
-    )
-    if got != shard.get("xxh64"):
-        raise FoldError(f"{path}: its bytes differ from what the column's record names; run {redo}")
+    if bound.file_digest(base, path, int(shard.get("bytes", 0))) != shard.get("xxh64"):
+        raise FoldError(
+            f"{path}: missing, or its bytes differ from what the column's record names; run {redo}"
+        )
     arr = attached.open_npy(root, name, shard, dtype, shape, (base, path))
     out = np.dtype(col.encoding.split(":")[1])
     for i in range(int(shard["samples"])):
