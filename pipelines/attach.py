@@ -8,7 +8,8 @@ manifests and table index pages, never Ray)::
       -> unit: read the part's ids.parquet (shard, index, id); look the part's ids up in
          the table (``id IN (...)`` slices, answered by the table's BTREE on ``id``);
          per shard, put each id's values at its stored index (an id the table lacks:
-         null, counted); write one Arrow IPC file per shard and column
+         null, counted); write one file per shard and column (a table column: Arrow
+         IPC; a caption column's text embeddings and masks: ``.npy`` tensors)
       -> driver: each column's record rewritten every few units and at the end
 
 Memory is one part's ids and values at a time per thread, never the table or the
@@ -42,7 +43,7 @@ from prx_data.core.reports import JobReport
 from prx_data.core.runtime import Placement, map_units
 from prx_data.core.schema import MANIFEST_NAME
 from prx_data.export import attached as A
-from prx_data.export import bound, bounded, safety
+from prx_data.export import bound, bounded, npyfile, safety
 from prx_data.export import latents as L
 from prx_data.export.layout import (
     check_export_complete,
@@ -115,9 +116,16 @@ class AttachConfig:
         "--text-encoder",
         help="Encode the --columns captions with this transformers text encoder (local folder "
         "or hub id) instead of attaching them: each caption column C gives the attached "
-        "columns latent_C_<encoder> (float32 [max_length, hidden]) and attention_mask_C_<encoder> "
-        "(uint8 [max_length]), bound to the encoder's weights digest "
-        "(text_encoder.source: precomputed in the trainer).",
+        "columns latent_C_<encoder> ([max_length, hidden] in --text-dtype) and "
+        "attention_mask_C_<encoder> (uint8 [max_length]), one .npy per shard, bound to the "
+        "encoder's weights digest (text_encoder.source: precomputed in the trainer).",
+    )
+    text_dtype: str = flag(
+        "bfloat16",
+        "--text-dtype",
+        choices=npyfile.DTYPES,
+        help="Storage dtype of the text embeddings (default: %(default)s, what PRX trains in; "
+        "float32 doubles the bytes). The loader serves them as float32.",
     )
     encoder_name: str | None = flag(
         None,
@@ -147,6 +155,10 @@ class AttachConfig:
             raise UsageError("--columns: name at least one table column")
         if self.text_encoder is not None and (self.max_length <= 0 or self.text_batch <= 0):
             raise UsageError("--max-length and --text-batch: must be positive")
+        if self.text_dtype not in npyfile.DTYPES:
+            raise UsageError(
+                f"--text-dtype {self.text_dtype!r}: one of {', '.join(npyfile.DTYPES)}"
+            )
         if self.encoder_name is not None and not re.fullmatch(
             r"[a-z0-9_]{1,64}", self.encoder_name
         ):
@@ -179,7 +191,8 @@ class AttachReport(JobReport):
     skipped_shards: int = 0
     #: Samples whose id the table does not hold (their value is null), per column run.
     missing_ids: int = 0
-    #: Bytes of the files written, and of the values they hold (Arrow buffers, uncompressed).
+    #: Bytes of the files written, and of the values they hold (Arrow buffers, uncompressed;
+    #: tensors in their storage dtype).
     bytes_written: int = 0
     column_bytes: int = 0
     seconds: float = 0.0
@@ -266,17 +279,17 @@ class PartAttacher:
         self,
         cfg: AttachConfig,
         ds: Any,
-        types: dict[str, pa.DataType],
+        stores: dict[str, dict[str, Any]],
         embedder: TextEmbedder | None = None,
     ) -> None:
-        self.cfg, self.ds, self.types, self.embedder = cfg, ds, types, embedder
+        self.cfg, self.ds, self.stores, self.embedder = cfg, ds, stores, embedder
         self.sources = cfg.outputs()
         self.rows = ds.count_rows()
 
-    def _values(self, found: pa.Table, pos: pa.Array, todo: list[str]) -> dict[str, pa.Array]:
-        """The shard's values of each column in ``todo``: the table's, or its captions'
-        embeddings and masks (one encoder pass per caption column)."""
-        out: dict[str, pa.Array] = {}
+    def _values(self, found: pa.Table, pos: pa.Array, todo: list[str]) -> dict[str, Any]:
+        """The shard's values of each column in ``todo``: the table's (Arrow), or its
+        captions' embeddings and masks (stored tensors; one encoder pass per caption column)."""
+        out: dict[str, Any] = {}
         for src in dict.fromkeys(self.sources[n] for n in todo):
             values = found[src].take(pos)
             if self.embedder is None:
@@ -326,10 +339,13 @@ class PartAttacher:
             binding = bound.shard_binding(entry)
             computed = self._values(found, pos, todo)
             for i, name in enumerate(todo):
-                values = computed[name]
-                digest, nbytes = bound.write_file(
-                    root, A.file_path(root, name, key), A.encode(name, values)
-                )
+                values, kind = computed[name], self.stores[name]["kind"]
+                if kind == A.NPY:  # the file's bytes (npyfile.allocate): written as they are
+                    data = values.tobytes() if storage.is_remote(root) else memoryview(values)
+                else:
+                    data = A.encode(name, values)
+                digest, nbytes = bound.write_file(root, A.file_path(root, name, key, kind), data)
+                del data
                 out.append(
                     {
                         "column": name,
@@ -388,10 +404,10 @@ def run_attach(cfg: AttachConfig) -> AttachReport:
     ds = _open_table(cfg)
     outs = cfg.outputs()
     embedder = None if cfg.text_encoder is None else TextEmbedder(cfg)
-    types = (
-        {n: ds.schema.field(c).type for n, c in outs.items()}
+    stores = (
+        {n: A.arrow_body(ds.schema.field(c).type) for n, c in outs.items()}
         if embedder is None
-        else dict(zip(outs, embedder.types * len(cfg.columns), strict=True))
+        else dict(zip(outs, embedder.stores * len(cfg.columns), strict=True))
     )
     report = AttachReport(
         out=cfg.out, table=cfg.table, table_version=int(ds.version), columns=list(cfg.columns)
@@ -402,23 +418,23 @@ def run_attach(cfg: AttachConfig) -> AttachReport:
 
         os.makedirs(os.path.dirname(lock), exist_ok=True)
     with Lease(lock, what="attach run", error=AttachLocked):
-        records = {n: _previous(cfg, n, types[n], embedder) for n in outs}
+        records = {n: _previous(cfg, n, stores[n], embedder) for n in outs}
         units, keys = _plan(cfg, records, report)
         for c in outs:  # files of shards the export no longer has
             gone = [k for k in records[c] if k not in keys]
             for k in gone:
                 confined.confined(storage.join(cfg.out, A.COLUMNS_DIR)).delete(
-                    A.file_path(cfg.out, c, k)
+                    A.file_path(cfg.out, c, k, stores[c]["kind"])
                 )
                 del records[c][k]
-        work = PartAttacher(cfg, ds, types, embedder)
+        work = PartAttacher(cfg, ds, stores, embedder)
 
         def save() -> None:
             for i, (n, c) in enumerate(outs.items()):
                 source = _source(cfg, ds, c)
                 if embedder is not None:
                     source.update(embedder.source(i % 2))
-                body = {"type": A.type_text(types[n]), "source": source}
+                body = {**stores[n], "source": source}
                 A.write_record(cfg.out, n, body, records[n])
 
         last, since = time.monotonic(), 0
@@ -446,12 +462,25 @@ def run_attach(cfg: AttachConfig) -> AttachReport:
 
 
 def _previous(
-    cfg: AttachConfig, name: str, want: pa.DataType, embedder: TextEmbedder | None = None
+    cfg: AttachConfig, name: str, want: dict[str, Any], embedder: TextEmbedder | None = None
 ) -> dict[str, dict]:
-    """The shards a column's record holds, when it may be kept (same type and, for text
-    columns, same encoder; no ``replace``)."""
+    """The shards a column's record holds, when it may be kept (same kind and type or dtype
+    and shape and, for text columns, same encoder; no ``replace``).
+
+    With ``replace``, the files of another kind the record names (the Arrow text columns of
+    an earlier version, the ``.npy`` ones being written now) are deleted first: the new
+    files take other names, and verify would find the old ones stray."""
     record = A.read_record(cfg.out, name)
-    if record is None or cfg.replace:
+    if record is None:
+        return {}
+    had = A.storage_of(record)
+    if cfg.replace:
+        if had["kind"] != want["kind"]:
+            box = confined.confined(storage.join(cfg.out, A.COLUMNS_DIR))
+            for key in record.get("shards") or {}:
+                box.delete(
+                    A.file_path(cfg.out, name, bound.check_key(key, A.AttachedError), had["kind"])
+                )
         return {}
     if embedder is not None:
         had_enc = (record.get("source") or {}).get("text_encoder") or {}
@@ -461,13 +490,19 @@ def _previous(
                 f"{cfg.out}: column {name!r} was made by another text encoder "
                 f"({'; '.join(diff)}); pass --replace to compute it again"
             )
-    had = A.type_of(str(record.get("type", "")))
     if had != want:
         raise A.AttachedError(
-            f"{cfg.out}: column {name!r} is attached as {had}, the table's is {want}; pass "
-            "--replace to compute it again"
+            f"{cfg.out}: column {name!r} is attached as {_described(had)}, this run writes "
+            f"{_described(want)}; pass --replace to compute it again"
         )
     return dict(record.get("shards") or {})
+
+
+def _described(store: dict[str, Any]) -> str:
+    """A record's storage fields in words: ``npy bfloat16 [256, 2304]`` or the Arrow type."""
+    if store["kind"] == A.NPY:
+        return f"npy {store['dtype']} {store['shape']}"
+    return f"arrow {A.type_of(store['type'])}"
 
 
 def _plan(
@@ -478,6 +513,7 @@ def _plan(
     # One listing per column: a recorded file must be there with the size its record names
     # (the loader and verify --deep check its digest).
     outs = list(cfg.outputs())
+    kinds = {c: A.NPY if cfg.text_encoder is not None else A.ARROW for c in outs}
     sizes = {
         c: storage.file_sizes(storage.join(cfg.out, A.COLUMNS_DIR, c)) if records[c] else {}
         for c in outs
@@ -506,7 +542,8 @@ def _plan(
                 c
                 for c in outs
                 if not bound.matches(records[c].get(key), binding)
-                or sizes[c].get(A.file_rel(c, key).split("/", 2)[2]) != records[c][key].get("bytes")
+                or sizes[c].get(A.file_rel(c, key, kinds[c]).split("/", 2)[2])
+                != records[c][key].get("bytes")
             ]
             if todo:
                 by_part.setdefault(key.split("/")[2], []).append((e, todo))
@@ -519,9 +556,13 @@ def _plan(
 class TextEmbedder:
     """A frozen text encoder (the trainer's :class:`~prx_data.train.text_encoder.TextEncoder`,
     float32, on CUDA when there is one) turning a shard's captions into fixed-shape
-    embeddings [max_length, hidden] and masks [max_length]; a null caption is "".
+    embeddings [max_length, hidden], stored in ``--text-dtype``, and masks [max_length]
+    (``uint8``); a null caption is "".
 
-    Calls are serialised (one encoder, shared by the driver's threads, whose reads go on).
+    Each encoder batch is checked finite and converted to the storage dtype as it comes, so
+    a shard is held once, in its stored size (a float32 copy of a shard of T5-XXL
+    embeddings would be several GB). Calls are serialised (one encoder, shared by the
+    driver's threads, whose reads go on).
     """
 
     def __init__(self, cfg: AttachConfig) -> None:
@@ -538,13 +579,11 @@ class TextEmbedder:
             layer=cfg.layer,
             device=device,
         )
-        self.batch = cfg.text_batch
+        self.batch, self.dtype = cfg.text_batch, cfg.text_dtype
         self.lock = threading.Lock()
         length, hidden = cfg.max_length, self.encoder.hidden_size
-        self.types = (
-            pa.list_(pa.list_(pa.float32(), hidden), length),
-            pa.list_(pa.uint8(), length),
-        )
+        self.shapes = ((length, hidden), (length,))
+        self.stores = (A.npy_body(self.dtype, self.shapes[0]), A.npy_body("uint8", self.shapes[1]))
         self.identity = {
             "name_or_path": cfg.text_encoder,
             "weights": weights_digest(cfg.text_encoder),
@@ -554,41 +593,43 @@ class TextEmbedder:
         }
         self.empty = self._encode([""])
 
-    def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        feats, masks = [], []
+    def _encode(self, texts: list[str]) -> tuple[tuple, tuple]:
+        """Stored embeddings [n, L, D] and uint8 masks [n, L] of ``texts``, each as
+        ``(tensor, the bytes of its .npy file)`` (:func:`~prx_data.export.npyfile.allocate`)."""
+        n = len(texts)
+        feats, feats_file = npyfile.allocate((n, *self.shapes[0]), self.dtype)
+        masks, masks_file = npyfile.allocate((n, *self.shapes[1]), "uint8")
         with self.lock:
-            for i in range(0, len(texts), self.batch):
+            for i in range(0, n, self.batch):
                 f, m = self.encoder.encode(texts[i : i + self.batch])
-                feats.append(f.float().cpu().numpy())
-                masks.append(m.cpu().numpy().astype(np.uint8))
-        d = self.types[0].value_type.list_size
-        if not feats:
-            return np.zeros((0, self.types[0].list_size, d), np.float32), np.zeros(
-                (0, self.types[1].list_size), np.uint8
-            )
-        return np.concatenate(feats), np.concatenate(masks)
+                f = f.float().cpu().numpy()
+                stored = npyfile.to_stored(f, self.dtype, A.AttachedError)
+                if not (
+                    np.isfinite(f).all()
+                    and np.isfinite(npyfile.from_stored(stored, self.dtype)).all()
+                ):
+                    raise A.AttachedError(
+                        f"{self.identity['name_or_path']}: the text encoder gave NaN or infinite "
+                        f"embeddings (in {self.dtype}); run it in float32, store float32 or "
+                        "bfloat16 (--text-dtype), or check its weights"
+                    )
+                feats[i : i + len(f)] = stored
+                masks[i : i + len(f)] = m.cpu().numpy().astype(np.uint8)
+        return (feats, feats_file), (masks, masks_file)
 
-    def __call__(self, captions: pa.Array) -> tuple[pa.Array, pa.Array]:
+    def __call__(self, captions: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """The ``.npy`` file bytes (``uint8``) of a shard's embeddings and of its masks."""
         texts = ["" if t is None else str(t) for t in captions.to_pylist()]
-        feats, masks = self._encode(texts)
-        if not np.isfinite(feats).all():
-            raise A.AttachedError(
-                f"{self.identity['name_or_path']}: the text encoder gave NaN or infinite "
-                "embeddings; run it in float32 or check its weights"
-            )
-        latent_t, mask_t = self.types
-        flat = pa.array(feats.reshape(-1), pa.float32())
-        rows = pa.FixedSizeListArray.from_arrays(flat, latent_t.value_type.list_size)
-        latent = pa.FixedSizeListArray.from_arrays(rows, latent_t.list_size)
-        mask = pa.FixedSizeListArray.from_arrays(
-            pa.array(masks.reshape(-1), pa.uint8()), mask_t.list_size
-        )
-        return latent, mask
+        (_, feats), (_, masks) = self._encode(texts)
+        return feats, masks
 
     def source(self, which: int) -> dict[str, Any]:
         """The record's ``source`` additions of the latent (0) or mask (1) column: the encoder
-        and the value of the empty caption (what caption dropout trains on)."""
-        arr = self.empty[which][0]
+        and the value of the empty caption (what caption dropout trains on), as served (the
+        embedding at its storage precision, in float32)."""
+        arr = self.empty[which][0][0]
+        if which == 0:
+            arr = npyfile.from_stored(arr, self.dtype)
         return {
             "text_encoder": dict(self.identity),
             "empty": {

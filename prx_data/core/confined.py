@@ -31,6 +31,7 @@ import stat
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
@@ -150,14 +151,9 @@ class Confined:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read(self, path: str, max_bytes: int) -> bytes:
-        """The bytes of a regular file inside the root, at most ``max_bytes`` of them.
-
-        Raises ``FileNotFoundError`` when there is none, :class:`UnsafeFileError`
-        when it is not a regular file inside the root, or is larger than the cap.
-        """
-        if self.remote:
-            return _read_remote(self.check_key(path), max_bytes)
+    def _open(self, path: str, max_bytes: int) -> tuple[int, os.stat_result]:
+        """A descriptor of the regular local file ``path`` inside the root, no larger than
+        ``max_bytes``, and its ``fstat`` (the caller closes it)."""
         local = os.path.normpath(self._local(path))
         head, tail = os.path.split(local)
         real = os.path.join(self._real_dir(head), tail)
@@ -188,6 +184,30 @@ class Confined:
                     "refusing to read it"
                 )
             os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def open(self, path: str, max_bytes: int) -> BinaryIO:
+        """A regular local file inside the root, opened for reading (checked as :meth:`read`
+        checks it), for a caller that maps it instead of reading it whole: a tensor file of
+        gigabytes served a row at a time, or hashed without a copy."""
+        if self.remote:
+            raise UnsafeFileError(f"{path}: an object, not a local file to open")
+        fd, _ = self._open(path, max_bytes)
+        return os.fdopen(fd, "rb")
+
+    def read(self, path: str, max_bytes: int) -> bytes:
+        """The bytes of a regular file inside the root, at most ``max_bytes`` of them.
+
+        Raises ``FileNotFoundError`` when there is none, :class:`UnsafeFileError`
+        when it is not a regular file inside the root, or is larger than the cap.
+        """
+        if self.remote:
+            return _read_remote(self.check_key(path), max_bytes)
+        fd, _ = self._open(path, max_bytes)
+        try:
             chunks, got = [], 0
             while got <= max_bytes:
                 chunk = os.read(fd, min(max_bytes + 1 - got, 1 << 24))

@@ -1,20 +1,31 @@
 """Attached columns beside an export: where they live, their record, the checked read.
 
-A column attached to an export (``python -m prx_data.attach``) is one Arrow IPC
-file per MDS shard, ``_columns/<name>/<tier>/<ar>/<part>/shard.NNNNN.arrow``,
-holding one field named ``<name>`` with a row per stored sample of the shard, in
-the shard's sample order. The shards, their indexes, skip lists and id index
-stay as they are: a new caption or score column is written once, beside them.
+A column attached to an export (``python -m prx_data.attach``) is one file per
+MDS shard, ``_columns/<name>/<tier>/<ar>/<part>/shard.NNNNN.<ext>``, holding a
+row per stored sample of the shard, in the shard's sample order. The shards,
+their indexes, skip lists and id index stay as they are: a new caption or score
+column is written once, beside them. A column's files are of one of two kinds,
+which its producer chooses and its record names (``kind``):
 
-Arrow IPC (not pickle, not ``.npy``) because a table column can be any Arrow type
-(strings with nulls, lists, numbers); the file format gives random access and a
-schema checked before a value is read. Files are compressed with zstd.
+* ``arrow`` (table columns: captions, scores, labels): an Arrow IPC file with one
+  field named ``<name>``, because a table column can be any Arrow type (strings
+  with nulls, lists, numbers); the format gives a schema checked before a value is
+  read. zstd-compressed; small enough to be read whole (:data:`MAX_FILE_BYTES`).
+* ``npy`` (computed fixed-shape tensors: text embeddings ``[L, D]`` and their
+  attention masks ``[L]``): a ``.npy`` of ``[samples, *shape]`` in the record's
+  storage ``dtype`` (bfloat16 as ``uint16`` bits, float16, float32; masks
+  ``uint8``), as precomputed latents are stored (:mod:`prx_data.export.npyfile`).
+  A shard of a real encoder's embeddings is gigabytes (T5-XXL: 256 x 4096 values a
+  caption), so the loader maps the file and reads the served sample's row only;
+  its size cap is the record's byte count. Records written before this kind
+  existed have no ``kind`` and are ``arrow``; they are still served.
 
 ``_columns/<name>/record`` (JSON text; not ``*.json``, which streaming's
-``merge_index`` would take for an index) names the column's Arrow type and where
-it came from (the table, its version, the source column) and binds each file to
-the shard it was made from (:mod:`prx_data.export.bound`): a file made from other
-shard content, or whose bytes changed, is refused in one line.
+``merge_index`` would take for an index) names the column's kind and Arrow type
+(``arrow``) or storage dtype and per-sample shape (``npy``), where it came from
+(the table, its version, the source column; for text columns the encoder) and
+binds each file to the shard it was made from (:mod:`prx_data.export.bound`): a
+file made from other shard content, or whose bytes changed, is refused in one line.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import pyarrow as pa
 
 from prx_data.core import confined, storage
 from prx_data.core.errors import PrxDataError
-from prx_data.export import bound
+from prx_data.export import bound, npyfile
 from prx_data.export.layout import ShardInfo
 from prx_data.export.naming import COLUMNS_DIR
 
@@ -37,10 +48,15 @@ RECORD_FORMAT = "prx-data attached column"
 RECORD_VERSION = 1
 #: The attach job's own lease (one run per export; skip-list updates go on meanwhile).
 LOCK_NAME = f"{COLUMNS_DIR}/.lock"
-EXT = "arrow"
+#: The kinds of files a column may have (:func:`kind_of`); each is also its files' extension.
+ARROW, NPY = "arrow", "npy"
+KINDS = (ARROW, NPY)
+#: Storage dtypes of an ``npy`` column: floats (embeddings) and ``uint8`` (masks).
+NPY_DTYPES = (*npyfile.DTYPES, "uint8")
 #: Largest record read back (a million shards at ~300 bytes each).
 MAX_RECORD_BYTES = 1 << 30
-#: Largest column file read (a shard's column: captions of a few thousand samples).
+#: Largest ``arrow`` column file read whole (a shard's captions of a few thousand samples);
+#: an ``npy`` file is mapped, its size is the record's.
 MAX_FILE_BYTES = 1 << 30
 #: A column's name: a file-name part and an item key (no dots, slashes or leading digit).
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
@@ -68,23 +84,75 @@ def shard_key(bucket: str, basename: str) -> str:
     return bound.shard_key(bucket, basename, AttachedError)
 
 
-def file_rel(name: str, key: str) -> str:
-    """Path of a shard's column file relative to the export root."""
-    return bound.file_rel(f"{COLUMNS_DIR}/{check_name(name)}", key, EXT)
+def file_rel(name: str, key: str, kind: str = ARROW) -> str:
+    """Path of a shard's column file (of ``kind``, its extension) relative to the export root."""
+    return bound.file_rel(f"{COLUMNS_DIR}/{check_name(name)}", key, _ext(kind))
 
 
-def file_path(root: str, name: str, key: str) -> str:
-    return storage.join(root, *file_rel(name, key).split("/"))
+def file_path(root: str, name: str, key: str, kind: str = ARROW) -> str:
+    return storage.join(root, *file_rel(name, key, kind).split("/"))
 
 
-def cache_rel(name: str, basename: str, digest: str) -> str:
+def _ext(kind: str) -> str:
+    if kind not in KINDS:
+        raise AttachedError(f"{kind!r}: not a kind of attached column file ({', '.join(KINDS)})")
+    return kind
+
+
+def kind_of(record: Mapping[str, Any]) -> str:
+    """The kind of a column's files as its record names it (none: ``arrow``, as records
+    written before ``npy`` existed)."""
+    kind = record.get("kind", ARROW)
+    if kind not in KINDS:
+        raise AttachedError(
+            f"column {record.get('column')!r}: its record names files of kind {kind!r}, which "
+            f"this prx-data does not read; run {JOB} again with --replace"
+        )
+    return str(kind)
+
+
+def npy_body(dtype: str, shape: Iterable[int]) -> dict[str, Any]:
+    """The record fields of an ``npy`` column: storage dtype and one sample's shape."""
+    return {"kind": NPY, "dtype": dtype, "shape": [int(x) for x in shape]}
+
+
+def arrow_body(t: pa.DataType) -> dict[str, Any]:
+    """The record fields of an ``arrow`` column: its Arrow type."""
+    return {"kind": ARROW, "type": type_text(t)}
+
+
+def storage_of(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What a record says of its files (kind, and type or dtype and shape): a rerun keeps a
+    column's files only when this is what it would write."""
+    if kind_of(record) == NPY:
+        dtype, shape = npy_spec(record)
+        return npy_body(dtype, shape)
+    return {"kind": ARROW, "type": str(record.get("type", ""))}
+
+
+def npy_spec(record: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
+    """``(storage dtype, one sample's shape)`` of an ``npy`` column's record, checked."""
+    dtype, shape = record.get("dtype"), record.get("shape")
+    if (
+        dtype not in NPY_DTYPES
+        or not isinstance(shape, list)
+        or not all(isinstance(x, int) and 0 < x < 1 << 31 for x in shape)
+    ):
+        raise AttachedError(
+            f"column {record.get('column')!r}: its record names no valid dtype and shape "
+            f"({dtype!r}, {shape!r}); run {JOB} again with --replace"
+        )
+    return str(dtype), tuple(shape)
+
+
+def cache_rel(name: str, basename: str, digest: str, kind: str = ARROW) -> str:
     """Where a remote export's column file of shard ``basename`` lies in the node's cache,
     relative to the cached bucket folder (named by its digest: a changed file is another
     file, never a stale copy)."""
     stem = basename.split(".mds", 1)[0]
     if not re.fullmatch(r"[0-9a-f]{1,32}", str(digest)):
         raise AttachedError(f"{digest!r}: not an xxh64 digest of an attached column file")
-    return f"{COLUMNS_DIR}/{check_name(name)}/{stem}.{digest}.{EXT}"
+    return f"{COLUMNS_DIR}/{check_name(name)}/{stem}.{digest}.{_ext(kind)}"
 
 
 def encode(name: str, values: pa.Array) -> bytes:
@@ -230,6 +298,39 @@ def read_file(
             f"changed file); run {JOB} {root} --columns {name} --replace"
         )
     return decode(data, name, want, int(rec["samples"]), path)
+
+
+def open_npy(
+    root: str, name: str, rec: Mapping[str, Any], dtype: str, shape: tuple[int, ...], where: tuple
+) -> Any:
+    """One shard's ``npy`` column, memory-mapped after its checks
+    (:func:`prx_data.export.npyfile.open_npy`: confined to ``where[0]``, the file
+    ``where[1]``, exactly the record's ``bytes``, its header the record's dtype and
+    ``[samples, *shape]``). Nothing but the header is read here."""
+    base, path = where
+    return npyfile.open_npy(
+        base,
+        path,
+        dtype,
+        (int(rec["samples"]), *shape),
+        nbytes=int(rec.get("bytes", -1)),
+        error=AttachedError,
+        what=f"file of attached column {name!r}",
+        redo=f"{JOB} {root} --table TABLE --columns {name}",
+    )
+
+
+def npy_row(arr: Any, i: int, dtype: str, where: str) -> Any:
+    """Row ``i`` of a mapped ``npy`` column as served: floats as float32 (a bfloat16 row
+    from its bits), refused when not finite; masks as ``uint8``. Reads that row only."""
+    import numpy as np
+
+    if dtype == "uint8":
+        return np.array(arr[i], dtype=np.uint8)
+    out = npyfile.from_stored(arr[i], dtype)
+    if not np.isfinite(out).all():
+        raise AttachedError(f"{where}: holds NaN or infinite values; run {JOB} again --replace")
+    return out
 
 
 #: Computed text-encoder columns, named as PRX's ``StreamingProcessedDataset`` reads them.

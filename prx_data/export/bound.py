@@ -67,7 +67,7 @@ def file_rel(folder: str, key: str, ext: str) -> str:
     return f"{folder}/{key.split('.mds', 1)[0]}.{ext}"
 
 
-def xxh64(data: bytes) -> str:
+def xxh64(data: bytes | memoryview) -> str:
     from prx_data.core.streaming_compat import get_hash
 
     return get_hash("xxh64", data)
@@ -85,9 +85,22 @@ def write_file(root: str, path: str, data: bytes) -> tuple[str, int]:
 
 
 def file_digest(root: str, path: str, max_bytes: int) -> str | None:
-    """xxh64 of a bound file as it is now, or None when there is none."""
+    """xxh64 of a bound file as it is now, or None when there is none.
+
+    A local file is hashed through a memory map (a shard's tensors are gigabytes: never
+    copied into the process); an object is read, capped at ``max_bytes``.
+    """
+    import mmap
+
     try:
-        return xxh64(confined.read(root, path, max_bytes))
+        if storage.is_remote(root):
+            return xxh64(confined.read(root, path, max_bytes))
+        with confined.confined(root).open(path, max_bytes) as f:
+            size = os.fstat(f.fileno()).st_size
+            if not size:
+                return xxh64(b"")
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                return xxh64(m)  # type: ignore[arg-type]  # any buffer
     except (FileNotFoundError, NotFound):
         return None
 

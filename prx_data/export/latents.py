@@ -18,7 +18,6 @@ read it.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 
 from prx_data.core import confined, storage
 from prx_data.core.errors import PrxDataError
-from prx_data.export import bound
+from prx_data.export import bound, npyfile
 from prx_data.export.layout import ShardInfo
 from prx_data.export.naming import LATENTS_DIR
 
@@ -38,7 +37,7 @@ LOCK_NAME = f"{LATENTS_DIR}/.lock"
 RECORD_FORMAT = "prx-data latents"
 RECORD_VERSION = 1
 #: Storage dtypes of the ``.npy`` files (float32 is for exact comparisons in tests).
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = npyfile.DTYPES
 #: The VAE settings a trainer's codec must agree with, in the record's ``vae``.
 VAE_KEYS = (
     "class",
@@ -92,11 +91,7 @@ def npy_path(root: str, key: str) -> str:
 xxh64 = bound.xxh64
 
 
-def encode_npy(array: np.ndarray) -> bytes:
-    """The ``.npy`` bytes of ``array`` (no pickle: object arrays are refused by numpy)."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
+encode_npy = npyfile.encode
 
 
 def write_npy(root: str, key: str, array: np.ndarray) -> tuple[str, int]:
@@ -134,12 +129,7 @@ def move_npy(root: str, old: str, new: str) -> bool:
     return True
 
 
-#: The numpy dtype each storage dtype is written as (bfloat16: its bits as ``uint16``).
-STORED_DTYPES = {
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),
-    "float32": np.dtype("<f4"),
-}
+STORED_DTYPES = npyfile.STORED_DTYPES
 
 
 def load_npy(
@@ -150,67 +140,26 @@ def load_npy(
     *,
     cached: tuple[str, str] | None = None,
 ) -> np.ndarray:
-    """A shard's latents, memory-mapped, after checking what the file is and holds.
-
-    The ``.npy`` must be a regular file inside ``<root>/_latents`` (a link out of
-    it, a FIFO, a device are refused: the file is opened ``O_NONBLOCK`` and
-    ``fstat``-ed, so a FIFO never blocks), its header must parse without pickle
-    and give the record's storage ``dtype`` and, when given, ``shape``
-    (``[samples, C, H/f, W/f]``). Finiteness is checked per sample by the loader
-    (:func:`sample_latent`): a whole-file check would read every shard at start.
+    """A shard's latents, memory-mapped, after checking what the file is and holds
+    (:func:`prx_data.export.npyfile.open_npy`: a regular file inside ``<root>/_latents``,
+    the record's storage ``dtype`` and, when given, ``shape`` ``[samples, C, H/f, W/f]``).
+    Finiteness is checked per sample by the loader (:func:`sample_latent`).
     ``cached`` reads the copy of a remote export's file that the loader fetched with its
     shard, ``(folder it must stay inside, its path)``, instead.
     """
-    import errno
-    import stat
-
     path = npy_path(root, check_key(key))
     base = storage.join(root, LATENTS_DIR)
     if cached is not None:  # (folder, path in it): a node's cache of a remote export's file
         base, path = cached
-    try:
-        real = confined.confined(base).resolve(path)
-    except confined.UnsafeFileError as e:
-        raise LatentsError(f"{e}; run python -m prx_data.latents {root} --vae VAE") from None
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            raise LatentsError(
-                f"{path}: missing; run python -m prx_data.latents {root} --vae VAE"
-            ) from None
-        raise LatentsError(f"{path}: cannot be opened as a latents file ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise LatentsError(f"{path}: not a regular file; refusing to read it")
-        try:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                got_shape, fortran, got = np.lib.format.read_array_header_1_0(f)
-            else:
-                got_shape, fortran, got = np.lib.format.read_array_header_2_0(f)
-        except ValueError as e:
-            raise LatentsError(f"{path}: not a .npy file ({e})") from None
-        want = STORED_DTYPES.get(dtype)
-        if want is None or got != want or got.hasobject:
-            raise LatentsError(
-                f"{path}: holds {got}, the latents record says {dtype}; run python -m "
-                f"prx_data.latents {root} --vae VAE again"
-            )
-        if shape is not None and tuple(got_shape) != tuple(shape):
-            raise LatentsError(
-                f"{path}: shape {list(got_shape)}, the record and the shard say {list(shape)}; "
-                f"run python -m prx_data.latents {root} --vae VAE again"
-            )
-        offset = f.tell()
-        if os.fstat(f.fileno()).st_size < offset + int(np.prod(got_shape)) * got.itemsize:
-            raise LatentsError(f"{path}: shorter than its header says; run the latents job again")
-        if not int(np.prod(got_shape)):
-            return np.zeros(got_shape, got)
-        return np.memmap(
-            f, got, mode="r", offset=offset, shape=tuple(got_shape), order="F" if fortran else "C"
-        )
+    return npyfile.open_npy(
+        base,
+        path,
+        dtype,
+        shape,
+        error=LatentsError,
+        what="latents file",
+        redo=f"python -m prx_data.latents {root} --vae VAE",
+    )
 
 
 def sample_latent(stored: np.ndarray, dtype: str, where: str) -> np.ndarray:
@@ -309,19 +258,8 @@ def stale_shards(record: Mapping[str, Any], bucket: str, shards: Iterable[ShardI
 
 
 def to_stored(latents: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 latents -> the array written for ``dtype`` (bfloat16: its bits as ``uint16``,
-    rounded to nearest even, since numpy has no bfloat16)."""
-    x = np.ascontiguousarray(latents, dtype=np.float32)
-    if dtype == "bfloat16":
-        u = x.view(np.uint32).astype(np.uint64)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    if dtype not in DTYPES:
-        raise LatentsError(f"latent dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    return x.astype(np.dtype(dtype))
+    """float32 latents -> the array written for ``dtype`` (:func:`npyfile.to_stored`)."""
+    return npyfile.to_stored(latents, dtype, LatentsError)
 
 
-def from_stored(stored: np.ndarray, dtype: str) -> np.ndarray:
-    """What :func:`to_stored` wrote -> float32 latents."""
-    if dtype == "bfloat16":
-        return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.array(stored, dtype=np.float32)  # a copy: the stored array is a read-only map
+from_stored = npyfile.from_stored

@@ -231,8 +231,9 @@ def _verify_latents(
 def _verify_columns(
     root: str, files: list[str], buckets: list[str], deep: bool, res: VerifyResult
 ) -> None:
-    """``_columns/``: per attached column its record and one Arrow file per shard bound to its
-    data (:mod:`prx_data.export.attached`); nothing else."""
+    """``_columns/``: per attached column its record and one file per shard (of the record's
+    kind: ``.arrow`` or ``.npy``) bound to its data (:mod:`prx_data.export.attached`);
+    nothing else."""
     from prx_data.export import attached as A
 
     here = {f for f in files if f.split("/", 1)[0] == A.COLUMNS_DIR and ".tmp-" not in f}
@@ -245,6 +246,14 @@ def _verify_columns(
             for rel in sorted(mine):
                 res.problems.append(Problem(rel_join(root, rel), "not an attached column file"))
             continue
+        kinds: dict[str, str] = {}  # the record's kind, once read: its files' extension
+
+        def read(n: str = name, kinds: dict = kinds) -> dict | None:
+            record = A.read_record(root, n)
+            if record is not None:
+                kinds["kind"] = A.kind_of(record)
+            return record
+
         _verify_bound(
             root,
             mine,
@@ -253,8 +262,8 @@ def _verify_columns(
             res,
             folder=f"{A.COLUMNS_DIR}/{name}",
             record_rel=A.record_rel(name),
-            read=lambda n=name: A.read_record(root, n),
-            file_rel=lambda key, n=name: A.file_rel(n, key),
+            read=read,
+            file_rel=lambda key, n=name, kinds=kinds: A.file_rel(n, key, kinds["kind"]),
             size_key="bytes",
             fixed={A.record_rel(name)},
             what=f"attached column {name!r}",

@@ -22,7 +22,10 @@ Names and encodings, as PRX reads them:
   caption), integers and floats as the MDS scalar of their width (a float null as
   NaN; an integer null is refused), lists and
   nested lists of numbers as ``ndarray:<dtype>`` (of booleans, such as attention
-  masks, ``ndarray:uint8``), anything else as ``json``.
+  masks, ``ndarray:uint8``), anything else as ``json``. A computed ``npy`` column
+  (text embeddings and masks) folds as ``ndarray``: float16 as ``float16``,
+  bfloat16 and float32 as ``float32`` (MDS has no bfloat16), ``uint8`` masks as
+  ``uint8``; read a row at a time from its map, after its xxh64 is checked.
 
 Never ``pkl``: every encoding here decodes without running code.
 """
@@ -36,8 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prx_data.core import storage
 from prx_data.core.errors import PrxDataError
-from prx_data.export import attached, latents, layout
+from prx_data.export import attached, bound, latents, layout
 
 #: The shard column PRX reads precomputed VAE moments from.
 LATENT_COLUMN = "img_latent"
@@ -94,6 +98,11 @@ def mds_encoding(t) -> str:
     return "json"
 
 
+def npy_encoding(dtype: str) -> str:
+    """The MDS encoding an ``npy`` attached column of storage ``dtype`` is folded as."""
+    return "ndarray:float32" if dtype == "bfloat16" else f"ndarray:{dtype}"
+
+
 def plan_fold(root: str, buckets: list[str]) -> Fold:
     """The columns to fold from ``root``: its latents and every attached column, each checked
     current for every shard of ``buckets`` (a stale set is refused in one line)."""
@@ -117,10 +126,13 @@ def plan_fold(root: str, buckets: list[str]) -> Fold:
         cols.append(FoldColumn(LATENT_COLUMN, enc, "latents", _stamp(record)))
     for name in attached.list_columns(root):
         rec = attached.read_record(root, name)
-        want = attached.type_of(str(rec.get("type", "")))
+        if attached.kind_of(rec) == attached.NPY:
+            enc = npy_encoding(attached.npy_spec(rec)[0])
+        else:
+            enc = mds_encoding(attached.type_of(str(rec.get("type", ""))))
         for bucket in buckets:
             attached.require_current(root, name, rec, bucket, layout.read_index(root, bucket))
-        cols.append(FoldColumn(name, mds_encoding(want), name, _stamp(rec)))
+        cols.append(FoldColumn(name, enc, name, _stamp(rec)))
     if not cols:
         raise FoldError(
             f"{root}: no latents and no attached columns to fold; run python -m prx_data.latents "
@@ -158,7 +170,9 @@ def _record(root: str, source: str, stamp: str) -> tuple:
             f"{root}: the record of {source!r} changed while the rewrite ran; rewrite again "
             "into an empty destination once the latents or attach job is done"
         )
-    return rec, None if source == "latents" else attached.type_of(str(rec.get("type", "")))
+    if source == "latents" or attached.kind_of(rec) == attached.NPY:
+        return rec, None
+    return rec, attached.type_of(str(rec.get("type", "")))
 
 
 def _values(root: str, fold: Fold, col: FoldColumn, key: str, entry: dict) -> list:
@@ -170,6 +184,8 @@ def _values(root: str, fold: Fold, col: FoldColumn, key: str, entry: dict) -> li
         raise FoldError(f"{root}: {col.source!r} has no file for {key}")
     if col.source == "latents":
         return _latents(root, fold, key, shard, n)
+    if want is None:
+        return _npy_rows(root, col, rec, key, shard)
     path = attached.file_path(root, col.source, key)
     values = attached.read_file(root, col.source, key, shard, want, path).to_pylist()
     if col.encoding == "str":
@@ -184,6 +200,24 @@ def _values(root: str, fold: Fold, col: FoldColumn, key: str, entry: dict) -> li
     if col.encoding.startswith("ndarray:"):
         return [np.asarray(v, dtype=col.encoding.split(":")[1]) for v in values]
     return values
+
+
+def _npy_rows(root: str, col: FoldColumn, record: dict, key: str, shard: dict):
+    """One shard's ``npy`` column a row at a time, as ``col.encoding`` takes it, after its
+    bytes are checked against the record (hashed through a map, never copied whole)."""
+    name = col.source
+    dtype, shape = attached.npy_spec(record)
+    path = attached.file_path(root, name, key, attached.NPY)
+    base = storage.join(root, attached.COLUMNS_DIR, name)
+    redo = f"{attached.JOB} {root} --table TABLE --columns {name} --replace"
+    if bound.file_digest(base, path, int(shard.get("bytes", 0))) != shard.get("xxh64"):
+        raise FoldError(
+            f"{path}: missing, or its bytes differ from what the column's record names; run {redo}"
+        )
+    arr = attached.open_npy(root, name, shard, dtype, shape, (base, path))
+    out = np.dtype(col.encoding.split(":")[1])
+    for i in range(int(shard["samples"])):
+        yield attached.npy_row(arr, i, dtype, f"{path} sample {i}").astype(out, copy=False)
 
 
 def _latents(root: str, fold: Fold, key: str, shard: dict, n: int):

@@ -1,7 +1,9 @@
 """Serve attached columns (:mod:`prx_data.export.attached`) as the loader serves shard columns.
 
 A caption or extra column the export has attached (``_columns/<name>/record``)
-is served from its per-shard Arrow file; any other from the shards. Each
+is served from its per-shard file (:mod:`prx_data.export.attached`: an Arrow file
+read whole, or an ``npy`` tensor mapped, of which only the served sample's row is
+read); any other from the shards. Each
 column's record is read once per node: on a local export from the export, on an
 ``s3://`` or ``gs://`` export by local rank 0 into the node's cache (the other
 ranks wait for it, :mod:`prx_data.stream.leader`). Every stream's shards must be
@@ -12,8 +14,10 @@ more file of the shard's reader (:class:`~prx_data.stream.reader.SkipStream`
 adds them), so streaming downloads it with the shard into the cache, counts it
 against ``cache_limit`` and evicts it with the shard. Its cache name carries its
 digest, so a re-attached file is another file, never a stale copy. Files are
-read through the confined reader and checked against the record (bytes, xxh64,
-Arrow schema, rows) before a value is served.
+read through the confined reader and checked against the record before a value
+is served: an Arrow file's bytes, xxh64, schema and rows; an ``npy`` file's size,
+header dtype and shape, and each served row's finiteness (its xxh64 would mean
+reading gigabytes for one sample: ``verify --deep`` checks it, as for latents).
 """
 
 from __future__ import annotations
@@ -40,13 +44,18 @@ FETCH_TIMEOUT_S = 600.0
 
 @dataclass
 class DatasetColumns:
-    """The attached columns one export serves: each name's record and Arrow type."""
+    """The attached columns one export serves: each name's record, and its Arrow type
+    (``arrow`` columns) or storage dtype and one sample's shape (``npy`` columns)."""
 
     root: str
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
     types: dict[str, pa.DataType] = field(default_factory=dict)
     #: Each column's type as its record spells it (a hashable key of the per-process cache).
     type_texts: dict[str, str] = field(default_factory=dict)
+    npy: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def kind(self, name: str) -> str:
+        return A.NPY if name in self.npy else A.ARROW
 
     @property
     def remote(self) -> bool:
@@ -124,6 +133,9 @@ def load_columns(
         n = rels[rel]
         record = A.parse_record(raw, root, n)
         out.records[n] = record
+        if A.kind_of(record) == A.NPY:
+            out.npy[n] = A.npy_spec(record)
+            continue
         out.types[n] = A.type_of(str(record.get("type", "")))
         out.type_texts[n] = str(record["type"])
     return out
@@ -148,11 +160,12 @@ def bucket_columns(
         for s in shards:
             key = A.shard_key(bucket, s.basename)
             rec = entries[key]
+            kind = cols.kind(name)
             if cols.remote:
-                rel = A.cache_rel(name, s.basename, str(rec.get("xxh64")))
+                rel = A.cache_rel(name, s.basename, str(rec.get("xxh64")), kind)
                 base, path = local_bucket, os.path.join(local_bucket, *rel.split("/"))
             else:
-                base, path = cols.root, A.file_path(cols.root, name, key)
+                base, path = cols.root, A.file_path(cols.root, name, key, kind)
             out[name][s.basename] = {**rec, "key": key, "base": base, "path": path}
     return out
 
@@ -167,9 +180,9 @@ def shard_files(
         return out
     for name, entries in per_column.items():
         for basename, rec in entries.items():
-            key = A.shard_key(bucket, basename)
-            uri = storage.join(cols.root, *A.file_rel(name, key).split("/"))
-            rel = A.cache_rel(name, basename, str(rec.get("xxh64")))
+            key, kind = A.shard_key(bucket, basename), cols.kind(name)
+            uri = storage.join(cols.root, *A.file_rel(name, key, kind).split("/"))
+            rel = A.cache_rel(name, basename, str(rec.get("xxh64")), kind)
             out.setdefault(basename, []).append((rel, uri, int(rec["bytes"])))
     return out
 
@@ -190,9 +203,42 @@ def _column_file(
     return values
 
 
+@functools.lru_cache(maxsize=256)
+def _npy_file(
+    root: str,
+    base: str,
+    name: str,
+    xxh64: str,
+    nbytes: int,
+    samples: int,
+    dtype: str,
+    shape: tuple[int, ...],
+    path: str,
+) -> Any:
+    """One shard's ``npy`` column, checked and mapped once per process (workers map their
+    own); its rows are read as they are served. Keyed by the record's digest too: a file
+    attached again at the same path and size is mapped again, not served from the old map."""
+    rec = {"bytes": nbytes, "samples": samples}
+    return A.open_npy(root, name, rec, dtype, shape, (base, path))
+
+
 def value(cols: DatasetColumns, name: str, rec: Mapping[str, Any], stored: int) -> Any:
     """The value of column ``name`` for the sample at ``stored`` of the shard whose entry
     (:func:`bucket_columns`) is ``rec``."""
+    if name in cols.npy:
+        dtype, shape = cols.npy[name]
+        arr = _npy_file(
+            cols.root,
+            rec["base"],
+            name,
+            str(rec["xxh64"]),
+            int(rec["bytes"]),
+            int(rec["samples"]),
+            dtype,
+            shape,
+            rec["path"],
+        )
+        return A.npy_row(arr, stored, dtype, f"{rec['path']} sample {stored}")
     values = _column_file(
         rec["base"],
         name,
