@@ -586,7 +586,7 @@ class TextEmbedder:
         self.stores = (A.npy_body(self.dtype, self.shapes[0]), A.npy_body("uint8", self.shapes[1]))
         self.identity = {
             "name_or_path": cfg.text_encoder,
-            "weights": weights_digest(cfg.text_encoder),
+            "weights": weights_digest(cfg.text_encoder, setting="--text-encoder"),
             "max_length": length,
             "layer": cfg.layer,
             "hidden_size": hidden,

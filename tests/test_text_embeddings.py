@@ -448,3 +448,14 @@ def test_a_tensor_filled_inside_its_npy_bytes_is_the_file_numpy_writes():
         arr, buf = npyfile.allocate(want.shape, dtype)
         arr[...] = want
         assert buf.dtype == np.uint8 and buf.tobytes() == npyfile.encode(want), dtype
+
+
+def test_an_encoder_without_weight_files_names_the_setting_it_came_from(tmp_path):
+    from prx_data.core.errors import UsageError
+    from prx_data.train.vae import weights_digest
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"^--text-encoder: no weight files"):
+        weights_digest(str(tmp_path), setting="--text-encoder")
+    with pytest.raises(UsageError, match=r"^vae\.name_or_path: no weight files"):
+        weights_digest(str(tmp_path))

@@ -167,7 +167,7 @@ def check_precomputed_text(cfg: TrainConfig, model: PRXFlowModel) -> list[str]:
     te = cfg.text_encoder
     label = te.precomputed_name or A.encoder_label(te.name_or_path)
     want = {
-        "weights": weights_digest(te.name_or_path),
+        "weights": weights_digest(te.name_or_path, setting="text_encoder.name_or_path"),
         "max_length": te.max_length,
         "layer": te.layer,
     }

@@ -68,8 +68,8 @@ def _plain_load() -> dict:
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
-def _weights_folder(name_or_path: str, subfolder: str | None) -> str:
-    """The local folder holding the autoencoder's weights (a hub id: its cached snapshot)."""
+def _weights_folder(name_or_path: str, subfolder: str | None, setting: str) -> str:
+    """The local folder holding the model's weights (a hub id: its cached snapshot)."""
     if os.path.isdir(name_or_path):
         return os.path.join(name_or_path, subfolder) if subfolder else name_or_path
     from huggingface_hub import snapshot_download
@@ -79,30 +79,31 @@ def _weights_folder(name_or_path: str, subfolder: str | None) -> str:
         root = snapshot_download(name_or_path, allow_patterns=[pattern], local_files_only=True)
     except Exception as e:  # noqa: BLE001 (hub errors have no common base): one line
         raise UsageError(
-            f"vae.name_or_path: cannot find the cached files of {name_or_path!r} to digest its "
+            f"{setting}: cannot find the cached files of {name_or_path!r} to digest its "
             f"weights ({type(e).__name__}); give a local folder"
         ) from None
     return os.path.join(root, subfolder) if subfolder else root
 
 
-def weights_digest(name_or_path: str, subfolder: str | None = None) -> str:
-    """sha256 of the autoencoder's weight files as they are on disk (names and bytes).
+def weights_digest(
+    name_or_path: str, subfolder: str | None = None, setting: str = "vae.name_or_path"
+) -> str:
+    """sha256 of a model's weight files as they are on disk (names and bytes).
 
     What precomputed latents are bound to beyond the class and factors: two VAEs
     of one class and config with other weights give other latents. Taken from
     the files, not from the loaded tensors, so a trainer that loads the VAE in
-    bfloat16 and a latents job that loaded it in float32 agree.
+    bfloat16 and a latents job that loaded it in float32 agree. The same binds stored
+    text embeddings to their encoder. ``setting``: the option named in an error.
     """
-    folder = _weights_folder(name_or_path, subfolder)
+    folder = _weights_folder(name_or_path, subfolder, setting)
     names = sorted(
         n
         for n in os.listdir(folder)
         if n.endswith(WEIGHT_SUFFIXES) and os.path.isfile(os.path.join(folder, n))
     )
     if not names:
-        raise UsageError(
-            f"vae.name_or_path: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}"
-        )
+        raise UsageError(f"{setting}: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}")
     h = hashlib.sha256()
     for n in names:
         h.update(n.encode() + b"\0")
