@@ -164,6 +164,11 @@ def test_attached_types_fold_to_encodings_plain_readers_decode(tmp_path):
         str(mask): "ndarray:uint8",
     }
     assert mds_encoding(pa.struct([("a", pa.int8())])) == "json"
+    # Types json cannot write are refused while planning, naming the column, not mid-write.
+    for t in (pa.timestamp("us"), pa.binary(), pa.list_(pa.date32())):
+        with pytest.raises(FoldError, match=r"^column 'when' is of Arrow type .*attach it again"):
+            mds_encoding(t, "when")
+    assert mds_encoding(pa.struct([("a", pa.list_(pa.string()))])) == "json"
     cols = {"latent_caption_t5": "ndarray:float16", "attention_mask_caption_t5": "ndarray:uint8"}
     value = {
         "latent_caption_t5": np.ones((3, 4), np.float16),

@@ -76,8 +76,30 @@ class Fold:
         return tuple(c.name for c in self.columns)
 
 
-def mds_encoding(t) -> str:
-    """The MDS encoding an attached column of Arrow type ``t`` is folded as."""
+def _json_writable(t) -> bool:
+    """Whether ``json`` can write every value of Arrow type ``t`` as ``to_pylist`` gives it
+    (no timestamps, dates, times, durations, decimals or bytes, at any depth)."""
+    import pyarrow as pa
+
+    if (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_null(t)
+    ):
+        return True
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _json_writable(t.value_type)
+    if pa.types.is_struct(t):
+        return all(_json_writable(t.field(i).type) for i in range(t.num_fields))
+    return False
+
+
+def mds_encoding(t, name: str = "") -> str:
+    """The MDS encoding an attached column of Arrow type ``t`` is folded as; a type no
+    encoding takes is refused here, before any shard is written."""
     import pyarrow as pa
 
     if pa.types.is_string(t) or pa.types.is_large_string(t):
@@ -95,6 +117,12 @@ def mds_encoding(t) -> str:
         return "ndarray:uint8"
     if inner is not t and (pa.types.is_integer(inner) or pa.types.is_floating(inner)):
         return f"ndarray:{np.dtype(inner.to_pandas_dtype()).name}"
+    if not _json_writable(t):
+        raise FoldError(
+            f"column {name or '?'!r} is of Arrow type {t}, which no MDS encoding holds (json "
+            "writes strings, numbers, booleans and lists or structs of them); cast it in the "
+            "table (e.g. a timestamp to its ISO string) and attach it again with --replace"
+        )
     return "json"
 
 
@@ -129,7 +157,7 @@ def plan_fold(root: str, buckets: list[str]) -> Fold:
         if attached.kind_of(rec) == attached.NPY:
             enc = npy_encoding(attached.npy_spec(rec)[0])
         else:
-            enc = mds_encoding(attached.type_of(str(rec.get("type", ""))))
+            enc = mds_encoding(attached.type_of(str(rec.get("type", ""))), name)
         for bucket in buckets:
             attached.require_current(root, name, rec, bucket, layout.read_index(root, bucket))
         cols.append(FoldColumn(name, enc, name, _stamp(rec)))
