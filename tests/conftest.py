@@ -164,6 +164,19 @@ def pytest_collection_finish(session):
     memory.SharedMemory.__init__ = tracking_init
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test module's last test (its module-scoped fixtures are finalised by
+    then), freeze again what outlives it: the modules its tests imported (Ray, the
+    trainer's stack, ...) are session-long too, and later full collections skip them."""
+    yield
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        import gc
+
+        gc.collect()
+        gc.freeze()
+
+
 def _close_streaming_shm() -> None:
     for block in list(_STREAMING_SHM):
         shm = getattr(block, "shm", None)
