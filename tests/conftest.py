@@ -138,11 +138,11 @@ def pytest_collection_finish(session):
     imported streaming by now (collection imports them).
 
     It first freezes the heap as it stands: the modules collection imported (torch,
-    Lance, Ray, ...) and pytest's items live for the whole session, and without this
-    every full collection walks them again, those of ``run_rank`` and of the fixture
-    below after each streaming test included: about half a second each, minutes over
-    the suite. Frozen objects are still freed by reference counting; only a cycle
-    among them would never be collected.
+    Lance, streaming, composer, ...) and pytest's items live for the whole session,
+    and without this every full collection walks them again, those of ``run_rank``
+    and of the fixture below after each streaming test included: about half a second
+    each, minutes over the suite. Frozen objects are still freed by reference
+    counting; only a cycle among them would never be collected.
     """
     import gc
 
@@ -203,7 +203,7 @@ def _clean_streaming_shm():
         import gc
 
         # Only when there is something to release (dropped datasets' numpy views of the
-        # blocks). It walks what was made since collection (the rest is frozen, see
+        # blocks). It walks what was made since the last freeze (see
         # pytest_collection_finish); over the whole heap it cost 0.2-0.8 s a test.
         gc.collect()
         _close_streaming_shm()
