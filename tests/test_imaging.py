@@ -109,15 +109,20 @@ def test_encode_quality_and_png():
 
 
 def test_draft_keeps_quality_vs_full_decode():
-    """Drafting only down to >= 1.5x the target stays close to a full-decode reference."""
+    """Drafting only down to >= 1.5x the target stays close to a full-decode reference.
+
+    Source and target are half of a 3000x2000 photo to 672x384: the same 2x draft (the
+    ratios decide it), a quarter of the pixels to synthesise."""
+    from prx_data.core.imaging import DRAFT_MARGIN, decode_scaled
     from prx_data.core.sample_data import photo_like
 
-    src = photo_like(3000, 2000, 42)[0]
+    src = photo_like(1500, 1000, 42)[0]
     buf = io.BytesIO()
     src.save(buf, "JPEG", quality=95)
     data = buf.getvalue()
-    fast = prepare(data, 672, 384, use_draft=True, fmt="png")
-    full = prepare(data, 672, 384, use_draft=False, fmt="png")
+    assert decode_scaled(data, draft_size(1500, 1000, 336, 192, DRAFT_MARGIN))[1] == 2  # drafted
+    fast = prepare(data, 336, 192, use_draft=True, fmt="png")
+    full = prepare(data, 336, 192, use_draft=False, fmt="png")
     a = np.asarray(Image.open(io.BytesIO(fast.data)))
     b = np.asarray(Image.open(io.BytesIO(full.data)))
     assert _psnr(a, b) > 40
@@ -151,23 +156,26 @@ def test_vips_codec_matches_pillow_contract():
 
 def test_draft_margin_trades_decode_size_for_fidelity():
     """--draft-margin 1.0 lets libjpeg scale by 1/8 where 1.5 stops at 1/4; the result is
-    still close to a full decode, and closer at the default margin."""
+    still close to a full decode, and closer at the default margin.
+
+    A 1024x768 photo to 128x96: the 8x source-to-target ratio of 4096x3072 to 512x384, so
+    the same scales (1/8, 1/4), with a sixteenth of the pixels to synthesise."""
     from prx_data.core.imaging import DRAFT_MARGIN, check_codec, decode_scaled
     from prx_data.core.sample_data import photo_like
 
-    src = photo_like(4096, 3072, 42)[0]
+    src = photo_like(1024, 768, 42)[0]
     buf = io.BytesIO()
     src.save(buf, "JPEG", quality=95)
     data = buf.getvalue()
-    assert decode_scaled(data, draft_size(4096, 3072, 512, 384, 1.0))[1] == 8
-    assert decode_scaled(data, draft_size(4096, 3072, 512, 384, DRAFT_MARGIN))[1] == 4
+    assert decode_scaled(data, draft_size(1024, 768, 128, 96, 1.0))[1] == 8
+    assert decode_scaled(data, draft_size(1024, 768, 128, 96, DRAFT_MARGIN))[1] == 4
     full = np.asarray(
-        Image.open(io.BytesIO(prepare(data, 512, 384, use_draft=False, fmt="png").data))
+        Image.open(io.BytesIO(prepare(data, 128, 96, use_draft=False, fmt="png").data))
     )
     psnr = {
         m: _psnr(
             np.asarray(
-                Image.open(io.BytesIO(prepare(data, 512, 384, fmt="png", draft_margin=m).data))
+                Image.open(io.BytesIO(prepare(data, 128, 96, fmt="png", draft_margin=m).data))
             ),
             full,
         )
