@@ -22,6 +22,7 @@ them), so 10^5 samples build in seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -142,6 +143,25 @@ def _moto():
     raise RuntimeError("moto did not start")
 
 
+@contextlib.contextmanager
+def moto_bucket(bucket: str = "bench"):
+    """A moto S3 server on 127.0.0.1 with ``bucket`` made, this process's S3 settings
+    pointing at it; stopped on leaving. Yields the endpoint's URL."""
+    proc, url = _moto()
+    try:
+        os.environ["S3_ENDPOINT_URL"] = url
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        import boto3
+
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=bucket)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=100_000)
@@ -170,15 +190,7 @@ def main() -> None:
         sets = {"0": (), "1": ("cap2",), "3": ("cap2", "score", "label")}
         out["loader_local"] = _best(lambda k: _serve(DatasetSpec(root), sets[k]), sets)
         print(json.dumps(out["loader_local"], indent=1), flush=True)
-        proc, url = _moto()
-        try:
-            os.environ["S3_ENDPOINT_URL"] = url
-            os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-            os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-            import boto3
-
-            boto3.client("s3", endpoint_url=url).create_bucket(Bucket="bench")
+        with moto_bucket("bench"):
             t0 = time.perf_counter()
             upload_tree(root, "s3://bench/ex")
             out["upload_s"] = round(time.perf_counter() - t0, 1)
@@ -189,9 +201,6 @@ def main() -> None:
                 return _serve(DatasetSpec("s3://bench/ex", local=cache), sets[k])
 
             out["loader_s3"] = _best(remote, sets)
-        finally:
-            proc.kill()
-            proc.wait()
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -156,19 +156,11 @@ def _s3(root: str, vae: str, t5: str, work: Path, rounds: int) -> dict:
     on moto ``s3://`` (loopback), two epochs each, rounds interleaved (local, s3, local,
     ...); each s3 run starts on an empty node cache, so its first epoch fetches every
     shard with its ``_latents/*.npy`` and its second reads them from the cache."""
-    from bench_attach import _moto
+    from bench_attach import moto_bucket
 
     from tests.exportkit import upload_tree
 
-    proc, url = _moto()
-    try:
-        os.environ["S3_ENDPOINT_URL"] = url
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        import boto3
-
-        boto3.client("s3", endpoint_url=url).create_bucket(Bucket="bench")
+    with moto_bucket("bench"):
         remote = "s3://bench/ex"
         t0 = time.perf_counter()
         upload_tree(root, remote)
@@ -184,9 +176,6 @@ def _s3(root: str, vae: str, t5: str, work: Path, rounds: int) -> dict:
             )
             cached_npy.append(sum(f.endswith(".npy") for _, _, fs in os.walk(cache) for f in fs))
             load.append(os.getloadavg()[0])
-    finally:
-        proc.kill()
-        proc.wait()
 
     def summary(clocks: list) -> dict:
         # Past each run's 2 warm-up batches; all runs' batches pooled.

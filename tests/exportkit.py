@@ -165,6 +165,21 @@ def one_rank():
         clean_stale_shared_memory()
 
 
+def rank_items(spec, **kwargs) -> list[dict]:
+    """Every item of ``spec`` at tier 512, unshuffled, as one single-process rank sees them
+    (a remote root's shards fetched on demand)."""
+    from prx_data.stream import dataset as ps
+
+    with one_rank():
+        ds = ps.BucketedDataset(
+            spec, tier=512, batch_size=1, shuffle=False, num_workers=1, **kwargs
+        )
+        try:
+            return [ds.get_item(i) for i in range(ds.num_samples)]
+        finally:
+            del ds
+
+
 def run_rank(
     datasets,
     *,

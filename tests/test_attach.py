@@ -16,7 +16,7 @@ import pytest
 
 from prx_data.export import attached as A
 from prx_data.stream.spec import DatasetSpec
-from tests.exportkit import make_export, one_rank, upload_tree
+from tests.exportkit import make_export, one_rank, rank_items, upload_tree
 
 B1, B2 = "512/1.000", "512/0.500"
 
@@ -49,20 +49,6 @@ def _attach(out, table, columns=("cap2",), **kw):
     return run_attach(AttachConfig(out=out, table=table, columns=tuple(columns), **kw))
 
 
-def _items(spec, **kwargs) -> list[dict]:
-    """Every item of one single-process rank (shards fetched on demand for a remote root)."""
-    from prx_data.stream import dataset as ps
-
-    with one_rank():
-        ds = ps.BucketedDataset(
-            spec, tier=512, batch_size=1, shuffle=False, num_workers=1, **kwargs
-        )
-        try:
-            return [ds.get_item(i) for i in range(ds.num_samples)]
-        finally:
-            del ds
-
-
 @pytest.fixture
 def export(tmp_path):
     ex = make_export(
@@ -80,7 +66,7 @@ def test_a_caption_column_is_joined_by_id_and_streams_as_an_extra_column(tmp_pat
     shards = A.read_record(export.root, "cap2")["shards"]
     assert sum(v["missing_ids"] for v in shards.values()) == len(missing)
 
-    items = _items(DatasetSpec(export.root), extra_columns=("cap2", "score"))
+    items = rank_items(DatasetSpec(export.root), extra_columns=("cap2", "score"))
     assert sorted(i["id"] for i in items) == sorted(export.all_ids())
     for it in items:
         if it["id"] in missing:
@@ -90,7 +76,7 @@ def test_a_caption_column_is_joined_by_id_and_streams_as_an_extra_column(tmp_pat
             assert it["score"] == pytest.approx(len(it["id"]) / 10)
 
     # Chosen as the caption column too, as a shard column would be.
-    items = _items(DatasetSpec(export.root), caption_columns=("cap2",))
+    items = rank_items(DatasetSpec(export.root), caption_columns=("cap2",))
     assert {i["id"]: i["cap2"] for i in items}[f"ds/{B1}/5"] == f"new caption of ds/{B1}/5"
 
 
@@ -118,12 +104,12 @@ def test_a_stale_or_foreign_column_set_is_refused_in_one_line(tmp_path, export):
     # The export is made again with other content: the attached files were not made from it.
     make_export(export.root, {B1: 40}, samples_per_part=16, samples_per_shard=5)
     with pytest.raises(AttachedError, match="not made from the current data") as e:
-        _items(DatasetSpec(export.root), extra_columns=("cap2",))
+        rank_items(DatasetSpec(export.root), extra_columns=("cap2",))
     assert "\n" not in str(e.value)
     # A rerun computes the changed bucket's shards; then it streams again.
     r = _attach(export.root, table)
     assert r.written_shards > 0
-    items = _items(DatasetSpec(export.root), extra_columns=("cap2",))
+    items = rank_items(DatasetSpec(export.root), extra_columns=("cap2",))
     assert all(i["cap2"] == f"new caption of {i['id']}" for i in items)
 
     # A file swapped for another shard's (same length, other values): its bytes differ from
@@ -136,7 +122,7 @@ def test_a_stale_or_foreign_column_set_is_refused_in_one_line(tmp_path, export):
 
     served._column_file.cache_clear()  # this process read the good file before
     with pytest.raises(AttachedError, match="differ from what the column's record names|more than"):
-        _items(DatasetSpec(export.root), extra_columns=("cap2",))
+        rank_items(DatasetSpec(export.root), extra_columns=("cap2",))
 
 
 def test_verify_reports_a_corrupted_or_stray_column_file(tmp_path, export):
@@ -180,7 +166,7 @@ def test_remote_columns_come_with_their_shard_into_the_cache_and_leave_with_it(
     root = f"s3://{s3_bucket}/ex"
     upload_tree(export.root, root)
     cache = str(tmp_path / "cache")
-    items = _items(DatasetSpec(root, local=cache), extra_columns=("cap2", "label"))
+    items = rank_items(DatasetSpec(root, local=cache), extra_columns=("cap2", "label"))
     assert sorted(i["id"] for i in items) == sorted(export.all_ids())
     for it in items:
         want = None if it["id"] == f"ds/{B2}/7" else f"new caption of {it['id']}"
@@ -246,9 +232,11 @@ def test_remote_latents_stream_from_s3_as_the_local_ones(
     )
     root = f"s3://{s3_bucket}/ex"
     upload_tree(export.root, root)
-    local = {i["id"]: i["latent"] for i in _items(DatasetSpec(export.root), latents=True)}
+    local = {i["id"]: i["latent"] for i in rank_items(DatasetSpec(export.root), latents=True)}
     cache = str(tmp_path / "cache")
-    remote = {i["id"]: i["latent"] for i in _items(DatasetSpec(root, local=cache), latents=True)}
+    remote = {
+        i["id"]: i["latent"] for i in rank_items(DatasetSpec(root, local=cache), latents=True)
+    }
     assert sorted(remote) == sorted(local)
     assert all(np.array_equal(remote[k].numpy(), local[k].numpy()) for k in local)
     from prx_data.export import latents as L
@@ -269,7 +257,7 @@ def test_attach_writes_beside_a_gs_export_and_the_loader_streams_it(tmp_path, ex
     assert r.written_shards == r.shards and r.missing_ids == 1
     assert _attach(root, table, ("cap2",)).written_shards == 0
     assert verify_export(root).ok
-    items = _items(DatasetSpec(root, local=str(tmp_path / "cache")), extra_columns=("cap2",))
+    items = rank_items(DatasetSpec(root, local=str(tmp_path / "cache")), extra_columns=("cap2",))
     got = {i["id"]: i["cap2"] for i in items}
     assert got.pop(f"ds/{B1}/0") is None
     assert all(v == f"new caption of {k}" for k, v in got.items())

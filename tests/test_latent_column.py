@@ -19,7 +19,7 @@ from prx_data.core.runtime import RunOptions
 from prx_data.export import attached as A
 from prx_data.export import latents as L
 from prx_data.stream.spec import DatasetSpec
-from tests.exportkit import make_export, one_rank, skip_samples, upload_tree
+from tests.exportkit import make_export, rank_items, skip_samples, upload_tree
 
 B1, B2 = "512/1.000", "512/0.500"
 
@@ -48,22 +48,11 @@ def export(tmp_path_factory, vae):
     return ex
 
 
-def _items(spec, **kwargs) -> list[dict]:
-    from prx_data.stream import dataset as ps
-
-    with one_rank():
-        ds = ps.BucketedDataset(
-            spec, tier=512, batch_size=1, shuffle=False, num_workers=1, **kwargs
-        )
-        try:
-            return [ds.get_item(i) for i in range(ds.num_samples)]
-        finally:
-            del ds
-
-
 def test_img_latent_is_an_extra_column_holding_the_trained_latent(export):
-    both = _items(DatasetSpec(export.root), extra_columns=("img_latent",), latents=True)
-    alone = {i["id"]: i for i in _items(DatasetSpec(export.root), extra_columns=("img_latent",))}
+    both = rank_items(DatasetSpec(export.root), extra_columns=("img_latent",), latents=True)
+    alone = {
+        i["id"]: i for i in rank_items(DatasetSpec(export.root), extra_columns=("img_latent",))
+    }
     assert sorted(alone) == sorted(export.all_ids() - {f"ds/{B1}/1", f"ds/{B2}/4"})
     for it in both:
         got = it["img_latent"]
@@ -74,11 +63,13 @@ def test_img_latent_is_an_extra_column_holding_the_trained_latent(export):
 
 
 def test_img_latent_streams_from_s3_with_its_shard(tmp_path, export, s3_bucket, moto_server):
-    local = {i["id"]: i["img_latent"] for i in _items(export.root, extra_columns=("img_latent",))}
+    local = {
+        i["id"]: i["img_latent"] for i in rank_items(export.root, extra_columns=("img_latent",))
+    }
     root = f"s3://{s3_bucket}/ex"
     upload_tree(export.root, root)
     cache = str(tmp_path / "cache")
-    items = _items(DatasetSpec(root, local=cache), extra_columns=("img_latent",))
+    items = rank_items(DatasetSpec(root, local=cache), extra_columns=("img_latent",))
     assert sorted(i["id"] for i in items) == sorted(local)
     for it in items:
         np.testing.assert_array_equal(it["img_latent"], local[it["id"]])
@@ -90,7 +81,7 @@ def test_img_latent_without_latents_or_with_stale_ones_is_one_line(tmp_path, exp
     bare = str(tmp_path / "bare")
     make_export(bare, {B1: 2})
     with pytest.raises(UnknownName, match="no precomputed latents") as err:
-        _items(DatasetSpec(bare), extra_columns=("img_latent",))
+        rank_items(DatasetSpec(bare), extra_columns=("img_latent",))
     assert "python -m prx_data.latents" in str(err.value) and "\n" not in str(err.value)
 
     import shutil
@@ -101,7 +92,7 @@ def test_img_latent_without_latents_or_with_stale_ones_is_one_line(tmp_path, exp
     record["shards"].pop(sorted(record["shards"])[0])
     L.write_record(stale, record["vae"], record["dtype"], record["shards"])
     with pytest.raises(L.LatentsError, match="no up-to-date latents") as err:
-        _items(DatasetSpec(stale), extra_columns=("img_latent",))
+        rank_items(DatasetSpec(stale), extra_columns=("img_latent",))
     assert "\n" not in str(err.value)
 
 
