@@ -83,7 +83,7 @@ DEFAULT_OUT = os.path.join(REPO, "build", "step_bands")
 BANDS = ((2.0, 4.0, "2-4 MP"), (4.0, 8.0, "4-8 MP"), (8.0, 18.5, "8-18 MP"))
 TIERS = (512, 1024, 2048, 4096)
 ANCHORS = ("img2dataset", "vips", "pillow")
-#: "worker": the step in a process set up as write_mds's workers are (``core.heap``), timed
+#: "worker": the step in a process started as write_mds's workers are (``core.heap``), timed
 #: in a child process pinned to the same core (the setting is process-wide and one-way).
 WORKER = "worker"
 CONTENDERS = (*ANCHORS, "step", "step before", WORKER)
@@ -344,7 +344,11 @@ class Worker:
     def __init__(self, corpus: str, cpu: int):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--corpus", corpus]
         self.proc = subprocess.Popen(
-            [*cmd, "--cpu", str(cpu)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [*cmd, "--cpu", str(cpu)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **heap.WORKER_ENV},  # as write_mds starts its Ray workers
         )
 
     def __call__(self, it: dict) -> tuple[float, str]:
@@ -360,9 +364,9 @@ class Worker:
 
 
 def serve_worker(corpus: str) -> int:
-    """The child side of :class:`Worker`: heap set up as in ``export_unit``, then the step."""
-    if not heap.keep_large_buffers():
-        print("warning: glibc's heap settings were not taken", file=sys.stderr)
+    """The child side of :class:`Worker` (started with the export workers' environment)."""
+    if any(os.environ.get(k) != v for k, v in heap.WORKER_ENV.items()):
+        raise SystemExit("the worker was not started with prx_data.core.heap.WORKER_ENV")
     cache: dict[str, bytes] = {}
     for line in sys.stdin:
         req = json.loads(line)

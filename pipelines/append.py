@@ -32,12 +32,11 @@ from dataclasses import asdict, dataclass, replace
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, placement, run_packs
+from prx_data.pipelines.write_mds import DRIVER_UNIT_ROWS, placement, run_packs, unit_env
 
 from prx_data.core import storage
 from prx_data.core.runtime import Resources, RunOptions, map_units
 from prx_data.core.schema import REPORT_NAME
-from prx_data.core.storage import storage_env
 from prx_data.export import append as A
 from prx_data.export.idindex import (
     IdIndex,
@@ -337,7 +336,7 @@ class AppendSink:
                 _AppendTask(ucfg),
                 [{"unit": u.to_json()} for u in todo],
                 where,
-                Resources(num_cpus=1, env=storage_env() or None),
+                Resources(num_cpus=1, env=unit_env(ucfg)),
                 desc="append",
                 progress=self.run_opts.progress,
                 total=len(plan.units),

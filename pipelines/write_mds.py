@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 
-from prx_data.core import storage
+from prx_data.core import heap, storage
 from prx_data.core.runtime import (
     Placement,
     Resources,
@@ -86,6 +86,12 @@ DRIVER_PACK_THREADS = 2
 #: start (``ray.init``, then worker processes importing the export stack) costs more
 #: than such a table's work (benchmarks/results/export_startup.md).
 DRIVER_UNIT_ROWS = 64
+
+
+def unit_env(cfg: ExportConfig) -> dict[str, str] | None:
+    """What the export's Ray workers start with: the storage settings, and glibc's heap
+    kept between images (:mod:`prx_data.core.heap`) unless ``--release-buffers``."""
+    return {**storage_env(), **heap.worker_env(cfg.keep_heap)} or None
 
 
 def auto_min_units(placement: Placement) -> int:
@@ -336,7 +342,7 @@ class ExportSink:
                 _ExportTask(self.cfg),
                 [asdict(u) for u in todo],
                 self.where,
-                Resources(num_cpus=1, env=storage_env() or None),
+                Resources(num_cpus=1, env=unit_env(self.cfg)),
                 desc="write_mds",
                 progress=self.run.progress,
                 total=len(prepared.units),

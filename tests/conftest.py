@@ -165,10 +165,12 @@ def pytest_collection_finish(session):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    """After a test module's last test (its module-scoped fixtures are finalised by
-    then), freeze again what outlives it: the modules its tests imported (Ray, the
-    trainer's stack, ...) are session-long too, and later full collections skip them."""
+def pytest_runtest_protocol(item, nextitem):
+    """After a test module's last test, freeze again what outlives it: the modules its
+    tests imported (Ray, the trainer's stack, ...) are session-long too, and later full
+    collections skip them. Here, after the whole protocol, the module's fixtures are
+    finalised and the last test's own fixture values released (pytest drops
+    ``item.funcargs`` at the end of the protocol, after teardown), so none is frozen."""
     yield
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         import gc

@@ -25,7 +25,7 @@ from prx_data.export import layout
 from prx_data.export.verify import verify_export
 from prx_data.skips import rewrite as R
 from prx_data.skips.fold import FoldError
-from tests.exportkit import make_export, one_rank, skip_samples
+from tests.exportkit import make_export, one_rank, skip_samples, upload_tree
 from tests.test_attach import _attach, _table
 
 B1, B2 = "512/1.000", "512/0.500"
@@ -147,6 +147,19 @@ def test_fold_refuses_stale_latents_and_an_export_with_nothing_to_fold(tmp_path,
         R.rewrite_export(ex.root, str(tmp_path / "c"), fold_columns=True, progress=False)
 
 
+@pytest.mark.remote
+def test_a_remote_export_with_npy_files_is_refused_before_any_work(tmp_path, vae, s3_bucket):
+    from prx_data.skips.fold import plan_fold
+
+    ex = make_export(str(tmp_path / "ex"), {B1: 6}, samples_per_part=6)
+    _latents(ex.root, vae, "float16")
+    remote = f"s3://{s3_bucket}/ex"
+    upload_tree(ex.root, remote)
+    with pytest.raises(FoldError, match=r"folded from a local export only; copy the export"):
+        plan_fold(remote, [B1])
+    assert plan_fold(ex.root, [B1]).latent is not None  # the same tree, local, folds
+
+
 def test_attached_types_fold_to_encodings_plain_readers_decode(tmp_path):
     """Text embeddings and masks as PRX reads them; never pkl; a round trip through MDS."""
     import pyarrow as pa
@@ -169,6 +182,8 @@ def test_attached_types_fold_to_encodings_plain_readers_decode(tmp_path):
         with pytest.raises(FoldError, match=r"^column 'when' is of Arrow type .*attach it again"):
             mds_encoding(t, "when")
     assert mds_encoding(pa.struct([("a", pa.list_(pa.string()))])) == "json"
+    for t in (pa.dictionary(pa.int32(), pa.string()), pa.map_(pa.string(), pa.int64())):
+        assert mds_encoding(t) == "json"  # categoricals and maps: to_pylist gives json values
     cols = {"latent_caption_t5": "ndarray:float16", "attention_mask_caption_t5": "ndarray:uint8"}
     value = {
         "latent_caption_t5": np.ones((3, 4), np.float16),

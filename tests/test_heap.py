@@ -1,13 +1,15 @@
-"""An export worker keeps its large decode buffers in the heap between images.
+"""An export's Ray workers keep their large decode buffers in the heap between images.
 
 glibc maps every block above 32 MB afresh and unmaps it at free, so each full-scale
-decode of a large photo page-faults all its pages again (``prx_data.core.heap``).
-The settings are process-wide, so the fault counts are taken in child processes.
+decode of a large photo page-faults all its pages again (``prx_data.core.heap``). The
+export's workers start with glibc's settings in their environment; the fault counts
+are taken in child processes started the same way.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -22,47 +24,39 @@ from prx_data.pipelines import write_mds as pipeline
 from tests import badinputs
 from tests.tablekit import make_table
 
-glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-
 _CHILD = """
-import json, resource, sys
+import json, resource
 import numpy as np
-from prx_data.core import heap
-took = heap.keep_large_buffers() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 a = np.ones((3000, 5000, 3), np.uint8)  # a decoded 15 MP photo, 45 MB
 del a
 f0 = faults()
 b = np.ones((3000, 5000, 3), np.uint8)  # the next image
-print(json.dumps({"took": took, "faults": faults() - f0}))
+print(json.dumps({"faults": faults() - f0}))
 """
 
 
-def _second_image_faults(mode: str) -> dict:
+def _second_image_faults(env: dict[str, str]) -> int:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _CHILD],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**clean, **env},
     )
-    return json.loads(out.stdout)
+    return json.loads(out.stdout)["faults"]
 
 
-@glibc
-def test_the_next_image_reuses_the_pages_the_last_one_freed():
-    kept = _second_image_faults("keep")
-    default = _second_image_faults("default")
-    assert kept["took"] is True
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
+def test_a_worker_started_with_the_setting_reuses_the_pages_the_last_image_freed():
+    kept = _second_image_faults(heap.worker_env(True))
+    default = _second_image_faults(heap.worker_env(False))
     # 45 MB is about 11,000 pages: glibc's default maps and faults them all again.
-    assert kept["faults"] < 200, kept
-    if default["faults"] > 2000:  # (not with transparent huge pages on every mapping)
-        assert kept["faults"] * 10 < default["faults"], (kept, default)
-
-
-def test_once_per_process_and_a_no_op_off_glibc(monkeypatch):
-    monkeypatch.setattr(heap, "_applied", None)
-    monkeypatch.setattr(heap.platform, "libc_ver", lambda: ("musl", "1.2"))
-    assert heap.keep_large_buffers() is False
-    monkeypatch.setattr(heap.platform, "libc_ver", lambda: ("glibc", "2.36"))
-    assert heap.keep_large_buffers() is False  # the first answer stands
+    assert kept < 200, kept
+    if default > 2000:  # (not with transparent huge pages on every mapping)
+        assert kept * 10 < default, (kept, default)
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +67,23 @@ def table(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("release", [False, True])
-def test_export_workers_keep_buffers_unless_released(table, tmp_path, monkeypatch, release):
-    calls = []
-    monkeypatch.setattr(heap, "keep_large_buffers", lambda: calls.append(1) or True)
+def test_export_units_get_the_setting_unless_released(table, tmp_path, monkeypatch, release):
+    """The units' Resources carry the workers' environment (Ray starts them with it); the
+    driver's own process is never changed."""
+    seen = []
+    real = pipeline.map_units
+
+    def spy(fn, units, where, resources, **kw):
+        if kw.get("desc") == "write_mds":
+            seen.append(dict(resources.env or {}))
+        return real(fn, units, where, resources, **kw)
+
+    monkeypatch.setattr(pipeline, "map_units", spy)
     cfg = ExportConfig(table=table, out=str(tmp_path / "out"), tiers=(512,), min_units=1)
     cfg = replace(cfg, keep_heap=not release)
     pipeline.run_export(cfg, RunOptions(engine="local", num_cpus=1, progress=False))
-    assert bool(calls) is not release
+    assert seen and all((env.get("MALLOC_MMAP_MAX_") == "0") is not release for env in seen), seen
+    assert "MALLOC_MMAP_MAX_" not in os.environ
 
 
 def test_the_setting_is_not_part_of_what_a_resume_or_append_compares():

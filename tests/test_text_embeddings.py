@@ -79,7 +79,7 @@ def _bf16(x: torch.Tensor) -> np.ndarray:
 def test_embeddings_are_the_encoders_stream_as_arrays_and_a_rerun_does_nothing(tmp_path, t5):
     from prx_data.stream.spec import DatasetSpec
     from prx_data.train.text_encoder import TextEncoder
-    from tests.test_attach import _items
+    from tests.exportkit import rank_items as _items
 
     root, table = _export(tmp_path)
     first = _attach(root, table, t5)
@@ -233,7 +233,7 @@ def test_verify_the_loader_and_the_fold_refuse_a_bad_embedding_file_in_one_line(
     from prx_data.skips import rewrite as R
     from prx_data.skips.fold import FoldError
     from prx_data.stream.spec import DatasetSpec
-    from tests.test_attach import _items
+    from tests.exportkit import rank_items as _items
 
     root, table = _export(tmp_path)
     _attach(root, table, t5)
@@ -312,7 +312,7 @@ def test_arrow_text_columns_of_the_previous_version_still_stream_and_rerun_as_np
 
     from prx_data.export.verify import verify_export
     from prx_data.stream.spec import DatasetSpec
-    from tests.test_attach import _items
+    from tests.exportkit import rank_items as _items
 
     root, table = _export(tmp_path)
     _attach(root, table, t5, text_dtype="float32")
@@ -390,7 +390,7 @@ def test_embeddings_stream_from_an_s3_export_as_from_the_local_one(
 ):
     from prx_data.stream.spec import DatasetSpec
     from tests.exportkit import upload_tree
-    from tests.test_attach import _items
+    from tests.exportkit import rank_items as _items
 
     monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)
     root, table = _export(tmp_path)
@@ -459,3 +459,16 @@ def test_an_encoder_without_weight_files_names_the_setting_it_came_from(tmp_path
         weights_digest(str(tmp_path), setting="--text-encoder")
     with pytest.raises(UsageError, match=r"^vae\.name_or_path: no weight files"):
         weights_digest(str(tmp_path))
+
+
+def test_bfloat16_storage_keeps_every_nan_a_nan_and_rounds_numbers_as_torch():
+    from prx_data.core.errors import PrxDataError
+
+    # NaN bit patterns whose rounding would carry into a number, an infinity or zero.
+    nans = np.array([0xFFFFFFFF, 0x7FFFFFFF, 0x7F800001, 0x7FC00000], np.uint32).view(np.float32)
+    nums = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    x = np.concatenate([nans, nums, np.array([np.inf, -np.inf, 0.0], np.float32)])
+    back = npyfile.from_stored(npyfile.to_stored(x, "bfloat16", PrxDataError), "bfloat16")
+    want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(np.isnan(back), np.isnan(x))
+    np.testing.assert_array_equal(back[~np.isnan(x)], want[~np.isnan(x)])

@@ -8,47 +8,24 @@ page-faults and zeroes every page again, about a tenth of the export step at the
 and a high trim threshold, the next image reuses the pages the last one freed.
 
 The cost is memory that stays mapped between images: at most the worker's peak plus
-``trim_bytes`` of free space at the heap's top; anything above that is returned at
-``free`` as before. It is process-wide and one-way, so only the export's worker
-processes call it (``write_mds --release-buffers`` leaves glibc's defaults alone).
+:data:`TRIM_BYTES` of free space at the heap's top; anything above that is returned
+at ``free`` as before. The setting is process-wide and lasts the process, so it is
+given only to processes that do nothing else: the export's Ray workers, started with
+:data:`WORKER_ENV` (glibc reads it at start; other C libraries ignore it). Units that
+run on the driver's threads (small exports, ``--engine local``) leave the caller's
+process as it is, and ``write_mds --release-buffers`` leaves the workers' too.
 """
 
 from __future__ import annotations
 
-import ctypes
-import platform
-import sys
-import threading
-
-#: glibc's ``mallopt`` parameters (malloc.h).
-M_TRIM_THRESHOLD = -1
-M_MMAP_MAX = -4
 #: Free space kept at the heap's top between images: one 4096-tier working set.
 TRIM_BYTES = 256 << 20
-
-_lock = threading.Lock()
-_applied: bool | None = None
-
-
-def keep_large_buffers(trim_bytes: int = TRIM_BYTES) -> bool:
-    """Serve large blocks from the heap and keep up to ``trim_bytes`` of freed space;
-    True when glibc took both settings. Once per process: later calls return the first
-    answer. A no-op (False) off glibc."""
-    global _applied
-    with _lock:
-        if _applied is None:
-            _applied = _apply(trim_bytes)
-        return _applied
+#: glibc's malloc settings for an export worker (``mallopt``'s ``M_MMAP_MAX`` and
+#: ``M_TRIM_THRESHOLD``, as the environment variables glibc reads when a process starts).
+WORKER_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(TRIM_BYTES)}
 
 
-def _apply(trim_bytes: int) -> bool:
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    # The trim threshold first: it also fixes glibc's dynamic mmap threshold.
-    return bool(mallopt(M_TRIM_THRESHOLD, int(trim_bytes))) and bool(mallopt(M_MMAP_MAX, 0))
+def worker_env(keep: bool) -> dict[str, str]:
+    """The environment an export's Ray workers start with: :data:`WORKER_ENV` when
+    ``keep`` (``ExportConfig.keep_heap``), else nothing."""
+    return dict(WORKER_ENV) if keep else {}

@@ -87,20 +87,21 @@ def write_file(root: str, path: str, data: bytes) -> tuple[str, int]:
 def file_digest(root: str, path: str, max_bytes: int) -> str | None:
     """xxh64 of a bound file as it is now, or None when there is none.
 
-    A local file is hashed through a memory map (a shard's tensors are gigabytes: never
-    copied into the process); an object is read, capped at ``max_bytes``.
+    A local file is hashed in 16 MB reads (a shard's tensors are gigabytes: never held
+    whole; not a memory map, which a file truncated meanwhile turns into SIGBUS); an
+    object is read, capped at ``max_bytes``. The digest is :func:`xxh64`'s.
     """
-    import mmap
+    import xxhash  # streaming's own xxh64 (a dependency of mosaicml-streaming)
 
     try:
         if storage.is_remote(root):
             return xxh64(confined.read(root, path, max_bytes))
         with confined.confined(root).open(path, max_bytes) as f:
-            size = os.fstat(f.fileno()).st_size
-            if not size:
-                return xxh64(b"")
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
-                return xxh64(m)  # type: ignore[arg-type]  # any buffer
+            h, buf = xxhash.xxh64(), bytearray(1 << 24)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])
+            return h.hexdigest()
     except (FileNotFoundError, NotFound):
         return None
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
@@ -32,6 +33,10 @@ import numpy as np
 from prx_data.core import confined
 from prx_data.core.errors import PrxDataError
 
+#: Memory maps a loader process keeps open per kind (latents, computed columns). Each holds
+#: a file descriptor and, on a remote export, the disk space of a cached file that the
+#: node cache may since have evicted; reopening one costs a header read (under a ms).
+MAPS_KEPT = 32
 #: Storage dtypes of floating tensors (float32 for exact comparisons in tests).
 DTYPES = ("float16", "bfloat16", "float32")
 #: The numpy dtype each storage dtype is written as (bfloat16: its bits as ``uint16``;
@@ -50,7 +55,13 @@ def to_stored(x: np.ndarray, dtype: str, error: type[PrxDataError]) -> np.ndarra
     f = np.ascontiguousarray(x, dtype=np.float32)
     if dtype == "bfloat16":
         u = f.view(np.uint32).astype(np.uint64)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        # A NaN stays a NaN (a quiet one, as torch keeps it): rounding its low bits could
+        # carry into the exponent or wrap to zero, and the loader would serve a number.
+        nan = np.isnan(f)
+        if nan.any():
+            rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+        return rounded
     if dtype not in DTYPES:
         raise error(f"storage dtype {dtype!r}: one of {', '.join(DTYPES)}")
     return f.astype(np.dtype(dtype))
@@ -153,10 +164,20 @@ def open_npy(
                 f"run {redo} again"
             )
         offset = f.tell()
-        if st.st_size < offset + int(np.prod(got_shape)) * got.itemsize:
+        if any(int(d) < 0 for d in got_shape):
+            raise error(f"{path}: a negative size in its header; run {redo} --replace")
+        if st.st_size < offset + math.prod(int(d) for d in got_shape) * got.itemsize:
             raise error(f"{path}: shorter than its header says; run {redo} again")
-        if not int(np.prod(got_shape)):
+        if not math.prod(int(d) for d in got_shape):
             return np.zeros(got_shape, got)
-        return np.memmap(
-            f, got, mode="r", offset=offset, shape=tuple(got_shape), order="F" if fortran else "C"
-        )
+        try:
+            return np.memmap(
+                f,
+                got,
+                mode="r",
+                offset=offset,
+                shape=tuple(got_shape),
+                order="F" if fortran else "C",
+            )
+        except (ValueError, OSError):  # truncated since the size check
+            raise error(f"{path}: changed while it was opened; run {redo} again") from None

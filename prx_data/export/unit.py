@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections import Counter
 
-from prx_data.core import heap, storage
+from prx_data.core import storage
 from prx_data.core.buckets import (
     BucketSpec,
     assign_bucket,
@@ -105,8 +105,6 @@ def export_unit(cfg: ExportConfig, unit: WorkUnit | AppendUnit) -> UnitResult:
     objects. Either way the marker comes last, after everything it vouches for
     is durable.
     """
-    if cfg.keep_heap:
-        heap.keep_large_buffers()
     local = not storage.is_remote(cfg.out)
     # Parts are written under the unit's key, then named by the ids they hold (known only
     # once written) and published: renamed into the buckets (local) or uploaded.

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,10 @@ def _json_writable(t) -> bool:
         return True
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         return _json_writable(t.value_type)
+    if pa.types.is_dictionary(t):  # categoricals: to_pylist gives their values
+        return _json_writable(t.value_type)
+    if pa.types.is_map(t):  # to_pylist gives (key, item) pairs
+        return _json_writable(t.key_type) and _json_writable(t.item_type)
     if pa.types.is_struct(t):
         return all(_json_writable(t.field(i).type) for i in range(t.num_fields))
     return False
@@ -137,6 +142,7 @@ def plan_fold(root: str, buckets: list[str]) -> Fold:
     cols, latent = [], None
     record = latents.read_record(root)
     if record is not None:
+        _local_only(root, "its latents")
         dtype, vae = record["dtype"], record.get("vae") or {}
         for bucket in buckets:
             stale = latents.stale_shards(record, bucket, layout.read_index(root, bucket))
@@ -155,6 +161,7 @@ def plan_fold(root: str, buckets: list[str]) -> Fold:
     for name in attached.list_columns(root):
         rec = attached.read_record(root, name)
         if attached.kind_of(rec) == attached.NPY:
+            _local_only(root, f"column {name!r}")
             enc = npy_encoding(attached.npy_spec(rec)[0])
         else:
             enc = mds_encoding(attached.type_of(str(rec.get("type", ""))), name)
@@ -167,6 +174,16 @@ def plan_fold(root: str, buckets: list[str]) -> Fold:
             "or python -m prx_data.attach first, or leave out --fold-columns"
         )
     return Fold(tuple(cols), latent)
+
+
+def _local_only(root: str, what: str) -> None:
+    """``.npy`` files (latents, computed columns) are hashed and mapped in place, which an
+    object store does not allow: refuse such a fold of a remote export before any work."""
+    if storage.is_remote(root):
+        raise FoldError(
+            f"{root}: {what} are .npy files, folded from a local export only; copy the export "
+            "to local disk (or run the rewrite where it lives), then fold; --out may be remote"
+        )
 
 
 def fold_entry(fold: Fold, entry: dict) -> dict:
@@ -266,7 +283,7 @@ def _latents(root: str, fold: Fold, key: str, shard: dict, n: int):
         yield np.concatenate([x, np.zeros_like(x)], axis=0).astype(out)
 
 
-def shard_extras(root: str, fold: Fold, bucket: str, part: str, entry: dict) -> list:
+def shard_extras(root: str, fold: Fold, bucket: str, part: str, entry: dict) -> Iterator[list]:
     """Per stored sample of one source shard (``entry``: from its part's own index): the
     encoded value of each folded column, in :attr:`Fold.columns` order."""
     from prx_data.core.streaming_compat import mds_encode
@@ -274,13 +291,13 @@ def shard_extras(root: str, fold: Fold, bucket: str, part: str, entry: dict) -> 
     key = latents.shard_key(bucket, f"{part}/{entry['raw_data']['basename']}")
     per_col = [_values(root, fold, c, key, entry) for c in fold.columns]
     encs = [c.encoding for c in fold.columns]
-    return [
-        [mds_encode(e, v) for e, v in zip(encs, row, strict=True)]
-        for row in zip(*per_col, strict=True)
-    ]
+    for row in zip(*per_col, strict=True):  # a row at a time: a shard's tensors are GBs
+        yield [mds_encode(e, v) for e, v in zip(encs, row, strict=True)]
 
 
-def fold_samples(root: str, fold: Fold, bucket: str, part: str, entry: dict, samples, skip) -> list:
+def fold_samples(
+    root: str, fold: Fold, bucket: str, part: str, entry: dict, samples, skip
+) -> Iterator[bytes]:
     """The kept encoded ``samples`` of one source shard (``skip``: its left-out indices), each
     re-encoded with the folded columns: streaming's writer orders a row's columns by name
     (a size for each variable-size column, then the data), so each row is cut into its
@@ -292,10 +309,9 @@ def fold_samples(root: str, fold: Fold, bucket: str, part: str, entry: dict, sam
     old, order = len(entry["column_names"]), sorted(range(len(names)), key=names.__getitem__)
     head = 4 * sum(x is None for x in sizes[:old])
     dead = set(int(i) for i in skip)
-    extras = [
+    extras = (
         x for i, x in enumerate(shard_extras(root, fold, bucket, part, entry)) if i not in dead
-    ]
-    out = []
+    )
     for sample, extra in zip(samples, extras, strict=True):
         var = iter(np.frombuffer(sample, np.uint32, head // 4).tolist())
         datums, at = [], head
@@ -306,8 +322,7 @@ def fold_samples(root: str, fold: Fold, bucket: str, part: str, entry: dict, sam
         datums += extra
         lens = [len(datums[i]) for i in order if sizes[i] is None]
         body = b"".join(datums[i] for i in order)
-        out.append(type(sample)(np.array(lens, np.uint32).tobytes() + body))
-    return out
+        yield type(sample)(np.array(lens, np.uint32).tobytes() + body)
 
 
 def folded_record(root: str, fold: Fold | None) -> dict[str, str]:

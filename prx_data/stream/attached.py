@@ -35,6 +35,7 @@ import pyarrow as pa
 from prx_data.core import confined, storage
 from prx_data.core.errors import NotFound
 from prx_data.export import attached as A
+from prx_data.export import npyfile
 from prx_data.export.layout import ShardInfo
 from prx_data.stream.leader import lead, wait_for_leader
 
@@ -203,7 +204,7 @@ def _column_file(
     return values
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=npyfile.MAPS_KEPT)
 def _npy_file(
     root: str,
     base: str,

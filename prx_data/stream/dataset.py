@@ -45,6 +45,7 @@ from prx_data.core.buckets import (
 from prx_data.core.errors import UnknownName, UsageError
 from prx_data.core.streaming_compat import World, maybe_init_dist, quiet_shared_memory
 from prx_data.export import latents as latents_store
+from prx_data.export import npyfile
 from prx_data.skips.reader import SkipMDSReader
 from prx_data.stream import attached as attached_columns
 from prx_data.stream import cache as shard_cache
@@ -125,7 +126,7 @@ def _plan_spec(spec: planner.PlanSpec | None, kwargs: dict[str, Any]) -> planner
     return spec if block is None else spec.replace(shuffle_block_size=block)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=npyfile.MAPS_KEPT)
 def _latent_file(
     root: str, key: str, dtype: str, shape: tuple[int, ...], cached: tuple[str, str] | None
 ) -> np.ndarray:
