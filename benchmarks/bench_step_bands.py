@@ -388,12 +388,6 @@ def race(items: list[dict], rounds: int, worker: Worker) -> tuple[list[dict], di
         for n in names[:-1]:
             FUNCS[n](it["data"], it["bw"], it["bh"], it["size"])
         worker(it)
-    same = 0
-    for it in items:  # the worker writes the step's bytes
-        want = hashlib.sha256(step(it["data"], it["bw"], it["bh"], it["size"])).hexdigest()
-        same += worker(it)[1] == want
-    if same != len(items):
-        raise SystemExit(f"the worker's step wrote other bytes for {len(items) - same} items")
     per_round = []
     for r in range(rounds):
         t: dict = {}
@@ -428,6 +422,13 @@ def race(items: list[dict], rounds: int, worker: Worker) -> tuple[list[dict], di
             ),
             file=sys.stderr,
         )
+    same = 0
+    for it in items:  # the worker writes the step's bytes (checked after timing: every
+        # contender is warmed on the same two items only)
+        want = hashlib.sha256(step(it["data"], it["bw"], it["bh"], it["size"])).hexdigest()
+        same += worker(it)[1] == want
+    if same != len(items):
+        raise SystemExit(f"the worker's step wrote other bytes for {len(items) - same} items")
     return per_round, {"prepared": len(parts), "worker bytes = step bytes": same}
 
 
