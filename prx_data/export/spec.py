@@ -120,9 +120,9 @@ class ExportConfig:
         True,
         "--release-buffers",
         negate=True,
-        help="Return each image's decode buffers to the system at once (default: an export "
-        "worker keeps up to 256 MB of freed buffers for the next image instead of "
-        "page-faulting them afresh; prx_data.core.heap).",
+        help="Let the export's Ray workers return each image's decode buffers to the system "
+        "at once (default: they keep up to 256 MB of freed buffers for the next image "
+        "instead of page-faulting them afresh; prx_data.core.heap).",
     )
     compression: str | None = flag(
         None,
