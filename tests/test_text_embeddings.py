@@ -389,8 +389,8 @@ def test_embeddings_stream_from_an_s3_export_as_from_the_local_one(
     tmp_path, t5, s3_bucket, moto_server, monkeypatch
 ):
     from prx_data.stream.spec import DatasetSpec
-    from tests.exportkit import upload_tree
     from tests.exportkit import rank_items as _items
+    from tests.exportkit import upload_tree
 
     monkeypatch.setenv("S3_ENDPOINT_URL", moto_server)
     root, table = _export(tmp_path)
