@@ -142,7 +142,10 @@ def test_attach_with_vae_runs_the_latents_job(tmp_path, vae, capsys):
     record = L.read_record(root)
     assert record["dtype"] == "float32" and len(record["shards"]) == 1
     assert A.all_columns(root) == ["img_latent"]
-    with pytest.raises(SystemExit) as ex:
-        attach_main([root, "--vae", vae, "--table", "t.lance"])
-    assert ex.value.code == 2
-    assert "--vae makes the img_latent column" in capsys.readouterr().err
+    # Every option of attach's own (not the latents job's) is named in the one line.
+    for own in (["--table", "t.lance"], ["--text-dtype", "float16"], ["--max-length", "8"]):
+        with pytest.raises(SystemExit) as ex:
+            attach_main([root, "--vae", vae, *own])
+        assert ex.value.code == 2
+        err = capsys.readouterr().err
+        assert "--vae makes the img_latent column" in err and f"not {own[0]}:" in err, err

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from prx_data.cli.reporting import add_report_args, run_job
-from prx_data.core.flags import add_flags
+from prx_data.core.flags import add_flags, option_name
 from prx_data.pipelines.attach import AttachConfig, run_attach
 
 
@@ -31,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _options(cls) -> set[str]:
+    """The long options that set a job config's own fields (not those of configs it nests)."""
+    return {o for f in dataclasses.fields(cls) if (o := option_name(cls, f.name))}
+
+
 def _makes_latents(argv: list[str]) -> bool:
     return any(a == "--vae" or a.startswith("--vae=") for a in argv)
 
@@ -38,7 +44,9 @@ def _makes_latents(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if _makes_latents(argv):  # the img_latent column's producer: the latents job, as it is
-        own = {"--table", "--columns", "--text-encoder"}
+        from prx_data.pipelines.latents import LatentsConfig
+
+        own = _options(AttachConfig) - _options(LatentsConfig)
         given = sorted({a.split("=", 1)[0] for a in argv} & own)
         if given:
             build_parser().error(
