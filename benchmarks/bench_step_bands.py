@@ -69,6 +69,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import photo_corpus  # noqa: E402  (benchmarks/ is this script's own folder)
+from bench_export import reference  # noqa: E402  (full decode, float Lanczos over the box)
 
 from prx_data.core import heap, imaging  # noqa: E402
 from prx_data.core.buckets import BucketSpec, assign_bucket  # noqa: E402
@@ -315,17 +316,6 @@ def part_fns(item: dict, p: dict) -> dict[str, dict]:
 
 
 # --- fidelity --------------------------------------------------------------------------
-
-
-def reference(data: bytes, bw: int, bh: int, size: tuple[int, int]) -> np.ndarray:
-    """Full decode, float Lanczos per channel over the exact cover box."""
-    im = imaging.decode(data)
-    box = imaging.cover_box(*size, bw, bh)
-    chans = [
-        np.asarray(c.convert("F").resize((bw, bh), Image.Resampling.LANCZOS, box=box))
-        for c in im.split()
-    ]
-    return np.stack(chans, -1)
 
 
 def psnr(ref: np.ndarray, enc: bytes) -> float:
